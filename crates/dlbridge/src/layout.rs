@@ -1,0 +1,693 @@
+//! Strided layouts: shape, strides in elements and a byte offset, with every size, extent and
+//! offset computed with overflow checks.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result, overflow};
+
+/// The most dimensions a layout may have. DLPack sets no bound; 64 is NumPy's (`NPY_MAXDIMS`), so
+/// any array NumPy can hold fits, and a corrupt `ndim` is refused before anything is read.
+pub const MAX_NDIM: usize = 64;
+
+/// How a strided array addresses its buffer: `shape`, `strides` in elements (negative and zero
+/// allowed) and the byte offset of element `[0, 0, ...]` from the start of the buffer.
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub struct Layout {
+    shape: Vec<usize>,
+    strides: Vec<isize>,
+    byte_offset: usize,
+}
+
+/// One axis of a slice, with Python semantics: `start`/`stop` may be negative (counted from the
+/// end) or out of range (clamped), `step` must not be 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SliceArg {
+    /// First index (default: 0, or the last index for a negative step).
+    pub start: Option<isize>,
+    /// One past the last index (default: the end in the step's direction).
+    pub stop: Option<isize>,
+    /// Step between indices; negative walks backwards.
+    pub step: isize,
+}
+
+impl SliceArg {
+    /// The whole axis.
+    pub const FULL: SliceArg = SliceArg {
+        start: None,
+        stop: None,
+        step: 1,
+    };
+
+    /// `start..stop` with step 1.
+    pub fn range(start: isize, stop: isize) -> Self {
+        SliceArg {
+            start: Some(start),
+            stop: Some(stop),
+            step: 1,
+        }
+    }
+
+    /// Resolves against an axis of length `len`: the first index and the number of elements.
+    pub fn resolve(self, len: usize) -> Result<(usize, usize)> {
+        if self.step == 0 {
+            return Err(Error::InvalidArgument("slice step cannot be zero".into()));
+        }
+        let len = isize::try_from(len).map_err(|_| overflow("axis length"))?;
+        let clamp = |i: isize, lo: isize, hi: isize| -> isize {
+            let i = if i < 0 { i.saturating_add(len) } else { i };
+            i.clamp(lo, hi)
+        };
+        let (start, stop) = if self.step > 0 {
+            (
+                self.start.map_or(0, |s| clamp(s, 0, len)),
+                self.stop.map_or(len, |s| clamp(s, 0, len)),
+            )
+        } else {
+            (
+                self.start.map_or(len - 1, |s| clamp(s, -1, len - 1)),
+                self.stop.map_or(-1, |s| clamp(s, -1, len - 1)),
+            )
+        };
+        let count = if self.step > 0 {
+            if stop > start {
+                (stop - start - 1) / self.step + 1
+            } else {
+                0
+            }
+        } else if start > stop {
+            (start - stop - 1) / (-self.step) + 1
+        } else {
+            0
+        };
+        Ok((if count == 0 { 0 } else { start as usize }, count as usize))
+    }
+}
+
+fn checked_numel(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(|| overflow(format!("element count of shape {shape:?}")))
+}
+
+fn wrap_axis(axis: isize, ndim: usize) -> Result<usize> {
+    let n = ndim as isize;
+    let a = if axis < 0 { axis + n } else { axis };
+    if (0..n).contains(&a) {
+        Ok(a as usize)
+    } else {
+        Err(Error::OutOfBounds(format!(
+            "axis {axis} is out of range for {ndim} dimensions"
+        )))
+    }
+}
+
+/// `offset + index * stride * itemsize` in bytes, checked to stay within `0..=isize::MAX`.
+fn moved_offset(offset: usize, index: usize, stride: isize, itemsize: usize) -> Result<usize> {
+    let delta = (index as i128) * (stride as i128) * (itemsize as i128);
+    let moved = offset as i128 + delta;
+    if (0..=isize::MAX as i128).contains(&moved) {
+        Ok(moved as usize)
+    } else {
+        Err(overflow("view byte offset"))
+    }
+}
+
+impl Layout {
+    /// A compact row-major (C-order) layout.
+    pub fn contiguous(shape: &[usize]) -> Result<Self> {
+        Self::contiguous_at(shape, 0)
+    }
+
+    /// A compact row-major layout starting `byte_offset` bytes into the buffer.
+    pub fn contiguous_at(shape: &[usize], byte_offset: usize) -> Result<Self> {
+        if shape.len() > MAX_NDIM {
+            return Err(Error::Shape(format!(
+                "{} dimensions exceed the limit of {MAX_NDIM}",
+                shape.len()
+            )));
+        }
+        checked_numel(shape)?;
+        let mut strides = vec![0isize; shape.len()];
+        let mut acc = 1usize;
+        for (stride, &dim) in strides.iter_mut().zip(shape).rev() {
+            *stride = acc as isize;
+            // Cannot overflow: the product of all extents was checked above (a 0 extent keeps
+            // later strides at the product of the extents after it, which is also bounded).
+            acc = acc.saturating_mul(dim.max(1));
+        }
+        Ok(Layout {
+            shape: shape.to_vec(),
+            strides,
+            byte_offset,
+        })
+    }
+
+    /// A layout from parts; checks the dimension count and that the element count fits.
+    pub fn new(shape: Vec<usize>, strides: Vec<isize>, byte_offset: usize) -> Result<Self> {
+        if shape.len() != strides.len() {
+            return Err(Error::Shape(format!(
+                "{} extents but {} strides",
+                shape.len(),
+                strides.len()
+            )));
+        }
+        if shape.len() > MAX_NDIM {
+            return Err(Error::Shape(format!(
+                "{} dimensions exceed the limit of {MAX_NDIM}",
+                shape.len()
+            )));
+        }
+        checked_numel(&shape)?;
+        Ok(Layout {
+            shape,
+            strides,
+            byte_offset,
+        })
+    }
+
+    /// Extents.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Strides in elements.
+    pub fn strides(&self) -> &[isize] {
+        &self.strides
+    }
+
+    /// Byte offset of the first element from the start of the buffer.
+    pub fn byte_offset(&self) -> usize {
+        self.byte_offset
+    }
+
+    /// Number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements (1 for a 0-d layout).
+    pub fn numel(&self) -> usize {
+        // Checked when the layout was built.
+        self.shape.iter().product()
+    }
+
+    /// Whether elements are laid out compactly in row-major order. Extents of 1 may have any
+    /// stride; an empty layout is contiguous.
+    pub fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
+        let mut expected = 1isize;
+        for (&dim, &stride) in self.shape.iter().zip(&self.strides).rev() {
+            if dim != 1 {
+                if stride != expected {
+                    return false;
+                }
+                expected *= dim as isize;
+            }
+        }
+        true
+    }
+
+    /// Whether elements are laid out compactly in column-major order.
+    pub fn is_f_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
+        let mut expected = 1isize;
+        for (&dim, &stride) in self.shape.iter().zip(&self.strides) {
+            if dim != 1 {
+                if stride != expected {
+                    return false;
+                }
+                expected *= dim as isize;
+            }
+        }
+        true
+    }
+
+    /// The lowest and highest element offsets (in elements, relative to the first element) that
+    /// the layout addresses; `None` when it has no elements.
+    pub fn element_extent(&self) -> Option<(i128, i128)> {
+        if self.numel() == 0 {
+            return None;
+        }
+        let (mut lo, mut hi) = (0i128, 0i128);
+        for (&dim, &stride) in self.shape.iter().zip(&self.strides) {
+            let reach = (dim as i128 - 1) * stride as i128;
+            if reach < 0 { lo += reach } else { hi += reach }
+        }
+        Some((lo, hi))
+    }
+
+    /// The bytes the layout addresses for elements of `itemsize` bytes, relative to the start of the
+    /// buffer; empty (at `byte_offset`) when there are no elements. Fails when the range starts
+    /// before the buffer or does not fit in `isize`.
+    pub fn byte_range(&self, itemsize: usize) -> Result<Range<usize>> {
+        let Some((lo, hi)) = self.element_extent() else {
+            return Ok(self.byte_offset..self.byte_offset);
+        };
+        let size = itemsize as i128;
+        let start = self.byte_offset as i128 + lo * size;
+        let end = self.byte_offset as i128 + (hi + 1) * size;
+        if start < 0 {
+            return Err(Error::OutOfBounds(format!(
+                "strides {:?} reach {} bytes before the start of the buffer",
+                self.strides, -start
+            )));
+        }
+        if end > isize::MAX as i128 {
+            return Err(overflow(format!(
+                "extent of shape {:?} with strides {:?}",
+                self.shape, self.strides
+            )));
+        }
+        Ok(start as usize..end as usize)
+    }
+
+    /// Keeps the elements `arg` selects along `axis`.
+    pub fn slice(&self, axis: isize, arg: SliceArg, itemsize: usize) -> Result<Layout> {
+        let axis = wrap_axis(axis, self.ndim())?;
+        let (start, count) = arg.resolve(self.shape[axis])?;
+        let mut out = self.clone();
+        if count > 0 {
+            out.byte_offset = moved_offset(self.byte_offset, start, self.strides[axis], itemsize)?;
+        }
+        out.shape[axis] = count;
+        out.strides[axis] = self.strides[axis]
+            .checked_mul(arg.step)
+            .ok_or_else(|| overflow("sliced stride"))?;
+        Ok(out)
+    }
+
+    /// Picks index `index` (negative counts from the end) along `axis`, dropping the axis.
+    pub fn index(&self, axis: isize, index: isize, itemsize: usize) -> Result<Layout> {
+        let axis = wrap_axis(axis, self.ndim())?;
+        let len = self.shape[axis] as isize;
+        let i = if index < 0 { index + len } else { index };
+        if !(0..len).contains(&i) {
+            return Err(Error::OutOfBounds(format!(
+                "index {index} is out of range for axis {axis} of length {len}"
+            )));
+        }
+        let mut out = self.clone();
+        out.byte_offset = moved_offset(self.byte_offset, i as usize, self.strides[axis], itemsize)?;
+        out.shape.remove(axis);
+        out.strides.remove(axis);
+        Ok(out)
+    }
+
+    /// Inserts an axis of length 1 before position `axis` (`0..=ndim`).
+    pub fn expand_dims(&self, axis: usize) -> Result<Layout> {
+        if axis > self.ndim() {
+            return Err(Error::OutOfBounds(format!(
+                "cannot insert an axis at {axis} in {} dimensions",
+                self.ndim()
+            )));
+        }
+        if self.ndim() + 1 > MAX_NDIM {
+            return Err(Error::Shape(format!("more than {MAX_NDIM} dimensions")));
+        }
+        let stride = if axis < self.ndim() {
+            self.strides[axis].saturating_mul(self.shape[axis] as isize)
+        } else {
+            1
+        };
+        let mut out = self.clone();
+        out.shape.insert(axis, 1);
+        out.strides.insert(axis, stride);
+        Ok(out)
+    }
+
+    /// Reorders the axes: axis `i` of the result is axis `axes[i]` of `self`.
+    pub fn permute(&self, axes: &[usize]) -> Result<Layout> {
+        let n = self.ndim();
+        let mut seen = vec![false; n];
+        if axes.len() != n {
+            return Err(Error::Shape(format!(
+                "permutation {axes:?} does not name each of {n} axes once"
+            )));
+        }
+        for &a in axes {
+            if a >= n || std::mem::replace(&mut seen[a], true) {
+                return Err(Error::Shape(format!(
+                    "permutation {axes:?} does not name each of {n} axes once"
+                )));
+            }
+        }
+        Ok(Layout {
+            shape: axes.iter().map(|&a| self.shape[a]).collect(),
+            strides: axes.iter().map(|&a| self.strides[a]).collect(),
+            byte_offset: self.byte_offset,
+        })
+    }
+
+    /// Reverses the axes (the matrix transpose for 2-d layouts).
+    pub fn transpose(&self) -> Layout {
+        Layout {
+            shape: self.shape.iter().rev().copied().collect(),
+            strides: self.strides.iter().rev().copied().collect(),
+            byte_offset: self.byte_offset,
+        }
+    }
+
+    /// The same elements in row-major order under a new shape, without moving data; fails when the
+    /// strides cannot express it (copy first in that case). One extent may be given as `None`, to be
+    /// inferred.
+    pub fn reshape(&self, new_shape: &[Option<usize>]) -> Result<Layout> {
+        let numel = self.numel();
+        let shape = infer_shape(new_shape, numel)?;
+        if numel == 0 {
+            return Layout::contiguous_at(&shape, self.byte_offset);
+        }
+        let old: Vec<(usize, isize)> = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .filter(|(d, _)| **d != 1)
+            .map(|(&d, &s)| (d, s))
+            .collect();
+        let mut strides = vec![1isize; shape.len()];
+        let (mut oi, mut ni) = (0usize, 0usize);
+        while ni < shape.len() && oi < old.len() {
+            let (mut np, mut op) = (shape[ni], old[oi].0);
+            let (mut nj, mut oj) = (ni + 1, oi + 1);
+            while np != op {
+                if np < op {
+                    np *= shape[nj];
+                    nj += 1;
+                } else {
+                    op *= old[oj].0;
+                    oj += 1;
+                }
+            }
+            for k in oi..oj - 1 {
+                if old[k].1 != old[k + 1].1 * old[k + 1].0 as isize {
+                    return Err(Error::Shape(format!(
+                        "cannot reshape a view of shape {:?} and strides {:?} to {shape:?} \
+                         without a copy",
+                        self.shape, self.strides
+                    )));
+                }
+            }
+            strides[nj - 1] = old[oj - 1].1;
+            for k in (ni..nj - 1).rev() {
+                strides[k] = strides[k + 1]
+                    .checked_mul(shape[k + 1] as isize)
+                    .ok_or_else(|| overflow("reshaped stride"))?;
+            }
+            ni = nj;
+            oi = oj;
+        }
+        Layout::new(shape, strides, self.byte_offset)
+    }
+
+    /// Broadcasts to `shape` by NumPy's rules (trailing axes aligned; extents of 1 stretched with
+    /// stride 0).
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Layout> {
+        if shape.len() < self.ndim() {
+            return Err(Error::Shape(format!(
+                "cannot broadcast shape {:?} to fewer dimensions {shape:?}",
+                self.shape
+            )));
+        }
+        let lead = shape.len() - self.ndim();
+        let mut strides = vec![0isize; shape.len()];
+        for (i, &target) in shape.iter().enumerate().skip(lead) {
+            let (dim, stride) = (self.shape[i - lead], self.strides[i - lead]);
+            strides[i] = if dim == target {
+                stride
+            } else if dim == 1 {
+                0
+            } else {
+                return Err(Error::Shape(format!(
+                    "shape {:?} does not broadcast to {shape:?}",
+                    self.shape
+                )));
+            };
+        }
+        Layout::new(shape.to_vec(), strides, self.byte_offset)
+    }
+
+    /// The same layout, `delta` bytes further into the buffer.
+    pub fn with_byte_offset(&self, byte_offset: usize) -> Layout {
+        Layout {
+            byte_offset,
+            ..self.clone()
+        }
+    }
+}
+
+/// The shape two shapes broadcast to under NumPy's rules.
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0; n];
+    for i in 0..n {
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => {
+                return Err(Error::Shape(format!(
+                    "shapes {a:?} and {b:?} do not broadcast"
+                )));
+            }
+        };
+    }
+    Ok(out)
+}
+
+fn infer_shape(new_shape: &[Option<usize>], numel: usize) -> Result<Vec<usize>> {
+    let unknown: Vec<usize> = (0..new_shape.len())
+        .filter(|&i| new_shape[i].is_none())
+        .collect();
+    if unknown.len() > 1 {
+        return Err(Error::Shape("only one extent can be inferred".into()));
+    }
+    let known: Vec<usize> = new_shape.iter().map(|d| d.unwrap_or(1)).collect();
+    let known_numel = checked_numel(&known)?;
+    let mut shape = known;
+    if let Some(&i) = unknown.first() {
+        if known_numel == 0 || numel % known_numel != 0 {
+            return Err(Error::Shape(format!(
+                "cannot infer an extent: {numel} elements into {new_shape:?}"
+            )));
+        }
+        shape[i] = numel / known_numel;
+    } else if known_numel != numel {
+        return Err(Error::Shape(format!(
+            "cannot reshape {numel} elements into shape {shape:?}"
+        )));
+    }
+    Ok(shape)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offsets_bytes(l: &Layout, itemsize: i128) -> Vec<i128> {
+        // Every element's byte offset in row-major order.
+        let mut out = vec![];
+        for flat in 0..l.numel() {
+            let (mut rem, mut off) = (flat, 0i128);
+            for (&d, &s) in l.shape().iter().zip(l.strides()).rev() {
+                off += (rem % d) as i128 * s as i128;
+                rem /= d;
+            }
+            out.push(l.byte_offset() as i128 + off * itemsize);
+        }
+        out
+    }
+
+    #[test]
+    fn contiguous_strides() {
+        let l = Layout::contiguous(&[2, 3, 4]).unwrap();
+        assert_eq!(l.strides(), &[12, 4, 1]);
+        assert!(l.is_contiguous());
+        assert!(!l.is_f_contiguous());
+        assert_eq!(l.byte_range(4).unwrap(), 0..96);
+        assert_eq!(Layout::contiguous(&[]).unwrap().numel(), 1);
+        assert_eq!(
+            Layout::contiguous(&[3, 0]).unwrap().byte_range(8).unwrap(),
+            0..0
+        );
+    }
+
+    #[test]
+    fn slice_semantics_match_python() {
+        for len in 0..6usize {
+            for start in [None, Some(-7), Some(-2), Some(0), Some(1), Some(4), Some(9)] {
+                for stop in [None, Some(-7), Some(-1), Some(0), Some(2), Some(5), Some(9)] {
+                    for step in [-3isize, -1, 1, 2] {
+                        let v: Vec<isize> = (0..len as isize).collect();
+                        let expected = python_slice(&v, start, stop, step);
+                        let (first, count) = SliceArg { start, stop, step }.resolve(len).unwrap();
+                        let got: Vec<isize> = (0..count)
+                            .map(|k| first as isize + k as isize * step)
+                            .collect();
+                        assert_eq!(got, expected, "len {len} {start:?}:{stop:?}:{step}");
+                    }
+                }
+            }
+        }
+        assert!(
+            SliceArg {
+                start: None,
+                stop: None,
+                step: 0
+            }
+            .resolve(3)
+            .is_err()
+        );
+    }
+
+    fn python_slice(
+        v: &[isize],
+        start: Option<isize>,
+        stop: Option<isize>,
+        step: isize,
+    ) -> Vec<isize> {
+        let n = v.len() as isize;
+        let norm = |i: isize| if i < 0 { i + n } else { i };
+        let mut out = vec![];
+        if step > 0 {
+            let s = start.map_or(0, |s| norm(s).clamp(0, n));
+            let e = stop.map_or(n, |e| norm(e).clamp(0, n));
+            let mut i = s;
+            while i < e {
+                out.push(v[i as usize]);
+                i += step;
+            }
+        } else {
+            let s = start.map_or(n - 1, |s| norm(s).clamp(-1, n - 1));
+            let e = stop.map_or(-1, |e| norm(e).clamp(-1, n - 1));
+            let mut i = s;
+            while i > e {
+                out.push(v[i as usize]);
+                i += step;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn negative_steps_stay_in_bounds() {
+        let l = Layout::contiguous(&[4, 5]).unwrap();
+        let r = l
+            .slice(
+                1,
+                SliceArg {
+                    start: None,
+                    stop: None,
+                    step: -1,
+                },
+                4,
+            )
+            .unwrap();
+        assert_eq!(r.byte_offset(), 16);
+        assert_eq!(r.strides(), &[5, -1]);
+        assert_eq!(r.byte_range(4).unwrap(), 0..80);
+        let rr = r
+            .slice(
+                0,
+                SliceArg {
+                    start: Some(3),
+                    stop: None,
+                    step: -2,
+                },
+                4,
+            )
+            .unwrap();
+        // rr takes rows 3 and 1 of r; r reverses each row of l. In elements: row 3 of l starts at
+        // 15, row 1 at 5; reversed, each row runs from its last element down.
+        let expected: Vec<i128> = [19i128, 18, 17, 16, 15, 9, 8, 7, 6, 5]
+            .iter()
+            .map(|e| e * 4)
+            .collect();
+        let got: Vec<i128> = offsets_bytes(&rr, 4);
+        assert_eq!(got, expected);
+        // Element [0, 0] of rr is element [3, 4] of l: byte 4 * (3 * 5 + 4).
+        assert_eq!(rr.byte_offset(), 4 * 19);
+        assert_eq!(rr.byte_range(4).unwrap(), 4 * 5..80);
+    }
+
+    #[test]
+    fn reshape_views_and_refusals() {
+        let l = Layout::contiguous(&[2, 3, 4]).unwrap();
+        let r = l.reshape(&[Some(6), None]).unwrap();
+        assert_eq!(r.shape(), &[6, 4]);
+        assert_eq!(r.strides(), &[4, 1]);
+        let t = l.permute(&[2, 1, 0]).unwrap();
+        assert!(t.reshape(&[Some(24)]).is_err());
+        // Merging axes that are contiguous with each other works even in a transposed view.
+        let t2 = l.permute(&[1, 2, 0]).unwrap(); // shape [3, 4, 2], strides [4, 1, 12]
+        let m = t2.reshape(&[Some(12), Some(2)]).unwrap();
+        assert_eq!(m.strides(), &[1, 12]);
+        assert_eq!(offsets_bytes(&m, 1), offsets_bytes(&t2, 1));
+        // Splitting a strided axis.
+        let s = l
+            .slice(
+                2,
+                SliceArg {
+                    start: None,
+                    stop: None,
+                    step: 2,
+                },
+                1,
+            )
+            .unwrap(); // [2,3,2]
+        let sp = s
+            .reshape(&[Some(2), Some(3), Some(1), Some(2), Some(1)])
+            .unwrap();
+        assert_eq!(offsets_bytes(&sp, 1), offsets_bytes(&s, 1));
+        assert!(l.reshape(&[Some(5), None]).is_err());
+        assert!(l.reshape(&[None, None]).is_err());
+        assert_eq!(
+            Layout::contiguous(&[0, 3])
+                .unwrap()
+                .reshape(&[Some(3), Some(0)])
+                .unwrap()
+                .shape(),
+            &[3, 0]
+        );
+    }
+
+    #[test]
+    fn broadcasting() {
+        let l = Layout::contiguous(&[3, 1]).unwrap();
+        let b = l.broadcast_to(&[2, 3, 4]).unwrap();
+        assert_eq!(b.strides(), &[0, 1, 0]);
+        assert!(l.broadcast_to(&[2, 2]).is_err());
+        assert!(
+            Layout::contiguous(&[3])
+                .unwrap()
+                .broadcast_to(&[2])
+                .is_err()
+        );
+        assert_eq!(broadcast_shapes(&[3, 1], &[4]).unwrap(), vec![3, 4]);
+        assert!(broadcast_shapes(&[3], &[4]).is_err());
+    }
+
+    #[test]
+    fn overflow_is_an_error() {
+        assert!(Layout::contiguous(&[usize::MAX, 2]).is_err());
+        let l = Layout::new(vec![2], vec![isize::MAX], 0).unwrap();
+        assert!(l.byte_range(8).is_err());
+        let l = Layout::new(vec![2], vec![-1], 0).unwrap();
+        assert!(matches!(l.byte_range(4), Err(Error::OutOfBounds(_))));
+        assert!(Layout::contiguous(&vec![1; MAX_NDIM + 1]).is_err());
+    }
+}

@@ -1,0 +1,50 @@
+//! # dlbridge
+//!
+//! Zero-copy exchange of CPU, CUDA and Metal memory through [DLPack], and a small runtime for
+//! that memory.
+//!
+//! | concept | type | what it is |
+//! | --- | --- | --- |
+//! | allocation | [`Buffer`] | shared ownership of one allocation: a handle, a length, a device, a [`StorageMode`], read-only-ness, and its owner (dlbridge, or a foreign producer kept alive) |
+//! | view | [`Tensor`] | a [`Buffer`] + [`DType`] + [`Layout`]; slicing, transposing, reshaping make new views of the same memory |
+//! | layout | [`Layout`] | shape, strides in elements, byte offset; every extent computed with overflow checks |
+//! | element type | [`DType`] | DLPack's code, bits and lanes (`float32`, `bfloat16`, `float8_e4m3fn`, ...) |
+//! | device | [`Device`] | a [`DeviceKind`] (CPU, CUDA, CUDA host, CUDA managed, Metal, or any other DLPack device, held opaquely) and an index |
+//! | foreign tensor in | [`Tensor::from_dlpack_versioned`] | validate a producer's descriptor once, at the border; share its memory |
+//! | our tensor out | [`Tensor::to_dlpack_versioned`] | hand a consumer a view that keeps our buffer alive |
+//! | host access | [`Tensor::as_slice`] / [`Tensor::as_mut_slice`] | checked typed access honouring the view's offset and bounds |
+//!
+//! ```
+//! use dlbridge::{DType, Device, SliceArg, Tensor};
+//!
+//! let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
+//! let column = t.slice(1, SliceArg::range(1, 2))?; // shape [2, 1], a view
+//! assert_eq!(column.to_vec::<f32>()?, vec![2.0, 5.0]);
+//!
+//! // Export to DLPack and import back: the same memory, no copy.
+//! let exported = t.to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
+//! // SAFETY: `exported` is a live DLPack tensor whose ownership we hand over.
+//! let back = unsafe { Tensor::from_dlpack_versioned(exported)? };
+//! assert_eq!(back.as_slice::<f32>()?.as_ptr(), t.as_slice::<f32>()?.as_ptr());
+//! assert_eq!(back.dtype(), DType::F32);
+//! assert_eq!(back.device(), Device::CPU);
+//! # Ok::<(), dlbridge::Error>(())
+//! ```
+//!
+//! [DLPack]: https://dmlc.github.io/dlpack/latest/
+
+pub mod backend;
+pub mod buffer;
+pub mod device;
+pub mod dlpack;
+pub mod dtype;
+pub mod error;
+pub mod layout;
+pub mod tensor;
+
+pub use buffer::{Allocation, Buffer, StorageMode};
+pub use device::{Device, DeviceKind};
+pub use dtype::{DType, DTypeCode, Element};
+pub use error::{Error, ErrorKind, Result};
+pub use layout::{Layout, MAX_NDIM, SliceArg};
+pub use tensor::Tensor;

@@ -1,1 +1,57 @@
-//! placeholder
+//! The `dlbridge._dlbridge` extension module: Python bindings of the `dlbridge` crate.
+//!
+//! | Python | Rust |
+//! | --- | --- |
+//! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
+//! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`exchange`] (capsules are renamed there) |
+//! | exceptions | [`errors`] (the one mapping) |
+
+mod array;
+mod convert;
+mod creation;
+mod device;
+mod dtype;
+mod errors;
+mod exchange;
+
+use pyo3::prelude::*;
+
+/// Version, backends compiled in, and devices found, as a dict (`python -m dlbridge info`).
+#[pyfunction]
+fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("dlpack_version", {
+        let v = dlbridge::dlpack::VERSION;
+        (v.major, v.minor)
+    })?;
+    d.set_item("backends", dlbridge::backend::compiled_backends())?;
+    d.set_item("devices", vec![dlbridge::Device::CPU.to_string()])?;
+    Ok(d)
+}
+
+#[pymodule]
+fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<array::PyArray>()?;
+    m.add_class::<dtype::PyDType>()?;
+    m.add_class::<device::PyDevice>()?;
+    m.add_function(wrap_pyfunction!(creation::from_dlpack, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::asarray, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::empty, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::zeros, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::full, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::arange, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    for name in [
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+        "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz",
+        "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn", "float6_e3m2fn",
+        "float4_e2m1fn",
+    ] {
+        let dtype: dlbridge::DType = name.parse().expect("a built-in dtype name");
+        m.add(name, dtype::PyDType(dtype))?;
+    }
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

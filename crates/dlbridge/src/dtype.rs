@@ -405,6 +405,114 @@ element! {
     half::f16 => DType::F16, half::bf16 => DType::BF16,
 }
 
+/// How a narrow float format spends its bits.
+struct MiniFloat {
+    exponent_bits: u32,
+    mantissa_bits: u32,
+    bias: i32,
+    /// Infinities and NaNs as in IEEE 754 (exponent all ones).
+    ieee: bool,
+    /// `fn` formats: no infinities; NaN is the all-ones pattern (sign aside).
+    nan_all_ones: bool,
+    /// `fnuz` formats: no negative zero; NaN is the sign bit alone.
+    nan_negative_zero: bool,
+    /// Formats without a sign bit (`e8m0fnu`).
+    unsigned: bool,
+}
+
+fn minifloat_format(dtype: DType) -> Option<MiniFloat> {
+    let f = |e, m, bias, ieee, all_ones, nz| MiniFloat {
+        exponent_bits: e,
+        mantissa_bits: m,
+        bias,
+        ieee,
+        nan_all_ones: all_ones,
+        nan_negative_zero: nz,
+        unsigned: false,
+    };
+    if dtype.lanes != 1 {
+        return None;
+    }
+    Some(match dtype.code {
+        DTypeCode::Float8E3M4 => f(3, 4, 3, true, false, false),
+        DTypeCode::Float8E4M3 => f(4, 3, 7, true, false, false),
+        DTypeCode::Float8E4M3B11Fnuz => f(4, 3, 11, false, false, true),
+        DTypeCode::Float8E4M3Fn => f(4, 3, 7, false, true, false),
+        DTypeCode::Float8E4M3Fnuz => f(4, 3, 8, false, false, true),
+        DTypeCode::Float8E5M2 => f(5, 2, 15, true, false, false),
+        DTypeCode::Float8E5M2Fnuz => f(5, 2, 16, false, false, true),
+        DTypeCode::Float8E8M0Fnu => MiniFloat { unsigned: true, ..f(8, 0, 127, false, true, false) },
+        DTypeCode::Float6E2M3Fn => f(2, 3, 1, false, false, false),
+        DTypeCode::Float6E3M2Fn => f(3, 2, 3, false, false, false),
+        DTypeCode::Float4E2M1Fn => f(2, 1, 1, false, false, false),
+        _ => return None,
+    })
+}
+
+/// Decodes one element of a float8 / float6 / float4 dtype (sub-byte values in the low bits of
+/// `code`); `None` for other dtypes.
+pub fn minifloat_to_f64(dtype: DType, code: u8) -> Option<f64> {
+    let fmt = minifloat_format(dtype)?;
+    let (e_bits, m_bits) = (fmt.exponent_bits, fmt.mantissa_bits);
+    let width = e_bits + m_bits + u32::from(!fmt.unsigned);
+    let code = u32::from(code) & ((1u32 << width) - 1);
+    let sign_bit = if fmt.unsigned { 0 } else { 1u32 << (width - 1) };
+    let negative = code & sign_bit != 0;
+    let exponent = (code >> m_bits) & ((1 << e_bits) - 1);
+    let mantissa = code & ((1 << m_bits) - 1);
+    let e_max = (1u32 << e_bits) - 1;
+    if fmt.nan_negative_zero && code == sign_bit {
+        return Some(f64::NAN);
+    }
+    if fmt.ieee && exponent == e_max {
+        return Some(if mantissa != 0 {
+            f64::NAN
+        } else if negative {
+            f64::NEG_INFINITY
+        } else {
+            f64::INFINITY
+        });
+    }
+    if fmt.nan_all_ones && exponent == e_max && mantissa == (1 << m_bits) - 1 {
+        return Some(f64::NAN);
+    }
+    let scale = 2f64.powi(-(m_bits as i32));
+    let magnitude = if exponent == 0 && !fmt.unsigned {
+        mantissa as f64 * scale * 2f64.powi(1 - fmt.bias)
+    } else {
+        (1.0 + mantissa as f64 * scale) * 2f64.powi(exponent as i32 - fmt.bias)
+    };
+    Some(if negative { -magnitude } else { magnitude })
+}
+
+/// Encodes a value in a float8 / float6 / float4 dtype, rounding to the nearest representable
+/// value (ties to the even code); values beyond the largest finite one saturate in formats
+/// without infinities. `None` for other dtypes.
+pub fn f64_to_minifloat(dtype: DType, value: f64) -> Option<u8> {
+    let fmt = minifloat_format(dtype)?;
+    let width = fmt.exponent_bits + fmt.mantissa_bits + u32::from(!fmt.unsigned);
+    let codes = 0..(1u16 << width);
+    if value.is_nan() {
+        return codes.map(|c| c as u8).find(|&c| minifloat_to_f64(dtype, c).is_some_and(f64::is_nan));
+    }
+    let mut best: Option<(u8, f64)> = None;
+    for c in codes.map(|c| c as u8) {
+        let v = minifloat_to_f64(dtype, c).expect("a minifloat dtype");
+        if v.is_nan() {
+            continue;
+        }
+        let err = if v == value { 0.0 } else { (v - value).abs() };
+        let better = match best {
+            None => true,
+            Some((bc, be)) => err < be || (err == be && c % 2 == 0 && bc % 2 == 1),
+        };
+        if better {
+            best = Some((c, err));
+        }
+    }
+    best.map(|(c, _)| c)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -489,6 +597,42 @@ mod tests {
             "floot32".parse::<DType>(),
             Err(Error::InvalidDType(_))
         ));
+    }
+
+    #[test]
+    fn minifloats_decode_known_values() {
+        let e4m3fn: DType = "float8_e4m3fn".parse().unwrap();
+        assert_eq!(minifloat_to_f64(e4m3fn, 0x7e), Some(448.0));
+        assert!(minifloat_to_f64(e4m3fn, 0x7f).unwrap().is_nan());
+        assert_eq!(minifloat_to_f64(e4m3fn, 0x01), Some(2f64.powi(-9)));
+        let e5m2: DType = "float8_e5m2".parse().unwrap();
+        assert_eq!(minifloat_to_f64(e5m2, 0x7c), Some(f64::INFINITY));
+        assert_eq!(minifloat_to_f64(e5m2, 0x7b), Some(57344.0));
+        let fnuz: DType = "float8_e4m3fnuz".parse().unwrap();
+        assert!(minifloat_to_f64(fnuz, 0x80).unwrap().is_nan());
+        assert_eq!(minifloat_to_f64(fnuz, 0x7f), Some(240.0));
+        let e8m0: DType = "float8_e8m0fnu".parse().unwrap();
+        assert_eq!(minifloat_to_f64(e8m0, 127), Some(1.0));
+        assert!(minifloat_to_f64(e8m0, 255).unwrap().is_nan());
+        let e2m1: DType = "float4_e2m1fn".parse().unwrap();
+        let all: Vec<f64> = (0..8).map(|c| minifloat_to_f64(e2m1, c).unwrap()).collect();
+        assert_eq!(all, vec![0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]);
+        assert_eq!(minifloat_to_f64(DType::F32, 0), None);
+    }
+
+    #[test]
+    fn minifloats_round_trip_and_round() {
+        let e4m3fn: DType = "float8_e4m3fn".parse().unwrap();
+        for code in 0..=255u8 {
+            let v = minifloat_to_f64(e4m3fn, code).unwrap();
+            if !v.is_nan() && !(v == 0.0 && code == 0x80) {
+                assert_eq!(f64_to_minifloat(e4m3fn, v), Some(code), "code {code:#x}");
+            }
+        }
+        assert_eq!(f64_to_minifloat(e4m3fn, 1e9), Some(0x7e)); // saturates at 448
+        let e2m1: DType = "float4_e2m1fn".parse().unwrap();
+        assert_eq!(f64_to_minifloat(e2m1, 2.4), Some(4)); // 2.0
+        assert_eq!(f64_to_minifloat(e2m1, 2.5), Some(4)); // tie between 2.0 (even) and 3.0
     }
 
     #[test]

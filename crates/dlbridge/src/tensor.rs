@@ -349,6 +349,53 @@ impl Tensor {
         self.copy_to(self.device())
     }
 
+    /// A compact copy with elements converted to `dtype` (NumPy's `astype` rules: floats truncate
+    /// toward zero into integers, complex drops the imaginary part into reals). A same-dtype cast
+    /// is a plain copy.
+    pub fn cast(&self, dtype: DType) -> Result<Tensor> {
+        let compact = if self.device().is_cpu() { self.copy()? } else { self.copy_to(Device::CPU)? };
+        if dtype == self.dtype {
+            return Ok(compact);
+        }
+        let mut out = Tensor::empty(self.shape(), dtype, Device::CPU)?;
+        let src = compact.host_bytes()?;
+        let dst = out.host_bytes_mut()?;
+        backend::cpu::cast::cast_bytes(src, self.dtype, dst, dtype)?;
+        if self.device().is_cpu() { Ok(out) } else { out.copy_to(self.device()) }
+    }
+
+    /// The bytes of a compact host view.
+    fn host_bytes(&self) -> Result<&[u8]> {
+        if self.packed || !self.is_contiguous() {
+            return Err(Error::Shape("raw bytes of a non-compact view".into()));
+        }
+        let base = self.buffer.require_host("reading bytes")?;
+        if self.nbytes() == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: a compact view's `nbytes` bytes from its offset lie inside the live buffer
+        // (checked at construction); u8 has no alignment or validity requirements.
+        Ok(unsafe { std::slice::from_raw_parts(base.as_ptr().add(self.byte_offset()), self.nbytes()) })
+    }
+
+    /// The bytes of a compact host view this handle alone owns.
+    fn host_bytes_mut(&mut self) -> Result<&mut [u8]> {
+        let count = self.buffer.ref_count();
+        if count != 1 {
+            return Err(Error::Aliased { count });
+        }
+        if self.is_read_only() {
+            return Err(Error::ReadOnly("writing bytes".into()));
+        }
+        let base = self.buffer.require_host("writing bytes")?;
+        if self.nbytes() == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `host_bytes`; the buffer has no other handle and `self` is borrowed
+        // mutably for the slice's lifetime.
+        Ok(unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(self.byte_offset()), self.nbytes()) })
+    }
+
     /// Copies `src` into this view element by element (shapes equal, or `src` broadcastable to
     /// this view's shape). Needs the only reference to the buffer, as
     /// [`Tensor::as_mut_slice`] does.

@@ -7,6 +7,8 @@
 //! pages, so that the same memory can later be wrapped without a copy by APIs that demand whole
 //! pages (`newBufferWithBytesNoCopy` on Metal, `cudaHostRegister`, `mmap`-style remapping).
 
+pub mod cast;
+
 use std::alloc::Layout as AllocLayout;
 use std::ffi::c_void;
 use std::ptr::NonNull;

@@ -1,0 +1,428 @@
+//! `dlbridge.Array`: the Python face of a [`Tensor`].
+
+use dlbridge::{Device, SliceArg, Tensor};
+use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyEllipsis, PyList, PySlice, PyTuple};
+use pyo3::{intern, IntoPyObjectExt};
+
+use crate::convert;
+use crate::device::{self, PyDevice};
+use crate::dtype::PyDType;
+use crate::errors::IntoPyResult;
+use crate::exchange::{self, ExportRequest};
+
+/// A strided array on the CPU, a CUDA device or a Metal device, exchanged with other libraries
+/// through DLPack without copies.
+///
+/// Indexing (integers, slices with any step, `...`, `None`) returns views that share memory.
+/// `strides` are in elements, not bytes.
+#[pyclass(frozen, module = "dlbridge", name = "Array", sequence)]
+pub(crate) struct PyArray {
+    pub(crate) tensor: Tensor,
+}
+
+impl PyArray {
+    pub(crate) fn new(tensor: Tensor) -> Self {
+        PyArray { tensor }
+    }
+
+    /// The view `key` selects.
+    fn view(&self, key: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+        let items: Vec<Bound<'_, PyAny>> = match key.cast::<PyTuple>() {
+            Ok(t) => t.iter().collect(),
+            Err(_) => vec![key.clone()],
+        };
+        let ellipses = items.iter().filter(|i| i.is_instance_of::<PyEllipsis>()).count();
+        if ellipses > 1 {
+            return Err(PyIndexError::new_err("an index can only have a single ellipsis ('...')"));
+        }
+        let consuming = items
+            .iter()
+            .filter(|i| !i.is_instance_of::<PyEllipsis>() && !i.is_none())
+            .count();
+        let ndim = self.tensor.ndim();
+        if consuming > ndim {
+            return Err(PyIndexError::new_err(format!(
+                "too many indices: the array has {ndim} dimensions but {consuming} were indexed"
+            )));
+        }
+        let mut t = self.tensor.clone();
+        let mut axis = 0usize;
+        for item in &items {
+            if item.is_instance_of::<PyEllipsis>() {
+                axis += ndim - consuming;
+            } else if item.is_none() {
+                t = t.expand_dims(axis).py()?;
+                axis += 1;
+            } else if let Ok(slice) = item.cast::<PySlice>() {
+                let py = item.py();
+                let part = |name: &Bound<'_, pyo3::types::PyString>| -> PyResult<Option<isize>> {
+                    let v = slice.getattr(name)?;
+                    if v.is_none() { Ok(None) } else { Ok(Some(index_value(&v)?)) }
+                };
+                let step = part(intern!(py, "step"))?.unwrap_or(1);
+                let arg = SliceArg { start: part(intern!(py, "start"))?, stop: part(intern!(py, "stop"))?, step };
+                t = t.slice(axis as isize, arg).py()?;
+                axis += 1;
+            } else {
+                let i = index_value(item).map_err(|_| {
+                    PyIndexError::new_err(format!(
+                        "only integers, slices, '...' and None are valid indices (got {})",
+                        item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                    ))
+                })?;
+                t = t.index(axis as isize, i).py()?;
+            }
+        }
+        Ok(t)
+    }
+
+    fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let host = if self.tensor.device().is_cpu() && self.tensor.is_contiguous() {
+            self.tensor.clone()
+        } else {
+            self.tensor.copy_to(Device::CPU).py()?
+        };
+        let itemsize = host.dtype().itemsize();
+        let base = host.buffer().host_ptr().expect("a CPU tensor is host-accessible");
+        let bytes: &[u8] = if host.numel() == 0 {
+            &[]
+        } else {
+            // SAFETY: `host` is compact host memory of `numel * itemsize` bytes from its byte
+            // offset, kept alive by `host` for the duration of this borrow; nothing writes to it
+            // while the GIL is held by this call.
+            unsafe {
+                std::slice::from_raw_parts(base.as_ptr().add(host.byte_offset()), host.numel() * itemsize)
+            }
+        };
+        fn build<'py>(
+            py: Python<'py>,
+            shape: &[usize],
+            bytes: &[u8],
+            itemsize: usize,
+            dtype: dlbridge::DType,
+        ) -> PyResult<Bound<'py, PyAny>> {
+            match shape.split_first() {
+                None => convert::read_element(py, dtype, &bytes[..itemsize]),
+                Some((&n, rest)) => {
+                    let chunk = rest.iter().product::<usize>() * itemsize;
+                    let list = PyList::empty(py);
+                    for i in 0..n {
+                        list.append(build(py, rest, &bytes[i * chunk..(i + 1) * chunk], itemsize, dtype)?)?;
+                    }
+                    Ok(list.into_any())
+                }
+            }
+        }
+        build(py, host.shape(), bytes, itemsize, host.dtype())
+    }
+
+    fn scalar<'py>(&self, py: Python<'py>, what: &str) -> PyResult<Bound<'py, PyAny>> {
+        if self.tensor.numel() != 1 {
+            return Err(PyTypeError::new_err(format!(
+                "only arrays of one element can be converted to {what} (this one has {})",
+                self.tensor.numel()
+            )));
+        }
+        let one = self.tensor.reshape(&[]).or_else(|_| self.tensor.copy().and_then(|c| c.reshape(&[]))).py()?;
+        PyArray::new(one).to_list(py)
+    }
+}
+
+/// An integer index from an `int` or any object with `__index__`.
+fn index_value(obj: &Bound<'_, PyAny>) -> PyResult<isize> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyIndexError::new_err("booleans are not valid indices"));
+    }
+    obj.extract::<isize>()
+}
+
+#[pymethods]
+impl PyArray {
+    /// Exports the array as a DLPack capsule (array API standard semantics).
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(stream) = stream.filter(|s| !s.is_none()) {
+            // Streams order work on CUDA and ROCm devices; everywhere else there is none to name.
+            if !matches!(self.tensor.device().kind(), dlbridge::DeviceKind::Cuda | dlbridge::DeviceKind::CudaManaged) {
+                return Err(PyValueError::new_err(format!(
+                    "stream must be None for arrays on {} (got {})",
+                    self.tensor.device(),
+                    stream.repr()?
+                )));
+            }
+        }
+        let dl_device = match dl_device {
+            Some(d) if !d.is_none() => Some(device::parse(d)?),
+            _ => None,
+        };
+        exchange::export(py, &self.tensor, ExportRequest { max_version, dl_device, copy })
+    }
+
+    /// The DLPack `(device_type, device_id)` of the array.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        let dl = self.tensor.device().to_dlpack();
+        (dl.device_type, dl.device_id)
+    }
+
+    /// Extents.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.tensor.shape())
+    }
+
+    /// Strides in elements (not bytes).
+    #[getter]
+    fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.tensor.strides())
+    }
+
+    /// The element type.
+    #[getter]
+    fn dtype(&self) -> PyDType {
+        PyDType(self.tensor.dtype())
+    }
+
+    /// Where the memory lives.
+    #[getter]
+    fn device(&self) -> PyDevice {
+        PyDevice(self.tensor.device())
+    }
+
+    /// Number of dimensions.
+    #[getter]
+    fn ndim(&self) -> usize {
+        self.tensor.ndim()
+    }
+
+    /// Number of elements.
+    #[getter]
+    fn size(&self) -> usize {
+        self.tensor.numel()
+    }
+
+    /// Bytes the elements occupy.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.tensor.nbytes()
+    }
+
+    /// Bytes per element.
+    #[getter]
+    fn itemsize(&self) -> usize {
+        self.tensor.dtype().itemsize()
+    }
+
+    /// Offset in bytes of the first element from the start of the underlying buffer.
+    #[getter]
+    fn byte_offset(&self) -> usize {
+        self.tensor.byte_offset()
+    }
+
+    /// Whether writes are forbidden (for example, a read-only NumPy or JAX array imported without
+    /// a copy).
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.tensor.is_read_only()
+    }
+
+    /// Whether the memory belongs to another library (imported without a copy).
+    #[getter]
+    fn is_foreign(&self) -> bool {
+        self.tensor.buffer().is_foreign()
+    }
+
+    /// The address of the first element (a device address for device memory; for Metal, the
+    /// `id<MTLBuffer>` handle, with the offset in `byte_offset`).
+    #[getter]
+    fn data_ptr(&self) -> usize {
+        let handle = self.tensor.buffer().handle() as usize;
+        if self.tensor.device().kind().is_addressable() {
+            handle + self.tensor.byte_offset()
+        } else {
+            handle
+        }
+    }
+
+    /// Whether the view is compact and row-major.
+    #[getter]
+    fn is_contiguous(&self) -> bool {
+        self.tensor.is_contiguous()
+    }
+
+    /// The transpose (axes reversed), a view.
+    #[getter(T)]
+    fn t(&self) -> PyResult<PyArray> {
+        Ok(PyArray::new(self.tensor.transpose().py()?))
+    }
+
+    /// Axes reordered, a view.
+    #[pyo3(signature = (*axes))]
+    fn permute(&self, axes: Vec<usize>) -> PyResult<PyArray> {
+        Ok(PyArray::new(self.tensor.permute(&axes).py()?))
+    }
+
+    /// A view with a new shape (one extent may be -1); raises `ValueError` when the strides cannot
+    /// express it without a copy.
+    #[pyo3(signature = (*shape))]
+    fn reshape(&self, shape: &Bound<'_, PyTuple>) -> PyResult<PyArray> {
+        let dims: Vec<i64> = if shape.len() == 1 && shape.get_item(0)?.cast::<PyTuple>().is_ok() {
+            shape.get_item(0)?.extract()?
+        } else if shape.len() == 1 && shape.get_item(0)?.cast::<PyList>().is_ok() {
+            shape.get_item(0)?.extract()?
+        } else {
+            shape.extract()?
+        };
+        let dims: Vec<Option<usize>> = dims
+            .into_iter()
+            .map(|d| match d {
+                -1 => Ok(None),
+                d if d >= 0 => Ok(Some(d as usize)),
+                d => Err(PyValueError::new_err(format!("invalid extent {d} in reshape"))),
+            })
+            .collect::<PyResult<_>>()?;
+        Ok(PyArray::new(self.tensor.reshape(&dims).py()?))
+    }
+
+    /// A view broadcast to `shape` (NumPy's rules).
+    fn broadcast_to(&self, shape: Vec<usize>) -> PyResult<PyArray> {
+        Ok(PyArray::new(self.tensor.broadcast_to(&shape).py()?))
+    }
+
+    /// A compact copy in new memory on the same device.
+    fn copy(&self) -> PyResult<PyArray> {
+        Ok(PyArray::new(self.tensor.copy().py()?))
+    }
+
+    /// A compact copy on `device` (the array itself when it is already there and `copy` is not
+    /// True).
+    #[pyo3(signature = (device, /, *, copy=None))]
+    fn to(&self, device: &Bound<'_, PyAny>, copy: Option<bool>) -> PyResult<PyArray> {
+        let target = device::parse(device)?;
+        if target == self.tensor.device() && copy != Some(true) {
+            return Ok(PyArray::new(self.tensor.clone()));
+        }
+        Ok(PyArray::new(self.tensor.copy_to(target).py()?))
+    }
+
+    /// A copy with elements converted to `dtype` (NumPy's `astype` rules).
+    fn astype(&self, dtype: &Bound<'_, PyAny>) -> PyResult<PyArray> {
+        let dtype = crate::dtype::parse(dtype)?;
+        Ok(PyArray::new(self.tensor.cast(dtype).py()?))
+    }
+
+    /// The elements as nested Python lists (a Python scalar for 0-d arrays).
+    fn tolist<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.to_list(py)
+    }
+
+    /// The one element as a Python scalar.
+    fn item<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.scalar(py, "a Python scalar")
+    }
+
+    fn __float__(&self, py: Python<'_>) -> PyResult<f64> {
+        self.scalar(py, "float")?.extract()
+    }
+
+    fn __int__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let v = self.scalar(py, "int")?;
+        py.import(intern!(py, "builtins"))?.getattr(intern!(py, "int"))?.call1((v,))
+    }
+
+    fn __index__(&self, py: Python<'_>) -> PyResult<i128> {
+        let dtype = self.tensor.dtype();
+        if dtype.is_floating() || dtype == dlbridge::DType::BOOL {
+            return Err(PyTypeError::new_err(format!("{dtype} arrays cannot be used as indices")));
+        }
+        self.scalar(py, "an index")?.extract()
+    }
+
+    fn __complex__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let v = self.scalar(py, "complex")?;
+        py.import(intern!(py, "builtins"))?.getattr(intern!(py, "complex"))?.call1((v,))
+    }
+
+    fn __bool__(&self, py: Python<'_>) -> PyResult<bool> {
+        self.scalar(py, "bool")?.is_truthy()
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.tensor
+            .shape()
+            .first()
+            .copied()
+            .ok_or_else(|| PyTypeError::new_err("len() of a 0-d array"))
+    }
+
+    fn __getitem__(&self, key: &Bound<'_, PyAny>) -> PyResult<PyArray> {
+        Ok(PyArray::new(self.view(key)?))
+    }
+
+    fn __setitem__(&self, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let view = self.view(key)?;
+        let dtype = view.dtype();
+        if convert::scalar_kind(value).is_some() {
+            let mut element = Vec::with_capacity(dtype.itemsize());
+            convert::write_element(dtype, value, &mut element)?;
+            // SAFETY: no Rust reference into this array's memory outlives a Python call, and the
+            // GIL is held for the whole write. (Writers outside Python, such as a library's own
+            // threads, race here exactly as they would with NumPy.)
+            return unsafe { view.fill_bytes_unchecked(&element) }.py();
+        }
+        let src = crate::creation::tensor_from(value, Some(dtype), Some(view.device()), None)?;
+        // SAFETY: as above.
+        unsafe { view.copy_from_unchecked(&src) }.py()
+    }
+
+    /// NumPy's conversion hook: a zero-copy NumPy view (through DLPack), or a copy when asked.
+    #[pyo3(signature = (dtype=None, copy=None))]
+    fn __array__<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let np = py.import(intern!(py, "numpy"))?;
+        let mut out = np.call_method1(intern!(py, "from_dlpack"), (slf,))?;
+        if let Some(dtype) = dtype.filter(|d| !d.is_none()) {
+            out = out.call_method1(intern!(py, "astype"), (dtype,))?;
+        } else if copy == Some(true) {
+            out = out.call_method0(intern!(py, "copy"))?;
+        }
+        Ok(out)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let t = &self.tensor;
+        let mut extra = format!("dtype={}", t.dtype());
+        if !t.device().is_cpu() {
+            extra.push_str(&format!(", device='{}'", t.device()));
+        }
+        let host_readable = t.device().kind().is_host_accessible() && !t.is_packed();
+        if t.numel() <= 1000 && host_readable {
+            if let Ok(list) = self.to_list(py) {
+                return Ok(format!("dlbridge.Array({}, {extra})", list.repr()?));
+            }
+        }
+        Ok(format!("dlbridge.Array(shape={:?}, {extra})", t.shape()))
+    }
+
+    fn __iter__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let n = slf.get().__len__()?;
+        let items: Vec<PyArray> = (0..n)
+            .map(|i| slf.get().tensor.index(0, i as isize).py().map(PyArray::new))
+            .collect::<PyResult<_>>()?;
+        let list = PyList::new(py, items)?;
+        list.try_iter()?.into_py_any(py)
+    }
+}

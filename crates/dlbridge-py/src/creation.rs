@@ -1,0 +1,245 @@
+//! Creation functions and conversion of arbitrary Python objects to tensors.
+
+use dlbridge::{DType, Device, Tensor};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PySequence, PyTuple};
+use pyo3::intern;
+
+use crate::array::PyArray;
+use crate::convert::{self, ScalarKind};
+use crate::errors::IntoPyResult;
+use crate::exchange;
+
+/// Reads a shape: an int or a sequence of non-negative ints.
+pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let dims: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
+        vec![n]
+    } else if obj.cast::<PySequence>().is_ok() {
+        obj.extract().map_err(|_| PyTypeError::new_err("a shape is a sequence of integers"))?
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "a shape is an integer or a sequence of integers, not {}",
+            obj.get_type().name()?
+        )));
+    };
+    dims.into_iter()
+        .map(|d| {
+            usize::try_from(d).map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
+        })
+        .collect()
+}
+
+fn parse_opt_dtype(dtype: Option<&Bound<'_, PyAny>>) -> PyResult<Option<DType>> {
+    match dtype {
+        Some(d) if !d.is_none() => Ok(Some(crate::dtype::parse(d)?)),
+        _ => Ok(None),
+    }
+}
+
+pub(crate) fn parse_opt_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Device>> {
+    match device {
+        Some(d) if !d.is_none() => Ok(Some(crate::device::parse(d)?)),
+        _ => Ok(None),
+    }
+}
+
+/// Allocates on `device` and, unless `zeroed`, leaves the contents undefined.
+fn allocate(shape: &[usize], dtype: DType, device: Device, zeroed: bool) -> PyResult<Tensor> {
+    Tensor::allocate(shape, dtype, device, None, zeroed).py()
+}
+
+/// A new array with undefined contents. The default dtype is float32.
+#[pyfunction]
+#[pyo3(signature = (shape, dtype=None, *, device=None))]
+pub(crate) fn empty(
+    shape: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyArray> {
+    let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
+    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    Ok(PyArray::new(allocate(&parse_shape(shape)?, dtype, device, false)?))
+}
+
+/// A new zero-filled array. The default dtype is float32.
+#[pyfunction]
+#[pyo3(signature = (shape, dtype=None, *, device=None))]
+pub(crate) fn zeros(
+    shape: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyArray> {
+    let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
+    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    Ok(PyArray::new(allocate(&parse_shape(shape)?, dtype, device, true)?))
+}
+
+/// A new array filled with `fill_value`; the dtype defaults to the value's kind (bool, int64,
+/// float32, complex64).
+#[pyfunction]
+#[pyo3(signature = (shape, fill_value, dtype=None, *, device=None))]
+pub(crate) fn full(
+    shape: &Bound<'_, PyAny>,
+    fill_value: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyArray> {
+    let kind = convert::scalar_kind(fill_value)
+        .ok_or_else(|| PyTypeError::new_err("fill_value must be a number or a bool"))?;
+    let dtype = parse_opt_dtype(dtype)?.unwrap_or(kind.default_dtype());
+    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    let mut element = Vec::with_capacity(dtype.itemsize());
+    convert::write_element(dtype, fill_value, &mut element)?;
+    let t = allocate(&parse_shape(shape)?, dtype, device, false)?;
+    // SAFETY: `t` is new memory that nothing else references.
+    unsafe { t.fill_bytes_unchecked(&element) }.py()?;
+    Ok(PyArray::new(t))
+}
+
+/// Evenly spaced values in `[start, stop)`. Integers give int64 unless `dtype` says otherwise;
+/// any float gives float32.
+#[pyfunction]
+#[pyo3(signature = (start, stop=None, step=None, *, dtype=None, device=None))]
+pub(crate) fn arange(
+    py: Python<'_>,
+    start: &Bound<'_, PyAny>,
+    stop: Option<&Bound<'_, PyAny>>,
+    step: Option<&Bound<'_, PyAny>>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyArray> {
+    let (start, stop) = match stop.filter(|s| !s.is_none()) {
+        Some(stop) => (start.clone(), stop.clone()),
+        None => (0i64.into_pyobject(py)?.into_any(), start.clone()),
+    };
+    let step = match step.filter(|s| !s.is_none()) {
+        Some(s) => s.clone(),
+        None => 1i64.into_pyobject(py)?.into_any(),
+    };
+    let all_int = [&start, &stop, &step]
+        .iter()
+        .all(|v| matches!(convert::scalar_kind(v), Some(ScalarKind::Int | ScalarKind::Bool)));
+    let dtype = parse_opt_dtype(dtype)?.unwrap_or(if all_int { DType::I64 } else { DType::F32 });
+    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    let values: Vec<f64>;
+    let ints: Vec<i128>;
+    let count;
+    if all_int {
+        let (a, b, s): (i128, i128, i128) = (start.extract()?, stop.extract()?, step.extract()?);
+        if s == 0 {
+            return Err(PyValueError::new_err("arange step cannot be zero"));
+        }
+        count = if (s > 0 && b > a) || (s < 0 && b < a) { ((b - a).abs() + s.abs() - 1) / s.abs() } else { 0 };
+        ints = (0..count).map(|i| a + i * s).collect();
+        values = vec![];
+    } else {
+        let (a, b, s): (f64, f64, f64) = (start.extract()?, stop.extract()?, step.extract()?);
+        if s == 0.0 || !s.is_finite() || !a.is_finite() || !b.is_finite() {
+            return Err(PyValueError::new_err("arange needs finite bounds and a non-zero step"));
+        }
+        let n = ((b - a) / s).ceil();
+        count = if n > 0.0 { n as i128 } else { 0 };
+        values = (0..count).map(|i| a + i as f64 * s).collect();
+        ints = vec![];
+    }
+    let count = usize::try_from(count).map_err(|_| PyValueError::new_err("arange is too long"))?;
+    let mut bytes = Vec::with_capacity(count * dtype.itemsize());
+    for i in 0..count {
+        let v = if all_int { ints[i].into_pyobject(py)?.into_any() } else { values[i].into_pyobject(py)?.into_any() };
+        convert::write_element(dtype, &v, &mut bytes)?;
+    }
+    Ok(PyArray::new(from_bytes(&[count], dtype, &bytes, device)?))
+}
+
+/// A compact tensor on `device` holding `bytes` (native order).
+fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8], device: Device) -> PyResult<Tensor> {
+    let mut t = Tensor::empty(shape, DType::U8, Device::CPU).py()?;
+    let _ = &mut t;
+    let host = Tensor::empty(&[bytes.len()], DType::U8, Device::CPU).py()?;
+    let mut host = host;
+    host.as_mut_slice::<u8>().py()?.copy_from_slice(bytes);
+    let typed = Tensor::new(host.buffer().clone(), dtype, dlbridge::Layout::contiguous(shape).py()?).py()?;
+    if device.is_cpu() { Ok(typed) } else { typed.copy_to(device).py() }
+}
+
+/// Converts any supported object to a tensor: a dlbridge array, a DLPack capsule or producer
+/// (zero-copy), a buffer-protocol object (zero-copy), or nested sequences of scalars (copied).
+/// A `dtype` other than the source's converts (a copy).
+pub(crate) fn tensor_from(
+    obj: &Bound<'_, PyAny>,
+    dtype: Option<DType>,
+    device: Option<Device>,
+    copy: Option<bool>,
+) -> PyResult<Tensor> {
+    let py = obj.py();
+    let zero_copy_source = if let Ok(a) = obj.cast::<PyArray>() {
+        Some(exchange::finish_import(
+            exchange::Taken { tensor: a.get().tensor.clone(), is_copied: false },
+            device,
+            copy,
+        )?)
+    } else if obj.is_instance_of::<pyo3::types::PyCapsule>()
+        || obj.hasattr(intern!(py, "__dlpack__"))?
+    {
+        Some(exchange::from_dlpack(obj, device, copy)?)
+    } else if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() && exchange::has_buffer(obj) {
+        let t = exchange::from_buffer(obj)?;
+        Some(exchange::finish_import(exchange::Taken { tensor: t, is_copied: false }, device, copy)?)
+    } else {
+        None
+    };
+    if let Some(t) = zero_copy_source {
+        return match dtype {
+            Some(d) if d != t.dtype() => {
+                if copy == Some(false) {
+                    return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                        "converting {} to {d} needs a copy, but copy=False",
+                        t.dtype()
+                    )));
+                }
+                t.cast(d).py()
+            }
+            _ => Ok(t),
+        };
+    }
+    if copy == Some(false) {
+        return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+            "a {} cannot be shared without a copy, but copy=False",
+            obj.get_type().name()?
+        )));
+    }
+    let nested = convert::flatten(obj)?;
+    let dtype = dtype.unwrap_or(nested.kind.default_dtype());
+    let mut bytes = Vec::with_capacity(nested.leaves.len() * dtype.itemsize());
+    for leaf in &nested.leaves {
+        convert::write_element(dtype, leaf, &mut bytes)?;
+    }
+    from_bytes(&nested.shape, dtype, &bytes, device.unwrap_or(Device::CPU))
+}
+
+/// Converts `obj` to a dlbridge array, without copying where possible (array API `asarray`).
+#[pyfunction]
+#[pyo3(signature = (obj, /, dtype=None, *, device=None, copy=None))]
+pub(crate) fn asarray(
+    obj: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    copy: Option<bool>,
+) -> PyResult<PyArray> {
+    let dtype = parse_opt_dtype(dtype)?;
+    let device = parse_opt_device(device)?;
+    Ok(PyArray::new(tensor_from(obj, dtype, device, copy)?))
+}
+
+/// Imports any DLPack producer (or capsule) without copying (array API `from_dlpack`).
+#[pyfunction]
+#[pyo3(signature = (x, /, *, device=None, copy=None))]
+pub(crate) fn from_dlpack(
+    x: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+    copy: Option<bool>,
+) -> PyResult<PyArray> {
+    let device = parse_opt_device(device)?;
+    Ok(PyArray::new(exchange::from_dlpack(x, device, copy)?))
+}

@@ -1,0 +1,99 @@
+//! `dlbridge.Device`: where memory lives.
+
+use dlbridge::Device;
+use pyo3::basic::CompareOp;
+use pyo3::prelude::*;
+use pyo3::types::{PyString, PyTuple};
+
+use crate::dtype::Comparison;
+use crate::errors::IntoPyResult;
+
+/// A device: `cpu`, `cuda:N`, `cuda_host:N`, `cuda_managed:N`, `metal:N`, or another DLPack device
+/// held opaquely. Compares equal to its string form.
+#[pyclass(frozen, module = "dlbridge", name = "Device")]
+#[derive(Clone, Copy)]
+pub(crate) struct PyDevice(pub(crate) Device);
+
+#[pymethods]
+impl PyDevice {
+    #[new]
+    fn py_new(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        parse(obj).map(PyDevice)
+    }
+
+    /// The kind of device (`cpu`, `cuda`, `cuda_host`, `cuda_managed`, `metal`, ...).
+    #[getter]
+    fn r#type(&self) -> String {
+        self.0.kind().name()
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn index(&self) -> u32 {
+        self.0.index()
+    }
+
+    /// The DLPack `(device_type, device_id)` pair.
+    fn __dlpack_device__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let dl = self.0.to_dlpack();
+        PyTuple::new(py, [dl.device_type, dl.device_id])
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("dlbridge.Device('{}')", self.0)
+    }
+
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        PyString::new(py, &self.0.to_string()).hash()
+    }
+
+    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> Comparison {
+        let equal = parse(other).is_ok_and(|d| d == self.0);
+        match op {
+            CompareOp::Eq => Comparison::Bool(equal),
+            CompareOp::Ne => Comparison::Bool(!equal),
+            _ => Comparison::NotImplemented,
+        }
+    }
+}
+
+/// Reads a device from a `Device`, a string (`"cpu"`, `"cuda:1"`, `"metal"`), a DLPack
+/// `(device_type, device_id)` tuple, or an object with `type` and `index` (a `torch.device`).
+pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
+    if let Ok(d) = obj.cast::<PyDevice>() {
+        return Ok(d.get().0);
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return s.to_cow()?.parse::<Device>().py();
+    }
+    if let Ok((device_type, device_id)) = obj.extract::<(i32, i32)>() {
+        return Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice { device_type, device_id })
+            .map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "({device_type}, {device_id}) is not a DLPack device"
+                ))
+            });
+    }
+    let py = obj.py();
+    if let (Ok(kind), Ok(index)) = (
+        obj.getattr(pyo3::intern!(py, "type")),
+        obj.getattr(pyo3::intern!(py, "index")),
+    ) {
+        if let Ok(kind) = kind.extract::<String>() {
+            let text = match index.extract::<Option<u32>>() {
+                Ok(Some(i)) => format!("{kind}:{i}"),
+                _ => kind,
+            };
+            return text.parse::<Device>().py();
+        }
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        "{} is not a device (expected 'cpu', 'cuda:N', 'metal:N', a dlbridge.Device or a \
+         (device_type, device_id) tuple)",
+        obj.repr()?
+    )))
+}

@@ -1,0 +1,358 @@
+//! A hand-built DLPack producer for the integration tests.
+//!
+//! [`Spec`] describes one foreign tensor field by field (including fields a well-behaved producer
+//! would never write, so the importer's rejections can be tested). [`Spec::make_versioned`] and
+//! [`Spec::make_legacy`] box a `DLManagedTensorVersioned` / `DLManagedTensor` whose `manager_ctx`
+//! owns the shape and strides arrays and the data, and whose deleter frees all of it and reports to
+//! a [`Probe`]: how many times it ran and on which thread.
+
+#![allow(dead_code)]
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
+
+use dlbridge::dlpack::ffi::{
+    DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLPackVersion, DLTensor,
+    K_DL_CPU, K_DL_FLOAT,
+};
+use dlbridge::{Error, Tensor};
+
+/// What a producer's deleter reports.
+#[derive(Default, Debug)]
+pub(crate) struct Probe {
+    deletes: AtomicUsize,
+    thread: Mutex<Option<ThreadId>>,
+}
+
+impl Probe {
+    /// How many times the deleter has run.
+    pub(crate) fn deletes(&self) -> usize {
+        self.deletes.load(Ordering::SeqCst)
+    }
+
+    /// The thread the deleter last ran on.
+    pub(crate) fn thread(&self) -> Option<ThreadId> {
+        *self.thread.lock().unwrap()
+    }
+
+    fn record(&self) {
+        *self.thread.lock().unwrap() = Some(std::thread::current().id());
+        self.deletes.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Everything one producer allocation owns; `manager_ctx` points at a boxed `Ctx`.
+struct Ctx {
+    _shape: Vec<i64>,
+    _strides: Vec<i64>,
+    _storage: Vec<u64>,
+    probe: Arc<Probe>,
+}
+
+/// Where `DLTensor::data` points.
+#[derive(Clone, Debug)]
+pub(crate) enum Data {
+    /// Into an 8-byte-aligned allocation the producer owns, `shift` bytes past its start.
+    Storage { bytes: Vec<u8>, shift: usize },
+    /// NULL.
+    Null,
+    /// A fake opaque handle (for Metal): a non-NULL value that must never be dereferenced.
+    Fake(usize),
+}
+
+/// One foreign tensor, field by field.
+#[derive(Clone, Debug)]
+pub(crate) struct Spec {
+    /// `None`: a legacy `DLManagedTensor`.
+    pub(crate) version: Option<DLPackVersion>,
+    pub(crate) flags: u64,
+    pub(crate) ndim: i32,
+    /// `None`: NULL.
+    pub(crate) shape: Option<Vec<i64>>,
+    /// `None`: NULL.
+    pub(crate) strides: Option<Vec<i64>>,
+    pub(crate) dtype: DLDataType,
+    pub(crate) device: DLDevice,
+    pub(crate) data: Data,
+    pub(crate) byte_offset: u64,
+}
+
+/// Native-endian bytes of `values`.
+pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_ne_bytes()).collect()
+}
+
+/// Compact row-major strides for `shape`.
+pub(crate) fn row_major(shape: &[i64]) -> Vec<i64> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1i64;
+    for (s, &d) in strides.iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc = acc.wrapping_mul(d.max(1)); // wraps only for shapes the importer must refuse
+    }
+    strides
+}
+
+impl Spec {
+    /// A valid DLPack 1.3 CPU float32 tensor of `shape` holding `values`, compact row-major, with
+    /// `data` at the start of the values.
+    pub(crate) fn f32(values: &[f32], shape: &[i64]) -> Spec {
+        Spec {
+            version: Some(DLPackVersion { major: 1, minor: 3 }),
+            flags: 0,
+            ndim: shape.len() as i32,
+            shape: Some(shape.to_vec()),
+            strides: Some(row_major(shape)),
+            dtype: DLDataType {
+                code: K_DL_FLOAT,
+                bits: 32,
+                lanes: 1,
+            },
+            device: DLDevice {
+                device_type: K_DL_CPU,
+                device_id: 0,
+            },
+            data: Data::Storage {
+                bytes: f32_bytes(values),
+                shift: 0,
+            },
+            byte_offset: 0,
+        }
+    }
+
+    /// The same spec, as a legacy (unversioned) tensor.
+    pub(crate) fn legacy(mut self) -> Spec {
+        self.version = None;
+        self
+    }
+
+    pub(crate) fn version(mut self, major: u32, minor: u32) -> Spec {
+        self.version = Some(DLPackVersion { major, minor });
+        self
+    }
+
+    pub(crate) fn flags(mut self, flags: u64) -> Spec {
+        self.flags = flags;
+        self
+    }
+
+    pub(crate) fn ndim(mut self, ndim: i32) -> Spec {
+        self.ndim = ndim;
+        self
+    }
+
+    pub(crate) fn shape(mut self, shape: Option<Vec<i64>>) -> Spec {
+        self.shape = shape;
+        self
+    }
+
+    pub(crate) fn strides(mut self, strides: Option<Vec<i64>>) -> Spec {
+        self.strides = strides;
+        self
+    }
+
+    pub(crate) fn dtype(mut self, code: u8, bits: u8, lanes: u16) -> Spec {
+        self.dtype = DLDataType { code, bits, lanes };
+        self
+    }
+
+    pub(crate) fn device(mut self, device_type: i32, device_id: i32) -> Spec {
+        self.device = DLDevice {
+            device_type,
+            device_id,
+        };
+        self
+    }
+
+    pub(crate) fn data(mut self, data: Data) -> Spec {
+        self.data = data;
+        self
+    }
+
+    /// Moves `data` `shift` bytes into the producer's storage.
+    pub(crate) fn data_shift(mut self, new_shift: usize) -> Spec {
+        match &mut self.data {
+            Data::Storage { shift, .. } => *shift = new_shift,
+            _ => panic!("data_shift needs storage"),
+        }
+        self
+    }
+
+    pub(crate) fn byte_offset(mut self, byte_offset: u64) -> Spec {
+        self.byte_offset = byte_offset;
+        self
+    }
+
+    /// Allocates the producer's arrays and the descriptor; returns the descriptor, the context,
+    /// and the storage's start address (NULL without storage).
+    fn build(self, probe: &Arc<Probe>) -> (DLTensor, *mut c_void, *mut u8) {
+        let mut shape = self.shape.clone().unwrap_or_default();
+        let mut strides = self.strides.clone().unwrap_or_default();
+        let (mut storage, shift, fake) = match self.data {
+            Data::Storage { bytes, shift } => {
+                let mut words = vec![0u64; bytes.len().div_ceil(8).max(1)];
+                // SAFETY: `words` holds at least `bytes.len()` bytes; the two do not overlap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        words.as_mut_ptr().cast::<u8>(),
+                        bytes.len(),
+                    );
+                }
+                (words, shift, None)
+            }
+            Data::Null => (vec![], 0, None),
+            Data::Fake(handle) => (vec![], 0, Some(handle)),
+        };
+        let base: *mut u8 = if storage.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            storage.as_mut_ptr().cast()
+        };
+        let data: *mut c_void = match fake {
+            Some(handle) => std::ptr::without_provenance_mut(handle),
+            None if base.is_null() => std::ptr::null_mut(),
+            None => base.wrapping_add(shift).cast(),
+        };
+        let dl = DLTensor {
+            data,
+            device: self.device,
+            ndim: self.ndim,
+            dtype: self.dtype,
+            shape: if self.shape.is_some() {
+                shape.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            strides: if self.strides.is_some() {
+                strides.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            byte_offset: self.byte_offset,
+        };
+        // Moving the vectors into the context moves no heap memory: the pointers above stay valid.
+        let ctx = Box::new(Ctx {
+            _shape: shape,
+            _strides: strides,
+            _storage: storage,
+            probe: Arc::clone(probe),
+        });
+        (dl, Box::into_raw(ctx).cast(), base)
+    }
+
+    /// Boxes a `DLManagedTensorVersioned` (the spec's version must be set).
+    pub(crate) fn make_versioned(self) -> Producer<DLManagedTensorVersioned> {
+        let version = self.version.expect("a versioned spec");
+        let flags = self.flags;
+        let probe = Arc::new(Probe::default());
+        let (dl_tensor, ctx, base) = self.build(&probe);
+        let managed = Box::new(DLManagedTensorVersioned {
+            version,
+            manager_ctx: ctx,
+            deleter: Some(delete_versioned),
+            flags,
+            dl_tensor,
+        });
+        let data = managed.dl_tensor.data;
+        Producer {
+            managed: NonNull::from(Box::leak(managed)),
+            probe,
+            base,
+            data,
+        }
+    }
+
+    /// Boxes a legacy `DLManagedTensor` (the spec's version and flags are ignored).
+    pub(crate) fn make_legacy(self) -> Producer<DLManagedTensor> {
+        let probe = Arc::new(Probe::default());
+        let (dl_tensor, ctx, base) = self.build(&probe);
+        let managed = Box::new(DLManagedTensor {
+            dl_tensor,
+            manager_ctx: ctx,
+            deleter: Some(delete_legacy),
+        });
+        let data = managed.dl_tensor.data;
+        Producer {
+            managed: NonNull::from(Box::leak(managed)),
+            probe,
+            base,
+            data,
+        }
+    }
+
+    /// Builds the producer the spec names (legacy when `version` is `None`) and imports it.
+    pub(crate) fn import(self) -> Imported {
+        if self.version.is_some() {
+            let p = self.make_versioned();
+            // SAFETY: a live tensor just built by `make_versioned`, whose ownership we give up.
+            let result = unsafe { Tensor::from_dlpack_versioned(p.managed) };
+            Imported {
+                result,
+                probe: p.probe,
+                base: p.base,
+                data: p.data,
+            }
+        } else {
+            let p = self.make_legacy();
+            // SAFETY: a live tensor just built by `make_legacy`, whose ownership we give up.
+            let result = unsafe { Tensor::from_dlpack_legacy(p.managed) };
+            Imported {
+                result,
+                probe: p.probe,
+                base: p.base,
+                data: p.data,
+            }
+        }
+    }
+}
+
+/// A boxed managed tensor not yet handed to a consumer.
+pub(crate) struct Producer<M> {
+    pub(crate) managed: NonNull<M>,
+    pub(crate) probe: Arc<Probe>,
+    /// The start of the producer's storage (NULL without storage).
+    pub(crate) base: *mut u8,
+    /// `DLTensor::data` as written.
+    pub(crate) data: *mut c_void,
+}
+
+/// The outcome of an import, with the producer's probe.
+pub(crate) struct Imported {
+    pub(crate) result: Result<Tensor, Error>,
+    pub(crate) probe: Arc<Probe>,
+    pub(crate) base: *mut u8,
+    pub(crate) data: *mut c_void,
+}
+
+impl Imported {
+    /// The tensor; panics (with the error) when the import failed.
+    pub(crate) fn tensor(self) -> (Tensor, Arc<Probe>) {
+        match self.result {
+            Ok(t) => (t, self.probe),
+            Err(e) => panic!("import failed: {e:?}"),
+        }
+    }
+}
+
+unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+    // SAFETY: `managed` was leaked from a box by `make_versioned`, its `manager_ctx` from a boxed
+    // `Ctx` by `build`; the consumer calls the deleter once, so both are reclaimed once.
+    let ctx = unsafe {
+        let managed = Box::from_raw(managed);
+        Box::from_raw(managed.manager_ctx.cast::<Ctx>())
+    };
+    ctx.probe.record();
+}
+
+unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+    // SAFETY: as in `delete_versioned`, for `make_legacy`.
+    let ctx = unsafe {
+        let managed = Box::from_raw(managed);
+        Box::from_raw(managed.manager_ctx.cast::<Ctx>())
+    };
+    ctx.probe.record();
+}

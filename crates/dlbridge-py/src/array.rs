@@ -4,7 +4,7 @@ use dlbridge::{Device, SliceArg, Tensor};
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyEllipsis, PyList, PySlice, PyTuple};
-use pyo3::{intern, IntoPyObjectExt};
+use pyo3::{IntoPyObjectExt, intern};
 
 use crate::convert;
 use crate::device::{self, PyDevice};
@@ -33,9 +33,14 @@ impl PyArray {
             Ok(t) => t.iter().collect(),
             Err(_) => vec![key.clone()],
         };
-        let ellipses = items.iter().filter(|i| i.is_instance_of::<PyEllipsis>()).count();
+        let ellipses = items
+            .iter()
+            .filter(|i| i.is_instance_of::<PyEllipsis>())
+            .count();
         if ellipses > 1 {
-            return Err(PyIndexError::new_err("an index can only have a single ellipsis ('...')"));
+            return Err(PyIndexError::new_err(
+                "an index can only have a single ellipsis ('...')",
+            ));
         }
         let consuming = items
             .iter()
@@ -59,17 +64,28 @@ impl PyArray {
                 let py = item.py();
                 let part = |name: &Bound<'_, pyo3::types::PyString>| -> PyResult<Option<isize>> {
                     let v = slice.getattr(name)?;
-                    if v.is_none() { Ok(None) } else { Ok(Some(index_value(&v)?)) }
+                    if v.is_none() {
+                        Ok(None)
+                    } else {
+                        Ok(Some(index_value(&v)?))
+                    }
                 };
                 let step = part(intern!(py, "step"))?.unwrap_or(1);
-                let arg = SliceArg { start: part(intern!(py, "start"))?, stop: part(intern!(py, "stop"))?, step };
+                let arg = SliceArg {
+                    start: part(intern!(py, "start"))?,
+                    stop: part(intern!(py, "stop"))?,
+                    step,
+                };
                 t = t.slice(axis as isize, arg).py()?;
                 axis += 1;
             } else {
                 let i = index_value(item).map_err(|_| {
                     PyIndexError::new_err(format!(
                         "only integers, slices, '...' and None are valid indices (got {})",
-                        item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                        item.get_type()
+                            .name()
+                            .map(|n| n.to_string())
+                            .unwrap_or_default()
                     ))
                 })?;
                 t = t.index(axis as isize, i).py()?;
@@ -85,7 +101,10 @@ impl PyArray {
             self.tensor.copy_to(Device::CPU).py()?
         };
         let itemsize = host.dtype().itemsize();
-        let base = host.buffer().host_ptr().expect("a CPU tensor is host-accessible");
+        let base = host
+            .buffer()
+            .host_ptr()
+            .expect("a CPU tensor is host-accessible");
         let bytes: &[u8] = if host.numel() == 0 {
             &[]
         } else {
@@ -93,7 +112,10 @@ impl PyArray {
             // offset, kept alive by `host` for the duration of this borrow; nothing writes to it
             // while the GIL is held by this call.
             unsafe {
-                std::slice::from_raw_parts(base.as_ptr().add(host.byte_offset()), host.numel() * itemsize)
+                std::slice::from_raw_parts(
+                    base.as_ptr().add(host.byte_offset()),
+                    host.numel() * itemsize,
+                )
             }
         };
         fn build<'py>(
@@ -109,7 +131,13 @@ impl PyArray {
                     let chunk = rest.iter().product::<usize>() * itemsize;
                     let list = PyList::empty(py);
                     for i in 0..n {
-                        list.append(build(py, rest, &bytes[i * chunk..(i + 1) * chunk], itemsize, dtype)?)?;
+                        list.append(build(
+                            py,
+                            rest,
+                            &bytes[i * chunk..(i + 1) * chunk],
+                            itemsize,
+                            dtype,
+                        )?)?;
                     }
                     Ok(list.into_any())
                 }
@@ -125,7 +153,11 @@ impl PyArray {
                 self.tensor.numel()
             )));
         }
-        let one = self.tensor.reshape(&[]).or_else(|_| self.tensor.copy().and_then(|c| c.reshape(&[]))).py()?;
+        let one = self
+            .tensor
+            .reshape(&[])
+            .or_else(|_| self.tensor.copy().and_then(|c| c.reshape(&[])))
+            .py()?;
         PyArray::new(one).to_list(py)
     }
 }
@@ -140,6 +172,13 @@ fn index_value(obj: &Bound<'_, PyAny>) -> PyResult<isize> {
 
 #[pymethods]
 impl PyArray {
+    /// dlbridge's DLPack 1.3 C exchange table (a capsule named `dlpack_exchange_api`), for
+    /// consumers that exchange tensors without Python calls.
+    #[classattr]
+    fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        crate::exchange_api::capsule(py)
+    }
+
     /// Exports the array as a DLPack capsule (array API standard semantics).
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
@@ -152,7 +191,10 @@ impl PyArray {
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Some(stream) = stream.filter(|s| !s.is_none()) {
             // Streams order work on CUDA and ROCm devices; everywhere else there is none to name.
-            if !matches!(self.tensor.device().kind(), dlbridge::DeviceKind::Cuda | dlbridge::DeviceKind::CudaManaged) {
+            if !matches!(
+                self.tensor.device().kind(),
+                dlbridge::DeviceKind::Cuda | dlbridge::DeviceKind::CudaManaged
+            ) {
                 return Err(PyValueError::new_err(format!(
                     "stream must be None for arrays on {} (got {})",
                     self.tensor.device(),
@@ -164,7 +206,15 @@ impl PyArray {
             Some(d) if !d.is_none() => Some(device::parse(d)?),
             _ => None,
         };
-        exchange::export(py, &self.tensor, ExportRequest { max_version, dl_device, copy })
+        exchange::export(
+            py,
+            &self.tensor,
+            ExportRequest {
+                max_version,
+                dl_device,
+                copy,
+            },
+        )
     }
 
     /// The DLPack `(device_type, device_id)` of the array.
@@ -286,7 +336,9 @@ impl PyArray {
             .map(|d| match d {
                 -1 => Ok(None),
                 d if d >= 0 => Ok(Some(d as usize)),
-                d => Err(PyValueError::new_err(format!("invalid extent {d} in reshape"))),
+                d => Err(PyValueError::new_err(format!(
+                    "invalid extent {d} in reshape"
+                ))),
             })
             .collect::<PyResult<_>>()?;
         Ok(PyArray::new(self.tensor.reshape(&dims).py()?))
@@ -335,20 +387,26 @@ impl PyArray {
 
     fn __int__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let v = self.scalar(py, "int")?;
-        py.import(intern!(py, "builtins"))?.getattr(intern!(py, "int"))?.call1((v,))
+        py.import(intern!(py, "builtins"))?
+            .getattr(intern!(py, "int"))?
+            .call1((v,))
     }
 
     fn __index__(&self, py: Python<'_>) -> PyResult<i128> {
         let dtype = self.tensor.dtype();
         if dtype.is_floating() || dtype == dlbridge::DType::BOOL {
-            return Err(PyTypeError::new_err(format!("{dtype} arrays cannot be used as indices")));
+            return Err(PyTypeError::new_err(format!(
+                "{dtype} arrays cannot be used as indices"
+            )));
         }
         self.scalar(py, "an index")?.extract()
     }
 
     fn __complex__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let v = self.scalar(py, "complex")?;
-        py.import(intern!(py, "builtins"))?.getattr(intern!(py, "complex"))?.call1((v,))
+        py.import(intern!(py, "builtins"))?
+            .getattr(intern!(py, "complex"))?
+            .call1((v,))
     }
 
     fn __bool__(&self, py: Python<'_>) -> PyResult<bool> {

@@ -55,7 +55,11 @@ pub(crate) fn scalar_kind(obj: &Bound<'_, PyAny>) -> Option<ScalarKind> {
 }
 
 /// Encodes one Python value as an element of `dtype` (native byte order) into `out`.
-pub(crate) fn write_element(dtype: DType, obj: &Bound<'_, PyAny>, out: &mut Vec<u8>) -> PyResult<()> {
+pub(crate) fn write_element(
+    dtype: DType,
+    obj: &Bound<'_, PyAny>,
+    out: &mut Vec<u8>,
+) -> PyResult<()> {
     macro_rules! int {
         ($t:ty) => {{
             let v: i128 = extract_int(obj, dtype)?;
@@ -84,7 +88,9 @@ pub(crate) fn write_element(dtype: DType, obj: &Bound<'_, PyAny>, out: &mut Vec<
         (DTypeCode::Float, 32, 1) => {
             out.extend_from_slice(&(extract_real(obj, dtype)? as f32).to_ne_bytes())
         }
-        (DTypeCode::Float, 64, 1) => out.extend_from_slice(&extract_real(obj, dtype)?.to_ne_bytes()),
+        (DTypeCode::Float, 64, 1) => {
+            out.extend_from_slice(&extract_real(obj, dtype)?.to_ne_bytes())
+        }
         (DTypeCode::Complex, 64, 1) => {
             let (re, im) = extract_complex(obj)?;
             out.extend_from_slice(&(re as f32).to_ne_bytes());
@@ -114,13 +120,17 @@ fn extract_int(obj: &Bound<'_, PyAny>, dtype: DType) -> PyResult<i128> {
             obj.repr()?
         )));
     }
-    obj.extract::<i128>().map_err(|_| match obj.extract::<f64>() {
-        Ok(_) => PyOverflowError::new_err(format!("{} is out of range for {dtype}", obj.repr().map(|r| r.to_string()).unwrap_or_default())),
-        Err(_) => PyTypeError::new_err(format!(
-            "cannot store {} in a {dtype} array",
-            obj.repr().map(|r| r.to_string()).unwrap_or_default()
-        )),
-    })
+    obj.extract::<i128>()
+        .map_err(|_| match obj.extract::<f64>() {
+            Ok(_) => PyOverflowError::new_err(format!(
+                "{} is out of range for {dtype}",
+                obj.repr().map(|r| r.to_string()).unwrap_or_default()
+            )),
+            Err(_) => PyTypeError::new_err(format!(
+                "cannot store {} in a {dtype} array",
+                obj.repr().map(|r| r.to_string()).unwrap_or_default()
+            )),
+        })
 }
 
 fn extract_real(obj: &Bound<'_, PyAny>, dtype: DType) -> PyResult<f64> {
@@ -141,7 +151,11 @@ fn extract_complex(obj: &Bound<'_, PyAny>) -> PyResult<(f64, f64)> {
 }
 
 /// Decodes one element of `dtype` from native-order bytes.
-pub(crate) fn read_element<'py>(py: Python<'py>, dtype: DType, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn read_element<'py>(
+    py: Python<'py>,
+    dtype: DType,
+    bytes: &[u8],
+) -> PyResult<Bound<'py, PyAny>> {
     macro_rules! num {
         ($t:ty) => {{
             let v = <$t>::from_ne_bytes(bytes.try_into().expect("itemsize checked"));
@@ -158,16 +172,19 @@ pub(crate) fn read_element<'py>(py: Python<'py>, dtype: DType, bytes: &[u8]) -> 
         (DTypeCode::UInt, 16, 1) => num!(u16),
         (DTypeCode::UInt, 32, 1) => num!(u32),
         (DTypeCode::UInt, 64, 1) => num!(u64),
-        (DTypeCode::Float, 16, 1) => {
-            half::f16::from_ne_bytes([bytes[0], bytes[1]]).to_f64().into_pyobject(py)?.into_any()
-        }
-        (DTypeCode::BFloat, 16, 1) => {
-            half::bf16::from_ne_bytes([bytes[0], bytes[1]]).to_f64().into_pyobject(py)?.into_any()
-        }
+        (DTypeCode::Float, 16, 1) => half::f16::from_ne_bytes([bytes[0], bytes[1]])
+            .to_f64()
+            .into_pyobject(py)?
+            .into_any(),
+        (DTypeCode::BFloat, 16, 1) => half::bf16::from_ne_bytes([bytes[0], bytes[1]])
+            .to_f64()
+            .into_pyobject(py)?
+            .into_any(),
         (DTypeCode::Float, 32, 1) => (num_f32(bytes) as f64).into_pyobject(py)?.into_any(),
         (DTypeCode::Float, 64, 1) => num!(f64),
         (DTypeCode::Complex, 64, 1) => {
-            PyComplex::from_doubles(py, num_f32(&bytes[..4]) as f64, num_f32(&bytes[4..]) as f64).into_any()
+            PyComplex::from_doubles(py, num_f32(&bytes[..4]) as f64, num_f32(&bytes[4..]) as f64)
+                .into_any()
         }
         (DTypeCode::Complex, 128, 1) => PyComplex::from_doubles(
             py,
@@ -199,7 +216,11 @@ pub(crate) struct Nested<'py> {
 
 /// Flattens nested lists/tuples of Python scalars, checking that they are rectangular.
 pub(crate) fn flatten<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Nested<'py>> {
-    let mut out = Nested { shape: vec![], leaves: vec![], kind: ScalarKind::Bool };
+    let mut out = Nested {
+        shape: vec![],
+        leaves: vec![],
+        kind: ScalarKind::Bool,
+    };
     let mut shape_known = false;
     walk(obj, 0, &mut out, &mut shape_known)?;
     if out.leaves.is_empty() && out.shape.is_empty() {
@@ -210,7 +231,12 @@ pub(crate) fn flatten<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Nested<'py>> {
     Ok(out)
 }
 
-fn walk<'py>(obj: &Bound<'py, PyAny>, depth: usize, out: &mut Nested<'py>, shape_known: &mut bool) -> PyResult<()> {
+fn walk<'py>(
+    obj: &Bound<'py, PyAny>,
+    depth: usize,
+    out: &mut Nested<'py>,
+    shape_known: &mut bool,
+) -> PyResult<()> {
     if let Some(kind) = scalar_kind(obj) {
         if !*shape_known {
             out.shape.truncate(depth);
@@ -234,7 +260,10 @@ fn walk<'py>(obj: &Bound<'py, PyAny>, depth: usize, out: &mut Nested<'py>, shape
         )));
     };
     if depth >= dlbridge::MAX_NDIM {
-        return Err(PyValueError::new_err(format!("nesting deeper than {} levels", dlbridge::MAX_NDIM)));
+        return Err(PyValueError::new_err(format!(
+            "nesting deeper than {} levels",
+            dlbridge::MAX_NDIM
+        )));
     }
     let len = seq.len()?;
     if *shape_known {

@@ -2,9 +2,9 @@
 
 use dlbridge::{DType, Device, Tensor};
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
-use pyo3::intern;
 
 use crate::array::PyArray;
 use crate::convert::{self, ScalarKind};
@@ -16,7 +16,8 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     let dims: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
         vec![n]
     } else if obj.cast::<PySequence>().is_ok() {
-        obj.extract().map_err(|_| PyTypeError::new_err("a shape is a sequence of integers"))?
+        obj.extract()
+            .map_err(|_| PyTypeError::new_err("a shape is a sequence of integers"))?
     } else {
         return Err(PyTypeError::new_err(format!(
             "a shape is an integer or a sequence of integers, not {}",
@@ -25,7 +26,8 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     };
     dims.into_iter()
         .map(|d| {
-            usize::try_from(d).map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
+            usize::try_from(d)
+                .map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
         })
         .collect()
 }
@@ -59,7 +61,12 @@ pub(crate) fn empty(
 ) -> PyResult<PyArray> {
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
     let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
-    Ok(PyArray::new(allocate(&parse_shape(shape)?, dtype, device, false)?))
+    Ok(PyArray::new(allocate(
+        &parse_shape(shape)?,
+        dtype,
+        device,
+        false,
+    )?))
 }
 
 /// A new zero-filled array. The default dtype is float32.
@@ -72,7 +79,12 @@ pub(crate) fn zeros(
 ) -> PyResult<PyArray> {
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
     let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
-    Ok(PyArray::new(allocate(&parse_shape(shape)?, dtype, device, true)?))
+    Ok(PyArray::new(allocate(
+        &parse_shape(shape)?,
+        dtype,
+        device,
+        true,
+    )?))
 }
 
 /// A new array filled with `fill_value`; the dtype defaults to the value's kind (bool, int64,
@@ -117,9 +129,12 @@ pub(crate) fn arange(
         Some(s) => s.clone(),
         None => 1i64.into_pyobject(py)?.into_any(),
     };
-    let all_int = [&start, &stop, &step]
-        .iter()
-        .all(|v| matches!(convert::scalar_kind(v), Some(ScalarKind::Int | ScalarKind::Bool)));
+    let all_int = [&start, &stop, &step].iter().all(|v| {
+        matches!(
+            convert::scalar_kind(v),
+            Some(ScalarKind::Int | ScalarKind::Bool)
+        )
+    });
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(if all_int { DType::I64 } else { DType::F32 });
     let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
     let values: Vec<f64>;
@@ -130,13 +145,19 @@ pub(crate) fn arange(
         if s == 0 {
             return Err(PyValueError::new_err("arange step cannot be zero"));
         }
-        count = if (s > 0 && b > a) || (s < 0 && b < a) { ((b - a).abs() + s.abs() - 1) / s.abs() } else { 0 };
+        count = if (s > 0 && b > a) || (s < 0 && b < a) {
+            ((b - a).abs() + s.abs() - 1) / s.abs()
+        } else {
+            0
+        };
         ints = (0..count).map(|i| a + i * s).collect();
         values = vec![];
     } else {
         let (a, b, s): (f64, f64, f64) = (start.extract()?, stop.extract()?, step.extract()?);
         if s == 0.0 || !s.is_finite() || !a.is_finite() || !b.is_finite() {
-            return Err(PyValueError::new_err("arange needs finite bounds and a non-zero step"));
+            return Err(PyValueError::new_err(
+                "arange needs finite bounds and a non-zero step",
+            ));
         }
         let n = ((b - a) / s).ceil();
         count = if n > 0.0 { n as i128 } else { 0 };
@@ -146,7 +167,11 @@ pub(crate) fn arange(
     let count = usize::try_from(count).map_err(|_| PyValueError::new_err("arange is too long"))?;
     let mut bytes = Vec::with_capacity(count * dtype.itemsize());
     for i in 0..count {
-        let v = if all_int { ints[i].into_pyobject(py)?.into_any() } else { values[i].into_pyobject(py)?.into_any() };
+        let v = if all_int {
+            ints[i].into_pyobject(py)?.into_any()
+        } else {
+            values[i].into_pyobject(py)?.into_any()
+        };
         convert::write_element(dtype, &v, &mut bytes)?;
     }
     Ok(PyArray::new(from_bytes(&[count], dtype, &bytes, device)?))
@@ -159,8 +184,17 @@ fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8], device: Device) -> Py
     let host = Tensor::empty(&[bytes.len()], DType::U8, Device::CPU).py()?;
     let mut host = host;
     host.as_mut_slice::<u8>().py()?.copy_from_slice(bytes);
-    let typed = Tensor::new(host.buffer().clone(), dtype, dlbridge::Layout::contiguous(shape).py()?).py()?;
-    if device.is_cpu() { Ok(typed) } else { typed.copy_to(device).py() }
+    let typed = Tensor::new(
+        host.buffer().clone(),
+        dtype,
+        dlbridge::Layout::contiguous(shape).py()?,
+    )
+    .py()?;
+    if device.is_cpu() {
+        Ok(typed)
+    } else {
+        typed.copy_to(device).py()
+    }
 }
 
 /// Converts any supported object to a tensor: a dlbridge array, a DLPack capsule or producer
@@ -175,7 +209,10 @@ pub(crate) fn tensor_from(
     let py = obj.py();
     let zero_copy_source = if let Ok(a) = obj.cast::<PyArray>() {
         Some(exchange::finish_import(
-            exchange::Taken { tensor: a.get().tensor.clone(), is_copied: false },
+            exchange::Taken {
+                tensor: a.get().tensor.clone(),
+                is_copied: false,
+            },
             device,
             copy,
         )?)
@@ -183,9 +220,19 @@ pub(crate) fn tensor_from(
         || obj.hasattr(intern!(py, "__dlpack__"))?
     {
         Some(exchange::from_dlpack(obj, device, copy)?)
-    } else if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() && exchange::has_buffer(obj) {
+    } else if !obj.is_instance_of::<PyList>()
+        && !obj.is_instance_of::<PyTuple>()
+        && exchange::has_buffer(obj)
+    {
         let t = exchange::from_buffer(obj)?;
-        Some(exchange::finish_import(exchange::Taken { tensor: t, is_copied: false }, device, copy)?)
+        Some(exchange::finish_import(
+            exchange::Taken {
+                tensor: t,
+                is_copied: false,
+            },
+            device,
+            copy,
+        )?)
     } else {
         None
     };

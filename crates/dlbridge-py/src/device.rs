@@ -71,12 +71,15 @@ pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
         return s.to_cow()?.parse::<Device>().py();
     }
     if let Ok((device_type, device_id)) = obj.extract::<(i32, i32)>() {
-        return Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice { device_type, device_id })
-            .map_err(|_| {
-                pyo3::exceptions::PyValueError::new_err(format!(
-                    "({device_type}, {device_id}) is not a DLPack device"
-                ))
-            });
+        return Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
+            device_type,
+            device_id,
+        })
+        .map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "({device_type}, {device_id}) is not a DLPack device"
+            ))
+        });
     }
     let py = obj.py();
     if let (Ok(kind), Ok(index)) = (

@@ -62,7 +62,10 @@ pub(crate) fn take_capsule(capsule: &Bound<'_, PyAny>) -> PyResult<Taken> {
         rename(raw, USED_LEGACY)?;
         // SAFETY: a live legacy tensor whose ownership passed to us with the rename.
         let tensor = unsafe { Tensor::from_dlpack_legacy(managed) }.py()?;
-        return Ok(Taken { tensor, is_copied: false });
+        return Ok(Taken {
+            tensor,
+            is_copied: false,
+        });
     }
     let name = capsule.name()?.map(|n| {
         // SAFETY: a capsule's name, when set, is a NUL-terminated string that lives as long as
@@ -95,7 +98,11 @@ fn rename(capsule: *mut ffi::PyObject, name: &'static CStr) -> PyResult<()> {
 /// # Safety
 /// The GIL must be held.
 unsafe fn preserving_exception(f: impl FnOnce()) {
-    let (mut ty, mut value, mut tb) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    let (mut ty, mut value, mut tb) = (
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    );
     // SAFETY: the GIL is held; the three out-pointers are valid.
     unsafe { ffi::PyErr_Fetch(&mut ty, &mut value, &mut tb) };
     f();
@@ -173,7 +180,11 @@ pub(crate) struct ExportRequest {
 }
 
 /// Exports `tensor` into a new capsule, honouring `dl_device`, `copy` and `max_version`.
-pub(crate) fn export<'py>(py: Python<'py>, tensor: &Tensor, req: ExportRequest) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn export<'py>(
+    py: Python<'py>,
+    tensor: &Tensor,
+    req: ExportRequest,
+) -> PyResult<Bound<'py, PyAny>> {
     let mut copied: Option<Tensor> = None;
     if let Some(target) = req.dl_device {
         if target != tensor.device() {
@@ -194,22 +205,37 @@ pub(crate) fn export<'py>(py: Python<'py>, tensor: &Tensor, req: ExportRequest) 
     match req.max_version {
         Some((major, minor)) if major >= 1 => {
             let version = if major == 1 {
-                DLPackVersion { major: 1, minor: minor.min(dlbridge::dlpack::VERSION.minor) }
+                DLPackVersion {
+                    major: 1,
+                    minor: minor.min(dlbridge::dlpack::VERSION.minor),
+                }
             } else {
                 dlbridge::dlpack::VERSION
             };
             let managed = tensor.to_dlpack_versioned(version, is_copied);
-            new_capsule(py, managed.as_ptr().cast(), VERSIONED, drop_versioned_capsule, || {
-                // SAFETY: the capsule was not created, so we still own the export.
-                unsafe { free_versioned(managed) }
-            })
+            new_capsule(
+                py,
+                managed.as_ptr().cast(),
+                VERSIONED,
+                drop_versioned_capsule,
+                || {
+                    // SAFETY: the capsule was not created, so we still own the export.
+                    unsafe { free_versioned(managed) }
+                },
+            )
         }
         _ => {
             let managed = tensor.to_dlpack_legacy().py()?;
-            new_capsule(py, managed.as_ptr().cast(), LEGACY, drop_legacy_capsule, || {
-                // SAFETY: the capsule was not created, so we still own the export.
-                unsafe { free_legacy(managed) }
-            })
+            new_capsule(
+                py,
+                managed.as_ptr().cast(),
+                LEGACY,
+                drop_legacy_capsule,
+                || {
+                    // SAFETY: the capsule was not created, so we still own the export.
+                    unsafe { free_legacy(managed) }
+                },
+            )
         }
     }
 }
@@ -245,8 +271,16 @@ pub(crate) fn from_dlpack(
     copy: Option<bool>,
 ) -> PyResult<Tensor> {
     let py = x.py();
-    let taken = if x.is_instance_of::<PyCapsule>() {
+    let taken = if let Ok(array) = x.cast::<crate::array::PyArray>() {
+        // One of ours: share the tensor directly.
+        Taken {
+            tensor: array.get().tensor.clone(),
+            is_copied: false,
+        }
+    } else if x.is_instance_of::<PyCapsule>() {
         take_capsule(x)?
+    } else if let Some(taken) = crate::exchange_api::take_via_table(x) {
+        taken?
     } else {
         let capsule = call_dlpack(py, x, device, copy)?;
         take_capsule(&capsule)?
@@ -255,7 +289,11 @@ pub(crate) fn from_dlpack(
 }
 
 /// Applies the consumer's `device` and `copy` to an imported tensor.
-pub(crate) fn finish_import(taken: Taken, device: Option<Device>, copy: Option<bool>) -> PyResult<Tensor> {
+pub(crate) fn finish_import(
+    taken: Taken,
+    device: Option<Device>,
+    copy: Option<bool>,
+) -> PyResult<Tensor> {
     let Taken { tensor, is_copied } = taken;
     let target = device.unwrap_or_else(|| tensor.device());
     if target != tensor.device() {
@@ -316,7 +354,9 @@ fn max_version_tuple(py: Python<'_>) -> &Bound<'_, PyTuple> {
     TUPLE
         .get_or_init(py, || {
             let v = dlbridge::dlpack::VERSION;
-            PyTuple::new(py, [v.major, v.minor]).expect("a tuple of two ints").unbind()
+            PyTuple::new(py, [v.major, v.minor])
+                .expect("a tuple of two ints")
+                .unbind()
         })
         .bind(py)
 }
@@ -327,7 +367,11 @@ fn producer_device(x: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
     match x.call_method0(intern!(py, "__dlpack_device__")) {
         Ok(pair) => {
             let (device_type, device_id): (i32, i32) = pair.extract()?;
-            Ok(Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice { device_type, device_id }).ok())
+            Ok(Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
+                device_type,
+                device_id,
+            })
+            .ok())
         }
         Err(_) => Ok(None),
     }
@@ -435,7 +479,9 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let format = if v.format.is_null() {
         "B".to_owned()
     } else {
-        unsafe { CStr::from_ptr(v.format) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(v.format) }
+            .to_string_lossy()
+            .into_owned()
     };
     let dtype = dtype_of_format(&format).ok_or_else(|| {
         PyBufferError::new_err(format!("buffer format {format:?} has no DLPack dtype"))
@@ -448,7 +494,9 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         )));
     }
     if !v.suboffsets.is_null() {
-        return Err(PyBufferError::new_err("buffers with suboffsets (PIL-style) are not supported"));
+        return Err(PyBufferError::new_err(
+            "buffers with suboffsets (PIL-style) are not supported",
+        ));
     }
     let ndim = usize::try_from(v.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
     let (mut shape, mut strides) = (Vec::with_capacity(ndim), Vec::with_capacity(ndim));
@@ -505,9 +553,13 @@ fn dtype_of_format(format: &str) -> Option<DType> {
         "H" => DType::U16,
         "i" => DType::I32,
         "I" => DType::U32,
-        "l" | "q" | "n" if std::mem::size_of::<std::ffi::c_long>() == 8 || body != "l" => DType::I64,
+        "l" | "q" | "n" if std::mem::size_of::<std::ffi::c_long>() == 8 || body != "l" => {
+            DType::I64
+        }
         "l" => DType::I32,
-        "L" | "Q" | "N" if std::mem::size_of::<std::ffi::c_ulong>() == 8 || body != "L" => DType::U64,
+        "L" | "Q" | "N" if std::mem::size_of::<std::ffi::c_ulong>() == 8 || body != "L" => {
+            DType::U64
+        }
         "L" => DType::U32,
         "e" => DType::F16,
         "f" => DType::F32,

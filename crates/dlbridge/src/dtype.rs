@@ -441,7 +441,10 @@ fn minifloat_format(dtype: DType) -> Option<MiniFloat> {
         DTypeCode::Float8E4M3Fnuz => f(4, 3, 8, false, false, true),
         DTypeCode::Float8E5M2 => f(5, 2, 15, true, false, false),
         DTypeCode::Float8E5M2Fnuz => f(5, 2, 16, false, false, true),
-        DTypeCode::Float8E8M0Fnu => MiniFloat { unsigned: true, ..f(8, 0, 127, false, true, false) },
+        DTypeCode::Float8E8M0Fnu => MiniFloat {
+            unsigned: true,
+            ..f(8, 0, 127, false, true, false)
+        },
         DTypeCode::Float6E2M3Fn => f(2, 3, 1, false, false, false),
         DTypeCode::Float6E3M2Fn => f(3, 2, 3, false, false, false),
         DTypeCode::Float4E2M1Fn => f(2, 1, 1, false, false, false),
@@ -493,7 +496,9 @@ pub fn f64_to_minifloat(dtype: DType, value: f64) -> Option<u8> {
     let width = fmt.exponent_bits + fmt.mantissa_bits + u32::from(!fmt.unsigned);
     let codes = 0..(1u16 << width);
     if value.is_nan() {
-        return codes.map(|c| c as u8).find(|&c| minifloat_to_f64(dtype, c).is_some_and(f64::is_nan));
+        return codes
+            .map(|c| c as u8)
+            .find(|&c| minifloat_to_f64(dtype, c).is_some_and(f64::is_nan));
     }
     let mut best: Option<(u8, f64)> = None;
     for c in codes.map(|c| c as u8) {

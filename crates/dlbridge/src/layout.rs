@@ -272,10 +272,11 @@ impl Layout {
         let axis = wrap_axis(axis, self.ndim())?;
         let (start, count) = arg.resolve(self.shape[axis])?;
         let mut out = self.clone();
-        if count > 0 {
+        out.shape[axis] = count;
+        // An empty view addresses no bytes: keep its offset where it is.
+        if out.numel() > 0 {
             out.byte_offset = moved_offset(self.byte_offset, start, self.strides[axis], itemsize)?;
         }
-        out.shape[axis] = count;
         out.strides[axis] = self.strides[axis]
             .checked_mul(arg.step)
             .ok_or_else(|| overflow("sliced stride"))?;
@@ -293,7 +294,10 @@ impl Layout {
             )));
         }
         let mut out = self.clone();
-        out.byte_offset = moved_offset(self.byte_offset, i as usize, self.strides[axis], itemsize)?;
+        if self.numel() > 0 {
+            out.byte_offset =
+                moved_offset(self.byte_offset, i as usize, self.strides[axis], itemsize)?;
+        }
         out.shape.remove(axis);
         out.strides.remove(axis);
         Ok(out)

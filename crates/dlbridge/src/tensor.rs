@@ -353,7 +353,11 @@ impl Tensor {
     /// toward zero into integers, complex drops the imaginary part into reals). A same-dtype cast
     /// is a plain copy.
     pub fn cast(&self, dtype: DType) -> Result<Tensor> {
-        let compact = if self.device().is_cpu() { self.copy()? } else { self.copy_to(Device::CPU)? };
+        let compact = if self.device().is_cpu() {
+            self.copy()?
+        } else {
+            self.copy_to(Device::CPU)?
+        };
         if dtype == self.dtype {
             return Ok(compact);
         }
@@ -361,7 +365,11 @@ impl Tensor {
         let src = compact.host_bytes()?;
         let dst = out.host_bytes_mut()?;
         backend::cpu::cast::cast_bytes(src, self.dtype, dst, dtype)?;
-        if self.device().is_cpu() { Ok(out) } else { out.copy_to(self.device()) }
+        if self.device().is_cpu() {
+            Ok(out)
+        } else {
+            out.copy_to(self.device())
+        }
     }
 
     /// The bytes of a compact host view.
@@ -375,7 +383,9 @@ impl Tensor {
         }
         // SAFETY: a compact view's `nbytes` bytes from its offset lie inside the live buffer
         // (checked at construction); u8 has no alignment or validity requirements.
-        Ok(unsafe { std::slice::from_raw_parts(base.as_ptr().add(self.byte_offset()), self.nbytes()) })
+        Ok(unsafe {
+            std::slice::from_raw_parts(base.as_ptr().add(self.byte_offset()), self.nbytes())
+        })
     }
 
     /// The bytes of a compact host view this handle alone owns.
@@ -393,7 +403,9 @@ impl Tensor {
         }
         // SAFETY: as in `host_bytes`; the buffer has no other handle and `self` is borrowed
         // mutably for the slice's lifetime.
-        Ok(unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(self.byte_offset()), self.nbytes()) })
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(base.as_ptr().add(self.byte_offset()), self.nbytes())
+        })
     }
 
     /// Copies `src` into this view element by element (shapes equal, or `src` broadcastable to

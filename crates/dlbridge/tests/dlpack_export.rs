@@ -1,20 +1,21 @@
 //! Exporting tensors through DLPack: every field of the exported structs, the reference the export
 //! holds on the buffer, zero-copy round trips of strided views, deleters called from other threads,
 //! and the `READ_ONLY` / `IS_COPIED` / `IS_SUBBYTE_TYPE_PADDED` flags.
+//!
+//! Exports are held through `common::Export`, which reads the fields and calls the deleter once,
+//! on drop, as a consumer would.
 
 mod common;
 
-use std::ptr::NonNull;
 use std::thread;
 
-use common::Spec;
+use common::{Export, Managed, Spec, export_legacy, export_versioned, round_trip};
 use dlbridge::dlpack::ffi::{
-    DLDataType, DLManagedTensor, DLManagedTensorVersioned, DLPACK_FLAG_BITMASK_IS_COPIED,
-    DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, DLPACK_FLAG_BITMASK_READ_ONLY, DLPackVersion,
-    DLTensor, K_DL_CPU,
+    DLDataType, DLPACK_FLAG_BITMASK_IS_COPIED, DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED,
+    DLPACK_FLAG_BITMASK_READ_ONLY, DLPackVersion, K_DL_CPU,
 };
 use dlbridge::dlpack::{self, ffi};
-use dlbridge::{DType, Device, SliceArg, Tensor};
+use dlbridge::{DType, Device, Error, SliceArg, Tensor};
 
 fn iota_i32(n: usize) -> Vec<i32> {
     (0..n as i32).collect()
@@ -34,60 +35,22 @@ fn first_element(t: &Tensor) -> *mut u8 {
         .wrapping_add(t.byte_offset())
 }
 
-/// The descriptor's shape and strides.
-///
-/// # Safety
-/// `dl` must be a live descriptor whose arrays hold `ndim` entries each.
-unsafe fn dims(dl: &DLTensor) -> (Vec<i64>, Vec<i64>) {
-    let n = dl.ndim as usize;
-    // SAFETY: the caller guarantees both arrays are live and `ndim` long.
-    unsafe {
-        (
-            std::slice::from_raw_parts(dl.shape, n).to_vec(),
-            std::slice::from_raw_parts(dl.strides, n).to_vec(),
-        )
-    }
-}
-
-/// Calls a versioned export's deleter.
-///
-/// # Safety
-/// `m` must be a live export not yet deleted.
-unsafe fn delete_versioned(m: NonNull<DLManagedTensorVersioned>) {
-    // SAFETY: forwarded.
-    unsafe { ((*m.as_ptr()).deleter.expect("a deleter"))(m.as_ptr()) }
-}
-
-/// Calls a legacy export's deleter.
-///
-/// # Safety
-/// `m` must be a live export not yet deleted.
-unsafe fn delete_legacy(m: NonNull<DLManagedTensor>) {
-    // SAFETY: forwarded.
-    unsafe { ((*m.as_ptr()).deleter.expect("a deleter"))(m.as_ptr()) }
-}
-
-/// Checks the descriptor of an export of a CPU view `t`: `data` is the first element's address and
-/// `byte_offset` 0; ndim, dtype, device, shape and strides match; the arrays are non-NULL even for
-/// 0-d views.
-///
-/// # Safety
-/// `dl` must be a live exported descriptor.
-unsafe fn assert_describes(dl: &DLTensor, t: &Tensor) {
+/// Checks the descriptor of an export of the CPU view `t`: `data` is the first element's address
+/// and `byte_offset` 0; ndim, dtype and device match; shape and strides are non-NULL (even for 0-d
+/// views) and match.
+#[track_caller]
+fn assert_describes<M: Managed>(e: &Export<M>, t: &Tensor) {
+    let dl = e.dl();
     assert_eq!(dl.data.cast::<u8>(), first_element(t));
     assert_eq!(dl.byte_offset, 0);
     assert_eq!(dl.ndim as usize, t.ndim());
     assert_eq!(dl.dtype, t.dtype().to_dlpack());
     assert_eq!(dl.device.device_type, K_DL_CPU);
     assert_eq!(dl.device.device_id, 0);
-    assert!(!dl.shape.is_null(), "shape must never be NULL");
-    assert!(!dl.strides.is_null(), "strides must never be NULL");
-    // SAFETY: forwarded; the arrays were just checked non-NULL.
-    let (shape, strides) = unsafe { dims(dl) };
-    let want_shape: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
-    let want_strides: Vec<i64> = t.strides().iter().map(|&s| s as i64).collect();
-    assert_eq!(shape, want_shape);
-    assert_eq!(strides, want_strides);
+    let shape: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
+    let strides: Vec<i64> = t.strides().iter().map(|&s| s as i64).collect();
+    assert_eq!(e.shape(), &shape[..]);
+    assert_eq!(e.strides(), &strides[..]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -97,25 +60,23 @@ unsafe fn assert_describes(dl: &DLTensor, t: &Tensor) {
 /// A versioned export of a column slice: version, flags, manager_ctx, deleter and the descriptor.
 #[test]
 fn versioned_export_fields() {
+    assert_eq!(dlpack::VERSION, DLPackVersion { major: 1, minor: 3 });
     let t = matrix();
     let view = t.slice(1, SliceArg::range(1, 3)).unwrap(); // shape [3, 2], strides [4, 1]
     assert_eq!(view.byte_offset(), 4);
     for version in [dlpack::VERSION, DLPackVersion { major: 1, minor: 1 }] {
-        let e = view.to_dlpack_versioned(version, false);
-        // SAFETY: a live export we own, deleted once at the end.
-        unsafe {
-            let m = &*e.as_ptr();
-            assert_eq!(m.version, version);
-            assert_eq!(m.flags, 0);
-            assert!(!m.manager_ctx.is_null());
-            assert!(m.deleter.is_some());
-            assert_describes(&m.dl_tensor, &view);
-            assert_eq!(dims(&m.dl_tensor), (vec![3, 2], vec![4, 1]));
-            assert_eq!(*m.dl_tensor.data.cast::<i32>(), 1);
-            delete_versioned(e);
-        }
+        // SAFETY: a fresh export we own, with `ndim`-long arrays.
+        let e = unsafe { Export::new(view.to_dlpack_versioned(version, false)) };
+        let m = e.get();
+        assert_eq!(m.version, version);
+        assert_eq!(m.flags, 0);
+        assert!(!m.manager_ctx.is_null());
+        assert!(m.deleter.is_some());
+        assert_describes(&e, &view);
+        assert_eq!((e.shape(), e.strides()), (&[3i64, 2][..], &[4i64, 1][..]));
+        // SAFETY: `data` is the first element of a live int32 view.
+        assert_eq!(unsafe { *e.dl().data.cast::<i32>() }, 1);
     }
-    assert_eq!(dlpack::VERSION, DLPackVersion { major: 1, minor: 3 });
 }
 
 /// A legacy export carries the same descriptor.
@@ -123,16 +84,11 @@ fn versioned_export_fields() {
 fn legacy_export_fields() {
     let t = matrix();
     let view = t.transpose().unwrap();
-    let e = view.to_dlpack_legacy().unwrap();
-    // SAFETY: a live export we own, deleted once at the end.
-    unsafe {
-        let m = &*e.as_ptr();
-        assert!(!m.manager_ctx.is_null());
-        assert!(m.deleter.is_some());
-        assert_describes(&m.dl_tensor, &view);
-        assert_eq!(dims(&m.dl_tensor), (vec![4, 3], vec![1, 4]));
-        delete_legacy(e);
-    }
+    let e = export_legacy(&view).unwrap();
+    assert!(!e.get().manager_ctx.is_null());
+    assert!(e.get().deleter.is_some());
+    assert_describes(&e, &view);
+    assert_eq!((e.shape(), e.strides()), (&[4i64, 3][..], &[1i64, 4][..]));
 }
 
 /// 0-d and zero-size tensors still get non-NULL shape and strides arrays.
@@ -142,25 +98,12 @@ fn export_of_0d_and_empty_tensors() {
     assert_eq!(scalar.ndim(), 0);
     let empty = Tensor::zeros(&[0, 3], DType::F64, Device::CPU).unwrap();
     for t in [&scalar, &empty] {
-        let e = t.to_dlpack_versioned(dlpack::VERSION, false);
-        // SAFETY: a live export we own, deleted once.
-        unsafe {
-            assert_describes(&(*e.as_ptr()).dl_tensor, t);
-            delete_versioned(e);
-        }
-        let e = t.to_dlpack_legacy().unwrap();
-        // SAFETY: as above.
-        unsafe {
-            assert_describes(&(*e.as_ptr()).dl_tensor, t);
-            delete_legacy(e);
-        }
+        assert_describes(&export_versioned(t, false), t);
+        assert_describes(&export_legacy(t).unwrap(), t);
     }
-    let e = scalar.to_dlpack_versioned(dlpack::VERSION, false);
-    // SAFETY: a live export of a 0-d int32 view: `data` points at its one element.
-    unsafe {
-        assert_eq!(*(*e.as_ptr()).dl_tensor.data.cast::<i32>(), 11);
-        delete_versioned(e);
-    }
+    let e = export_versioned(&scalar, false);
+    // SAFETY: `data` is the one element of a live 0-d int32 view.
+    assert_eq!(unsafe { *e.dl().data.cast::<i32>() }, 11);
 }
 
 /// The dtype descriptor is written as DLPack spells it, vector lanes included.
@@ -179,16 +122,8 @@ fn export_dtype_descriptors() {
     for (name, code, bits, lanes) in cases {
         let dtype: DType = name.parse().unwrap();
         let t = Tensor::zeros(&[2], dtype, Device::CPU).unwrap();
-        let e = t.to_dlpack_versioned(dlpack::VERSION, false);
-        // SAFETY: a live export we own, deleted once.
-        unsafe {
-            assert_eq!(
-                (*e.as_ptr()).dl_tensor.dtype,
-                DLDataType { code, bits, lanes },
-                "{name}"
-            );
-            delete_versioned(e);
-        }
+        let e = export_versioned(&t, false);
+        assert_eq!(e.dl().dtype, DLDataType { code, bits, lanes }, "{name}");
     }
 }
 
@@ -204,23 +139,21 @@ fn export_keeps_the_buffer_alive_until_its_deleter_runs() {
     let buffer = t.buffer().clone();
     assert_eq!(buffer.ref_count(), 2);
 
-    let versioned = t.to_dlpack_versioned(dlpack::VERSION, false);
+    let versioned = export_versioned(&t, false);
     assert_eq!(buffer.ref_count(), 3);
-    let legacy = t.to_dlpack_legacy().unwrap();
+    let legacy = export_legacy(&t).unwrap();
     assert_eq!(buffer.ref_count(), 4);
     drop(t);
     assert_eq!(buffer.ref_count(), 3);
 
-    // SAFETY: live exports of a 3x4 int32 tensor; each deleter is called once.
-    unsafe {
-        let data = (*versioned.as_ptr()).dl_tensor.data.cast::<i32>();
-        assert_eq!(std::slice::from_raw_parts(data, 12), &iota_i32(12)[..]);
-        delete_versioned(versioned);
-        assert_eq!(buffer.ref_count(), 2);
-        let data = (*legacy.as_ptr()).dl_tensor.data.cast::<i32>();
-        assert_eq!(std::slice::from_raw_parts(data, 12), &iota_i32(12)[..]);
-        delete_legacy(legacy);
+    for data in [versioned.dl().data, legacy.dl().data] {
+        // SAFETY: each export keeps its 12 int32 elements alive.
+        let values = unsafe { std::slice::from_raw_parts(data.cast::<i32>(), 12) };
+        assert_eq!(values, &iota_i32(12)[..]);
     }
+    drop(versioned); // calls the deleter
+    assert_eq!(buffer.ref_count(), 2);
+    drop(legacy);
     assert_eq!(buffer.ref_count(), 1);
 }
 
@@ -229,44 +162,31 @@ fn export_keeps_the_buffer_alive_until_its_deleter_runs() {
 #[test]
 fn export_of_an_import_keeps_the_producer_alive() {
     let (t, probe) = Spec::f32(&[1.0, 2.0, 3.0], &[3]).import().tensor();
-    let e = t.to_dlpack_versioned(dlpack::VERSION, false);
+    let e = export_versioned(&t, false);
     drop(t);
     assert_eq!(probe.deletes(), 0);
-    // SAFETY: a live export we own; deleted once.
-    unsafe { delete_versioned(e) };
+    drop(e);
     assert_eq!(probe.deletes(), 1);
 }
 
 /// The deleter may be called from any thread; it releases the reference there.
 #[test]
 fn deleter_called_from_another_thread() {
-    struct SendPtr(NonNull<DLManagedTensorVersioned>);
-    // SAFETY: DLPack exports may be deleted from any thread; the pointer is only used for that.
-    unsafe impl Send for SendPtr {}
-
     let t = matrix();
     let buffer = t.buffer().clone();
-    let e = SendPtr(t.to_dlpack_versioned(dlpack::VERSION, false));
+    let e = export_versioned(&t, false);
     drop(t);
     assert_eq!(buffer.ref_count(), 2);
-    thread::spawn(move || {
-        let e = e;
-        // SAFETY: a live export, deleted once, here.
-        unsafe { delete_versioned(e.0) };
-    })
-    .join()
-    .unwrap();
+    thread::spawn(move || drop(e)).join().unwrap();
     assert_eq!(buffer.ref_count(), 1);
 
-    // Through a foreign producer: the export's deleter, called on another thread, is what drops
-    // the last reference, so the producer's deleter runs on that thread.
+    // Through a foreign producer: the export's deleter, called on another thread, drops the last
+    // reference, so the producer's deleter runs on that thread.
     let (t, probe) = Spec::f32(&[1.0], &[1]).import().tensor();
-    let e = SendPtr(t.to_dlpack_versioned(dlpack::VERSION, false));
+    let e = export_legacy(&t).unwrap();
     drop(t);
     let id = thread::spawn(move || {
-        let e = e;
-        // SAFETY: a live export, deleted once, here.
-        unsafe { delete_versioned(e.0) };
+        drop(e);
         thread::current().id()
     })
     .join()
@@ -281,26 +201,16 @@ fn deleter_called_from_another_thread() {
 
 /// Views of a 3x4 int32 matrix that exercise every kind of stride.
 fn strided_views(t: &Tensor) -> Vec<(&'static str, Tensor)> {
-    let rev = SliceArg {
-        start: None,
+    let step = |start: Option<isize>, step: isize| SliceArg {
+        start,
         stop: None,
-        step: -1,
+        step,
     };
+    let rev = step(None, -1);
     vec![
         ("whole", t.clone()),
         ("rows 1..3", t.slice(0, SliceArg::range(1, 3)).unwrap()),
-        (
-            "every other column",
-            t.slice(
-                1,
-                SliceArg {
-                    start: Some(1),
-                    stop: None,
-                    step: 2,
-                },
-            )
-            .unwrap(),
-        ),
+        ("every other column", t.slice(1, step(Some(1), 2)).unwrap()),
         ("transposed", t.transpose().unwrap()),
         ("rows reversed", t.slice(0, rev).unwrap()),
         (
@@ -314,17 +224,7 @@ fn strided_views(t: &Tensor) -> Vec<(&'static str, Tensor)> {
         ),
         (
             "column 2, step -2",
-            t.index(1, 2)
-                .unwrap()
-                .slice(
-                    0,
-                    SliceArg {
-                        start: None,
-                        stop: None,
-                        step: -2,
-                    },
-                )
-                .unwrap(),
+            t.index(1, 2).unwrap().slice(0, step(None, -2)).unwrap(),
         ),
         (
             "broadcast row",
@@ -345,15 +245,7 @@ fn round_trip_is_zero_copy_for_strided_views() {
         let refs = t.buffer().ref_count();
         let expected = view.to_vec::<i32>().unwrap();
         for legacy in [false, true] {
-            let back = if legacy {
-                let e = view.to_dlpack_legacy().unwrap();
-                // SAFETY: a live export whose ownership we hand over.
-                unsafe { Tensor::from_dlpack_legacy(e) }.unwrap()
-            } else {
-                let e = view.to_dlpack_versioned(dlpack::VERSION, false);
-                // SAFETY: a live export whose ownership we hand over.
-                unsafe { Tensor::from_dlpack_versioned(e) }.unwrap()
-            };
+            let back = round_trip(&view, legacy).unwrap();
             assert_eq!(first_element(&back), first_element(&view), "{what}");
             assert_eq!(back.shape(), view.shape(), "{what}");
             assert_eq!(back.strides(), view.strides(), "{what}");
@@ -361,7 +253,11 @@ fn round_trip_is_zero_copy_for_strided_views() {
             assert_eq!(back.device(), Device::CPU, "{what}");
             assert_eq!(back.to_vec::<i32>().unwrap(), expected, "{what}");
             assert!(!back.buffer().same_allocation(view.buffer()));
-            assert_eq!(t.buffer().ref_count(), refs + 1, "{what}: the import holds one ref");
+            assert_eq!(
+                t.buffer().ref_count(),
+                refs + 1,
+                "{what}: the import holds one ref"
+            );
             drop(back);
             assert_eq!(t.buffer().ref_count(), refs, "{what}: released on drop");
         }
@@ -381,49 +277,32 @@ fn read_only_views_export_read_only() {
     assert!(ro.is_read_only());
     assert!(!t.is_read_only());
 
-    let e = ro.to_dlpack_versioned(dlpack::VERSION, false);
-    // SAFETY: a live export we own.
-    let flags = unsafe { (*e.as_ptr()).flags };
-    assert_eq!(flags, DLPACK_FLAG_BITMASK_READ_ONLY);
-    // SAFETY: ownership handed over.
-    let back = unsafe { Tensor::from_dlpack_versioned(e) }.unwrap();
+    assert_eq!(
+        export_versioned(&ro, false).flags(),
+        DLPACK_FLAG_BITMASK_READ_ONLY
+    );
+    let back = round_trip(&ro, false).unwrap();
     assert!(back.is_read_only());
     assert_eq!(back.to_vec::<i32>().unwrap(), iota_i32(8));
 
-    assert!(matches!(
-        ro.to_dlpack_legacy(),
-        Err(dlbridge::Error::ReadOnly(_))
-    ));
-
-    let e = t.to_dlpack_versioned(dlpack::VERSION, false);
-    // SAFETY: a live export we own, deleted once.
-    unsafe {
-        assert_eq!((*e.as_ptr()).flags & DLPACK_FLAG_BITMASK_READ_ONLY, 0);
-        delete_versioned(e);
-    }
+    assert!(matches!(export_legacy(&ro), Err(Error::ReadOnly(_))));
+    assert_eq!(export_versioned(&t, false).flags(), 0);
 }
 
 /// `IS_COPIED` is set exactly when asked for, alongside other flags.
 #[test]
 fn is_copied_flag_when_requested() {
     let t = matrix();
-    let cases = [
-        (t.clone(), false, 0),
-        (t.clone(), true, DLPACK_FLAG_BITMASK_IS_COPIED),
-        (
-            t.clone().into_read_only(),
-            true,
-            DLPACK_FLAG_BITMASK_IS_COPIED | DLPACK_FLAG_BITMASK_READ_ONLY,
-        ),
-    ];
-    for (view, is_copied, flags) in cases {
-        let e = view.to_dlpack_versioned(dlpack::VERSION, is_copied);
-        // SAFETY: a live export we own, deleted once.
-        unsafe {
-            assert_eq!((*e.as_ptr()).flags, flags);
-            delete_versioned(e);
-        }
-    }
+    let ro = t.clone().into_read_only();
+    assert_eq!(export_versioned(&t, false).flags(), 0);
+    assert_eq!(
+        export_versioned(&t, true).flags(),
+        DLPACK_FLAG_BITMASK_IS_COPIED
+    );
+    assert_eq!(
+        export_versioned(&ro, true).flags(),
+        DLPACK_FLAG_BITMASK_IS_COPIED | DLPACK_FLAG_BITMASK_READ_ONLY
+    );
 }
 
 /// dlbridge's own sub-byte tensors are one element per byte, so their exports say
@@ -433,12 +312,11 @@ fn padded_sub_byte_export() {
     let dtype: DType = "float4_e2m1fn".parse().unwrap();
     let t = Tensor::zeros(&[3], dtype, Device::CPU).unwrap();
     assert!(!t.is_packed());
-    let e = t.to_dlpack_versioned(dlpack::VERSION, false);
-    // SAFETY: a live export we own.
-    let flags = unsafe { (*e.as_ptr()).flags };
-    assert_eq!(flags, DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED);
-    // SAFETY: ownership handed over.
-    let back = unsafe { Tensor::from_dlpack_versioned(e) }.unwrap();
+    assert_eq!(
+        export_versioned(&t, false).flags(),
+        DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED
+    );
+    let back = round_trip(&t, false).unwrap();
     assert!(!back.is_packed());
     assert_eq!(back.nbytes(), 3);
 }

@@ -6,12 +6,12 @@ mod common;
 
 use std::thread;
 
-use common::{Data, Spec};
+use common::{Data, Spec, export_legacy, export_versioned};
+use dlbridge::dlpack::ffi;
 use dlbridge::dlpack::ffi::{
-    DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, DLPACK_FLAG_BITMASK_READ_ONLY,
-    K_DL_FLOAT4_E2M1FN, K_DL_METAL,
+    DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, DLPACK_FLAG_BITMASK_READ_ONLY, K_DL_FLOAT4_E2M1FN,
+    K_DL_METAL,
 };
-use dlbridge::dlpack::{self, ffi};
 use dlbridge::{DType, Device, DeviceKind, Error, SliceArg};
 
 fn iota(n: usize) -> Vec<f32> {
@@ -28,7 +28,11 @@ fn assert_rejected(spec: Spec, what: &str, expected: impl Fn(&Error) -> bool) {
         Ok(t) => panic!("{what}: import accepted: {t:?}"),
         Err(e) => {
             assert!(expected(&e), "{what}: wrong error {e:?}");
-            assert_eq!(probe.deletes(), 1, "{what}: deleter must run once on rejection");
+            assert_eq!(
+                probe.deletes(),
+                1,
+                "{what}: deleter must run once on rejection"
+            );
             drop(e);
         }
     }
@@ -57,7 +61,10 @@ fn versioned_import_is_zero_copy_and_deleter_waits_for_last_view() {
     assert!(t.buffer().is_foreign());
     assert!(!t.is_read_only());
     let slice = t.as_slice::<f32>().unwrap();
-    assert_eq!(slice.as_ptr().cast::<u8>(), data.cast::<u8>().wrapping_add(8));
+    assert_eq!(
+        slice.as_ptr().cast::<u8>(),
+        data.cast::<u8>().wrapping_add(8)
+    );
     assert_eq!(slice, &iota(6)[..]);
 
     let row = t.index(0, 1).unwrap();
@@ -94,12 +101,13 @@ fn legacy_import_is_zero_copy_and_deleter_waits_for_last_view() {
 #[test]
 fn writes_through_an_import_reach_the_producer() {
     let imported = Spec::f32(&iota(3), &[3]).import();
-    let base = imported.base.cast::<f32>();
+    // The producer's second element.
+    let second = imported.base.cast::<f32>().wrapping_add(1);
     let (mut t, probe) = imported.tensor();
     t.as_mut_slice::<f32>().unwrap()[1] = 42.0;
     // SAFETY: the producer's storage lives until its deleter runs, which `t` prevents; the mutable
     // slice above is no longer alive.
-    let seen = unsafe { base.add(1).read() };
+    let seen = unsafe { second.read() };
     assert_eq!(seen, 42.0);
     drop(t);
     assert_eq!(probe.deletes(), 1);
@@ -112,7 +120,10 @@ fn deleter_runs_on_the_thread_that_drops_the_last_view() {
     let view = t.transpose().unwrap();
     drop(t);
     let dropper = thread::spawn(move || {
-        assert_eq!(view.to_vec::<f32>().unwrap(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        assert_eq!(
+            view.to_vec::<f32>().unwrap(),
+            vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+        );
         drop(view);
         thread::current().id()
     });
@@ -150,10 +161,7 @@ fn rejects_ndim_out_of_range() {
     });
     // Give the arrays 65 entries, so that even a reader that ignored the limit would stay in bounds.
     let ones = vec![1i64; 65];
-    let spec = good
-        .ndim(65)
-        .shape(Some(ones.clone()))
-        .strides(Some(ones));
+    let spec = good.ndim(65).shape(Some(ones.clone())).strides(Some(ones));
     assert_rejected(spec, "ndim 65", |e| matches!(e, Error::MalformedTensor(_)));
 }
 
@@ -164,9 +172,11 @@ fn rejects_bad_shapes() {
     assert_rejected(good.clone().shape(None), "NULL shape", |e| {
         matches!(e, Error::MalformedTensor(_))
     });
-    assert_rejected(good.clone().shape(None).legacy(), "legacy NULL shape", |e| {
-        matches!(e, Error::MalformedTensor(_))
-    });
+    assert_rejected(
+        good.clone().shape(None).legacy(),
+        "legacy NULL shape",
+        |e| matches!(e, Error::MalformedTensor(_)),
+    );
     assert_rejected(good.shape(Some(vec![2, -3])), "negative extent", |e| {
         matches!(e, Error::MalformedTensor(_))
     });
@@ -176,9 +186,7 @@ fn rejects_bad_shapes() {
 #[test]
 fn rejects_null_strides_from_1_2_and_later() {
     for minor in [2, 3] {
-        let spec = Spec::f32(&iota(6), &[2, 3])
-            .version(1, minor)
-            .strides(None);
+        let spec = Spec::f32(&iota(6), &[2, 3]).version(1, minor).strides(None);
         assert_rejected(spec, &format!("NULL strides, 1.{minor}"), |e| {
             matches!(e, Error::MalformedTensor(_))
         });
@@ -269,11 +277,9 @@ fn rejects_overflowing_offsets_and_extents() {
         );
     }
     // 2^80 elements.
-    assert_rejected(
-        Spec::f32(&[], &[1 << 40, 1 << 40]),
-        "2^80 elements",
-        |e| matches!(e, Error::Overflow(_)),
-    );
+    assert_rejected(Spec::f32(&[], &[1 << 40, 1 << 40]), "2^80 elements", |e| {
+        matches!(e, Error::Overflow(_))
+    });
     // The last element lies 2^61 * 4 = 2^63 bytes past the first: more than isize::MAX.
     assert_rejected(
         good.clone().strides(Some(vec![1 << 61])),
@@ -282,7 +288,9 @@ fn rejects_overflowing_offsets_and_extents() {
     );
     // Two axes whose reaches add up past isize::MAX, each of which fits on its own.
     let spec = Spec::f32(&iota(4), &[2, 2]).strides(Some(vec![1 << 60, 1 << 60]));
-    assert_rejected(spec, "strides 2^60, 2^60", |e| matches!(e, Error::Overflow(_)));
+    assert_rejected(spec, "strides 2^60, 2^60", |e| {
+        matches!(e, Error::Overflow(_))
+    });
 }
 
 /// An opaque handle (Metal) cannot be offset backwards: negative strides that reach before the
@@ -293,9 +301,11 @@ fn opaque_handle_negative_strides_must_stay_after_the_handle() {
         .data(Data::Fake(0x1000))
         .device(K_DL_METAL, 0)
         .strides(Some(vec![-1]));
-    assert_rejected(metal.clone().byte_offset(8), "reaches 4 bytes before", |e| {
-        matches!(e, Error::OutOfBounds(_))
-    });
+    assert_rejected(
+        metal.clone().byte_offset(8),
+        "reaches 4 bytes before",
+        |e| matches!(e, Error::OutOfBounds(_)),
+    );
 
     let (t, probe) = metal.byte_offset(12).import().tensor();
     assert_eq!(t.byte_offset(), 12);
@@ -323,17 +333,13 @@ fn read_only_flag_is_imported_and_enforced() {
     // Derived views stay read-only.
     assert!(t.slice(0, SliceArg::range(1, 3)).unwrap().is_read_only());
 
-    assert!(matches!(t.to_dlpack_legacy(), Err(Error::ReadOnly(_))));
+    assert!(matches!(export_legacy(&t), Err(Error::ReadOnly(_))));
 
-    let exported = t.to_dlpack_versioned(dlpack::VERSION, false);
-    // SAFETY: a live export we own; we read its fields and call its deleter once.
-    unsafe {
-        let m = exported.as_ptr();
-        assert_ne!((*m).flags & DLPACK_FLAG_BITMASK_READ_ONLY, 0);
-        drop(t);
-        assert_eq!(probe.deletes(), 0, "the export keeps the producer alive");
-        ((*m).deleter.unwrap())(m);
-    }
+    let exported = export_versioned(&t, false);
+    assert_ne!(exported.flags() & DLPACK_FLAG_BITMASK_READ_ONLY, 0);
+    drop(t);
+    assert_eq!(probe.deletes(), 0, "the export keeps the producer alive");
+    drop(exported); // calls its deleter
     assert_eq!(probe.deletes(), 1);
 }
 
@@ -353,7 +359,12 @@ fn negative_strides_on_cpu() {
     assert_eq!(t.strides(), &[-1]);
     assert_eq!(t.to_vec::<f32>().unwrap(), vec![4.0, 3.0, 2.0, 1.0, 0.0]);
     // The first element is where the producer's `data` points.
-    let first = t.buffer().host_ptr().unwrap().as_ptr().wrapping_add(t.byte_offset());
+    let first = t
+        .buffer()
+        .host_ptr()
+        .unwrap()
+        .as_ptr()
+        .wrapping_add(t.byte_offset());
     assert_eq!(first, data.cast::<u8>());
     assert_eq!(t.nbytes(), 20);
     drop(t);
@@ -365,7 +376,10 @@ fn negative_strides_on_cpu() {
         .strides(Some(vec![-3, 1]))
         .import()
         .tensor();
-    assert_eq!(t.to_vec::<f32>().unwrap(), vec![3.0, 4.0, 5.0, 0.0, 1.0, 2.0]);
+    assert_eq!(
+        t.to_vec::<f32>().unwrap(),
+        vec![3.0, 4.0, 5.0, 0.0, 1.0, 2.0]
+    );
     drop(t);
     assert_eq!(probe.deletes(), 1);
 }
@@ -376,7 +390,10 @@ fn byte_offset_on_cpu() {
     let imported = Spec::f32(&iota(10), &[2, 3]).byte_offset(16).import();
     let data = imported.data;
     let (t, probe) = imported.tensor();
-    assert_eq!(t.to_vec::<f32>().unwrap(), vec![4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+    assert_eq!(
+        t.to_vec::<f32>().unwrap(),
+        vec![4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    );
     assert_eq!(
         t.as_slice::<f32>().unwrap().as_ptr().cast::<u8>(),
         data.cast::<u8>().wrapping_add(16)
@@ -414,31 +431,24 @@ fn opaque_metal_handle_round_trips_untouched() {
     // A view moves only the offset; both exports carry the untouched handle.
     let row1 = t.index(0, 1).unwrap();
     assert_eq!(row1.byte_offset(), 256 + 8);
-    for (view, offset, shape, strides) in [(&t, 256, &[2i64, 2][..], &[2i64, 1][..]), (&row1, 264, &[2], &[1])] {
-        let exported = view.to_dlpack_versioned(dlpack::VERSION, false);
-        // SAFETY: a live export we own: its shape and strides hold `ndim` entries; the deleter is
-        // called once.
-        unsafe {
-            let m = exported.as_ptr();
-            let dl = &(*m).dl_tensor;
-            assert_eq!(dl.data as usize, 0x1000);
-            assert_eq!(dl.byte_offset, offset);
-            assert_eq!(dl.device.device_type, K_DL_METAL);
-            assert_eq!(dl.device.device_id, 3);
-            let n = dl.ndim as usize;
-            assert_eq!(std::slice::from_raw_parts(dl.shape, n), shape);
-            assert_eq!(std::slice::from_raw_parts(dl.strides, n), strides);
-            ((*m).deleter.unwrap())(m);
-        }
+    let cases = [
+        (&t, 256, &[2i64, 2][..], &[2i64, 1][..]),
+        (&row1, 264, &[2], &[1]),
+    ];
+    for (view, offset, shape, strides) in cases {
+        let e = export_versioned(view, false);
+        let dl = e.dl();
+        assert_eq!(dl.data as usize, 0x1000);
+        assert_eq!(dl.byte_offset, offset);
+        assert_eq!(dl.device.device_type, K_DL_METAL);
+        assert_eq!(dl.device.device_id, 3);
+        assert_eq!(e.shape(), shape);
+        assert_eq!(e.strides(), strides);
     }
-    let legacy = t.to_dlpack_legacy().unwrap();
-    // SAFETY: as above, for the legacy export.
-    unsafe {
-        let m = legacy.as_ptr();
-        assert_eq!((*m).dl_tensor.data as usize, 0x1000);
-        assert_eq!((*m).dl_tensor.byte_offset, 256);
-        ((*m).deleter.unwrap())(m);
-    }
+    let legacy = export_legacy(&t).unwrap();
+    assert_eq!(legacy.dl().data as usize, 0x1000);
+    assert_eq!(legacy.dl().byte_offset, 256);
+    drop(legacy);
     drop(row1);
     assert_eq!(probe.deletes(), 0);
     drop(t);
@@ -458,7 +468,12 @@ fn addressable_and_opaque_devices() {
     };
     for (device_type, kind, data, byte_offset) in [
         (ffi::K_DL_CUDA, DeviceKind::Cuda, 0x10_0040, 0),
-        (ffi::K_DL_VULKAN, DeviceKind::Other(ffi::K_DL_VULKAN), 0x10_0000, 64),
+        (
+            ffi::K_DL_VULKAN,
+            DeviceKind::Other(ffi::K_DL_VULKAN),
+            0x10_0000,
+            64,
+        ),
     ] {
         let (t, probe) = fake(device_type).import().tensor();
         assert_eq!(t.device(), Device::new(kind, 1));
@@ -467,16 +482,12 @@ fn addressable_and_opaque_devices() {
             t.as_slice::<f32>(),
             Err(Error::NotHostAccessible { .. })
         ));
-        let e = t.to_dlpack_versioned(dlpack::VERSION, false);
-        // SAFETY: a live export we own; its deleter is called once.
-        unsafe {
-            let m = e.as_ptr();
-            assert_eq!((*m).dl_tensor.data as usize, data, "device type {device_type}");
-            assert_eq!((*m).dl_tensor.byte_offset, byte_offset, "device type {device_type}");
-            assert_eq!((*m).dl_tensor.device.device_type, device_type);
-            assert_eq!((*m).dl_tensor.device.device_id, 1);
-            ((*m).deleter.unwrap())(m);
-        }
+        let e = export_versioned(&t, false);
+        assert_eq!(e.dl().data as usize, data, "device type {device_type}");
+        assert_eq!(e.dl().byte_offset, byte_offset, "device type {device_type}");
+        assert_eq!(e.dl().device.device_type, device_type);
+        assert_eq!(e.dl().device.device_id, 1);
+        drop(e);
         drop(t);
         assert_eq!(probe.deletes(), 1);
     }
@@ -514,15 +525,11 @@ fn sub_byte_float4_packed_and_padded() {
     assert_eq!(t.nbytes(), 3);
     assert_eq!(t.byte_range(), 0..3);
     // Re-exported packed: no PADDED flag.
-    let exported = t.to_dlpack_versioned(dlpack::VERSION, false);
-    // SAFETY: a live export we own; its deleter is called once.
-    unsafe {
-        let m = exported.as_ptr();
-        assert_eq!((*m).flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, 0);
-        assert_eq!((*m).dl_tensor.dtype.code, K_DL_FLOAT4_E2M1FN);
-        assert_eq!((*m).dl_tensor.dtype.bits, 4);
-        ((*m).deleter.unwrap())(m);
-    }
+    let e = export_versioned(&t, false);
+    assert_eq!(e.flags() & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, 0);
+    assert_eq!(e.dl().dtype.code, K_DL_FLOAT4_E2M1FN);
+    assert_eq!(e.dl().dtype.bits, 4);
+    drop(e);
     drop(t);
     assert_eq!(probe.deletes(), 1);
 
@@ -550,13 +557,30 @@ fn sub_byte_float4_packed_and_padded() {
     assert!(!t.is_packed());
     assert_eq!(t.nbytes(), 3);
     assert_eq!(t.byte_range(), 0..5);
-    let exported = t.to_dlpack_versioned(dlpack::VERSION, false);
-    // SAFETY: a live export we own; its deleter is called once.
-    unsafe {
-        let m = exported.as_ptr();
-        assert_ne!((*m).flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, 0);
-        ((*m).deleter.unwrap())(m);
-    }
+    let e = export_versioned(&t, false);
+    assert_ne!(e.flags() & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, 0);
+    drop(e);
     drop(t);
     assert_eq!(probe.deletes(), 1);
+}
+
+/// Strides whose extent cannot be represented are an overflow, whatever the magnitude.
+#[test]
+fn huge_strides_are_an_overflow() {
+    for strides in [
+        vec![i64::MAX],
+        vec![1 << 62],
+        vec![-(1 << 61)],
+        vec![-i64::MAX],
+    ] {
+        let imported = Spec::f32(&[0.0, 1.0], &[2])
+            .strides(Some(strides.clone()))
+            .import();
+        let err = imported.result.unwrap_err();
+        assert!(
+            matches!(err, Error::Overflow(_)),
+            "strides {strides:?}: {err:?}"
+        );
+        assert_eq!(imported.probe.deletes(), 1);
+    }
 }

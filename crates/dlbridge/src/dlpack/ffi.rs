@@ -4,7 +4,7 @@
 //! these types that came from another library is trusted for nothing but its deleter (see
 //! [`crate::dlpack`] for the checks made at the border).
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_int, c_void};
 
 /// The major version of DLPack this crate speaks.
 pub const DLPACK_MAJOR_VERSION: u32 = 1;
@@ -178,6 +178,72 @@ pub struct DLManagedTensorVersioned {
     pub dl_tensor: DLTensor,
 }
 
+/// `DLPackManagedTensorAllocator`: a producer allocates a new tensor shaped like `prototype`
+/// (only dtype, ndim, shape and device are read). Returns 0, or -1 after calling `set_error`
+/// exactly once.
+pub type DLPackManagedTensorAllocator = unsafe extern "C" fn(
+    prototype: *mut DLTensor,
+    out: *mut *mut DLManagedTensorVersioned,
+    error_ctx: *mut c_void,
+    set_error: Option<
+        unsafe extern "C" fn(error_ctx: *mut c_void, kind: *const c_char, message: *const c_char),
+    >,
+) -> c_int;
+
+/// `DLPackManagedTensorFromPyObjectNoSync`: exports a Python object of the producer's type as an
+/// owning versioned tensor, without stream synchronization. 0, or -1 with a Python exception set.
+pub type DLPackManagedTensorFromPyObjectNoSync =
+    unsafe extern "C" fn(py_object: *mut c_void, out: *mut *mut DLManagedTensorVersioned) -> c_int;
+
+/// `DLPackDLTensorFromPyObjectNoSync`: fills a non-owning descriptor valid until control returns
+/// to the producer's object. 0, or -1 with a Python exception set.
+pub type DLPackDLTensorFromPyObjectNoSync =
+    unsafe extern "C" fn(py_object: *mut c_void, out: *mut DLTensor) -> c_int;
+
+/// `DLPackCurrentWorkStream`: the producer's current stream on a device (NULL for the CPU).
+/// 0, or -1 with a Python exception set.
+pub type DLPackCurrentWorkStream = unsafe extern "C" fn(
+    device_type: DLDeviceType,
+    device_id: i32,
+    out_current_stream: *mut *mut c_void,
+) -> c_int;
+
+/// `DLPackManagedTensorToPyObjectNoSync`: imports an owning tensor (ownership is stolen) as a
+/// Python object of the producer's type. 0, or -1 with a Python exception set.
+pub type DLPackManagedTensorToPyObjectNoSync = unsafe extern "C" fn(
+    tensor: *mut DLManagedTensorVersioned,
+    out_py_object: *mut *mut c_void,
+) -> c_int;
+
+/// `DLPackExchangeAPIHeader`: the part of the exchange table that stays stable across versions.
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLPackExchangeAPIHeader {
+    /// The table's DLPack version; a consumer checks the major version before using it.
+    pub version: DLPackVersion,
+    /// An older table, for consumers of an older major version (NULL if none).
+    pub prev_api: *mut DLPackExchangeAPIHeader,
+}
+
+/// `DLPackExchangeAPI`: the C function table a type publishes as `__dlpack_c_exchange_api__` (a
+/// capsule named `"dlpack_exchange_api"`), for exchanges without Python calls (DLPack 1.3).
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLPackExchangeAPI {
+    /// Version and chain.
+    pub header: DLPackExchangeAPIHeader,
+    /// Never NULL.
+    pub managed_tensor_allocator: Option<DLPackManagedTensorAllocator>,
+    /// Never NULL.
+    pub managed_tensor_from_py_object_no_sync: Option<DLPackManagedTensorFromPyObjectNoSync>,
+    /// Never NULL.
+    pub managed_tensor_to_py_object_no_sync: Option<DLPackManagedTensorToPyObjectNoSync>,
+    /// May be NULL.
+    pub dltensor_from_py_object_no_sync: Option<DLPackDLTensorFromPyObjectNoSync>,
+    /// Never NULL.
+    pub current_work_stream: Option<DLPackCurrentWorkStream>,
+}
+
 // The ABI is fixed by the C header; these assertions catch any drift at compile time.
 #[cfg(target_pointer_width = "64")]
 const _: () = {
@@ -204,4 +270,7 @@ const _: () = {
     assert!(offset_of!(DLManagedTensorVersioned, deleter) == 16);
     assert!(offset_of!(DLManagedTensorVersioned, flags) == 24);
     assert!(offset_of!(DLManagedTensorVersioned, dl_tensor) == 32);
+    assert!(size_of::<DLPackExchangeAPIHeader>() == 16);
+    assert!(size_of::<DLPackExchangeAPI>() == 56);
+    assert!(offset_of!(DLPackExchangeAPI, current_work_stream) == 48);
 };

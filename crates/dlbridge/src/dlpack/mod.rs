@@ -220,6 +220,13 @@ unsafe fn import<M: Managed + 'static>(
             (lo * size, (hi + 1) * size)
         }
     };
+    if hi - lo > isize::MAX as i128 {
+        return Err(crate::error::overflow(format!(
+            "extent of shape {:?} with strides {:?}",
+            layout.shape(),
+            layout.strides()
+        )));
+    }
     let first = offset as i128;
     let storage = match device.kind() {
         DeviceKind::Cpu | DeviceKind::CudaHost => StorageMode::Shared,
@@ -409,6 +416,19 @@ impl Tensor {
         let raw = Box::into_raw(exported);
         // SAFETY: as in `to_dlpack_versioned`.
         Ok(unsafe { NonNull::new_unchecked(raw.cast::<DLManagedTensor>()) })
+    }
+
+    /// A non-owning descriptor of this view (the DLPack 1.3 `DLTensorFromPyObjectNoSync` form):
+    /// its shape and strides point into this tensor's layout, so it is valid only while the tensor
+    /// lives.
+    #[cfg(target_pointer_width = "64")]
+    pub fn borrowed_descriptor(&self) -> DLTensor {
+        let mut dl = self.empty_descriptor();
+        // `usize`/`isize` have the size and alignment of `i64` on 64-bit targets, and extents
+        // and strides fit in `i64` (they were checked to fit in `isize`).
+        dl.shape = self.layout().shape().as_ptr().cast::<i64>().cast_mut();
+        dl.strides = self.layout().strides().as_ptr().cast::<i64>().cast_mut();
+        dl
     }
 
     fn empty_descriptor(&self) -> DLTensor {

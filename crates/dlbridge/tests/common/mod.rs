@@ -339,20 +339,151 @@ impl Imported {
 }
 
 unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
-    // SAFETY: `managed` was leaked from a box by `make_versioned`, its `manager_ctx` from a boxed
-    // `Ctx` by `build`; the consumer calls the deleter once, so both are reclaimed once.
-    let ctx = unsafe {
-        let managed = Box::from_raw(managed);
-        Box::from_raw(managed.manager_ctx.cast::<Ctx>())
-    };
+    // SAFETY: `managed` was leaked from a box by `make_versioned`; the consumer calls the deleter
+    // once, so it is reclaimed once.
+    let managed = unsafe { Box::from_raw(managed) };
+    // SAFETY: `manager_ctx` was leaked from a boxed `Ctx` by `build`, and is reclaimed only here.
+    let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Ctx>()) };
     ctx.probe.record();
 }
 
 unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
     // SAFETY: as in `delete_versioned`, for `make_legacy`.
-    let ctx = unsafe {
-        let managed = Box::from_raw(managed);
-        Box::from_raw(managed.manager_ctx.cast::<Ctx>())
-    };
+    let managed = unsafe { Box::from_raw(managed) };
+    // SAFETY: as in `delete_versioned`.
+    let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Ctx>()) };
     ctx.probe.record();
+}
+
+/// A managed-tensor struct of either flavour, as a consumer sees it.
+pub(crate) trait Managed {
+    /// The descriptor.
+    fn dl_tensor(&self) -> &DLTensor;
+    /// The flags (0 for the legacy struct, which has none).
+    fn flags(&self) -> u64;
+    /// Calls the producer's deleter.
+    ///
+    /// # Safety
+    /// `this` must be live and owned by the caller; it must not be used afterwards.
+    unsafe fn delete(this: NonNull<Self>);
+}
+
+impl Managed for DLManagedTensorVersioned {
+    fn dl_tensor(&self) -> &DLTensor {
+        &self.dl_tensor
+    }
+    fn flags(&self) -> u64 {
+        self.flags
+    }
+    unsafe fn delete(this: NonNull<Self>) {
+        // SAFETY: forwarded; `this` is live, so reading its deleter is fine.
+        let deleter = unsafe { this.as_ref() }.deleter.expect("a deleter");
+        // SAFETY: forwarded: the owner gives the tensor up here, once.
+        unsafe { deleter(this.as_ptr()) };
+    }
+}
+
+impl Managed for DLManagedTensor {
+    fn dl_tensor(&self) -> &DLTensor {
+        &self.dl_tensor
+    }
+    fn flags(&self) -> u64 {
+        0
+    }
+    unsafe fn delete(this: NonNull<Self>) {
+        // SAFETY: as for the versioned struct.
+        let deleter = unsafe { this.as_ref() }.deleter.expect("a deleter");
+        // SAFETY: as for the versioned struct.
+        unsafe { deleter(this.as_ptr()) };
+    }
+}
+
+/// An exported tensor held the way a consumer holds one: its fields can be read, and dropping it
+/// calls its deleter exactly once.
+pub(crate) struct Export<M: Managed> {
+    ptr: NonNull<M>,
+}
+
+impl<M: Managed> Export<M> {
+    /// # Safety
+    /// `ptr` must be a live managed tensor whose ownership passes to the result, with `shape` and
+    /// `strides` either NULL or `ndim` entries long.
+    pub(crate) unsafe fn new(ptr: NonNull<M>) -> Self {
+        Export { ptr }
+    }
+
+    /// The managed struct.
+    pub(crate) fn get(&self) -> &M {
+        // SAFETY: live until `self` is dropped (`new`'s contract).
+        unsafe { self.ptr.as_ref() }
+    }
+
+    /// The flags (0 for a legacy struct).
+    pub(crate) fn flags(&self) -> u64 {
+        self.get().flags()
+    }
+
+    /// The descriptor.
+    pub(crate) fn dl(&self) -> &DLTensor {
+        self.get().dl_tensor()
+    }
+
+    /// The shape array; panics when it is NULL.
+    pub(crate) fn shape(&self) -> &[i64] {
+        let dl = self.dl();
+        assert!(!dl.shape.is_null(), "shape must not be NULL");
+        // SAFETY: non-NULL, hence `ndim` entries long (`new`'s contract), alive with `self`.
+        unsafe { std::slice::from_raw_parts(dl.shape, dl.ndim as usize) }
+    }
+
+    /// The strides array; panics when it is NULL.
+    pub(crate) fn strides(&self) -> &[i64] {
+        let dl = self.dl();
+        assert!(!dl.strides.is_null(), "strides must not be NULL");
+        // SAFETY: as in `shape`.
+        unsafe { std::slice::from_raw_parts(dl.strides, dl.ndim as usize) }
+    }
+
+    /// Gives the tensor up without deleting it (to hand it to an importer).
+    pub(crate) fn into_raw(self) -> NonNull<M> {
+        let ptr = self.ptr;
+        std::mem::forget(self);
+        ptr
+    }
+}
+
+impl<M: Managed> Drop for Export<M> {
+    fn drop(&mut self) {
+        // SAFETY: owned since `new`, deleted only here, once.
+        unsafe { M::delete(self.ptr) };
+    }
+}
+
+// SAFETY: DLPack deleters may be called from any thread, and `Export` does nothing else that is
+// tied to a thread.
+unsafe impl<M: Managed> Send for Export<M> {}
+
+/// `t.to_dlpack_versioned(dlbridge::dlpack::VERSION, is_copied)`, held as a consumer.
+pub(crate) fn export_versioned(t: &Tensor, is_copied: bool) -> Export<DLManagedTensorVersioned> {
+    // SAFETY: a fresh export, owned by us, whose arrays are `ndim` long.
+    unsafe { Export::new(t.to_dlpack_versioned(dlbridge::dlpack::VERSION, is_copied)) }
+}
+
+/// `t.to_dlpack_legacy()`, held as a consumer.
+pub(crate) fn export_legacy(t: &Tensor) -> Result<Export<DLManagedTensor>, Error> {
+    // SAFETY: as in `export_versioned`.
+    t.to_dlpack_legacy().map(|e| unsafe { Export::new(e) })
+}
+
+/// Exports `t` and imports it back (versioned, or legacy when `legacy`).
+pub(crate) fn round_trip(t: &Tensor, legacy: bool) -> Result<Tensor, Error> {
+    if legacy {
+        let e = export_legacy(t)?.into_raw();
+        // SAFETY: a live export whose ownership we hand over.
+        unsafe { Tensor::from_dlpack_legacy(e) }
+    } else {
+        let e = export_versioned(t, false).into_raw();
+        // SAFETY: as above.
+        unsafe { Tensor::from_dlpack_versioned(e) }
+    }
 }

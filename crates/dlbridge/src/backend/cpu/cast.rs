@@ -79,9 +79,10 @@ pub fn read_scalar(dtype: DType, b: &[u8]) -> Option<Scalar> {
             f32::from_ne_bytes(bytes(b)) as f64,
             f32::from_ne_bytes(bytes(&b[4..])) as f64,
         ),
-        (DTypeCode::Complex, 128) => {
-            Scalar::Complex(f64::from_ne_bytes(bytes(b)), f64::from_ne_bytes(bytes(&b[8..])))
-        }
+        (DTypeCode::Complex, 128) => Scalar::Complex(
+            f64::from_ne_bytes(bytes(b)),
+            f64::from_ne_bytes(bytes(&b[8..])),
+        ),
         _ => Scalar::Float(minifloat_to_f64(dtype, b[0])?),
     })
 }
@@ -109,8 +110,12 @@ pub fn write_scalar(dtype: DType, value: Scalar, out: &mut [u8]) -> Option<()> {
         (DTypeCode::UInt, 16) => int!(u16),
         (DTypeCode::UInt, 32) => int!(u32),
         (DTypeCode::UInt, 64) => int!(u64),
-        (DTypeCode::Float, 16) => out.copy_from_slice(&half::f16::from_f64(value.as_f64()).to_ne_bytes()),
-        (DTypeCode::BFloat, 16) => out.copy_from_slice(&half::bf16::from_f64(value.as_f64()).to_ne_bytes()),
+        (DTypeCode::Float, 16) => {
+            out.copy_from_slice(&half::f16::from_f64(value.as_f64()).to_ne_bytes())
+        }
+        (DTypeCode::BFloat, 16) => {
+            out.copy_from_slice(&half::bf16::from_f64(value.as_f64()).to_ne_bytes())
+        }
         (DTypeCode::Float, 32) => out.copy_from_slice(&(value.as_f64() as f32).to_ne_bytes()),
         (DTypeCode::Float, 64) => out.copy_from_slice(&value.as_f64().to_ne_bytes()),
         (DTypeCode::Complex, 64) | (DTypeCode::Complex, 128) => {
@@ -158,10 +163,19 @@ mod tests {
         assert_eq!(cast(Scalar::Float(f64::NAN), DType::I64), Scalar::Int(0));
         assert_eq!(cast(Scalar::Int(300), DType::U8), Scalar::UInt(44));
         assert_eq!(cast(Scalar::Int(-1), DType::U16), Scalar::UInt(65535));
-        assert_eq!(cast(Scalar::Complex(1.5, 2.0), DType::F64), Scalar::Float(1.5));
+        assert_eq!(
+            cast(Scalar::Complex(1.5, 2.0), DType::F64),
+            Scalar::Float(1.5)
+        );
         assert_eq!(cast(Scalar::Float(0.1), DType::BOOL), Scalar::Bool(true));
-        assert_eq!(cast(Scalar::Bool(true), DType::C64), Scalar::Complex(1.0, 0.0));
-        assert_eq!(cast(Scalar::Float(1.0 / 3.0), DType::BF16), Scalar::Float(0.333984375));
+        assert_eq!(
+            cast(Scalar::Bool(true), DType::C64),
+            Scalar::Complex(1.0, 0.0)
+        );
+        assert_eq!(
+            cast(Scalar::Float(1.0 / 3.0), DType::BF16),
+            Scalar::Float(0.333984375)
+        );
         let e4m3: DType = "float8_e4m3fn".parse().unwrap();
         assert_eq!(cast(Scalar::Float(3.3), e4m3), Scalar::Float(3.25));
     }

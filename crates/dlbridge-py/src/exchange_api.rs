@@ -1,0 +1,307 @@
+//! The DLPack 1.3 C exchange API (`__dlpack_c_exchange_api__`): tensors cross between libraries
+//! through a table of C functions on the type, with no Python method call.
+//!
+//! * Consumer: `dlbridge.from_dlpack(x)` looks the table up on `type(x)` (cached per type) and,
+//!   when present, takes the tensor through `managed_tensor_from_py_object_no_sync`.
+//! * Producer: `dlbridge.Array.__dlpack_c_exchange_api__` publishes dlbridge's own table.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+use dlbridge::dlpack::ffi::{
+    DLDeviceType, DLManagedTensorVersioned, DLPackExchangeAPI, DLPackExchangeAPIHeader, DLTensor,
+};
+use dlbridge::{DType, Device, Tensor};
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyType};
+use pyo3::{ffi, intern};
+
+use crate::array::PyArray;
+use crate::exchange::Taken;
+
+const API_NAME: &CStr = c"dlpack_exchange_api";
+
+// ---------------------------------------------------------------------------------------------
+// Consumer side.
+
+/// Types seen by `from_dlpack`, with their exchange table (or none). The type objects are held,
+/// so an address in the cache can never be reused by a different type.
+static TABLES: Mutex<Vec<(Py<PyType>, Option<TableRef>)>> = Mutex::new(Vec::new());
+
+/// A producer's exchange table, which the protocol requires to be immutable and alive for the
+/// whole process.
+#[derive(Clone, Copy)]
+struct TableRef(&'static DLPackExchangeAPI);
+
+// SAFETY: the table is immutable for the life of the process (DLPack 1.3 requires it); its raw
+// pointers (the chain) are only read.
+unsafe impl Send for TableRef {}
+// SAFETY: as above.
+unsafe impl Sync for TableRef {}
+
+/// At most this many types are remembered; more are looked up each time.
+const CACHE_LIMIT: usize = 32;
+
+/// The exchange table `type(x)` publishes, if any, with major version 1.
+fn table_of(x: &Bound<'_, PyAny>) -> Option<&'static DLPackExchangeAPI> {
+    let ty = x.get_type();
+    {
+        let cache = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, table)) = cache.iter().find(|(t, _)| t.as_ptr() == ty.as_ptr()) {
+            return table.map(|t| t.0);
+        }
+    }
+    let table = lookup(&ty);
+    let mut cache = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    if cache.len() < CACHE_LIMIT {
+        cache.push((ty.unbind(), table.map(TableRef)));
+    }
+    table
+}
+
+fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
+    let py = ty.py();
+    let capsule = ty.getattr(intern!(py, "__dlpack_c_exchange_api__")).ok()?;
+    let capsule = capsule.cast::<PyCapsule>().ok()?;
+    // SAFETY: a live capsule; `IsValid` only compares the name and never raises.
+    if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), API_NAME.as_ptr()) } != 1 {
+        return None;
+    }
+    // SAFETY: the name matched, so this returns the stored pointer without raising.
+    let mut header = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), API_NAME.as_ptr()) }
+        .cast::<DLPackExchangeAPIHeader>();
+    // Walk the chain to a table of major version 1.
+    while !header.is_null() {
+        // SAFETY: the DLPack 1.3 protocol requires the table (and its chain) to live for the whole
+        // process; `header` is non-NULL.
+        let h = unsafe { &*header };
+        if h.version.major == dlbridge::dlpack::ffi::DLPACK_MAJOR_VERSION {
+            // SAFETY: a major-1 header starts a full `DLPackExchangeAPI`, alive for the process.
+            let api = unsafe { &*header.cast::<DLPackExchangeAPI>() };
+            let complete = api.managed_tensor_from_py_object_no_sync.is_some();
+            return complete.then_some(api);
+        }
+        header = h.prev_api;
+    }
+    None
+}
+
+/// Takes `x`'s tensor through its type's exchange table; `None` when the type has none.
+pub(crate) fn take_via_table(x: &Bound<'_, PyAny>) -> Option<PyResult<Taken>> {
+    let api = table_of(x)?;
+    let export = api.managed_tensor_from_py_object_no_sync?;
+    let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
+    // SAFETY: `x` is an object of the type the table was found on, as the protocol requires; the
+    // GIL is held; `out` is a valid place for the result.
+    let rc = unsafe { export(x.as_ptr().cast(), &mut out) };
+    let py = x.py();
+    if rc != 0 {
+        return Some(Err(PyErr::take(py).unwrap_or_else(|| {
+            PyBufferError::new_err("the producer's DLPack exchange API failed without an error")
+        })));
+    }
+    let Some(managed) = NonNull::new(out) else {
+        return Some(Err(PyBufferError::new_err(
+            "the producer's DLPack exchange API returned NULL",
+        )));
+    };
+    // The "NoSync" export does not order the producer's pending device work before ours. Only
+    // host memory is taken this way until a device backend can make its stream wait on the
+    // producer's (`current_work_stream`); other devices go through `__dlpack__`, which does.
+    // SAFETY: `managed` is a live, owned tensor the producer just handed us.
+    let device = unsafe { (*managed.as_ptr()).dl_tensor.device.device_type };
+    if device != dlbridge::dlpack::ffi::K_DL_CPU {
+        // SAFETY: owned and unused; give it back to its producer.
+        unsafe {
+            if let Some(deleter) = (*managed.as_ptr()).deleter {
+                deleter(managed.as_ptr());
+            }
+        }
+        return None;
+    }
+    // SAFETY: as above.
+    let is_copied = unsafe { (*managed.as_ptr()).flags }
+        & dlbridge::dlpack::ffi::DLPACK_FLAG_BITMASK_IS_COPIED
+        != 0;
+    // SAFETY: ownership of the live tensor passes to the importer.
+    let tensor = unsafe { Tensor::from_dlpack_versioned(managed) };
+    Some(
+        tensor
+            .map(|tensor| Taken { tensor, is_copied })
+            .map_err(crate::errors::to_py),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer side.
+
+/// Restores `err` as the current Python exception and returns -1, as the protocol asks.
+fn fail(py: Python<'_>, err: PyErr) -> c_int {
+    err.restore(py);
+    -1
+}
+
+unsafe extern "C" fn allocator(
+    prototype: *mut DLTensor,
+    out: *mut *mut DLManagedTensorVersioned,
+    error_ctx: *mut c_void,
+    set_error: Option<unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char)>,
+) -> c_int {
+    let result =
+        std::panic::catch_unwind(|| -> dlbridge::Result<NonNull<DLManagedTensorVersioned>> {
+            // SAFETY: the caller passes a readable prototype whose `shape` has `ndim` entries.
+            let proto = unsafe { &*prototype };
+            let ndim = usize::try_from(proto.ndim)
+                .map_err(|_| dlbridge::Error::MalformedTensor(format!("ndim {}", proto.ndim)))?;
+            let shape = (0..ndim)
+                // SAFETY: `ndim` entries, per the protocol.
+                .map(|i| usize::try_from(unsafe { *proto.shape.add(i) }))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| dlbridge::Error::MalformedTensor("negative extent".into()))?;
+            let dtype = DType::from_dlpack(proto.dtype)?;
+            let device = Device::from_dlpack(proto.device)?;
+            let tensor = Tensor::empty(&shape, dtype, device)?;
+            Ok(tensor.to_dlpack_versioned(dlbridge::dlpack::VERSION, false))
+        });
+    let message = match result {
+        Ok(Ok(managed)) => {
+            // SAFETY: `out` is a valid place for the result, per the protocol.
+            unsafe { *out = managed.as_ptr() };
+            return 0;
+        }
+        Ok(Err(e)) => (e.kind(), e.to_string()),
+        Err(_) => (
+            dlbridge::ErrorKind::Runtime,
+            "dlbridge panicked while allocating".to_owned(),
+        ),
+    };
+    let kind = match message.0 {
+        dlbridge::ErrorKind::Memory => c"MemoryError",
+        dlbridge::ErrorKind::Value => c"ValueError",
+        dlbridge::ErrorKind::Type => c"TypeError",
+        dlbridge::ErrorKind::Buffer => c"BufferError",
+        _ => c"RuntimeError",
+    };
+    let text = std::ffi::CString::new(message.1.replace('\0', " ")).unwrap_or_default();
+    if let Some(set_error) = set_error {
+        // SAFETY: the caller's error callback, with its context and NUL-terminated strings that
+        // live across the call.
+        unsafe { set_error(error_ctx, kind.as_ptr(), text.as_ptr()) };
+    }
+    -1
+}
+
+/// The dlbridge array behind `py_object`.
+///
+/// # Safety
+/// The GIL must be held and `py_object` must be a live object.
+unsafe fn array_of<'py>(py: Python<'py>, py_object: *mut c_void) -> PyResult<Bound<'py, PyArray>> {
+    // SAFETY: the caller guarantees a live object; we take a new strong reference.
+    let obj = unsafe { Bound::from_borrowed_ptr(py, py_object.cast::<ffi::PyObject>()) };
+    Ok(obj.cast_into::<PyArray>()?)
+}
+
+unsafe extern "C" fn from_py_object(
+    py_object: *mut c_void,
+    out: *mut *mut DLManagedTensorVersioned,
+) -> c_int {
+    // SAFETY: the protocol calls this with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: the GIL is held and the caller passes a live object.
+    match unsafe { array_of(py, py_object) } {
+        Ok(array) => {
+            let managed = array
+                .get()
+                .tensor
+                .to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
+            // SAFETY: `out` is a valid place for the result.
+            unsafe { *out = managed.as_ptr() };
+            0
+        }
+        Err(e) => fail(py, e),
+    }
+}
+
+unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut DLTensor) -> c_int {
+    // SAFETY: the protocol calls this with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: the GIL is held and the caller passes a live object.
+    match unsafe { array_of(py, py_object) } {
+        Ok(array) => {
+            // The array is frozen and alive while the caller holds `py_object`, so the shape
+            // and strides its layout owns stay put until control returns, as the protocol asks.
+            // SAFETY: `out` is a valid, writable `DLTensor`.
+            unsafe { *out = array.get().tensor.borrowed_descriptor() };
+            0
+        }
+        Err(e) => fail(py, e),
+    }
+}
+
+unsafe extern "C" fn to_py_object(
+    tensor: *mut DLManagedTensorVersioned,
+    out_py_object: *mut *mut c_void,
+) -> c_int {
+    // SAFETY: the protocol calls this with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    let Some(managed) = NonNull::new(tensor) else {
+        return fail(py, PyBufferError::new_err("NULL tensor"));
+    };
+    // SAFETY: the caller hands over ownership of a live tensor.
+    let imported = unsafe { Tensor::from_dlpack_versioned(managed) };
+    match imported
+        .map_err(crate::errors::to_py)
+        .and_then(|t| Py::new(py, PyArray::new(t)))
+    {
+        Ok(obj) => {
+            // SAFETY: `out_py_object` is a valid place; the new reference goes to the caller.
+            unsafe { *out_py_object = obj.into_ptr().cast() };
+            0
+        }
+        Err(e) => fail(py, e),
+    }
+}
+
+unsafe extern "C" fn current_work_stream(
+    _device_type: DLDeviceType,
+    _device_id: i32,
+    out: *mut *mut c_void,
+) -> c_int {
+    // dlbridge has no device streams in this build: every device's "current stream" is none.
+    // SAFETY: `out` is a valid place for the result.
+    unsafe { *out = std::ptr::null_mut() };
+    0
+}
+
+/// dlbridge's table; static, so it lives for the whole process as the protocol requires.
+struct Table(DLPackExchangeAPI);
+
+// SAFETY: the table is immutable and holds only function pointers and a NULL chain pointer.
+unsafe impl Sync for Table {}
+
+static TABLE: Table = Table(DLPackExchangeAPI {
+    header: DLPackExchangeAPIHeader {
+        version: dlbridge::dlpack::VERSION,
+        prev_api: std::ptr::null_mut(),
+    },
+    managed_tensor_allocator: Some(allocator),
+    managed_tensor_from_py_object_no_sync: Some(from_py_object),
+    managed_tensor_to_py_object_no_sync: Some(to_py_object),
+    dltensor_from_py_object_no_sync: Some(dltensor_from_py_object),
+    current_work_stream: Some(current_work_stream),
+});
+
+/// The capsule published as `dlbridge.Array.__dlpack_c_exchange_api__`.
+pub(crate) fn capsule(py: Python<'_>) -> PyResult<Py<PyAny>> {
+    let ptr = (&raw const TABLE.0).cast_mut().cast::<c_void>();
+    // SAFETY: the pointer is to a static that outlives every capsule; the name is static; no
+    // destructor is needed.
+    let raw = unsafe { ffi::PyCapsule_New(ptr, API_NAME.as_ptr(), None) };
+    if raw.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: a new, owned reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, raw) }.unbind())
+}

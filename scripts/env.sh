@@ -1,0 +1,46 @@
+# Sourced by demo.sh and test.sh: a virtual environment with dlbridge built from this checkout.
+#
+#   DLBRIDGE_VENV    where the environment lives (default: .venv in the repository)
+#   DLBRIDGE_EXTRAS  "test" to install the peer libraries the tests use (default: demo set)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DLBRIDGE_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if ! command -v cargo >/dev/null 2>&1; then
+    if [ -x "$HOME/.cargo/bin/cargo" ]; then
+        export PATH="$HOME/.cargo/bin:$PATH"
+    else
+        echo "dlbridge needs a Rust toolchain (https://rustup.rs): cargo was not found" >&2
+        exit 1
+    fi
+fi
+
+if [ ! -x "$PY" ]; then
+    step "creating the virtual environment in $VENV"
+    python3 -m venv "$VENV"
+fi
+
+# The peers dlbridge is tested against. Versions are floors: a fresh machine gets the newest.
+DEMO_PACKAGES=(pip "maturin>=1.7,<2" "numpy>=2" "torch>=2.5")
+TEST_PACKAGES=("pytest>=8" "jax[cpu]>=0.4.30" "mlx[cpu]>=0.29" "apache-tvm-ffi>=0.1.10")
+
+packages=("${DEMO_PACKAGES[@]}")
+if [ "${DLBRIDGE_EXTRAS:-}" = "test" ]; then
+    packages+=("${TEST_PACKAGES[@]}")
+fi
+stamp="$VENV/.dlbridge-packages"
+if [ "$(cat "$stamp" 2>/dev/null)" != "${packages[*]}" ]; then
+    step "installing ${packages[*]}"
+    "$PY" -m pip install --quiet --upgrade "${packages[@]}"
+    printf '%s' "${packages[*]}" > "$stamp"
+fi
+
+step "building the dlbridge wheel (abi3, release)"
+rm -rf "$ROOT/dist"
+(cd "$ROOT" && "$VENV/bin/maturin" build --release --quiet --interpreter "$PY" --out dist \
+    ${DLBRIDGE_FEATURES:+--features "$DLBRIDGE_FEATURES"})
+"$PY" -m pip install --quiet --force-reinstall --no-deps "$ROOT"/dist/dlbridge-*.whl

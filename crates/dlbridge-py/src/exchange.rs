@@ -326,6 +326,15 @@ fn call_dlpack<'py>(
             )));
         }
     };
+    if device.is_none() && copy.is_none() {
+        // The common case: a constant `{"max_version": (1, 3)}`. Callees never keep or change
+        // the dict they are called with (CPython copies it into `**kwargs` where one is declared).
+        return match method.call((), Some(plain_kwargs(py))) {
+            Ok(capsule) => Ok(capsule),
+            Err(err) if err.is_instance_of::<PyTypeError>(py) => method.call0(),
+            Err(err) => Err(err),
+        };
+    }
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "max_version"), max_version_tuple(py))?;
     if let Some(target) = device {
@@ -346,6 +355,18 @@ fn call_dlpack<'py>(
         Err(err) if err.is_instance_of::<PyTypeError>(py) => method.call0(),
         Err(err) => Err(err),
     }
+}
+
+/// `{"max_version": (1, 3)}`, built once.
+fn plain_kwargs(py: Python<'_>) -> &Bound<'_, PyDict> {
+    static DICT: pyo3::sync::PyOnceLock<Py<PyDict>> = pyo3::sync::PyOnceLock::new();
+    DICT.get_or_init(py, || {
+        let d = PyDict::new(py);
+        d.set_item(intern!(py, "max_version"), max_version_tuple(py))
+            .expect("inserting into a new dict");
+        d.unbind()
+    })
+    .bind(py)
 }
 
 /// `(1, 3)`, built once.

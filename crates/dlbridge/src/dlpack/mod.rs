@@ -379,12 +379,14 @@ impl Tensor {
                 flags,
                 dl_tensor: self.empty_descriptor(),
             },
-            dims: dims_of(self),
-            tensor: self.clone(),
+            dims: Dims::of(self),
+            buffer: self.buffer().clone(),
         });
         let ctx = (&raw mut *exported).cast::<c_void>();
         exported.managed.manager_ctx = ctx;
-        fill_descriptor(&mut exported.managed.dl_tensor, &mut exported.dims);
+        let (shape, strides) = exported.dims.pointers(self.ndim());
+        exported.managed.dl_tensor.shape = shape;
+        exported.managed.dl_tensor.strides = strides;
         let raw = Box::into_raw(exported);
         // SAFETY: `Exported` is `repr(C)` with `managed` first, so its address is the managed
         // tensor's; `Box::into_raw` never returns NULL.
@@ -407,12 +409,14 @@ impl Tensor {
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(delete_legacy),
             },
-            dims: dims_of(self),
-            tensor: self.clone(),
+            dims: Dims::of(self),
+            buffer: self.buffer().clone(),
         });
         let ctx = (&raw mut *exported).cast::<c_void>();
         exported.managed.manager_ctx = ctx;
-        fill_descriptor(&mut exported.managed.dl_tensor, &mut exported.dims);
+        let (shape, strides) = exported.dims.pointers(self.ndim());
+        exported.managed.dl_tensor.shape = shape;
+        exported.managed.dl_tensor.strides = strides;
         let raw = Box::into_raw(exported);
         // SAFETY: as in `to_dlpack_versioned`.
         Ok(unsafe { NonNull::new_unchecked(raw.cast::<DLManagedTensor>()) })
@@ -445,37 +449,64 @@ impl Tensor {
     }
 }
 
-/// Shape then strides, in one allocation.
-fn dims_of(t: &Tensor) -> Box<[i64]> {
-    t.shape()
-        .iter()
-        .map(|&d| d as i64)
-        .chain(t.strides().iter().map(|&s| s as i64))
-        .collect()
+/// Dimensions up to this count are stored inline in the exported struct (one allocation per
+/// export); more go to the heap.
+const INLINE_DIMS: usize = 8;
+
+/// Shape then strides of an export, as `i64`.
+enum Dims {
+    Inline([i64; 2 * INLINE_DIMS]),
+    Heap(Box<[i64]>),
 }
 
-fn fill_descriptor(dl: &mut DLTensor, dims: &mut [i64]) {
-    let ndim = dims.len() / 2;
-    let (shape, strides) = dims.split_at_mut(ndim);
-    // Non-NULL even for ndim == 0 (a dangling, aligned pointer to zero elements).
-    dl.shape = shape.as_mut_ptr();
-    dl.strides = strides.as_mut_ptr();
+impl Dims {
+    fn of(t: &Tensor) -> Dims {
+        if t.ndim() <= INLINE_DIMS {
+            let mut inline = [0i64; 2 * INLINE_DIMS];
+            for (slot, &d) in inline.iter_mut().zip(t.shape()) {
+                *slot = d as i64;
+            }
+            for (slot, &s) in inline[INLINE_DIMS..].iter_mut().zip(t.strides()) {
+                *slot = s as i64;
+            }
+            Dims::Inline(inline)
+        } else {
+            let shape = t.shape().iter().map(|&d| d as i64);
+            Dims::Heap(shape.chain(t.strides().iter().map(|&s| s as i64)).collect())
+        }
+    }
+
+    /// Pointers to the shape and strides; non-NULL even for `ndim == 0`. They stay valid while
+    /// `self` is neither moved nor dropped (it lives in the boxed export).
+    fn pointers(&mut self, ndim: usize) -> (*mut i64, *mut i64) {
+        match self {
+            Dims::Inline(a) => {
+                let (shape, strides) = a.split_at_mut(INLINE_DIMS);
+                (shape.as_mut_ptr(), strides.as_mut_ptr())
+            }
+            Dims::Heap(b) => {
+                let (shape, strides) = b.split_at_mut(ndim);
+                (shape.as_mut_ptr(), strides.as_mut_ptr())
+            }
+        }
+    }
 }
 
-/// What a versioned export allocates: the struct handed out, its dims, and the view it keeps.
+/// What a versioned export allocates: the struct handed out, its dims, and the buffer it keeps
+/// alive (the descriptor already says everything else about the view).
 #[repr(C)]
 struct Exported {
     managed: DLManagedTensorVersioned,
-    dims: Box<[i64]>,
-    tensor: Tensor,
+    dims: Dims,
+    buffer: Buffer,
 }
 
 /// The legacy counterpart of [`Exported`].
 #[repr(C)]
 struct ExportedLegacy {
     managed: DLManagedTensor,
-    dims: Box<[i64]>,
-    tensor: Tensor,
+    dims: Dims,
+    buffer: Buffer,
 }
 
 /// Runs `f`, containing any panic: deleters are called from C and must never unwind.

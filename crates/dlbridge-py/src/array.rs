@@ -108,15 +108,11 @@ impl PyArray {
         let bytes: &[u8] = if host.numel() == 0 {
             &[]
         } else {
+            let first = base.as_ptr().wrapping_add(host.byte_offset());
             // SAFETY: `host` is compact host memory of `numel * itemsize` bytes from its byte
             // offset, kept alive by `host` for the duration of this borrow; nothing writes to it
             // while the GIL is held by this call.
-            unsafe {
-                std::slice::from_raw_parts(
-                    base.as_ptr().add(host.byte_offset()),
-                    host.numel() * itemsize,
-                )
-            }
+            unsafe { std::slice::from_raw_parts(first, host.numel() * itemsize) }
         };
         fn build<'py>(
             py: Python<'py>,
@@ -324,9 +320,10 @@ impl PyArray {
     /// express it without a copy.
     #[pyo3(signature = (*shape))]
     fn reshape(&self, shape: &Bound<'_, PyTuple>) -> PyResult<PyArray> {
-        let dims: Vec<i64> = if shape.len() == 1 && shape.get_item(0)?.cast::<PyTuple>().is_ok() {
-            shape.get_item(0)?.extract()?
-        } else if shape.len() == 1 && shape.get_item(0)?.cast::<PyList>().is_ok() {
+        let nested = shape.len() == 1
+            && (shape.get_item(0)?.cast::<PyTuple>().is_ok()
+                || shape.get_item(0)?.cast::<PyList>().is_ok());
+        let dims: Vec<i64> = if nested {
             shape.get_item(0)?.extract()?
         } else {
             shape.extract()?

@@ -223,9 +223,8 @@ pub(crate) fn flatten<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Nested<'py>> {
     };
     let mut shape_known = false;
     walk(obj, 0, &mut out, &mut shape_known)?;
-    if out.leaves.is_empty() && out.shape.is_empty() {
-        out.kind = ScalarKind::Float;
-    } else if out.leaves.is_empty() {
+    if out.leaves.is_empty() {
+        // No values to look at: empty sequences take the default floating type, as in NumPy.
         out.kind = ScalarKind::Float;
     }
     Ok(out)

@@ -112,43 +112,45 @@ unsafe fn preserving_exception(f: impl FnOnce()) {
 
 /// Destructor of versioned capsules we produce: frees the tensor unless a consumer took it.
 unsafe extern "C" fn drop_versioned_capsule(capsule: *mut ffi::PyObject) {
+    let release = || {
+        // SAFETY: CPython passes a live capsule.
+        unsafe { drop_versioned_capsule_inner(capsule) }
+    };
     // SAFETY: CPython calls destructors with the GIL held.
-    unsafe { preserving_exception(|| drop_versioned_capsule_inner(capsule)) }
+    unsafe { preserving_exception(release) }
 }
 
 unsafe fn drop_versioned_capsule_inner(capsule: *mut ffi::PyObject) {
     // SAFETY: called by CPython with a live capsule (and the GIL held); `IsValid` never raises.
     if unsafe { ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) } == 1 {
         // SAFETY: the name matched, so the stored pointer comes back without an exception.
-        let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr()) }
-            .cast::<DLManagedTensorVersioned>();
-        // SAFETY: an unconsumed capsule still owns the tensor we exported into it; its deleter is
-        // ours and never unwinds.
-        unsafe {
-            if let Some(deleter) = (*managed).deleter {
-                deleter(managed);
-            }
+        let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr()) };
+        if let Some(managed) = NonNull::new(managed.cast::<DLManagedTensorVersioned>()) {
+            // SAFETY: an unconsumed capsule still owns the tensor we exported into it; its
+            // deleter is ours and never unwinds.
+            unsafe { dlbridge::dlpack::release_versioned(managed) };
         }
     }
 }
 
 /// Destructor of legacy capsules we produce.
 unsafe extern "C" fn drop_legacy_capsule(capsule: *mut ffi::PyObject) {
+    let release = || {
+        // SAFETY: CPython passes a live capsule.
+        unsafe { drop_legacy_capsule_inner(capsule) }
+    };
     // SAFETY: CPython calls destructors with the GIL held.
-    unsafe { preserving_exception(|| drop_legacy_capsule_inner(capsule)) }
+    unsafe { preserving_exception(release) }
 }
 
 unsafe fn drop_legacy_capsule_inner(capsule: *mut ffi::PyObject) {
     // SAFETY: as in `drop_versioned_capsule_inner`.
     if unsafe { ffi::PyCapsule_IsValid(capsule, LEGACY.as_ptr()) } == 1 {
         // SAFETY: the name matched.
-        let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr()) }
-            .cast::<DLManagedTensor>();
-        // SAFETY: as in `drop_versioned_capsule`.
-        unsafe {
-            if let Some(deleter) = (*managed).deleter {
-                deleter(managed);
-            }
+        let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr()) };
+        if let Some(managed) = NonNull::new(managed.cast::<DLManagedTensor>()) {
+            // SAFETY: as in `drop_versioned_capsule_inner`.
+            unsafe { dlbridge::dlpack::release_legacy(managed) };
         }
     }
 }
@@ -220,7 +222,7 @@ pub(crate) fn export<'py>(
                 drop_versioned_capsule,
                 || {
                     // SAFETY: the capsule was not created, so we still own the export.
-                    unsafe { free_versioned(managed) }
+                    unsafe { dlbridge::dlpack::release_versioned(managed) }
                 },
             )
         }
@@ -233,31 +235,9 @@ pub(crate) fn export<'py>(
                 drop_legacy_capsule,
                 || {
                     // SAFETY: the capsule was not created, so we still own the export.
-                    unsafe { free_legacy(managed) }
+                    unsafe { dlbridge::dlpack::release_legacy(managed) }
                 },
             )
-        }
-    }
-}
-
-/// # Safety
-/// `managed` must be an unconsumed export of ours.
-unsafe fn free_versioned(managed: NonNull<DLManagedTensorVersioned>) {
-    // SAFETY: forwarded.
-    unsafe {
-        if let Some(deleter) = (*managed.as_ptr()).deleter {
-            deleter(managed.as_ptr());
-        }
-    }
-}
-
-/// # Safety
-/// `managed` must be an unconsumed export of ours.
-unsafe fn free_legacy(managed: NonNull<DLManagedTensor>) {
-    // SAFETY: forwarded.
-    unsafe {
-        if let Some(deleter) = (*managed.as_ptr()).deleter {
-            deleter(managed.as_ptr());
         }
     }
 }
@@ -495,11 +475,11 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     }
     let held = HeldView(view);
     let v = &*held.0;
-    // SAFETY: `format` is NULL or a NUL-terminated string owned by the exporter while the view
-    // is held.
     let format = if v.format.is_null() {
         "B".to_owned()
     } else {
+        // SAFETY: a non-NULL `format` is a NUL-terminated string the exporter owns while the
+        // view is held.
         unsafe { CStr::from_ptr(v.format) }
             .to_string_lossy()
             .into_owned()
@@ -523,7 +503,9 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let (mut shape, mut strides) = (Vec::with_capacity(ndim), Vec::with_capacity(ndim));
     for i in 0..ndim {
         // SAFETY: with PYBUF_STRIDES the exporter fills `ndim` extents and byte strides.
-        let (d, s) = unsafe { (*v.shape.add(i), *v.strides.add(i)) };
+        let d = unsafe { v.shape.wrapping_add(i).read() };
+        // SAFETY: as above.
+        let s = unsafe { v.strides.wrapping_add(i).read() };
         if s % v.itemsize != 0 {
             return Err(PyBufferError::new_err(format!(
                 "byte stride {s} is not a multiple of the item size {}",

@@ -114,11 +114,7 @@ pub(crate) fn take_via_table(x: &Bound<'_, PyAny>) -> Option<PyResult<Taken>> {
     let device = unsafe { (*managed.as_ptr()).dl_tensor.device.device_type };
     if device != dlbridge::dlpack::ffi::K_DL_CPU {
         // SAFETY: owned and unused; give it back to its producer.
-        unsafe {
-            if let Some(deleter) = (*managed.as_ptr()).deleter {
-                deleter(managed.as_ptr());
-            }
-        }
+        unsafe { dlbridge::dlpack::release_versioned(managed) };
         return None;
     }
     // SAFETY: as above.
@@ -157,7 +153,7 @@ unsafe extern "C" fn allocator(
                 .map_err(|_| dlbridge::Error::MalformedTensor(format!("ndim {}", proto.ndim)))?;
             let shape = (0..ndim)
                 // SAFETY: `ndim` entries, per the protocol.
-                .map(|i| usize::try_from(unsafe { *proto.shape.add(i) }))
+                .map(|i| usize::try_from(unsafe { proto.shape.wrapping_add(i).read() }))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|_| dlbridge::Error::MalformedTensor("negative extent".into()))?;
             let dtype = DType::from_dlpack(proto.dtype)?;

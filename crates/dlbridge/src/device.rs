@@ -58,7 +58,7 @@ impl DeviceKind {
             DeviceKind::CudaHost => "cuda_host".into(),
             DeviceKind::CudaManaged => "cuda_managed".into(),
             DeviceKind::Metal => "metal".into(),
-            DeviceKind::Other(raw) => format!("{}", other_name(raw)),
+            DeviceKind::Other(raw) => other_name(raw),
         }
     }
 

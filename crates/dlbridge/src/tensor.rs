@@ -381,11 +381,10 @@ impl Tensor {
         if self.nbytes() == 0 {
             return Ok(&[]);
         }
+        let first = base.as_ptr().wrapping_add(self.byte_offset());
         // SAFETY: a compact view's `nbytes` bytes from its offset lie inside the live buffer
         // (checked at construction); u8 has no alignment or validity requirements.
-        Ok(unsafe {
-            std::slice::from_raw_parts(base.as_ptr().add(self.byte_offset()), self.nbytes())
-        })
+        Ok(unsafe { std::slice::from_raw_parts(first, self.nbytes()) })
     }
 
     /// The bytes of a compact host view this handle alone owns.
@@ -401,11 +400,10 @@ impl Tensor {
         if self.nbytes() == 0 {
             return Ok(&mut []);
         }
+        let first = base.as_ptr().wrapping_add(self.byte_offset());
         // SAFETY: as in `host_bytes`; the buffer has no other handle and `self` is borrowed
         // mutably for the slice's lifetime.
-        Ok(unsafe {
-            std::slice::from_raw_parts_mut(base.as_ptr().add(self.byte_offset()), self.nbytes())
-        })
+        Ok(unsafe { std::slice::from_raw_parts_mut(first, self.nbytes()) })
     }
 
     /// Copies `src` into this view element by element (shapes equal, or `src` broadcastable to
@@ -461,20 +459,22 @@ impl Tensor {
             }
         }
         let itemsize = self.dtype.itemsize();
-        // SAFETY: both views were bounds-checked against their buffers when built, so every
-        // element address of each layout lies inside its (live) allocation; the byte ranges are
-        // disjoint (checked above for a shared allocation; distinct allocations never overlap);
-        // the caller guarantees no reference into the destination bytes is alive.
+        // Inside each live allocation: both views were bounds-checked when they were built.
+        let src_first = src_base.as_ptr().wrapping_add(src.byte_offset());
+        let dst_first = dst_base.as_ptr().wrapping_add(self.byte_offset());
+        // SAFETY: every element address of each layout lies inside its live allocation; the byte
+        // ranges are disjoint (checked above for a shared allocation; distinct allocations never
+        // overlap); the caller guarantees no reference into the destination bytes is alive.
         unsafe {
             backend::cpu::copy_strided(
-                src_base.as_ptr().add(src.byte_offset()),
+                src_first,
                 src.strides(),
-                dst_base.as_ptr().add(self.byte_offset()),
+                dst_first,
                 self.strides(),
                 self.shape(),
                 itemsize,
-            );
-        }
+            )
+        };
         Ok(())
     }
 

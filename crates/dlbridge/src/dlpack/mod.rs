@@ -71,11 +71,11 @@ impl Managed for DLManagedTensorVersioned {
         unsafe { &(*this.as_ptr()).dl_tensor }
     }
     unsafe fn delete(this: NonNull<Self>) {
-        // SAFETY: the caller guarantees `this` is live and owned; the deleter is the producer's.
-        unsafe {
-            if let Some(deleter) = (*this.as_ptr()).deleter {
-                deleter(this.as_ptr());
-            }
+        // SAFETY: the caller guarantees `this` is live.
+        let deleter = unsafe { (*this.as_ptr()).deleter };
+        if let Some(deleter) = deleter {
+            // SAFETY: the caller owns `this` and gives it up; the deleter is the producer's own.
+            unsafe { deleter(this.as_ptr()) };
         }
     }
 }
@@ -86,13 +86,31 @@ impl Managed for DLManagedTensor {
         unsafe { &(*this.as_ptr()).dl_tensor }
     }
     unsafe fn delete(this: NonNull<Self>) {
-        // SAFETY: the caller guarantees `this` is live and owned; the deleter is the producer's.
-        unsafe {
-            if let Some(deleter) = (*this.as_ptr()).deleter {
-                deleter(this.as_ptr());
-            }
+        // SAFETY: the caller guarantees `this` is live.
+        let deleter = unsafe { (*this.as_ptr()).deleter };
+        if let Some(deleter) = deleter {
+            // SAFETY: the caller owns `this` and gives it up; the deleter is the producer's own.
+            unsafe { deleter(this.as_ptr()) };
         }
     }
+}
+
+/// Releases a managed tensor: calls its deleter, if it has one.
+///
+/// # Safety
+/// `managed` must be live and owned by the caller, who gives it up.
+pub unsafe fn release_versioned(managed: NonNull<DLManagedTensorVersioned>) {
+    // SAFETY: forwarded.
+    unsafe { DLManagedTensorVersioned::delete(managed) }
+}
+
+/// Releases a legacy managed tensor: calls its deleter, if it has one.
+///
+/// # Safety
+/// `managed` must be live and owned by the caller, who gives it up.
+pub unsafe fn release_legacy(managed: NonNull<DLManagedTensor>) {
+    // SAFETY: forwarded.
+    unsafe { DLManagedTensor::delete(managed) }
 }
 
 /// Keeps a foreign producer's tensor alive; its drop is the one place the deleter runs.
@@ -119,9 +137,10 @@ impl<M: Managed> Drop for ForeignTensor<M> {
 /// # Safety
 /// `ptr` must be valid for `n` reads of `i64` (the caller checked it is non-NULL).
 unsafe fn read_i64s(ptr: *const i64, n: usize) -> Vec<i64> {
-    // SAFETY: forwarded; `read_unaligned` because foreign pointers promise nothing.
     (0..n)
-        .map(|i| unsafe { ptr.add(i).read_unaligned() })
+        // SAFETY: within the `n` readable values; unaligned because foreign pointers promise
+        // nothing.
+        .map(|i| unsafe { ptr.wrapping_add(i).read_unaligned() })
         .collect()
 }
 
@@ -156,8 +175,8 @@ unsafe fn import<M: Managed + 'static>(
             "shape is NULL with ndim {ndim}"
         )));
     }
-    // SAFETY: non-NULL (checked) and, by the DLPack contract, `ndim` entries long.
     let raw_shape = if ndim > 0 {
+        // SAFETY: non-NULL (checked) and, by the DLPack contract, `ndim` entries long.
         unsafe { read_i64s(dl.shape, ndim) }
     } else {
         vec![]
@@ -179,8 +198,8 @@ unsafe fn import<M: Managed + 'static>(
         }
         Layout::contiguous(&shape)?.strides().to_vec()
     } else {
-        // SAFETY: non-NULL and, by the DLPack contract, `ndim` entries long.
         let raw = if ndim > 0 {
+            // SAFETY: non-NULL and, by the DLPack contract, `ndim` entries long.
             unsafe { read_i64s(dl.strides, ndim) }
         } else {
             vec![]
@@ -313,7 +332,8 @@ impl Tensor {
     ) -> Result<Tensor> {
         let owner = ForeignTensor { managed };
         // SAFETY: live, owned by `owner` from here on.
-        let (version, flags) = unsafe { ((*managed.as_ptr()).version, (*managed.as_ptr()).flags) };
+        let header = unsafe { &*managed.as_ptr() };
+        let (version, flags) = (header.version, header.flags);
         if version.major != ffi::DLPACK_MAJOR_VERSION {
             return Err(Error::UnsupportedVersion {
                 major: version.major,

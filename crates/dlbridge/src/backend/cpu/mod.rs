@@ -88,13 +88,12 @@ pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
         NonNull::new(std::ptr::without_provenance_mut::<u8>(layout.align()))
             .expect("alignments are non-zero")
     } else {
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe {
-            if zeroed {
-                std::alloc::alloc_zeroed(layout)
-            } else {
-                std::alloc::alloc(layout)
-            }
+        let raw = if zeroed {
+            // SAFETY: the layout has a non-zero size.
+            unsafe { std::alloc::alloc_zeroed(layout) }
+        } else {
+            // SAFETY: the layout has a non-zero size.
+            unsafe { std::alloc::alloc(layout) }
         };
         NonNull::new(raw).ok_or_else(|| Error::OutOfMemory {
             bytes,
@@ -219,12 +218,13 @@ unsafe fn copy_run(s: *const u8, ss: isize, d: *mut u8, ds: isize, n: usize, ite
     macro_rules! run {
         ($t:ty) => {{
             for i in 0..n as isize {
-                // SAFETY: addresses produced by the layouts; unaligned accesses because foreign
+                let from = s.wrapping_offset(i * ss).cast::<$t>();
+                let to = d.wrapping_offset(i * ds).cast::<$t>();
+                // SAFETY: an address the source layout produces; unaligned, because foreign
                 // layouts only guarantee byte alignment.
-                unsafe {
-                    let v = s.offset(i * ss).cast::<$t>().read_unaligned();
-                    d.offset(i * ds).cast::<$t>().write_unaligned(v);
-                }
+                let v = unsafe { from.read_unaligned() };
+                // SAFETY: as above, for the destination.
+                unsafe { to.write_unaligned(v) };
             }
         }};
     }
@@ -236,10 +236,9 @@ unsafe fn copy_run(s: *const u8, ss: isize, d: *mut u8, ds: isize, n: usize, ite
         16 => run!(u128),
         _ => {
             for i in 0..n as isize {
+                let (from, to) = (s.wrapping_offset(i * ss), d.wrapping_offset(i * ds));
                 // SAFETY: as above, `itemsize` bytes at each address.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(s.offset(i * ss), d.offset(i * ds), itemsize)
-                };
+                unsafe { std::ptr::copy_nonoverlapping(from, to, itemsize) };
             }
         }
     }

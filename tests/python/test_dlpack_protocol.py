@@ -14,6 +14,7 @@ import pytest
 import dlbridge
 from conftest import (
     FLAG_IS_COPIED,
+    FLAG_IS_SUBBYTE_TYPE_PADDED,
     FLAG_READ_ONLY,
     capsule_info,
     capsule_name,
@@ -459,6 +460,44 @@ def test_malformed_capsules_raise_and_release(case):
         dlbridge.from_dlpack(hand.capsule)
     assert hand.deleted == 1
     assert capsule_name(hand.capsule) == "used_dltensor_versioned"
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_packed_float4_is_read_correctly_or_refused(versioned):
+    """Sub-byte tensors without IS_SUBBYTE_TYPE_PADDED are packed (two float4 per byte, low
+    nibble first): six elements live in three bytes. Reading them must give the six values or
+    raise, and must never read past the three bytes (the bytes after them are 0xff here)."""
+    memory = np.array([0x21, 0x43, 0x7D, 0xFF, 0xFF, 0xFF], dtype=np.uint8)
+    hand = make_capsule(memory[:3], shape=[6], strides=[1], dtype=(17, 4, 1), versioned=versioned)
+    a = dlbridge.from_dlpack(hand.capsule)
+    assert a.shape == (6,) and a.dtype == "float4_e2m1fn"
+    assert a.nbytes == 3
+    assert a.data_ptr == ptr_of(memory)
+    try:
+        got = a.tolist()
+    except BufferError:
+        return
+    assert got == [0.5, 1.0, 1.5, 2.0, -3.0, 6.0]
+
+
+@pytest.mark.parametrize("dtype", ["float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"])
+def test_padded_sub_byte_arrays_are_never_exported_as_packed(dtype):
+    """dlbridge stores sub-byte elements one per byte (IS_SUBBYTE_TYPE_PADDED in versioned
+    capsules). A legacy capsule has no flags, and DLPack reads sub-byte types there as packed:
+    a legacy export must refuse (like read-only arrays) or describe the same memory exactly."""
+    vals = [0.5, 1.0, 1.5, 2.0, -3.0, 6.0]
+    d = dlbridge.asarray(vals, dtype=dtype)
+    v = capsule_info(d.__dlpack__(max_version=(1, 3)))
+    assert v["flags"] & FLAG_IS_SUBBYTE_TYPE_PADDED
+    r = dlbridge.from_dlpack(d.__dlpack__(max_version=(1, 3)))
+    assert r.nbytes == d.nbytes and r.astype("float32").tolist() == vals
+    try:
+        cap = d.__dlpack__()
+    except BufferError:
+        return
+    b = dlbridge.from_dlpack(cap)
+    assert b.nbytes == d.nbytes, "the legacy capsule describes packed memory that is not there"
+    assert b.astype("float32").tolist() == vals
 
 
 def test_zero_size_capsule_with_null_data():

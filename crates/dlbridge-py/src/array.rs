@@ -95,7 +95,9 @@ impl PyArray {
     }
 
     fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let host = if self.tensor.device().is_cpu() && self.tensor.is_contiguous() {
+        let host = if self.tensor.is_packed() {
+            self.tensor.unpacked().py()?
+        } else if self.tensor.device().is_cpu() && self.tensor.is_contiguous() {
             self.tensor.clone()
         } else {
             self.tensor.copy_to(Device::CPU).py()?
@@ -447,13 +449,25 @@ impl PyArray {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let np = py.import(intern!(py, "numpy"))?;
-        let mut out = np.call_method1(intern!(py, "from_dlpack"), (slf,))?;
-        if let Some(dtype) = dtype.filter(|d| !d.is_none()) {
-            out = out.call_method1(intern!(py, "astype"), (dtype,))?;
-        } else if copy == Some(true) {
-            out = out.call_method0(intern!(py, "copy"))?;
+        let out = np.call_method1(intern!(py, "from_dlpack"), (slf,))?;
+        let wanted = match dtype.filter(|d| !d.is_none()) {
+            Some(d) => Some(np.call_method1(intern!(py, "dtype"), (d,))?),
+            None => None,
+        };
+        let converts = match &wanted {
+            Some(w) => !out.getattr(intern!(py, "dtype"))?.eq(w)?,
+            None => false,
+        };
+        if converts && copy == Some(false) {
+            return Err(PyValueError::new_err(
+                "converting the dtype needs a copy, but copy=False",
+            ));
         }
-        Ok(out)
+        match wanted {
+            Some(w) if converts => out.call_method1(intern!(py, "astype"), (w,)),
+            _ if copy == Some(true) => out.call_method0(intern!(py, "copy")),
+            _ => Ok(out),
+        }
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {

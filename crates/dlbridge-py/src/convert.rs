@@ -41,13 +41,21 @@ pub(crate) fn scalar_kind(obj: &Bound<'_, PyAny>) -> Option<ScalarKind> {
         Some(ScalarKind::Complex)
     } else {
         let py = obj.py();
-        // NumPy scalars and 0-d arrays of other libraries are not sequences but convert.
+        // Arrays (anything with DLPack or a length) are not scalars, even when they convert to one.
+        let has = |name: &Bound<'_, pyo3::types::PyString>| obj.hasattr(name).unwrap_or(false);
+        if has(pyo3::intern!(py, "__dlpack__")) || has(pyo3::intern!(py, "__len__")) {
+            return None;
+        }
+        // NumPy scalars are neither, and convert by their kind.
         if obj.hasattr(pyo3::intern!(py, "__index__")).unwrap_or(false) {
             Some(ScalarKind::Int)
-        } else if obj.hasattr(pyo3::intern!(py, "__float__")).unwrap_or(false)
-            && !obj.hasattr(pyo3::intern!(py, "__len__")).unwrap_or(false)
-        {
+        } else if obj.hasattr(pyo3::intern!(py, "__float__")).unwrap_or(false) {
             Some(ScalarKind::Float)
+        } else if obj
+            .hasattr(pyo3::intern!(py, "__complex__"))
+            .unwrap_or(false)
+        {
+            Some(ScalarKind::Complex)
         } else {
             None
         }

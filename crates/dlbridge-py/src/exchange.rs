@@ -196,7 +196,7 @@ pub(crate) fn export<'py>(
                     tensor.device()
                 )));
             }
-            copied = Some(tensor.copy_to(target).py()?);
+            copied = Some(tensor.copy_to(target).map_err(exchange_error)?);
         }
     }
     if req.copy == Some(true) && copied.is_none() {
@@ -268,6 +268,15 @@ pub(crate) fn from_dlpack(
     finish_import(taken, device, copy)
 }
 
+/// Errors of a DLPack exchange: a device dlbridge cannot reach is, in the array API standard's
+/// words, a device the exchange "cannot handle", which is a `BufferError`.
+fn exchange_error(err: dlbridge::Error) -> PyErr {
+    match err {
+        dlbridge::Error::BackendUnavailable { .. } => PyBufferError::new_err(err.to_string()),
+        other => crate::errors::to_py(other),
+    }
+}
+
 /// Applies the consumer's `device` and `copy` to an imported tensor.
 pub(crate) fn finish_import(
     taken: Taken,
@@ -283,7 +292,7 @@ pub(crate) fn finish_import(
                 tensor.device()
             )));
         }
-        return tensor.copy_to(target).py();
+        return tensor.copy_to(target).map_err(exchange_error);
     }
     if copy == Some(true) && !is_copied {
         return tensor.copy().py();

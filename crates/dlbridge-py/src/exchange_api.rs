@@ -92,15 +92,23 @@ fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
 pub(crate) fn take_via_table(x: &Bound<'_, PyAny>) -> Option<PyResult<Taken>> {
     let api = table_of(x)?;
     let export = api.managed_tensor_from_py_object_no_sync?;
+    if has_lazy_bits(x) {
+        // PyTorch's exchange table hands out a conjugated or negated view's raw memory without
+        // its lazy bit (its `__dlpack__` refuses such tensors): take the `__dlpack__` path, which
+        // raises the BufferError DLPack calls for.
+        return None;
+    }
     let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
     // SAFETY: `x` is an object of the type the table was found on, as the protocol requires; the
     // GIL is held; `out` is a valid place for the result.
     let rc = unsafe { export(x.as_ptr().cast(), &mut out) };
     let py = x.py();
     if rc != 0 {
-        return Some(Err(PyErr::take(py).unwrap_or_else(|| {
-            PyBufferError::new_err("the producer's DLPack exchange API failed without an error")
-        })));
+        // The table skips checks the producer's `__dlpack__` makes (PyTorch's raises BufferError
+        // for sparse, meta and quantized tensors, where the table raises RuntimeError): let that
+        // path give the answer the array API standard specifies.
+        drop(PyErr::take(py));
+        return None;
     }
     let Some(managed) = NonNull::new(out) else {
         return Some(Err(PyBufferError::new_err(
@@ -128,6 +136,19 @@ pub(crate) fn take_via_table(x: &Bound<'_, PyAny>) -> Option<PyResult<Taken>> {
             .map(|tensor| Taken { tensor, is_copied })
             .map_err(crate::errors::to_py),
     )
+}
+
+/// Whether `x` is a PyTorch tensor with a lazy conjugate or negative bit set (values that differ
+/// from its memory). Only types with `is_conj` are asked.
+fn has_lazy_bits(x: &Bound<'_, PyAny>) -> bool {
+    let py = x.py();
+    let bit = |name: &Bound<'_, pyo3::types::PyString>| {
+        x.call_method0(name)
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(false)
+    };
+    x.hasattr(intern!(py, "is_conj")).unwrap_or(false)
+        && (bit(intern!(py, "is_conj")) || bit(intern!(py, "is_neg")))
 }
 
 // ---------------------------------------------------------------------------------------------

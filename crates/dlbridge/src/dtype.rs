@@ -353,14 +353,15 @@ impl FromStr for DType {
             }
             _ => (lower.as_str(), 1),
         };
+        let invalid = |e: Error| Error::InvalidDType(format!("{s:?}: {e}"));
         for code in DTypeCode::ALL {
             if code.name_has_width() {
                 if base == code.stem() {
-                    return DType::new(code, code.fixed_bits()[0], lanes);
+                    return DType::new(code, code.fixed_bits()[0], lanes).map_err(invalid);
                 }
             } else if let Some(bits) = base.strip_prefix(code.stem()) {
                 if let Ok(bits) = bits.parse::<u8>() {
-                    return DType::new(code, bits, lanes);
+                    return DType::new(code, bits, lanes).map_err(invalid);
                 }
             }
         }

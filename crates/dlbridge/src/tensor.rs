@@ -349,6 +349,36 @@ impl Tensor {
         self.copy_to(self.device())
     }
 
+    /// A compact host copy with sub-byte elements one per byte (DLPack's padded form); for other
+    /// dtypes, the same as `copy_to(Device::CPU)`. Packed elements are read in DLPack's order:
+    /// little bit-endian, element `i` starting at bit `i * bits`.
+    pub fn unpacked(&self) -> Result<Tensor> {
+        if !self.packed {
+            return self.copy_to(Device::CPU);
+        }
+        let base = self.buffer.require_host("unpacking sub-byte elements")?;
+        let nbytes = self.nbytes();
+        let packed: &[u8] = if nbytes == 0 {
+            &[]
+        } else {
+            let first = base.as_ptr().wrapping_add(self.byte_offset());
+            // SAFETY: a packed view is compact, and its `nbytes` bytes from the offset lie inside
+            // the live buffer (checked at construction); `self` keeps the buffer alive.
+            unsafe { std::slice::from_raw_parts(first, nbytes) }
+        };
+        let mut out = Tensor::empty(self.shape(), self.dtype, Device::CPU)?;
+        let bits = self.dtype.bits() as usize;
+        let mask = (1u16 << bits) - 1;
+        let dst = out.host_bytes_mut()?;
+        for (i, slot) in dst.iter_mut().enumerate() {
+            let (byte, shift) = ((i * bits) / 8, (i * bits) % 8);
+            let lo = u16::from(packed[byte]);
+            let hi = u16::from(packed.get(byte + 1).copied().unwrap_or(0));
+            *slot = (((hi << 8) | lo) >> shift & mask) as u8;
+        }
+        Ok(out)
+    }
+
     /// A compact copy with elements converted to `dtype` (NumPy's `astype` rules: floats truncate
     /// toward zero into integers, complex drops the imaginary part into reals). A same-dtype cast
     /// is a plain copy.

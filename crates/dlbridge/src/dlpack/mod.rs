@@ -416,6 +416,14 @@ impl Tensor {
     /// Exports a legacy DLPack tensor. Fails for read-only views: the legacy struct cannot say
     /// read-only, and handing out writable access to read-only memory would be wrong.
     pub fn to_dlpack_legacy(&self) -> Result<NonNull<DLManagedTensor>> {
+        if self.dtype().is_sub_byte() && !self.is_packed() {
+            return Err(Error::UnsupportedDType(format!(
+                "padded {} elements cannot be exported as a legacy (unversioned) DLPack capsule, \
+                 which has no IS_SUBBYTE_TYPE_PADDED flag and would be read as packed; ask for \
+                 max_version >= (1, 0)",
+                self.dtype()
+            )));
+        }
         if self.is_read_only() {
             return Err(Error::ReadOnly(
                 "a read-only array cannot be exported as a legacy (unversioned) DLPack capsule, \

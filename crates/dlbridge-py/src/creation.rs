@@ -46,9 +46,17 @@ pub(crate) fn parse_opt_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Op
     }
 }
 
-/// Allocates on `device` and, unless `zeroed`, leaves the contents undefined.
-fn allocate(shape: &[usize], dtype: DType, device: Device, zeroed: bool) -> PyResult<Tensor> {
-    Tensor::allocate(shape, dtype, device, None, zeroed).py()
+/// A new compact array; the dtype defaults to float32 and the device to the CPU. Unless `zeroed`,
+/// the contents are undefined.
+fn allocate(
+    shape: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    zeroed: bool,
+) -> PyResult<Tensor> {
+    let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
+    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    Tensor::allocate(&parse_shape(shape)?, dtype, device, None, zeroed).py()
 }
 
 /// A new array with undefined contents. The default dtype is float32.
@@ -59,14 +67,7 @@ pub(crate) fn empty(
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyArray> {
-    let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
-    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
-    Ok(PyArray::new(allocate(
-        &parse_shape(shape)?,
-        dtype,
-        device,
-        false,
-    )?))
+    allocate(shape, dtype, device, false).map(PyArray::new)
 }
 
 /// A new zero-filled array. The default dtype is float32.
@@ -77,14 +78,7 @@ pub(crate) fn zeros(
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyArray> {
-    let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
-    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
-    Ok(PyArray::new(allocate(
-        &parse_shape(shape)?,
-        dtype,
-        device,
-        true,
-    )?))
+    allocate(shape, dtype, device, true).map(PyArray::new)
 }
 
 /// A new array filled with `fill_value`; the dtype defaults to the value's kind (bool, int64,
@@ -103,7 +97,7 @@ pub(crate) fn full(
     let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
     let mut element = Vec::with_capacity(dtype.itemsize());
     convert::write_element(dtype, fill_value, &mut element)?;
-    let t = allocate(&parse_shape(shape)?, dtype, device, false)?;
+    let t = Tensor::allocate(&parse_shape(shape)?, dtype, device, None, false).py()?;
     // SAFETY: `t` is new memory that nothing else references.
     unsafe { t.fill_bytes_unchecked(&element) }.py()?;
     Ok(PyArray::new(t))
@@ -179,10 +173,7 @@ pub(crate) fn arange(
 
 /// A compact tensor on `device` holding `bytes` (native order).
 fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8], device: Device) -> PyResult<Tensor> {
-    let mut t = Tensor::empty(shape, DType::U8, Device::CPU).py()?;
-    let _ = &mut t;
-    let host = Tensor::empty(&[bytes.len()], DType::U8, Device::CPU).py()?;
-    let mut host = host;
+    let mut host = Tensor::empty(&[bytes.len()], DType::U8, Device::CPU).py()?;
     host.as_mut_slice::<u8>().py()?.copy_from_slice(bytes);
     let typed = Tensor::new(
         host.buffer().clone(),

@@ -435,7 +435,7 @@ impl Layout {
         Layout::new(shape.to_vec(), strides, self.byte_offset)
     }
 
-    /// The same layout, `delta` bytes further into the buffer.
+    /// The same shape and strides with the first element at `byte_offset`.
     pub fn with_byte_offset(&self, byte_offset: usize) -> Layout {
         Layout {
             byte_offset,

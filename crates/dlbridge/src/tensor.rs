@@ -383,14 +383,15 @@ impl Tensor {
     /// toward zero into integers, complex drops the imaginary part into reals). A same-dtype cast
     /// is a plain copy.
     pub fn cast(&self, dtype: DType) -> Result<Tensor> {
-        let compact = if self.device().is_cpu() {
-            self.copy()?
+        if dtype == self.dtype {
+            return self.copy();
+        }
+        // A compact host view is read in place; anything else is made compact on the host first.
+        let compact = if self.device().is_cpu() && self.is_contiguous() && !self.packed {
+            self.clone()
         } else {
             self.copy_to(Device::CPU)?
         };
-        if dtype == self.dtype {
-            return Ok(compact);
-        }
         let mut out = Tensor::empty(self.shape(), dtype, Device::CPU)?;
         let src = compact.host_bytes()?;
         let dst = out.host_bytes_mut()?;

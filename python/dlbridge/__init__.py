@@ -48,6 +48,7 @@ from ._dlbridge import (
     uint64,
     zeros,
 )
+from . import cuda
 
 __all__ = [
     "Array",
@@ -57,6 +58,7 @@ __all__ = [
     "arange",
     "asarray",
     "build_info",
+    "cuda",
     "empty",
     "from_dlpack",
     "full",

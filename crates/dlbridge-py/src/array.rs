@@ -187,18 +187,16 @@ impl PyArray {
         dl_device: Option<&Bound<'py, PyAny>>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(stream) = stream.filter(|s| !s.is_none()) {
+        let device = self.tensor.device();
+        if crate::cuda::is_cuda(device) {
+            // Make our pending work visible on the consumer's stream (array API semantics).
+            crate::cuda::export_handoff(device, stream)?;
+        } else if let Some(stream) = stream.filter(|s| !s.is_none()) {
             // Streams order work on CUDA and ROCm devices; everywhere else there is none to name.
-            if !matches!(
-                self.tensor.device().kind(),
-                dlbridge::DeviceKind::Cuda | dlbridge::DeviceKind::CudaManaged
-            ) {
-                return Err(PyValueError::new_err(format!(
-                    "stream must be None for arrays on {} (got {})",
-                    self.tensor.device(),
-                    stream.repr()?
-                )));
-            }
+            return Err(PyValueError::new_err(format!(
+                "stream must be None for arrays on {device} (got {})",
+                stream.repr()?
+            )));
         }
         let dl_device = match dl_device {
             Some(d) if !d.is_none() => Some(device::parse(d)?),
@@ -219,6 +217,12 @@ impl PyArray {
     fn __dlpack_device__(&self) -> (i32, i32) {
         let dl = self.tensor.device().to_dlpack();
         (dl.device_type, dl.device_id)
+    }
+
+    /// How many views (and exports) share this array's memory: a testing aid.
+    #[getter]
+    fn _buffer_ref_count(&self) -> usize {
+        self.tensor.buffer().ref_count()
     }
 
     /// Extents.
@@ -435,7 +439,11 @@ impl PyArray {
             // threads, race here exactly as they would with NumPy.)
             return unsafe { view.fill_bytes_unchecked(&element) }.py();
         }
-        let src = crate::creation::tensor_from(value, Some(dtype), Some(view.device()), None)?;
+        // Another dlbridge array is copied straight across devices (no intermediate copy).
+        let src = match value.cast::<PyArray>() {
+            Ok(a) if a.get().tensor.dtype() == dtype => a.get().tensor.clone(),
+            _ => crate::creation::tensor_from(value, Some(dtype), Some(view.device()), None)?,
+        };
         // SAFETY: as above.
         unsafe { view.copy_from_unchecked(&src) }.py()
     }
@@ -449,7 +457,25 @@ impl PyArray {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let np = py.import(intern!(py, "numpy"))?;
-        let out = np.call_method1(intern!(py, "from_dlpack"), (slf,))?;
+        let tensor = &slf.get().tensor;
+        let device = tensor.device();
+        let mut copied = false;
+        let source: Bound<'py, PyAny> = if device.is_cpu() {
+            slf.clone().into_any()
+        } else if device.kind().is_host_accessible() {
+            // Pinned or managed memory: NumPy reads it in place once the device is done with it.
+            dlbridge::backend::host_barrier(device).py()?;
+            slf.clone().into_any()
+        } else {
+            if copy == Some(false) {
+                return Err(PyValueError::new_err(format!(
+                    "the array is on {device}: NumPy needs a host copy, but copy=False"
+                )));
+            }
+            copied = true;
+            Bound::new(py, PyArray::new(tensor.copy_to(Device::CPU).py()?))?.into_any()
+        };
+        let out = np.call_method1(intern!(py, "from_dlpack"), (source,))?;
         let wanted = match dtype.filter(|d| !d.is_none()) {
             Some(d) => Some(np.call_method1(intern!(py, "dtype"), (d,))?),
             None => None,
@@ -465,7 +491,7 @@ impl PyArray {
         }
         match wanted {
             Some(w) if converts => out.call_method1(intern!(py, "astype"), (w,)),
-            _ if copy == Some(true) => out.call_method0(intern!(py, "copy")),
+            _ if copy == Some(true) && !copied => out.call_method0(intern!(py, "copy")),
             _ => Ok(out),
         }
     }

@@ -1,6 +1,6 @@
 //! Creation functions and conversion of arbitrary Python objects to tensors.
 
-use dlbridge::{DType, Device, Tensor};
+use dlbridge::{DType, Device, StorageMode, Tensor};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -46,58 +46,90 @@ pub(crate) fn parse_opt_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Op
     }
 }
 
+/// Reads a storage mode: `private` (alias `device`), `shared` (alias `pinned`) or `managed`.
+pub(crate) fn parse_storage(storage: Option<&str>) -> PyResult<Option<StorageMode>> {
+    let Some(name) = storage else {
+        return Ok(None);
+    };
+    let mode = match name.trim().to_ascii_lowercase().as_str() {
+        "device" => StorageMode::Private,
+        "pinned" => StorageMode::Shared,
+        other => other.parse::<StorageMode>().map_err(|_| {
+            PyValueError::new_err(format!(
+                "unknown storage {name:?}: expected 'private' (or 'device'), 'shared' (or \
+                 'pinned') or 'managed'"
+            ))
+        })?,
+    };
+    Ok(Some(mode))
+}
+
+/// Where a new array goes: `device` (default CPU) with `storage` applied.
+pub(crate) fn placement(
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<(Device, Option<StorageMode>)> {
+    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    let storage = parse_storage(storage)?;
+    Ok((dlbridge::backend::placement(device, storage).py()?, storage))
+}
+
 /// A new compact array; the dtype defaults to float32 and the device to the CPU. Unless `zeroed`,
 /// the contents are undefined.
 fn allocate(
     shape: &Bound<'_, PyAny>,
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
     zeroed: bool,
 ) -> PyResult<Tensor> {
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
-    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
-    Tensor::allocate(&parse_shape(shape)?, dtype, device, None, zeroed).py()
+    let (device, storage) = placement(device, storage)?;
+    Tensor::allocate(&parse_shape(shape)?, dtype, device, storage, zeroed).py()
 }
 
 /// A new array with undefined contents. The default dtype is float32.
 #[pyfunction]
-#[pyo3(signature = (shape, dtype=None, *, device=None))]
+#[pyo3(signature = (shape, dtype=None, *, device=None, storage=None))]
 pub(crate) fn empty(
     shape: &Bound<'_, PyAny>,
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
 ) -> PyResult<PyArray> {
-    allocate(shape, dtype, device, false).map(PyArray::new)
+    allocate(shape, dtype, device, storage, false).map(PyArray::new)
 }
 
 /// A new zero-filled array. The default dtype is float32.
 #[pyfunction]
-#[pyo3(signature = (shape, dtype=None, *, device=None))]
+#[pyo3(signature = (shape, dtype=None, *, device=None, storage=None))]
 pub(crate) fn zeros(
     shape: &Bound<'_, PyAny>,
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
 ) -> PyResult<PyArray> {
-    allocate(shape, dtype, device, true).map(PyArray::new)
+    allocate(shape, dtype, device, storage, true).map(PyArray::new)
 }
 
 /// A new array filled with `fill_value`; the dtype defaults to the value's kind (bool, int64,
 /// float32, complex64).
 #[pyfunction]
-#[pyo3(signature = (shape, fill_value, dtype=None, *, device=None))]
+#[pyo3(signature = (shape, fill_value, dtype=None, *, device=None, storage=None))]
 pub(crate) fn full(
     shape: &Bound<'_, PyAny>,
     fill_value: &Bound<'_, PyAny>,
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
 ) -> PyResult<PyArray> {
     let kind = convert::scalar_kind(fill_value)
         .ok_or_else(|| PyTypeError::new_err("fill_value must be a number or a bool"))?;
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(kind.default_dtype());
-    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    let (device, storage) = placement(device, storage)?;
     let mut element = Vec::with_capacity(dtype.itemsize());
     convert::write_element(dtype, fill_value, &mut element)?;
-    let t = Tensor::allocate(&parse_shape(shape)?, dtype, device, None, false).py()?;
+    let t = Tensor::allocate(&parse_shape(shape)?, dtype, device, storage, false).py()?;
     // SAFETY: `t` is new memory that nothing else references.
     unsafe { t.fill_bytes_unchecked(&element) }.py()?;
     Ok(PyArray::new(t))
@@ -106,7 +138,8 @@ pub(crate) fn full(
 /// Evenly spaced values in `[start, stop)`. Integers give int64 unless `dtype` says otherwise;
 /// any float gives float32.
 #[pyfunction]
-#[pyo3(signature = (start, stop=None, step=None, *, dtype=None, device=None))]
+#[pyo3(signature = (start, stop=None, step=None, *, dtype=None, device=None, storage=None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn arange(
     py: Python<'_>,
     start: &Bound<'_, PyAny>,
@@ -114,6 +147,7 @@ pub(crate) fn arange(
     step: Option<&Bound<'_, PyAny>>,
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
 ) -> PyResult<PyArray> {
     let (start, stop) = match stop.filter(|s| !s.is_none()) {
         Some(stop) => (start.clone(), stop.clone()),
@@ -130,7 +164,7 @@ pub(crate) fn arange(
         )
     });
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(if all_int { DType::I64 } else { DType::F32 });
-    let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
+    let (device, _) = placement(device, storage)?;
     let values: Vec<f64>;
     let ints: Vec<i128>;
     let count;
@@ -258,15 +292,19 @@ pub(crate) fn tensor_from(
 
 /// Converts `obj` to a dlbridge array, without copying where possible (array API `asarray`).
 #[pyfunction]
-#[pyo3(signature = (obj, /, dtype=None, *, device=None, copy=None))]
+#[pyo3(signature = (obj, /, dtype=None, *, device=None, copy=None, storage=None))]
 pub(crate) fn asarray(
     obj: &Bound<'_, PyAny>,
     dtype: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
     copy: Option<bool>,
+    storage: Option<&str>,
 ) -> PyResult<PyArray> {
     let dtype = parse_opt_dtype(dtype)?;
-    let device = parse_opt_device(device)?;
+    let device = match storage {
+        None => parse_opt_device(device)?,
+        Some(_) => Some(placement(device, storage)?.0),
+    };
     Ok(PyArray::new(tensor_from(obj, dtype, device, copy)?))
 }
 

@@ -315,7 +315,10 @@ fn call_dlpack<'py>(
             )));
         }
     };
-    if device.is_none() && copy.is_none() {
+    // The producer's device decides whether a stream must be named (CUDA) or not (elsewhere).
+    let here = producer_device(x)?;
+    let on_cuda = here.is_some_and(crate::cuda::is_cuda);
+    if device.is_none() && copy.is_none() && !on_cuda {
         // The common case: a constant `{"max_version": (1, 3)}`. Callees never keep or change
         // the dict they are called with (CPython copies it into `**kwargs` where one is declared).
         return match method.call((), Some(plain_kwargs(py))) {
@@ -326,11 +329,15 @@ fn call_dlpack<'py>(
     }
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "max_version"), max_version_tuple(py))?;
+    if let Some(here) = here.filter(|d| crate::cuda::is_cuda(*d)) {
+        // Ask the producer to order its work before our current stream.
+        kwargs.set_item(intern!(py, "stream"), crate::cuda::consumer_stream(here))?;
+    }
     if let Some(target) = device {
-        // Only ask the producer to move data when it is elsewhere; a same-device request is a
-        // no-op that older producers may not accept.
-        let here = producer_device(x)?;
-        if here != Some(target) {
+        // Only ask the producer to move data to the host, which every producer can do; other
+        // moves dlbridge makes itself after importing. A same-device request is a no-op that
+        // older producers may not accept.
+        if here != Some(target) && target.is_cpu() {
             let dl = target.to_dlpack();
             kwargs.set_item(intern!(py, "dl_device"), (dl.device_type, dl.device_id))?;
         }
@@ -341,7 +348,18 @@ fn call_dlpack<'py>(
     match method.call((), Some(&kwargs)) {
         Ok(capsule) => Ok(capsule),
         // Producers older than DLPack 1.0 take no keywords (or not these).
-        Err(err) if err.is_instance_of::<PyTypeError>(py) => method.call0(),
+        Err(err) if err.is_instance_of::<PyTypeError>(py) => {
+            if on_cuda {
+                // Still name the stream: a CUDA producer must order its work before ours.
+                let kwargs = PyDict::new(py);
+                kwargs.set_item(
+                    intern!(py, "stream"),
+                    crate::cuda::consumer_stream(here.expect("on_cuda")),
+                )?;
+                return method.call((), Some(&kwargs));
+            }
+            method.call0()
+        }
         Err(err) => Err(err),
     }
 }

@@ -115,15 +115,15 @@ pub(crate) fn take_via_table(x: &Bound<'_, PyAny>) -> Option<PyResult<Taken>> {
             "the producer's DLPack exchange API returned NULL",
         )));
     };
-    // The "NoSync" export does not order the producer's pending device work before ours. Only
-    // host memory is taken this way until a device backend can make its stream wait on the
-    // producer's (`current_work_stream`); other devices go through `__dlpack__`, which does.
+    // The "NoSync" export does not order the producer's pending device work before ours: make
+    // our current stream wait for the producer's (`current_work_stream`), as the protocol asks.
     // SAFETY: `managed` is a live, owned tensor the producer just handed us.
-    let device = unsafe { (*managed.as_ptr()).dl_tensor.device.device_type };
-    if device != dlbridge::dlpack::ffi::K_DL_CPU {
+    let dl_device = unsafe { (*managed.as_ptr()).dl_tensor.device };
+    if let Err(fallback) = order_after_producer(api, dl_device) {
         // SAFETY: owned and unused; give it back to its producer.
         unsafe { dlbridge::dlpack::release_versioned(managed) };
-        return None;
+        // `None`: no way to synchronise here; `__dlpack__` (with `stream=`) does it.
+        return fallback.map(Err);
     }
     // SAFETY: as above.
     let is_copied = unsafe { (*managed.as_ptr()).flags }
@@ -136,6 +136,43 @@ pub(crate) fn take_via_table(x: &Bound<'_, PyAny>) -> Option<PyResult<Taken>> {
             .map(|tensor| Taken { tensor, is_copied })
             .map_err(crate::errors::to_py),
     )
+}
+
+/// Orders dlbridge's current stream after the producer's current work stream for a tensor on
+/// `device`. `Err(None)` means this cannot be done here and the caller should fall back to
+/// `__dlpack__`; `Err(Some(e))` is a real failure.
+fn order_after_producer(
+    api: &DLPackExchangeAPI,
+    device: dlbridge::dlpack::ffi::DLDevice,
+) -> Result<(), Option<PyErr>> {
+    use dlbridge::dlpack::ffi::{K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_CUDA_MANAGED};
+    match device.device_type {
+        K_DL_CPU => Ok(()),
+        #[cfg(feature = "cuda")]
+        K_DL_CUDA | K_DL_CUDA_HOST | K_DL_CUDA_MANAGED => {
+            let Some(current_work_stream) = api.current_work_stream else {
+                return Err(None);
+            };
+            let mut producer: *mut c_void = std::ptr::null_mut();
+            // SAFETY: the table's function, called with the GIL held and a valid out-pointer.
+            let rc =
+                unsafe { current_work_stream(device.device_type, device.device_id, &mut producer) };
+            if rc != 0 {
+                // SAFETY: the GIL is held (we are inside a Python call).
+                let py = unsafe { Python::assume_attached() };
+                drop(PyErr::take(py));
+                return Err(None);
+            }
+            let ordinal = device.device_id;
+            let ours = dlbridge::backend::cuda::current_stream(ordinal);
+            dlbridge::backend::cuda::order_streams(ordinal, producer.expose_provenance(), ours)
+                .map_err(|e| Some(crate::errors::to_py(e)))
+        }
+        _ => {
+            let _ = (api, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_CUDA_MANAGED);
+            Err(None)
+        }
+    }
 }
 
 /// Whether `x` is a PyTorch tensor with a lazy conjugate or negative bit set (values that differ
@@ -282,13 +319,26 @@ unsafe extern "C" fn to_py_object(
 }
 
 unsafe extern "C" fn current_work_stream(
-    _device_type: DLDeviceType,
-    _device_id: i32,
+    device_type: DLDeviceType,
+    device_id: i32,
     out: *mut *mut c_void,
 ) -> c_int {
-    // dlbridge has no device streams in this build: every device's "current stream" is none.
+    // The calling thread's current dlbridge stream on a CUDA device (NULL is the legacy default
+    // stream); devices without streams have none.
+    let stream = match device_type {
+        #[cfg(feature = "cuda")]
+        dlbridge::dlpack::ffi::K_DL_CUDA
+        | dlbridge::dlpack::ffi::K_DL_CUDA_HOST
+        | dlbridge::dlpack::ffi::K_DL_CUDA_MANAGED => {
+            dlbridge::backend::cuda::current_stream(device_id)
+        }
+        _ => {
+            let _ = device_id;
+            0
+        }
+    };
     // SAFETY: `out` is a valid place for the result.
-    unsafe { *out = std::ptr::null_mut() };
+    unsafe { *out = std::ptr::with_exposed_provenance_mut(stream) };
     0
 }
 

@@ -9,6 +9,7 @@
 mod array;
 mod convert;
 mod creation;
+mod cuda;
 mod device;
 mod dtype;
 mod errors;
@@ -27,7 +28,11 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
         (v.major, v.minor)
     })?;
     d.set_item("backends", dlbridge::backend::compiled_backends())?;
-    d.set_item("devices", vec![dlbridge::Device::CPU.to_string()])?;
+    let mut devices = vec![dlbridge::Device::CPU.to_string()];
+    for i in 0..cuda::_cuda_device_count() {
+        devices.push(dlbridge::Device::cuda(i as u32).to_string());
+    }
+    d.set_item("devices", devices)?;
     Ok(d)
 }
 
@@ -43,6 +48,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(creation::full, m)?)?;
     m.add_function(wrap_pyfunction!(creation::arange, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    cuda::register(m)?;
     for name in [
         "bool",
         "int8",

@@ -125,6 +125,16 @@ impl Device {
         Device::new(DeviceKind::Cuda, index)
     }
 
+    /// Pinned host memory mapped for CUDA device `index`.
+    pub const fn cuda_host(index: u32) -> Self {
+        Device::new(DeviceKind::CudaHost, index)
+    }
+
+    /// CUDA managed memory of device `index`.
+    pub const fn cuda_managed(index: u32) -> Self {
+        Device::new(DeviceKind::CudaManaged, index)
+    }
+
     /// Metal device `index`.
     pub const fn metal(index: u32) -> Self {
         Device::new(DeviceKind::Metal, index)

@@ -276,6 +276,7 @@ impl Tensor {
             )));
         }
         let base = self.buffer.require_host(what)?;
+        backend::host_barrier(self.device())?;
         // The view is in bounds of the buffer (checked at construction), so this stays inside it.
         let first = base.as_ptr().wrapping_add(self.byte_offset());
         if (first as usize) % std::mem::align_of::<T>() != 0 {
@@ -478,17 +479,21 @@ impl Tensor {
         if self.numel() == 0 {
             return Ok(());
         }
-        let dst_base = self.buffer.require_host("copying into it")?;
-        let src_base = src.buffer.require_host("copying from it")?;
         // Overlapping bytes in one allocation: go through a temporary.
         if src.buffer.same_allocation(&self.buffer) {
             let (a, b) = (src.byte_range(), self.byte_range());
             if a.start < b.end && b.start < a.end {
-                let staged = src.copy_to(Device::CPU)?;
+                let staged = src.copy_to(src.device())?;
                 // SAFETY: forwarded contract; `staged` is new memory disjoint from `self`.
                 return unsafe { self.copy_from_unchecked(&staged) };
             }
         }
+        if !self.device().is_cpu() || !src.device().is_cpu() {
+            // SAFETY: forwarded contract; the views do not overlap (checked above).
+            return unsafe { backend::copy_device(self, &src) };
+        }
+        let dst_base = self.buffer.require_host("copying into it")?;
+        let src_base = src.buffer.require_host("copying from it")?;
         let itemsize = self.dtype.itemsize();
         // Inside each live allocation: both views were bounds-checked when they were built.
         let src_first = src_base.as_ptr().wrapping_add(src.byte_offset());

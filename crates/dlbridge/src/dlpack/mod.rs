@@ -270,6 +270,9 @@ unsafe fn import<M: Managed + 'static>(
         } else {
             (base as usize, (hi - lo) as usize)
         };
+        if len > 0 {
+            crate::backend::validate_foreign(device, base, len)?;
+        }
         let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base);
         let host = match device.kind().is_host_accessible() {
             false => std::ptr::null_mut(),

@@ -1,0 +1,436 @@
+//! `dlbridge.cuda`: devices, streams and events, and the stream rules of DLPack exchange.
+//!
+//! The Python module `dlbridge.cuda` (python/dlbridge/cuda.py) wraps these natives and adds the
+//! `stream(...)` context manager.
+
+use dlbridge::{Device, DeviceKind};
+#[cfg(not(feature = "cuda"))]
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+#[cfg(feature = "cuda")]
+use dlbridge::backend::cuda;
+
+#[cfg(feature = "cuda")]
+use crate::errors::IntoPyResult;
+
+/// Whether `device` is CUDA memory of any kind (device, pinned host, managed).
+pub(crate) fn is_cuda(device: Device) -> bool {
+    matches!(
+        device.kind(),
+        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged
+    )
+}
+
+/// Reads a DLPack `stream` argument: `None` or an int; anything else is a `TypeError`.
+fn stream_arg(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
+    match stream {
+        None => Ok(None),
+        Some(s) if s.is_none() => Ok(None),
+        Some(s) => s.extract::<i64>().map(Some).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "stream must be None or an int (a CUDA stream handle), got {}",
+                s.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        }),
+    }
+}
+
+/// As a producer: makes our pending work on `device` visible on the consumer's `stream`.
+pub(crate) fn export_handoff(device: Device, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let stream = stream_arg(stream)?;
+    #[cfg(feature = "cuda")]
+    {
+        let consumer = cuda::stream_from_dlpack(stream).py()?;
+        cuda::make_visible(device.index() as i32, consumer).py()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, stream);
+        Ok(())
+    }
+}
+
+/// As a consumer: the `stream` to pass to a producer on `device`: our current stream, with the
+/// legacy default stream spelled `1` as the array API standard asks.
+pub(crate) fn consumer_stream(device: Device) -> i64 {
+    #[cfg(feature = "cuda")]
+    {
+        match cuda::current_stream(device.index() as i32) {
+            0 => 1,
+            s => s as i64,
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        1
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda() -> PyErr {
+    PyRuntimeError::new_err("this build of dlbridge has no CUDA backend")
+}
+
+/// Whether a CUDA driver and at least one device are present.
+#[pyfunction]
+pub(crate) fn _cuda_is_available() -> bool {
+    #[cfg(feature = "cuda")]
+    return cuda::is_available();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// Why CUDA is unavailable (empty when it is available).
+#[pyfunction]
+pub(crate) fn _cuda_unavailable_reason() -> String {
+    #[cfg(feature = "cuda")]
+    return match cuda::device_count() {
+        Ok(0) => "the CUDA driver found no devices".into(),
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    #[cfg(not(feature = "cuda"))]
+    "this build of dlbridge has no CUDA backend".into()
+}
+
+/// The number of CUDA devices (0 without a driver).
+#[pyfunction]
+pub(crate) fn _cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    return cuda::device_count().unwrap_or(0);
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+fn ordinal(device: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    let Some(device) = device.filter(|d| !d.is_none()) else {
+        return Ok(0);
+    };
+    if let Ok(i) = device.extract::<i64>() {
+        return i32::try_from(i)
+            .ok()
+            .filter(|i| *i >= 0)
+            .ok_or_else(|| PyValueError::new_err(format!("CUDA device {i} does not exist")));
+    }
+    let d = crate::device::parse(device)?;
+    if !is_cuda(d) {
+        return Err(PyValueError::new_err(format!("{d} is not a CUDA device")));
+    }
+    Ok(d.index() as i32)
+}
+
+/// Waits for all work on a CUDA device.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+pub(crate) fn _cuda_synchronize(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let ordinal = ordinal(device)?;
+    #[cfg(feature = "cuda")]
+    return py.detach(|| cuda::synchronize(ordinal)).py();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (py, ordinal);
+        Err(no_cuda())
+    }
+}
+
+/// The name of a CUDA device.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+pub(crate) fn _cuda_device_name(device: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+    let ordinal = ordinal(device)?;
+    #[cfg(feature = "cuda")]
+    return cuda::device_name(ordinal).py();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(no_cuda())
+    }
+}
+
+/// `(free, total)` bytes of a CUDA device's memory.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+pub(crate) fn _cuda_mem_get_info(device: Option<&Bound<'_, PyAny>>) -> PyResult<(usize, usize)> {
+    let ordinal = ordinal(device)?;
+    #[cfg(feature = "cuda")]
+    return cuda::mem_info(ordinal).py();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(no_cuda())
+    }
+}
+
+/// The calling thread's current stream handle on a device (0: the legacy default stream).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+pub(crate) fn _cuda_current_stream(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    let ordinal = ordinal(device)?;
+    #[cfg(feature = "cuda")]
+    return Ok(cuda::current_stream(ordinal));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(no_cuda())
+    }
+}
+
+/// Sets the calling thread's current stream on a device; returns the previous handle.
+#[pyfunction]
+#[pyo3(signature = (handle, device=None))]
+pub(crate) fn _cuda_set_stream(
+    handle: usize,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<usize> {
+    let ordinal = ordinal(device)?;
+    #[cfg(feature = "cuda")]
+    {
+        // Checks the device exists (and the driver loads) before accepting the handle.
+        cuda::device_count().py()?;
+        if ordinal as usize >= cuda::device_count().py()? {
+            return Err(PyValueError::new_err(format!(
+                "CUDA device {ordinal} does not exist: this machine has {} CUDA device(s)",
+                cuda::device_count().py()?
+            )));
+        }
+        Ok(cuda::set_current_stream(ordinal, handle))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, handle);
+        Err(no_cuda())
+    }
+}
+
+/// A CUDA stream: one dlbridge created, or another library's handle.
+#[pyclass(frozen, module = "dlbridge.cuda", name = "Stream")]
+pub(crate) struct PyStream {
+    #[cfg(feature = "cuda")]
+    inner: cuda::Stream,
+}
+
+#[pymethods]
+impl PyStream {
+    /// A new stream on `device`; non-blocking streams do not synchronise with the legacy default
+    /// stream.
+    #[new]
+    #[pyo3(signature = (device=None, *, non_blocking=true))]
+    fn py_new(device: Option<&Bound<'_, PyAny>>, non_blocking: bool) -> PyResult<Self> {
+        let ordinal = ordinal(device)?;
+        #[cfg(feature = "cuda")]
+        return Ok(PyStream {
+            inner: cuda::Stream::new(ordinal, non_blocking).py()?,
+        });
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (ordinal, non_blocking);
+            Err(no_cuda())
+        }
+    }
+
+    /// Wraps another library's stream handle (e.g. `torch.cuda.current_stream().cuda_stream`).
+    /// The handle must stay valid while dlbridge uses it; dlbridge never destroys it. `0` is
+    /// refused as ambiguous: use `1` for the legacy default stream, `2` for the per-thread one.
+    #[staticmethod]
+    #[pyo3(signature = (handle, device=None))]
+    fn from_handle(handle: i64, device: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let ordinal = ordinal(device)?;
+        if handle <= 0 {
+            return Err(PyValueError::new_err(format!(
+                "stream handle {handle} is not valid: pass 1 for the legacy default stream, 2 for \
+                 the per-thread default stream, or a CUstream handle"
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            // SAFETY: the caller vouches for the handle, as documented; dlbridge never destroys
+            // it.
+            let inner = unsafe { cuda::Stream::from_raw(ordinal, handle as usize) }.py()?;
+            Ok(PyStream { inner })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = ordinal;
+            Err(no_cuda())
+        }
+    }
+
+    /// The raw `CUstream` handle (0 for the legacy default stream).
+    #[getter]
+    fn handle(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.inner.handle();
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    /// The same handle, under PyTorch's name.
+    #[getter]
+    fn cuda_stream(&self) -> usize {
+        self.handle()
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn device(&self) -> i32 {
+        #[cfg(feature = "cuda")]
+        return self.inner.device();
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    /// Waits for all work on the stream.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        #[cfg(feature = "cuda")]
+        return py.detach(|| self.inner.synchronize()).py();
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = py;
+            Err(no_cuda())
+        }
+    }
+
+    /// Whether all work on the stream has finished.
+    fn query(&self) -> PyResult<bool> {
+        #[cfg(feature = "cuda")]
+        return self.inner.query().py();
+        #[cfg(not(feature = "cuda"))]
+        Err(no_cuda())
+    }
+
+    /// Makes later work on this stream wait for `event`.
+    fn wait_event(&self, event: &Bound<'_, PyEvent>) -> PyResult<()> {
+        #[cfg(feature = "cuda")]
+        return self.inner.wait_event(&event.get().inner).py();
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = event;
+            Err(no_cuda())
+        }
+    }
+
+    /// Records a new event on this stream and returns it.
+    fn record_event(&self) -> PyResult<PyEvent> {
+        #[cfg(feature = "cuda")]
+        {
+            let event = cuda::Event::new(self.inner.device(), false).py()?;
+            event.record(self.inner.handle()).py()?;
+            Ok(PyEvent { inner: event })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(no_cuda())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "dlbridge.cuda.Stream(device={}, handle={:#x})",
+            self.device(),
+            self.handle()
+        )
+    }
+}
+
+/// A CUDA event.
+#[pyclass(frozen, module = "dlbridge.cuda", name = "Event")]
+pub(crate) struct PyEvent {
+    #[cfg(feature = "cuda")]
+    inner: cuda::Event,
+}
+
+#[pymethods]
+impl PyEvent {
+    /// A new event on `device`; `enable_timing` allows `elapsed_time`.
+    #[new]
+    #[pyo3(signature = (device=None, *, enable_timing=false))]
+    fn py_new(device: Option<&Bound<'_, PyAny>>, enable_timing: bool) -> PyResult<Self> {
+        let ordinal = ordinal(device)?;
+        #[cfg(feature = "cuda")]
+        return Ok(PyEvent {
+            inner: cuda::Event::new(ordinal, enable_timing).py()?,
+        });
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (ordinal, enable_timing);
+            Err(no_cuda())
+        }
+    }
+
+    /// Records the event on `stream` (a `Stream`, a handle, or the current stream when None).
+    #[pyo3(signature = (stream=None))]
+    fn record(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let handle = match stream {
+                Some(s) if !s.is_none() => match s.cast::<PyStream>() {
+                    Ok(st) => st.get().inner.handle(),
+                    Err(_) => s.extract::<usize>()?,
+                },
+                _ => cuda::current_stream(self.inner_device()),
+            };
+            self.inner.record(handle).py()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = stream;
+            Err(no_cuda())
+        }
+    }
+
+    /// Waits until the recorded work has finished.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        #[cfg(feature = "cuda")]
+        return py.detach(|| self.inner.synchronize()).py();
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = py;
+            Err(no_cuda())
+        }
+    }
+
+    /// Whether the recorded work has finished.
+    fn query(&self) -> PyResult<bool> {
+        #[cfg(feature = "cuda")]
+        return self.inner.query().py();
+        #[cfg(not(feature = "cuda"))]
+        Err(no_cuda())
+    }
+
+    /// Milliseconds from this event to `end` (both recorded, completed and timing-enabled).
+    fn elapsed_time(&self, end: &Bound<'_, PyEvent>) -> PyResult<f32> {
+        #[cfg(feature = "cuda")]
+        return self.inner.elapsed_ms(&end.get().inner).py();
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = end;
+            Err(no_cuda())
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl PyEvent {
+    fn inner_device(&self) -> i32 {
+        self.inner.device()
+    }
+}
+
+/// Registers the natives on the extension module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_cuda_is_available, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_unavailable_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_device_name, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_mem_get_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_current_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_set_stream, m)?)?;
+    m.add_class::<PyStream>()?;
+    m.add_class::<PyEvent>()?;
+    Ok(())
+}

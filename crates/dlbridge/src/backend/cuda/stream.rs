@@ -1,0 +1,325 @@
+//! Streams, events, the per-thread current stream, and DLPack's stream handoff.
+
+use std::cell::RefCell;
+
+use cudarc::driver::sys;
+
+use super::{BACKEND, check, context, describe, driver};
+use crate::error::{Error, Result};
+
+/// The driver's handle for the legacy default stream.
+pub const LEGACY_STREAM: usize = 1;
+/// The driver's handle for the per-thread default stream.
+pub const PER_THREAD_STREAM: usize = 2;
+
+thread_local! {
+    /// This thread's current stream per device, where set; the legacy default stream otherwise.
+    static CURRENT: RefCell<Vec<(i32, usize)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The calling thread's current stream on device `ordinal` (`0` is the legacy default stream).
+pub fn current_stream(ordinal: i32) -> usize {
+    CURRENT.with_borrow(|v| v.iter().find(|(d, _)| *d == ordinal).map_or(0, |&(_, s)| s))
+}
+
+/// Sets the calling thread's current stream on device `ordinal` and returns the previous one.
+/// `0` and [`LEGACY_STREAM`] restore the legacy default stream.
+pub fn set_current_stream(ordinal: i32, handle: usize) -> usize {
+    let handle = if handle == LEGACY_STREAM { 0 } else { handle };
+    CURRENT.with_borrow_mut(|v| match v.iter_mut().find(|(d, _)| *d == ordinal) {
+        Some(slot) => std::mem::replace(&mut slot.1, handle),
+        None => {
+            v.push((ordinal, handle));
+            0
+        }
+    })
+}
+
+/// The stream a DLPack consumer asked for, as the array API standard defines `stream` for CUDA:
+/// `None` and `1` are the legacy default stream, `2` the per-thread default stream, `-1` means
+/// "do not synchronize" (returned as `None`), larger values are stream handles; `0` is
+/// disallowed because it is ambiguous.
+pub fn stream_from_dlpack(stream: Option<i64>) -> Result<Option<usize>> {
+    match stream {
+        None | Some(1) => Ok(Some(LEGACY_STREAM)),
+        Some(-1) => Ok(None),
+        Some(0) => Err(Error::InvalidArgument(
+            "stream=0 is ambiguous for CUDA and disallowed by the array API standard: pass 1 for \
+             the legacy default stream, 2 for the per-thread default stream, or a stream handle"
+                .into(),
+        )),
+        Some(s) if s > 1 => Ok(Some(s as usize)),
+        Some(s) => Err(Error::InvalidArgument(format!(
+            "stream={s} is not a CUDA stream: expected None, -1, 1, 2 or a stream handle"
+        ))),
+    }
+}
+
+fn same_stream(a: usize, b: usize) -> bool {
+    let norm = |s: usize| if s == 0 { LEGACY_STREAM } else { s };
+    norm(a) == norm(b)
+}
+
+fn raw(handle: usize) -> sys::CUstream {
+    std::ptr::with_exposed_provenance_mut(handle)
+}
+
+/// Makes the work enqueued so far on `producer` visible to later work on `consumer` (both on
+/// device `ordinal`), without blocking the host: an event recorded on `producer` and a wait for it
+/// enqueued on `consumer`. Nothing happens when they are the same stream.
+pub fn order_streams(ordinal: i32, producer: usize, consumer: usize) -> Result<()> {
+    if same_stream(producer, consumer) {
+        return Ok(());
+    }
+    let ctx = context(ordinal)?;
+    // One event per device serves every handoff: a wait captures the event's state when it is
+    // enqueued, so re-recording it later does not disturb earlier waits. The lock keeps a record
+    // and its wait together.
+    let event = ctx.handoff.lock().unwrap_or_else(|e| e.into_inner());
+    check(
+        // SAFETY: the event belongs to this device's context, which is current; the stream handle is
+        // the producer's, whose validity the caller vouches for (a bad handle is reported by the
+        // driver).
+        unsafe { sys::cuEventRecord(*event, raw(producer)) },
+        "cuEventRecord",
+    )?;
+    // SAFETY: as above, for the consumer's stream.
+    check(
+        unsafe { sys::cuStreamWaitEvent(raw(consumer), *event, 0) },
+        "cuStreamWaitEvent",
+    )
+}
+
+/// As a DLPack producer: makes dlbridge's pending work on device `ordinal` (its current stream)
+/// visible on the consumer's `stream` (already decoded by [`stream_from_dlpack`]).
+pub fn make_visible(ordinal: i32, consumer: Option<usize>) -> Result<()> {
+    match consumer {
+        None => Ok(()),
+        Some(consumer) => order_streams(ordinal, current_stream(ordinal), consumer),
+    }
+}
+
+/// A CUDA stream: one dlbridge created (destroyed when dropped) or another library's handle
+/// (never destroyed here).
+#[derive(Debug)]
+pub struct Stream {
+    handle: usize,
+    ordinal: i32,
+    owned: bool,
+}
+
+impl Stream {
+    /// A new stream on device `ordinal`. A non-blocking stream does not synchronise with the
+    /// legacy default stream (PyTorch's and CuPy's streams are non-blocking).
+    pub fn new(ordinal: i32, non_blocking: bool) -> Result<Stream> {
+        let _ctx = context(ordinal)?;
+        let mut handle: sys::CUstream = std::ptr::null_mut();
+        let flags = if non_blocking {
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
+        } else {
+            0
+        };
+        check(
+            // SAFETY: `handle` is a valid out-pointer; the device's context is current.
+            unsafe { sys::cuStreamCreate(&mut handle, flags) },
+            "cuStreamCreate",
+        )?;
+        Ok(Stream {
+            handle: handle.expose_provenance(),
+            ordinal,
+            owned: true,
+        })
+    }
+
+    /// Another library's stream on device `ordinal`, e.g. PyTorch's
+    /// `torch.cuda.current_stream().cuda_stream`. `0` and `1` name the legacy default stream and
+    /// `2` the per-thread default stream.
+    ///
+    /// # Safety
+    /// The handle must stay a valid stream of that device for as long as dlbridge uses it.
+    pub unsafe fn from_raw(ordinal: i32, handle: usize) -> Result<Stream> {
+        driver()?;
+        let _ctx = context(ordinal)?;
+        Ok(Stream {
+            handle,
+            ordinal,
+            owned: false,
+        })
+    }
+
+    /// The legacy default stream of device `ordinal`.
+    pub fn legacy(ordinal: i32) -> Result<Stream> {
+        // SAFETY: the legacy default stream is always valid.
+        unsafe { Stream::from_raw(ordinal, 0) }
+    }
+
+    /// The raw handle (`0` for the legacy default stream).
+    pub fn handle(&self) -> usize {
+        self.handle
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Waits until all work enqueued on the stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        let _ctx = context(self.ordinal)?;
+        // SAFETY: a valid stream of the device whose context is current.
+        check(
+            unsafe { sys::cuStreamSynchronize(raw(self.handle)) },
+            "cuStreamSynchronize",
+        )
+    }
+
+    /// Whether all work enqueued on the stream has finished.
+    pub fn query(&self) -> Result<bool> {
+        let _ctx = context(self.ordinal)?;
+        // SAFETY: a valid stream of the device whose context is current.
+        ready(
+            unsafe { sys::cuStreamQuery(raw(self.handle)) },
+            "cuStreamQuery",
+        )
+    }
+
+    /// Makes later work on this stream wait for `event` (without blocking the host).
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        let _ctx = context(self.ordinal)?;
+        // SAFETY: a valid stream and event; the context is current.
+        check(
+            unsafe { sys::cuStreamWaitEvent(raw(self.handle), event.handle, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.owned {
+            if let Ok(_ctx) = context(self.ordinal) {
+                // SAFETY: the stream was created by `Stream::new` and is destroyed only here; work
+                // still enqueued on it completes first (the driver defers the release).
+                let _ = unsafe { sys::cuStreamDestroy_v2(raw(self.handle)) };
+            }
+        }
+    }
+}
+
+/// A CUDA event on one device.
+#[derive(Debug)]
+pub struct Event {
+    handle: sys::CUevent,
+    ordinal: i32,
+    timing: bool,
+}
+
+// SAFETY: an event handle may be used from any thread.
+unsafe impl Send for Event {}
+// SAFETY: every method goes through the thread-safe driver API.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// A new event on device `ordinal`; `timing` enables [`Event::elapsed_ms`].
+    pub fn new(ordinal: i32, timing: bool) -> Result<Event> {
+        let _ctx = context(ordinal)?;
+        let mut handle: sys::CUevent = std::ptr::null_mut();
+        let flags = if timing {
+            0
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+        };
+        check(
+            // SAFETY: `handle` is a valid out-pointer; the device's context is current.
+            unsafe { sys::cuEventCreate(&mut handle, flags) },
+            "cuEventCreate",
+        )?;
+        Ok(Event {
+            handle,
+            ordinal,
+            timing,
+        })
+    }
+
+    /// Records the event on stream `stream` (a raw handle; `0` is the legacy default stream).
+    pub fn record(&self, stream: usize) -> Result<()> {
+        let _ctx = context(self.ordinal)?;
+        // SAFETY: a valid event of the current context; the stream handle's validity is the
+        // caller's (the driver reports a bad one).
+        check(
+            unsafe { sys::cuEventRecord(self.handle, raw(stream)) },
+            "cuEventRecord",
+        )
+    }
+
+    /// Waits until the work captured by the last record has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        let _ctx = context(self.ordinal)?;
+        // SAFETY: a valid event.
+        check(
+            unsafe { sys::cuEventSynchronize(self.handle) },
+            "cuEventSynchronize",
+        )
+    }
+
+    /// Whether the work captured by the last record has finished.
+    pub fn query(&self) -> Result<bool> {
+        let _ctx = context(self.ordinal)?;
+        // SAFETY: a valid event.
+        ready(unsafe { sys::cuEventQuery(self.handle) }, "cuEventQuery")
+    }
+
+    /// Milliseconds between this event and `end`, both recorded and completed.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        if !self.timing || !end.timing {
+            return Err(Error::InvalidArgument(
+                "elapsed time needs two events created with timing enabled".into(),
+            ));
+        }
+        if driver()?.version < 12080 {
+            return Err(Error::BackendUnavailable {
+                backend: BACKEND,
+                reason: "event timing needs a CUDA 12.8 or newer driver".into(),
+            });
+        }
+        let _ctx = context(self.ordinal)?;
+        let mut ms = 0f32;
+        check(
+            // SAFETY: valid out-pointer and events; the driver has the entry point (checked above).
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.handle, end.handle) },
+            "cuEventElapsedTime",
+        )?;
+        Ok(ms)
+    }
+
+    /// The raw handle.
+    pub fn handle(&self) -> usize {
+        self.handle.expose_provenance()
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> i32 {
+        self.ordinal
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(_ctx) = context(self.ordinal) {
+            // SAFETY: the event was created by `Event::new` and is destroyed only here.
+            let _ = unsafe { sys::cuEventDestroy_v2(self.handle) };
+        }
+    }
+}
+
+/// `Ok(true)` for success, `Ok(false)` for "not ready", an error otherwise.
+fn ready(rc: sys::CUresult, call: &str) -> Result<bool> {
+    match rc {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        rc => Err(Error::Driver {
+            backend: BACKEND,
+            message: format!("{call} failed: {}", describe(rc)),
+        }),
+    }
+}

@@ -1,7 +1,7 @@
 """Type stubs of the dlbridge extension module."""
 
 from collections.abc import Iterator, Sequence
-from typing import Any, SupportsIndex, Union
+from typing import Any, Literal, SupportsIndex, Union
 
 from typing_extensions import CapsuleType
 
@@ -119,6 +119,20 @@ def arange(
     device: _DeviceLike | None = None,
 ) -> Array: ...
 def build_info() -> dict[str, Any]: ...
+
+# Memory: the caching pool of each device, and storage modes.
+def memory_stats(device: _DeviceLike = "cpu") -> dict[str, int | None]:
+    """Pool figures: active/requested/cached bytes and blocks, peak, hits, misses, driver calls, limits."""
+    ...
+def empty_cache(device: _DeviceLike = "cpu") -> None: ...
+def reset_peak_memory(device: _DeviceLike = "cpu") -> None: ...
+def set_memory_limit(limit: SupportsIndex | None, /, device: _DeviceLike = "cpu") -> None: ...
+def set_cache_limit(limit: SupportsIndex | None, /, device: _DeviceLike = "cpu") -> None: ...
+def storage_mode(
+    device: _DeviceLike = "cpu", requested: Literal["private", "shared", "managed"] | str | None = None
+) -> tuple[str, str]:
+    """`(mode, source)`, e.g. `("shared", "default")`; source is default, environment or explicit."""
+    ...
 
 bool: DType
 int8: DType

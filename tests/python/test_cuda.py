@@ -493,3 +493,81 @@ def test_wrong_device_ordinal_is_refused(torch):
         dlbridge.from_dlpack(cap.capsule)
     assert cap.deleted == 1
     gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------
+# The caching pool on CUDA.
+
+
+@pytest.mark.parametrize("storage", list(KINDS))
+def test_pool_reuses_blocks_without_the_driver(storage):
+    dev = KINDS[storage]
+    dlbridge.empty_cache(dev)
+    first = dlbridge.empty((3 << 20,), dtype="uint8", device=dev)
+    ptr = first.data_ptr
+    before = dlbridge.memory_stats(dev)
+    assert before["active_bytes"] >= 3 << 20 and before["active_blocks"] >= 1
+    del first
+    collect()
+    cached = dlbridge.memory_stats(dev)
+    assert cached["cached_bytes"] >= 3 << 20
+    again = dlbridge.empty((3 << 20,), dtype="uint8", device=dev)
+    after = dlbridge.memory_stats(dev)
+    assert again.data_ptr == ptr
+    assert after["driver_allocations"] == before["driver_allocations"]
+    assert after["cache_hits"] == before["cache_hits"] + 1
+    del again
+    collect()
+    dlbridge.empty_cache(dev)
+    cleared = dlbridge.memory_stats(dev)
+    assert cleared["cached_bytes"] == 0
+    assert cleared["driver_frees"] > after["driver_frees"]
+
+
+def test_pool_zeroes_reused_blocks():
+    dlbridge.empty_cache("cuda:0")
+    a = dlbridge.full((1 << 16,), 7, dtype="int32", device="cuda:0")
+    ptr = a.data_ptr
+    del a
+    collect()
+    z = dlbridge.zeros((1 << 16,), dtype="int32", device="cuda:0")
+    assert z.data_ptr == ptr
+    assert not host(z).any()
+
+
+def test_pool_memory_limit_on_cuda():
+    try:
+        dlbridge.set_memory_limit(1 << 20, device="cuda:0")
+        active = dlbridge.memory_stats("cuda:0")["active_bytes"]
+        with pytest.raises(MemoryError, match="limit"):
+            dlbridge.empty((active + (2 << 20),), dtype="uint8", device="cuda:0")
+    finally:
+        dlbridge.set_memory_limit(None, device="cuda:0")
+    assert dlbridge.empty((2 << 20,), dtype="uint8", device="cuda:0").nbytes == 2 << 20
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_pool_orders_reuse_across_streams(torch, round_):
+    """A block freed while a kernel on stream A still reads it, then reallocated (same address)
+    for stream B and overwritten there, must not change what A's kernel reads."""
+    n = 1 << 22
+    dlbridge.empty_cache("cuda:0")
+    # Stream A is PyTorch's (it allocates `seen` there, so PyTorch must own A's lifetime).
+    ta, b_stream = torch.cuda.Stream(), dlbridge.cuda.Stream()
+    with dlbridge.cuda.stream(ta):
+        x = dlbridge.full((n,), 5.0 + round_, dtype="float32", device="cuda:0")
+        ptr = x.data_ptr
+        xt = torch.from_dlpack(x)
+        with torch.cuda.stream(ta):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            seen = xt.clone()  # reads the block long after the host moves on
+        del xt, x  # the block goes back to the pool while A's kernel is queued
+        collect()
+    with dlbridge.cuda.stream(b_stream):
+        y = dlbridge.zeros((n,), dtype="float32", device="cuda:0")  # memset on B
+    assert y.data_ptr == ptr  # the same block, reused
+    torch.cuda.synchronize()
+    assert bool((seen == 5.0 + round_).all())  # A read the old values, not B's zeros
+    assert not host(y).any()
+    del seen
+    torch.cuda.empty_cache()

@@ -85,7 +85,9 @@ fn allocate(
 ) -> PyResult<Tensor> {
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
     let (device, storage) = placement(device, storage)?;
-    Tensor::allocate(&parse_shape(shape)?, dtype, device, storage, zeroed).py()
+    let t = Tensor::allocate(&parse_shape(shape)?, dtype, device, storage, zeroed).py()?;
+    crate::memory::warn_env_once(shape.py())?;
+    Ok(t)
 }
 
 /// A new array with undefined contents. The default dtype is float32.
@@ -130,6 +132,7 @@ pub(crate) fn full(
     let mut element = Vec::with_capacity(dtype.itemsize());
     convert::write_element(dtype, fill_value, &mut element)?;
     let t = Tensor::allocate(&parse_shape(shape)?, dtype, device, storage, false).py()?;
+    crate::memory::warn_env_once(shape.py())?;
     // SAFETY: `t` is new memory that nothing else references.
     unsafe { t.fill_bytes_unchecked(&element) }.py()?;
     Ok(PyArray::new(t))
@@ -208,6 +211,8 @@ pub(crate) fn arange(
 /// A compact tensor on `device` holding `bytes` (native order).
 fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8], device: Device) -> PyResult<Tensor> {
     let mut host = Tensor::empty(&[bytes.len()], DType::U8, Device::CPU).py()?;
+    // SAFETY: creation functions run inside Python calls, with the GIL held.
+    crate::memory::warn_env_once(unsafe { Python::assume_attached() })?;
     host.as_mut_slice::<u8>().py()?.copy_from_slice(bytes);
     let typed = Tensor::new(
         host.buffer().clone(),

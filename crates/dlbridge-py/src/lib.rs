@@ -15,6 +15,7 @@ mod dtype;
 mod errors;
 mod exchange;
 mod exchange_api;
+mod memory;
 
 use pyo3::prelude::*;
 
@@ -49,6 +50,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(creation::arange, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     cuda::register(m)?;
+    memory::register(m)?;
     for name in [
         "bool",
         "int8",

@@ -13,6 +13,8 @@
 //! | foreign tensor in | [`Tensor::from_dlpack_versioned`] | validate a producer's descriptor once, at the border; share its memory |
 //! | our tensor out | [`Tensor::to_dlpack_versioned`] | hand a consumer a view that keeps our buffer alive |
 //! | host access | [`Tensor::as_slice`] / [`Tensor::as_mut_slice`] | checked typed access honouring the view's offset and bounds |
+//! | storage mode | [`StorageMode`], [`storage_mode`] | private, shared or managed memory: asked for, else `DLBRIDGE_STORAGE_MODE`, else the device's default ([`storage`]) |
+//! | caching pool | [`Pool`], [`memory_stats`] | freed blocks kept per (device, storage mode) and reused without a driver call; limits and statistics ([`pool`]) |
 //!
 //! ```
 //! use dlbridge::{DType, Device, SliceArg, Tensor};
@@ -40,11 +42,18 @@ pub mod dlpack;
 pub mod dtype;
 pub mod error;
 pub mod layout;
+pub mod pool;
+pub mod storage;
 pub mod tensor;
 
+pub use backend::{
+    empty_cache, memory_stats, reset_peak_memory, set_cache_limit, set_memory_limit, storage_mode,
+};
 pub use buffer::{Allocation, Buffer, StorageMode};
 pub use device::{Device, DeviceKind};
 pub use dtype::{DType, DTypeCode, Element};
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{Layout, MAX_NDIM, SliceArg};
+pub use pool::{MemoryStats, Pool};
+pub use storage::{Resolved, Source};
 pub use tensor::Tensor;

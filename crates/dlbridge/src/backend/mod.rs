@@ -9,12 +9,16 @@ pub mod cpu;
 pub mod cuda;
 pub mod plan;
 
+use std::sync::Arc;
+
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
+use crate::pool::{MemoryStats, Pool};
+use crate::storage::{self, Resolved};
 
 /// Allocates `bytes` on `device`, zero-filled when `zeroed`. `storage` picks where the memory
-/// lives; `None` takes the device's default.
+/// lives; `None` takes the environment's or the device's default ([`storage::resolve`]).
 pub fn allocate(
     device: Device,
     bytes: usize,
@@ -23,11 +27,19 @@ pub fn allocate(
 ) -> Result<Buffer> {
     match device.kind() {
         DeviceKind::Cpu => {
-            // Host memory is shared memory whatever mode was asked for (see `StorageMode`).
-            let _ = storage;
+            // Resolving reads `DLBRIDGE_STORAGE_MODE` on first use (and warns once if it is
+            // invalid); host memory is shared memory whatever the answer (see `StorageMode`).
+            storage::resolve(DeviceKind::Cpu, storage)?;
             cpu::allocate(bytes, zeroed)
         }
+        // The storage mode (explicit, else `DLBRIDGE_STORAGE_MODE`, else private) picks the pool
+        // and the device kind: private → `cuda:N`, shared → `cuda_host:N`, managed →
+        // `cuda_managed:N`. Blocks are keyed by the calling thread's current stream.
         DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
+            let storage = match (device.kind(), storage) {
+                (DeviceKind::Cuda, None) => Some(storage::resolve(DeviceKind::Cuda, None)?.mode),
+                (_, explicit) => explicit,
+            };
             let device = cuda_kind_for(device, storage)?;
             #[cfg(cuda)]
             return cuda::allocate(device, bytes, zeroed);
@@ -38,9 +50,7 @@ pub fn allocate(
             }
         }
         DeviceKind::Metal => Err(unavailable("Metal")),
-        DeviceKind::Other(_) => Err(Error::UnsupportedDevice(format!(
-            "dlbridge cannot allocate on {device}"
-        ))),
+        DeviceKind::Other(_) => Err(no_memory_of_ours(device)),
     }
 }
 
@@ -135,6 +145,95 @@ pub(crate) unsafe fn copy_device(dst: &crate::Tensor, src: &crate::Tensor) -> Re
         (dst.device(), format!("copying into it from {}", src.device()))
     };
     Err(Error::NotHostAccessible { device, what })
+}
+
+/// The pool that serves allocations on `device` when nothing asks for a storage mode. CUDA device
+/// kinds name a mode each, so `cuda:N`, `cuda_host:N` and `cuda_managed:N` will name the private,
+/// shared and managed pools of device `N`.
+fn pool(device: Device) -> Result<&'static Arc<Pool>> {
+    match device.kind() {
+        DeviceKind::Cpu => Ok(cpu::pool()),
+        // One pool per (device index, storage mode): `Cuda` → private, `CudaHost` → shared
+        // (pinned), `CudaManaged` → managed.
+        #[cfg(cuda)]
+        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => cuda::pool(device),
+        #[cfg(not(cuda))]
+        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
+            Err(unavailable("CUDA"))
+        }
+        DeviceKind::Metal => Err(unavailable("Metal")),
+        DeviceKind::Other(_) => Err(no_memory_of_ours(device)),
+    }
+}
+
+fn no_memory_of_ours(device: Device) -> Error {
+    Error::UnsupportedDevice(format!("dlbridge cannot allocate on {device}"))
+}
+
+/// The figures of `device`'s memory pool: active, cached and peak bytes, hits, misses, driver
+/// calls and limits (see [`MemoryStats`]).
+///
+/// # Errors
+/// [`Error::BackendUnavailable`] for a backend not in this build; [`Error::UnsupportedDevice`]
+/// for devices dlbridge does not allocate on.
+pub fn memory_stats(device: Device) -> Result<MemoryStats> {
+    Ok(pool(device)?.stats())
+}
+
+/// Returns every cached block of `device`'s pool to the driver (memory in use is untouched).
+///
+/// # Errors
+/// As [`memory_stats`].
+pub fn empty_cache(device: Device) -> Result<()> {
+    pool(device)?.clear_cache();
+    Ok(())
+}
+
+/// Restarts the peak of `device`'s active bytes from the current active bytes.
+///
+/// # Errors
+/// As [`memory_stats`].
+pub fn reset_peak_memory(device: Device) -> Result<()> {
+    pool(device)?.reset_peak();
+    Ok(())
+}
+
+/// Limits the bytes of memory in use on `device` (`None`: no limit); an allocation that would
+/// pass the limit fails with [`Error::OutOfMemory`].
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a limit above [`pool::MAX_LIMIT`](crate::pool::MAX_LIMIT);
+/// otherwise as [`memory_stats`].
+pub fn set_memory_limit(device: Device, limit: Option<usize>) -> Result<()> {
+    pool(device)?.set_memory_limit(limit)
+}
+
+/// Limits the bytes `device`'s pool keeps cached (`None`: no limit, `Some(0)`: no caching);
+/// blocks beyond the limit go back to the driver, least recently released first.
+///
+/// # Errors
+/// As [`set_memory_limit`].
+pub fn set_cache_limit(device: Device, limit: Option<usize>) -> Result<()> {
+    pool(device)?.set_cache_limit(limit)
+}
+
+/// The storage mode allocations on `device` get when they do not ask for one, and where that
+/// came from.
+///
+/// # Errors
+/// As [`memory_stats`].
+pub fn storage_mode(device: Device) -> Result<Resolved> {
+    resolve_storage(device, None)
+}
+
+/// The storage mode an allocation on `device` asking for `requested` gets ([`storage::resolve`]),
+/// for devices whose backend is in this build.
+///
+/// # Errors
+/// As [`memory_stats`], and as [`storage::resolve`].
+pub fn resolve_storage(device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
+    pool(device)?;
+    storage::resolve(device.kind(), requested)
 }
 
 fn unavailable(backend: &'static str) -> Error {

@@ -6,17 +6,24 @@
 //! OS page size (from `sysconf`, 16 KiB on Apple Silicon) and their length is rounded up to whole
 //! pages, so that the same memory can later be wrapped without a copy by APIs that demand whole
 //! pages (`newBufferWithBytesNoCopy` on Metal, `cudaHostRegister`, `mmap`-style remapping).
+//!
+//! # Pooling
+//! Allocations come from one caching [`Pool`] ([`pool`]) over [`HostAllocator`]: block sizes are
+//! rounded as [`crate::pool`] describes and then padded to the alignment rules above, and a freed
+//! block is reused by the next request of its size. The cache is limited to
+//! [`DEFAULT_CACHE_LIMIT`] unless [`Pool::set_cache_limit`] says otherwise.
 
 pub mod cast;
 
 use std::alloc::Layout as AllocLayout;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::pool::{Pool, RawAllocator, StreamKey};
 
 /// The smallest alignment of any CPU allocation, in bytes.
 pub const MIN_ALIGN: usize = 64;
@@ -56,38 +63,23 @@ pub fn allocation_layout(bytes: usize) -> Result<AllocLayout> {
     })
 }
 
-/// One host allocation from the global allocator.
-struct HostAllocation {
-    ptr: NonNull<u8>,
-    layout: AllocLayout,
-}
+/// The driver of the CPU pool: the global allocator, with the alignment the module documentation
+/// describes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostAllocator;
 
-// SAFETY: the allocation is plain memory owned by this value; nothing in it is thread-bound.
-unsafe impl Send for HostAllocation {}
-// SAFETY: `HostAllocation` exposes no interior state; shared references only read `ptr`/`layout`.
-unsafe impl Sync for HostAllocation {}
-
-impl Allocation for HostAllocation {}
-
-impl Drop for HostAllocation {
-    fn drop(&mut self) {
-        if self.layout.size() != 0 {
-            // SAFETY: `ptr` came from `alloc`/`alloc_zeroed` with exactly `layout`, and this is the
-            // only place it is freed.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
-        }
+impl RawAllocator for HostAllocator {
+    fn round_size(&self, bytes: usize) -> Option<usize> {
+        allocation_layout(bytes).ok().map(|layout| layout.size())
     }
-}
 
-/// Allocates `bytes` of host memory (zero-filled when `zeroed`), aligned as the module
-/// documentation says.
-pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
-    let layout = allocation_layout(bytes)?;
-    let ptr = if layout.size() == 0 {
-        // A well-aligned, non-NULL address that is never dereferenced (there are no bytes).
-        NonNull::new(std::ptr::without_provenance_mut::<u8>(layout.align()))
-            .expect("alignments are non-zero")
-    } else {
+    fn allocate(&self, bytes: usize, zeroed: bool) -> Result<NonNull<c_void>> {
+        let layout = allocation_layout(bytes)?;
+        if layout.size() == 0 {
+            return Err(Error::InvalidArgument(
+                "the host allocator has no zero-byte blocks".into(),
+            ));
+        }
         let raw = if zeroed {
             // SAFETY: the layout has a non-zero size.
             unsafe { std::alloc::alloc_zeroed(layout) }
@@ -95,23 +87,87 @@ pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
             // SAFETY: the layout has a non-zero size.
             unsafe { std::alloc::alloc(layout) }
         };
-        NonNull::new(raw).ok_or_else(|| Error::OutOfMemory {
+        NonNull::new(raw.cast::<c_void>()).ok_or_else(|| Error::OutOfMemory {
             bytes,
             device: Device::CPU,
-            detail: String::new(),
-        })?
-    };
-    let allocation = Box::new(HostAllocation { ptr, layout });
-    // SAFETY: `ptr` addresses `layout.size() >= bytes` host bytes that live until `allocation` is
-    // dropped, and the host may read and write them.
+            detail: ": the system allocator refused".into(),
+        })
+    }
+
+    unsafe fn free(&self, ptr: NonNull<c_void>, bytes: usize) {
+        // `allocate` succeeded with this size, so the layout exists and is the one it used.
+        if let Ok(layout) = allocation_layout(bytes) {
+            // SAFETY: by the caller's contract `ptr` came from `allocate(bytes)`, that is from
+            // `alloc`/`alloc_zeroed` with exactly `layout`, and is freed once.
+            unsafe { std::alloc::dealloc(ptr.as_ptr().cast::<u8>(), layout) };
+        }
+    }
+
+    unsafe fn zero(
+        &self,
+        ptr: NonNull<c_void>,
+        bytes: usize,
+        _stream: Option<StreamKey>,
+    ) -> Result<()> {
+        // SAFETY: by the caller's contract `ptr` addresses at least `bytes` host bytes of a live
+        // block that nothing else accesses during the fill.
+        unsafe { ptr.cast::<u8>().write_bytes(0, bytes) };
+        Ok(())
+    }
+}
+
+/// The default [cache limit](Pool::set_cache_limit) of the CPU pool: 1 GiB. Host memory is
+/// rarely refused outright (the system overcommits and swaps instead), so an unbounded cache
+/// could hold on to memory the rest of the process needs.
+pub const DEFAULT_CACHE_LIMIT: usize = 1 << 30;
+
+/// The pool every CPU allocation comes from (made on first use).
+pub fn pool() -> &'static Arc<Pool> {
+    static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let pool = Pool::new(Device::CPU, StorageMode::Shared, HostAllocator);
+        // The constant is far below `pool::MAX_LIMIT`, so this cannot fail.
+        let _ = pool.set_cache_limit(Some(DEFAULT_CACHE_LIMIT));
+        pool
+    })
+}
+
+/// A zero-byte allocation: no memory, nothing to return.
+struct NoMemory;
+
+impl Allocation for NoMemory {}
+
+/// Allocates `bytes` of host memory (zero-filled when `zeroed`) from the CPU [`pool`], aligned as
+/// the module documentation says. Zero bytes take no memory and do not touch the pool.
+pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
+    if bytes == 0 {
+        // A well-aligned, non-NULL address that is never dereferenced (there are no bytes).
+        let ptr = std::ptr::without_provenance_mut::<u8>(MIN_ALIGN);
+        // SAFETY: zero bytes at a non-NULL address are trivially valid for as long as anyone
+        // likes; nothing is ever read or written through it.
+        return Ok(unsafe {
+            Buffer::from_allocation(
+                ptr.cast::<c_void>(),
+                ptr,
+                0,
+                Device::CPU,
+                StorageMode::Shared,
+                Box::new(NoMemory),
+            )
+        });
+    }
+    let block = pool().allocate(bytes, None, zeroed)?;
+    let ptr = block.as_ptr();
+    // SAFETY: the block addresses at least `bytes` host bytes (`block_size() >= len()`) that the
+    // host may read and write, and it stays allocated until the boxed block is dropped.
     Ok(unsafe {
         Buffer::from_allocation(
-            ptr.as_ptr().cast::<c_void>(),
             ptr.as_ptr(),
+            ptr.as_ptr().cast::<u8>(),
             bytes,
             Device::CPU,
             StorageMode::Shared,
-            allocation,
+            Box::new(block),
         )
     })
 }

@@ -1,16 +1,19 @@
 //! CUDA allocations (device, pinned host, managed) and checks of imported pointers.
 
 use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
-use super::stream::current_stream;
+use super::stream::{Event, current_stream};
 use super::{BACKEND, check, context, describe};
 use crate::buffer::{Allocation, Buffer, StorageMode};
+use crate::pool::{Fence, Pool, RawAllocator, StreamKey};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
 
-/// Which driver allocator made a block.
+/// Which driver allocator makes a pool's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Device,
@@ -18,55 +21,25 @@ enum Kind {
     Managed,
 }
 
-/// One allocation from the driver, freed when dropped.
-struct CudaAllocation {
-    ptr: u64,
+/// The driver allocator behind one pool: one kind of memory on one device.
+struct CudaAllocator {
     kind: Kind,
     ordinal: i32,
+    device: Device,
+    /// Events of fences that completed their job, kept for the next release (creating an event
+    /// costs more than recording one).
+    spare_events: Arc<Mutex<Vec<Event>>>,
 }
 
-impl Allocation for CudaAllocation {}
-
-impl Drop for CudaAllocation {
-    fn drop(&mut self) {
-        if self.ptr == 0 {
-            return;
-        }
-        // Whatever fails here (a driver already shut down at process exit) cannot be reported
-        // from Drop; the memory goes with the process then anyway.
-        let Ok(_ctx) = context(self.ordinal) else {
-            return;
-        };
-        let _ = match self.kind {
-            // SAFETY: `ptr` came from cuMemAlloc / cuMemAllocManaged and is freed only here. The
-            // free waits for work still using the memory.
-            Kind::Device | Kind::Managed => unsafe { sys::cuMemFree_v2(self.ptr) },
-            // SAFETY: `ptr` came from cuMemHostAlloc and is freed only here.
-            Kind::Pinned => unsafe {
-                sys::cuMemFreeHost(std::ptr::with_exposed_provenance_mut(self.ptr as usize))
-            },
-        };
-    }
+fn raw_stream(handle: StreamKey) -> sys::CUstream {
+    std::ptr::with_exposed_provenance_mut(handle as usize)
 }
 
-/// Allocates `bytes` of CUDA memory of `device`'s kind (device, pinned host or managed),
-/// zero-filled on the current stream when `zeroed`.
-pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
-    let (kind, storage) = match device.kind() {
-        DeviceKind::Cuda => (Kind::Device, StorageMode::Private),
-        DeviceKind::CudaHost => (Kind::Pinned, StorageMode::Shared),
-        DeviceKind::CudaManaged => (Kind::Managed, StorageMode::Managed),
-        _ => {
-            return Err(Error::UnsupportedDevice(format!(
-                "the CUDA backend cannot allocate on {device}"
-            )));
-        }
-    };
-    let ordinal = device.index() as i32;
-    let ctx = context(ordinal)?;
-    let mut ptr: u64 = 0;
-    if bytes > 0 {
-        let rc = match kind {
+impl RawAllocator for CudaAllocator {
+    fn allocate(&self, bytes: usize, zeroed: bool) -> Result<NonNull<c_void>> {
+        let _ctx = context(self.ordinal)?;
+        let mut ptr: u64 = 0;
+        let rc = match self.kind {
             // SAFETY: valid out-pointer; the device's context is current.
             Kind::Device => unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
             Kind::Pinned => {
@@ -77,22 +50,19 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
                 ptr = host.expose_provenance() as u64;
                 rc
             }
-            // SAFETY: valid out-pointer; the context is current.
-            Kind::Managed => unsafe {
-                sys::cuMemAllocManaged(
-                    &mut ptr,
-                    bytes,
-                    sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
-                )
-            },
+            Kind::Managed => {
+                let flags = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
+                // SAFETY: valid out-pointer; the context is current.
+                unsafe { sys::cuMemAllocManaged(&mut ptr, bytes, flags) }
+            }
         };
         match rc {
             sys::CUresult::CUDA_SUCCESS => {}
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
-                let (free, total) = super::mem_info(ordinal).unwrap_or((0, 0));
+                let (free, total) = super::mem_info(self.ordinal).unwrap_or((0, 0));
                 return Err(Error::OutOfMemory {
                     bytes,
-                    device,
+                    device: self.device,
                     detail: format!(
                         " ({}; the device has {free} of {total} bytes free)",
                         describe(rc)
@@ -102,39 +72,221 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
             rc => {
                 return Err(Error::Driver {
                     backend: BACKEND,
-                    message: format!("allocating {bytes} bytes on {device}: {}", describe(rc)),
+                    message: format!(
+                        "allocating {bytes} bytes on {}: {}",
+                        self.device,
+                        describe(rc)
+                    ),
                 });
             }
         }
+        let ptr = NonNull::new(std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize))
+            .ok_or_else(|| Error::Driver {
+                backend: BACKEND,
+                message: "the driver returned NULL for a non-empty allocation".into(),
+            })?;
+        if zeroed {
+            let stream = current_stream(self.ordinal) as StreamKey;
+            // SAFETY: the block was just allocated with `bytes` bytes and nobody else has it.
+            unsafe { self.zero(ptr, bytes, Some(stream))? };
+        }
+        Ok(ptr)
     }
-    let allocation = CudaAllocation { ptr, kind, ordinal };
-    if zeroed && bytes > 0 {
-        check(
-            // SAFETY: `ptr` addresses `bytes` bytes just allocated; the memset is ordered on the
-            // current stream before any later work there (and other streams are ordered after it by
-            // the DLPack handoff or by `make_visible`).
-            unsafe {
-                sys::cuMemsetD8Async(
-                    ptr,
-                    0,
-                    bytes,
-                    std::ptr::with_exposed_provenance_mut(current_stream(ordinal)),
-                )
+
+    unsafe fn free(&self, ptr: NonNull<c_void>, _bytes: usize) {
+        // A driver already shut down at process exit cannot be told; the memory goes with the
+        // process then anyway.
+        let Ok(_ctx) = context(self.ordinal) else {
+            return;
+        };
+        let _ = match self.kind {
+            // SAFETY: `ptr` came from cuMemAlloc / cuMemAllocManaged and is freed once, by the
+            // pool; the free waits for work still using the memory.
+            Kind::Device | Kind::Managed => unsafe {
+                sys::cuMemFree_v2(ptr.as_ptr().expose_provenance() as u64)
             },
-            "cuMemsetD8Async",
-        )?;
+            // SAFETY: `ptr` came from cuMemHostAlloc and is freed once, by the pool.
+            Kind::Pinned => unsafe { sys::cuMemFreeHost(ptr.as_ptr()) },
+        };
     }
-    drop(ctx);
-    let handle = std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize);
-    let host = match kind {
-        Kind::Device => std::ptr::null_mut(),
-        Kind::Pinned | Kind::Managed => handle.cast::<u8>(),
+
+    unsafe fn zero(
+        &self,
+        ptr: NonNull<c_void>,
+        bytes: usize,
+        stream: Option<StreamKey>,
+    ) -> Result<()> {
+        let _ctx = context(self.ordinal)?;
+        let stream = stream.unwrap_or(current_stream(self.ordinal) as StreamKey);
+        // SAFETY: the caller guarantees `bytes` bytes of a live block nobody else uses; the fill
+        // is ordered on `stream` before later work there.
+        let rc = unsafe {
+            sys::cuMemsetD8Async(
+                ptr.as_ptr().expose_provenance() as u64,
+                0,
+                bytes,
+                raw_stream(stream),
+            )
+        };
+        check(rc, "cuMemsetD8Async")
+    }
+
+    fn fence(&self, stream: StreamKey) -> Result<Option<Box<dyn Fence>>> {
+        let spare = self
+            .spare_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let event = match spare {
+            Some(event) => event,
+            None => Event::new(self.ordinal, false)?,
+        };
+        event.record(stream as usize)?;
+        Ok(Some(Box::new(CudaFence {
+            event: Some(event),
+            stream,
+            host_visible: self.kind != Kind::Device,
+            spare_events: Arc::clone(&self.spare_events),
+        })))
+    }
+}
+
+/// At most this many spare events are kept per pool.
+const SPARE_EVENTS: usize = 64;
+
+/// The work queued on a block's stream when it was released.
+struct CudaFence {
+    /// Always `Some` until dropped.
+    event: Option<Event>,
+    stream: StreamKey,
+    /// Pinned and managed blocks can be touched by the host at once, so another stream's reuse
+    /// waits on the host rather than in stream order.
+    host_visible: bool,
+    spare_events: Arc<Mutex<Vec<Event>>>,
+}
+
+impl CudaFence {
+    fn event(&self) -> &Event {
+        self.event.as_ref().expect("present until drop")
+    }
+}
+
+impl Drop for CudaFence {
+    fn drop(&mut self) {
+        // Re-recording a reused event later does not disturb waits already enqueued on it.
+        if let Some(event) = self.event.take() {
+            let mut spare = self.spare_events.lock().unwrap_or_else(|e| e.into_inner());
+            if spare.len() < SPARE_EVENTS {
+                spare.push(event);
+            }
+        }
+    }
+}
+
+impl Fence for CudaFence {
+    fn stream(&self) -> StreamKey {
+        self.stream
+    }
+
+    fn is_complete(&self) -> bool {
+        self.event().query().unwrap_or(false)
+    }
+
+    fn order_before(&self, stream: StreamKey) -> Result<()> {
+        if self.host_visible {
+            return self.event().synchronize();
+        }
+        let _ctx = context(self.event().device())?;
+        // SAFETY: a live event and a stream of the device whose context is current.
+        let rc = unsafe {
+            sys::cuStreamWaitEvent(
+                raw_stream(stream),
+                std::ptr::with_exposed_provenance_mut(self.event().handle()),
+                0,
+            )
+        };
+        check(rc, "cuStreamWaitEvent")
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.event().synchronize()
+    }
+}
+
+/// The pool of one kind of memory on one device (made on first use).
+pub fn pool(device: Device) -> Result<&'static Arc<Pool>> {
+    type Slots = Vec<[OnceLock<Arc<Pool>>; 3]>;
+    static POOLS: OnceLock<Slots> = OnceLock::new();
+    let count = super::device_count()?;
+    let ordinal = device.index() as i32;
+    if device.index() as usize >= count {
+        return Err(Error::InvalidArgument(format!(
+            "CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)"
+        )));
+    }
+    let (kind, storage, slot) = match device.kind() {
+        DeviceKind::Cuda => (Kind::Device, StorageMode::Private, 0),
+        DeviceKind::CudaHost => (Kind::Pinned, StorageMode::Shared, 1),
+        DeviceKind::CudaManaged => (Kind::Managed, StorageMode::Managed, 2),
+        _ => {
+            return Err(Error::UnsupportedDevice(format!(
+                "the CUDA backend has no memory on {device}"
+            )));
+        }
     };
-    // SAFETY: the driver returned `bytes` bytes at `ptr`, valid until `allocation` frees them;
-    // pinned and managed memory is host-addressable at the same address (unified addressing).
-    Ok(unsafe {
-        Buffer::from_allocation(handle, host, bytes, device, storage, Box::new(allocation))
-    })
+    let pools = POOLS.get_or_init(|| (0..count).map(|_| Default::default()).collect());
+    Ok(pools[device.index() as usize][slot].get_or_init(|| {
+        Pool::new(
+            device,
+            storage,
+            CudaAllocator {
+                kind,
+                ordinal,
+                device,
+                spare_events: Arc::default(),
+            },
+        )
+    }))
+}
+
+/// A zero-byte allocation: no memory, nothing to return.
+struct NoMemory;
+
+impl Allocation for NoMemory {}
+
+/// Allocates `bytes` of CUDA memory of `device`'s kind (device, pinned host or managed) from its
+/// pool, for the calling thread's current stream; zero-filled in stream order when `zeroed`.
+pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
+    let storage = match device.kind() {
+        DeviceKind::Cuda => StorageMode::Private,
+        DeviceKind::CudaHost => StorageMode::Shared,
+        _ => StorageMode::Managed,
+    };
+    let pool = pool(device)?;
+    if bytes == 0 {
+        // SAFETY: no bytes: the NULL handle is never dereferenced.
+        return Ok(unsafe {
+            Buffer::from_allocation(
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+                device,
+                storage,
+                Box::new(NoMemory),
+            )
+        });
+    }
+    let stream = current_stream(device.index() as i32) as StreamKey;
+    let block = pool.allocate(bytes, Some(stream), zeroed)?;
+    let handle = block.as_ptr().as_ptr();
+    let host = match device.kind() {
+        DeviceKind::Cuda => std::ptr::null_mut(),
+        _ => handle.cast::<u8>(),
+    };
+    // SAFETY: the block holds at least `bytes` bytes at `handle` until it is dropped with the
+    // buffer; pinned and managed memory is host-addressable at the same address (unified
+    // addressing).
+    Ok(unsafe { Buffer::from_allocation(handle, host, bytes, device, storage, Box::new(block)) })
 }
 
 /// Checks that `[addr, addr + len)` is memory the CUDA driver knows, of the kind and device that a

@@ -1,0 +1,167 @@
+"""Allocation benchmark: dlbridge's caching pool beside NumPy and PyTorch, in one process and one
+run.
+
+    python bench/bench_pool.py [--quick] [--devices cpu,cuda] [--json out.json]
+
+Each case is one allocate + free of an uninitialised uint8 array of 4 KiB, 1 MiB or 256 MiB:
+
+* ``dlbridge cached``: ``dlbridge.empty(n)`` + ``del`` after a warm-up, so every call is a cache hit;
+* ``dlbridge uncached``: ``dlbridge.empty(n)`` + ``del`` + ``dlbridge.empty_cache()``, so every call
+  allocates from the driver and (in ``empty_cache``) frees to it again;
+* peers: ``numpy.empty(n, uint8)`` + ``del``; ``torch.empty(n, dtype=torch.uint8)`` + ``del``
+  (on CUDA: PyTorch's own caching allocator, cached and after ``torch.cuda.empty_cache()``).
+
+Cases are timed in interleaved rounds (each round times every case once) and the median of the
+rounds' per-call means is reported. Nothing touches the memory, so page faults of fresh memory
+(which reuse avoids) are not in these figures.
+
+A device column appears for every device in ``--devices`` whose backend dlbridge has; CUDA is
+skipped, with a note, when this build has no ``dlbridge.cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import timeit
+
+import numpy as np
+import torch
+
+import dlbridge
+
+SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "256 MiB": 256 << 20}
+
+
+def cuda_available() -> tuple[bool, str]:
+    if not hasattr(dlbridge, "cuda"):
+        return False, "this build of dlbridge has no dlbridge.cuda"
+    if not torch.cuda.is_available():
+        return False, "PyTorch sees no CUDA device"
+    return True, ""
+
+
+def cases(device: str, n: int) -> dict:
+    def dl_cached():
+        a = dlbridge.empty(n, dtype="uint8", device=device)
+        del a
+
+    def dl_uncached():
+        a = dlbridge.empty(n, dtype="uint8", device=device)
+        del a
+        dlbridge.empty_cache(device)
+
+    out = {"dlbridge cached": dl_cached, "dlbridge uncached": dl_uncached}
+    if device == "cpu":
+        def numpy_empty():
+            a = np.empty(n, np.uint8)
+            del a
+
+        def torch_empty():
+            a = torch.empty(n, dtype=torch.uint8)
+            del a
+
+        out["numpy.empty"] = numpy_empty
+        out["torch.empty"] = torch_empty
+    else:
+        def torch_cached():
+            a = torch.empty(n, dtype=torch.uint8, device=device)
+            del a
+
+        def torch_uncached():
+            a = torch.empty(n, dtype=torch.uint8, device=device)
+            del a
+            torch.cuda.empty_cache()
+
+        out["torch.empty cached"] = torch_cached
+        out["torch.empty uncached"] = torch_uncached
+    return out
+
+
+def measure(fns: dict, numbers: dict, rounds: int) -> dict:
+    for key, fn in fns.items():  # warm-up: fills the caches the cached cases rely on
+        timeit.timeit(fn, number=max(numbers[key] // 10, 5))
+    samples = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            samples[key].append(timeit.timeit(fn, number=numbers[key]) / numbers[key] * 1e6)
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
+    ap.add_argument("--devices", default="cpu,cuda", help="comma-separated: cpu, cuda")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    number, rounds = (500, 5) if args.quick else (5_000, 11)
+
+    devices, notes = [], []
+    for device in args.devices.split(","):
+        device = device.strip()
+        if device == "cuda":
+            ok, why = cuda_available()
+            if not ok:
+                notes.append(f"cuda: skipped ({why})")
+                continue
+        devices.append(device)
+
+    fns, numbers = {}, {}
+    for device in devices:
+        for label, n in SIZES.items():
+            for name, fn in cases(device, n).items():
+                key = (device, label, name)
+                fns[key] = fn
+                # Driver round trips of 256 MiB cost tens of microseconds: fewer calls.
+                numbers[key] = number // 10 if "uncached" in name and n >= 1 << 20 else number
+    saved_limit = dlbridge.memory_stats()["cache_limit"]
+    dlbridge.set_cache_limit(None)  # 256 MiB blocks stay cached whatever the default limit
+    try:
+        results = measure(fns, numbers, rounds)
+    finally:
+        dlbridge.set_cache_limit(saved_limit)
+
+    print(f"# dlbridge allocation: {platform.processor() or platform.machine()}, "
+          f"Python {platform.python_version()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
+          f"dlbridge {dlbridge.__version__}")
+    print(f"median per allocate + free (µs) over {rounds} interleaved rounds\n")
+    for note in notes:
+        print(f"- {note}")
+    if notes:
+        print()
+    names = list(dict.fromkeys(name for (_, _, name) in fns))
+    header = " | ".join(f"{d}: {label}" for d in devices for label in SIZES)
+    print(f"| case | {header} |")
+    print("| --- |" + " ---: |" * (len(devices) * len(SIZES)))
+    for name in names:
+        row = []
+        for d in devices:
+            for label in SIZES:
+                v = results.get((d, label, name))
+                row.append("" if v is None else f"{v:.3f}")
+        print(f"| {name} | " + " | ".join(row) + " |")
+
+    print("\n| ratio | " + header + " |")
+    print("| --- |" + " ---: |" * (len(devices) * len(SIZES)))
+    peers = {"cpu": ["numpy.empty", "torch.empty"], "cuda": ["torch.empty cached", "torch.empty uncached"]}
+    for ours in ["dlbridge cached", "dlbridge uncached"]:
+        for peer in sorted({p for d in devices for p in peers.get(d.split(":")[0], [])}):
+            row = []
+            for d in devices:
+                for label in SIZES:
+                    a, b = results.get((d, label, ours)), results.get((d, label, peer))
+                    row.append("" if a is None or b is None else f"{a / b:.2f}")
+            print(f"| {ours} / {peer} | " + " | ".join(row) + " |")
+
+    stats = dlbridge.memory_stats()
+    print(f"\ncpu pool after the run: {stats['cache_hits']} hits, {stats['cache_misses']} misses, "
+          f"{stats['driver_allocations']} driver allocations, {stats['driver_frees']} driver frees")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({" / ".join(k): v for k, v in results.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+//! Memory statistics, cache control, limits and storage modes: `dlbridge.memory_stats`,
+//! `empty_cache`, `reset_peak_memory`, `set_memory_limit`, `set_cache_limit`, `storage_mode`.
+//!
+//! Every function takes a `device` (default `"cpu"`) in any form `dlbridge.Device` accepts.
+
+use std::ffi::CString;
+
+use dlbridge::{Device, StorageMode};
+use pyo3::exceptions::{PyRuntimeWarning, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyInt, PyTuple};
+
+use crate::creation::parse_opt_device;
+use crate::errors::IntoPyResult;
+
+/// Adds this module's functions to the extension module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_peak_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(set_cache_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(storage_mode, m)?)?;
+    Ok(())
+}
+
+/// Raises a `RuntimeWarning` about an invalid `DLBRIDGE_STORAGE_MODE`, once per process: the
+/// first call after the variable was found invalid warns, every other call does nothing. Reads
+/// the variable if nothing has yet. Call it where Python code allocates.
+///
+/// Fails only when the warning filters turn the warning into an exception.
+pub(crate) fn warn_env_once(py: Python<'_>) -> PyResult<()> {
+    let Some(message) = dlbridge::storage::take_env_warning() else {
+        return Ok(());
+    };
+    // Environment variables cannot hold NUL, so this never drops a character in practice.
+    let message = CString::new(message.replace('\0', "")).unwrap_or_default();
+    PyErr::warn(py, &py.get_type::<PyRuntimeWarning>(), &message, 1)
+}
+
+fn device_or_cpu(device: Option<&Bound<'_, PyAny>>) -> PyResult<Device> {
+    Ok(parse_opt_device(device)?.unwrap_or(Device::CPU))
+}
+
+/// Reads a limit: `None`, or a non-negative integer number of bytes (an `int`, or an object with
+/// `__index__` such as a NumPy integer; not a `bool`).
+fn parse_limit(limit: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    if limit.is_none() {
+        return Ok(None);
+    }
+    let not_bytes = || {
+        PyTypeError::new_err(format!(
+            "a limit is a number of bytes (an int) or None, not {}",
+            limit
+                .get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        ))
+    };
+    if limit.is_instance_of::<PyBool>() {
+        return Err(not_bytes());
+    }
+    let int = if limit.is_instance_of::<PyInt>() {
+        limit.clone()
+    } else {
+        let index = limit.py().import("operator")?.getattr("index")?;
+        index.call1((limit,)).map_err(|_| not_bytes())?
+    };
+    if int.lt(0)? {
+        return Err(PyValueError::new_err(format!(
+            "a limit cannot be negative (got {int})"
+        )));
+    }
+    match int
+        .extract::<u64>()
+        .ok()
+        .and_then(|v| usize::try_from(v).ok())
+    {
+        Some(bytes) => Ok(Some(bytes)),
+        None => Err(PyValueError::new_err(format!(
+            "a limit of {int} bytes is beyond any allocation"
+        ))),
+    }
+}
+
+/// The figures of the device's memory pool, as a dict: `active_bytes`, `active_blocks`,
+/// `requested_bytes`, `cached_bytes`, `cached_blocks`, `peak_active_bytes`, `allocations`,
+/// `cache_hits`, `cache_misses`, `driver_allocations`, `driver_frees`, `memory_limit` and
+/// `cache_limit` (`None`: no limit).
+#[pyfunction]
+#[pyo3(signature = (device=None), text_signature = "(device='cpu')")]
+fn memory_stats<'py>(
+    py: Python<'py>,
+    device: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    warn_env_once(py)?;
+    let s = dlbridge::memory_stats(device_or_cpu(device)?).py()?;
+    let d = PyDict::new(py);
+    d.set_item("active_bytes", s.active_bytes)?;
+    d.set_item("active_blocks", s.active_blocks)?;
+    d.set_item("requested_bytes", s.requested_bytes)?;
+    d.set_item("cached_bytes", s.cached_bytes)?;
+    d.set_item("cached_blocks", s.cached_blocks)?;
+    d.set_item("peak_active_bytes", s.peak_active_bytes)?;
+    d.set_item("allocations", s.allocations)?;
+    d.set_item("cache_hits", s.cache_hits)?;
+    d.set_item("cache_misses", s.cache_misses)?;
+    d.set_item("driver_allocations", s.driver_allocations)?;
+    d.set_item("driver_frees", s.driver_frees)?;
+    d.set_item("memory_limit", s.memory_limit)?;
+    d.set_item("cache_limit", s.cache_limit)?;
+    Ok(d)
+}
+
+/// Returns every cached block of the device's pool to the driver; memory in use is untouched.
+#[pyfunction]
+#[pyo3(signature = (device=None), text_signature = "(device='cpu')")]
+fn empty_cache(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let device = device_or_cpu(device)?;
+    // Large blocks take a while to unmap; let other threads run meanwhile.
+    py.detach(|| dlbridge::empty_cache(device)).py()
+}
+
+/// Restarts `peak_active_bytes` from the current `active_bytes`.
+#[pyfunction]
+#[pyo3(signature = (device=None), text_signature = "(device='cpu')")]
+fn reset_peak_memory(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    dlbridge::reset_peak_memory(device_or_cpu(device)?).py()
+}
+
+/// Limits the bytes in use on the device (`None`: no limit). An allocation that would pass it
+/// raises `MemoryError`; a negative or impossibly large limit raises `ValueError`.
+#[pyfunction]
+#[pyo3(signature = (limit, /, device=None), text_signature = "(limit, /, device='cpu')")]
+fn set_memory_limit(limit: &Bound<'_, PyAny>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let limit = parse_limit(limit)?;
+    dlbridge::set_memory_limit(device_or_cpu(device)?, limit).py()
+}
+
+/// Limits the bytes the device's pool keeps cached (`None`: no limit, `0`: no caching); cached
+/// blocks beyond it go back to the driver, least recently used first.
+#[pyfunction]
+#[pyo3(signature = (limit, /, device=None), text_signature = "(limit, /, device='cpu')")]
+fn set_cache_limit(
+    py: Python<'_>,
+    limit: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let limit = parse_limit(limit)?;
+    let device = device_or_cpu(device)?;
+    py.detach(|| dlbridge::set_cache_limit(device, limit)).py()
+}
+
+/// `(mode, source)`: the storage mode (`"private"`, `"shared"`, `"managed"`) allocations on the
+/// device get, and where it came from (`"default"`, `"environment"` for
+/// `DLBRIDGE_STORAGE_MODE`, `"explicit"`). With `requested`, the answer for an allocation that
+/// asks for that mode. On the CPU the mode is always `"shared"`.
+#[pyfunction]
+#[pyo3(signature = (device=None, requested=None), text_signature = "(device='cpu', requested=None)")]
+fn storage_mode<'py>(
+    py: Python<'py>,
+    device: Option<&Bound<'py, PyAny>>,
+    requested: Option<&str>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    warn_env_once(py)?;
+    let requested = requested.map(str::parse::<StorageMode>).transpose().py()?;
+    let resolved = dlbridge::backend::resolve_storage(device_or_cpu(device)?, requested).py()?;
+    PyTuple::new(py, [resolved.mode.name(), resolved.source.name()])
+}

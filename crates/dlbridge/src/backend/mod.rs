@@ -5,6 +5,7 @@
 //! machine, answers with [`Error::BackendUnavailable`], never a panic.
 
 pub mod cpu;
+pub mod metal;
 
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
@@ -27,7 +28,7 @@ pub fn allocate(
         DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
             Err(unavailable("CUDA"))
         }
-        DeviceKind::Metal => Err(unavailable("Metal")),
+        DeviceKind::Metal => metal::allocate(device, bytes, storage, zeroed),
         DeviceKind::Other(_) => Err(Error::UnsupportedDevice(format!(
             "dlbridge cannot allocate on {device}"
         ))),

@@ -7,6 +7,7 @@
 pub mod cpu;
 #[cfg(cuda)]
 pub mod cuda;
+pub mod metal;
 pub mod plan;
 
 use std::sync::Arc;
@@ -49,7 +50,7 @@ pub fn allocate(
                 Err(unavailable("CUDA"))
             }
         }
-        DeviceKind::Metal => Err(unavailable("Metal")),
+        DeviceKind::Metal => metal::allocate(device, bytes, storage, zeroed),
         DeviceKind::Other(_) => Err(no_memory_of_ours(device)),
     }
 }
@@ -138,11 +139,22 @@ pub(crate) unsafe fn copy_device(dst: &crate::Tensor, src: &crate::Tensor) -> Re
         #[cfg(not(cuda))]
         return Err(unavailable("CUDA"));
     }
+    #[cfg(metal)]
+    if (sk == DeviceKind::Metal || dk == DeviceKind::Metal)
+        && matches!(sk, DeviceKind::Metal | DeviceKind::Cpu)
+        && matches!(dk, DeviceKind::Metal | DeviceKind::Cpu)
+    {
+        // SAFETY: forwarded contract.
+        return unsafe { metal::copy_unchecked(src, dst) };
+    }
     // No backend here reaches the memory: name the side the host cannot address.
     let (device, what) = if !src.device().kind().is_host_accessible() {
         (src.device(), format!("copying from it to {}", dst.device()))
     } else {
-        (dst.device(), format!("copying into it from {}", src.device()))
+        (
+            dst.device(),
+            format!("copying into it from {}", src.device()),
+        )
     };
     Err(Error::NotHostAccessible { device, what })
 }

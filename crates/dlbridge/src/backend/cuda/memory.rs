@@ -9,9 +9,9 @@ use cudarc::driver::sys;
 use super::stream::{Event, current_stream};
 use super::{BACKEND, check, context, describe};
 use crate::buffer::{Allocation, Buffer, StorageMode};
-use crate::pool::{Fence, Pool, RawAllocator, StreamKey};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
+use crate::pool::{Fence, Pool, RawAllocator, StreamKey};
 
 /// Which driver allocator makes a pool's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,11 +80,13 @@ impl RawAllocator for CudaAllocator {
                 });
             }
         }
-        let ptr = NonNull::new(std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize))
-            .ok_or_else(|| Error::Driver {
-                backend: BACKEND,
-                message: "the driver returned NULL for a non-empty allocation".into(),
-            })?;
+        let ptr = NonNull::new(std::ptr::with_exposed_provenance_mut::<c_void>(
+            ptr as usize,
+        ))
+        .ok_or_else(|| Error::Driver {
+            backend: BACKEND,
+            message: "the driver returned NULL for a non-empty allocation".into(),
+        })?;
         if zeroed {
             let stream = current_stream(self.ordinal) as StreamKey;
             // SAFETY: the block was just allocated with `bytes` bytes and nobody else has it.

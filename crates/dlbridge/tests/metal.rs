@@ -1,0 +1,717 @@
+//! The Metal backend against a real GPU. Compiled only for Apple targets with feature `metal`
+//! (`cargo test -p dlbridge --features metal` on a Mac); every test skips, saying why, when the
+//! machine has no Metal device.
+//!
+//! Foreign producers are played by dlbridge's own DLPack export of real `id<MTLBuffer>`s: the
+//! importer sees exactly what it sees from PyTorch MPS or MLX (an `id<MTLBuffer>`, an offset in
+//! `byte_offset`), and the buffers' storage modes can be chosen.
+
+#![cfg(all(target_vendor = "apple", feature = "metal"))]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use dlbridge::backend::metal::{
+    self, ImportOptions, ResidencyStatus, residency::RESIDENCY_ENV, storage::MANAGED_AVAILABLE,
+};
+use dlbridge::dlpack::VERSION;
+use dlbridge::{DType, Device, Error, SliceArg, StorageMode, Tensor};
+
+/// The first Metal device, or `None` (after saying why the test is skipped), with a lock that
+/// runs the GPU tests one at a time: the residency test counts the members of the device's set,
+/// which other tests' allocations would change under it.
+fn gpu() -> Option<(Device, MutexGuard<'static, ()>)> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    if !metal::is_available() {
+        eprintln!("skipped: this machine has no Metal device");
+        return None;
+    }
+    let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    Some((Device::metal(0), guard))
+}
+
+fn modes() -> Vec<StorageMode> {
+    let mut m = vec![StorageMode::Shared, StorageMode::Private];
+    if MANAGED_AVAILABLE {
+        m.push(StorageMode::Managed);
+    }
+    m
+}
+
+fn iota_f32(n: usize) -> Vec<f32> {
+    (0..n).map(|i| i as f32 * 0.5 - 7.0).collect()
+}
+
+/// A Metal tensor holding `data` in `shape`, in `storage`.
+fn on_metal(device: Device, data: &[f32], shape: &[usize], storage: StorageMode) -> Tensor {
+    let host = Tensor::from_slice(data, shape).unwrap();
+    let t = metal::copy_to(&host, device, Some(storage)).unwrap();
+    assert_eq!(t.buffer().storage_mode(), storage);
+    t
+}
+
+/// The elements of any Metal view, read back through the host.
+fn read<T: dlbridge::Element>(t: &Tensor) -> Vec<T> {
+    metal::copy_to(t, Device::CPU, None)
+        .unwrap()
+        .as_slice::<T>()
+        .unwrap()
+        .to_vec()
+}
+
+/// Exports `t` and imports it back as a foreign, unresolved Metal tensor (what
+/// `Tensor::from_dlpack_versioned` makes of a PyTorch MPS or MLX capsule).
+fn through_dlpack(t: &Tensor) -> Tensor {
+    metal::synchronize(t.device()).unwrap();
+    let exported = t.to_dlpack_versioned(VERSION, false);
+    // SAFETY: a live export whose ownership passes to the importer.
+    unsafe { Tensor::from_dlpack_versioned(exported) }.unwrap()
+}
+
+#[test]
+fn devices_are_discovered() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let all = metal::devices().unwrap();
+    assert_eq!(all.len(), metal::device_count());
+    let info = metal::device_info(device).unwrap();
+    assert_eq!(info, all[0]);
+    assert_eq!(info.device, Device::metal(0));
+    assert!(!info.name.is_empty());
+    assert!(info.max_buffer_length >= 1 << 28, "{info:?}");
+    // The page size is the OS's, whatever it is.
+    // SAFETY: sysconf has no preconditions.
+    let os_page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    assert_eq!(info.page_size % os_page, 0, "{info:?}");
+    assert!(info.page_size.is_power_of_two());
+    if cfg!(target_arch = "aarch64") && info.has_unified_memory {
+        assert_eq!(info.page_size, 16 * 1024, "Apple silicon pages are 16 KiB");
+    }
+    if std::env::var_os(metal::storage::STORAGE_MODE_ENV).is_none() {
+        let expected = if info.has_unified_memory {
+            StorageMode::Shared
+        } else {
+            StorageMode::Private
+        };
+        assert_eq!(info.default_storage, expected);
+    }
+    let missing = Device::metal(all.len() as u32);
+    assert!(matches!(
+        metal::allocate(missing, 16, None, false),
+        Err(Error::UnsupportedDevice(_))
+    ));
+}
+
+#[test]
+fn allocation_in_each_mode() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    for mode in modes() {
+        for bytes in [0usize, 1, 4099, 1 << 20] {
+            let b = metal::allocate(device, bytes, Some(mode), true).unwrap();
+            assert_eq!(b.len(), bytes);
+            assert_eq!(b.storage_mode(), mode);
+            assert_eq!(b.device(), device);
+            assert!(!b.handle().is_null(), "the handle is the id<MTLBuffer>");
+            assert_eq!(
+                b.host_ptr().is_some(),
+                mode != StorageMode::Private,
+                "{mode}"
+            );
+            let t = Tensor::new(
+                b,
+                DType::U8,
+                dlbridge::Layout::contiguous(&[bytes]).unwrap(),
+            )
+            .unwrap();
+            assert!(
+                read::<u8>(&t).iter().all(|&x| x == 0),
+                "{mode}, {bytes} bytes zeroed"
+            );
+        }
+    }
+    // The seam in `backend` reaches the Metal allocator.
+    let t = Tensor::zeros(&[3, 5], DType::F32, device).unwrap();
+    assert_eq!(t.device(), device);
+    assert_eq!(read::<f32>(&t), vec![0.0; 15]);
+    if !MANAGED_AVAILABLE {
+        assert!(matches!(
+            metal::allocate(device, 16, Some(StorageMode::Managed), false),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    let too_big = metal::device_info(device).unwrap().max_buffer_length + 1;
+    assert!(matches!(
+        metal::allocate(device, too_big, None, false),
+        Err(Error::OutOfMemory { .. })
+    ));
+}
+
+#[test]
+fn host_access_follows_the_storage_mode() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    // Shared: the host writes in place; the GPU sees it.
+    let mut shared =
+        Tensor::allocate(&[8], DType::F32, device, Some(StorageMode::Shared), false).unwrap();
+    shared
+        .as_mut_slice::<f32>()
+        .unwrap()
+        .copy_from_slice(&iota_f32(8));
+    let gpu_copy = metal::copy_to(&shared, device, Some(StorageMode::Private)).unwrap();
+    assert_eq!(read::<f32>(&gpu_copy), iota_f32(8));
+
+    // Private: no host access at all.
+    let mut private = gpu_copy;
+    assert!(private.buffer().host_ptr().is_none());
+    assert!(matches!(
+        private.as_slice::<f32>(),
+        Err(Error::NotHostAccessible { .. })
+    ));
+    assert!(matches!(
+        private.as_mut_slice::<f32>(),
+        Err(Error::NotHostAccessible { .. })
+    ));
+    assert!(matches!(
+        metal::host_wrote(private.buffer(), 0..4),
+        Err(Error::NotHostAccessible { .. })
+    ));
+
+    // Managed: host writes are announced with didModifyRange, GPU writes synchronized back.
+    if MANAGED_AVAILABLE {
+        let mut managed =
+            Tensor::allocate(&[8], DType::F32, device, Some(StorageMode::Managed), false).unwrap();
+        managed
+            .as_mut_slice::<f32>()
+            .unwrap()
+            .copy_from_slice(&[3.0; 8]);
+        metal::host_wrote(managed.buffer(), 0..32).unwrap();
+        assert_eq!(read::<f32>(&managed), vec![3.0; 8]);
+        // A GPU write into the managed buffer is visible to the host after synchronize.
+        metal::copy_from(&mut managed, &private).unwrap();
+        metal::synchronize(device).unwrap();
+        assert_eq!(managed.as_slice::<f32>().unwrap(), iota_f32(8).as_slice());
+        assert!(metal::host_wrote(managed.buffer(), 0..33).is_err());
+    }
+}
+
+#[test]
+fn blit_round_trip_private_and_shared() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let data = iota_f32(3 * 1024 + 5);
+    let private = on_metal(device, &data, &[data.len()], StorageMode::Private);
+    let shared = metal::copy_to(&private, device, Some(StorageMode::Shared)).unwrap();
+    assert_ne!(shared.buffer().handle(), private.buffer().handle());
+    metal::synchronize(device).unwrap();
+    assert_eq!(shared.as_slice::<f32>().unwrap(), data.as_slice());
+    // Buffer to buffer at offsets: a contiguous slice of the private buffer into the middle of
+    // a shared one.
+    let mut dst = Tensor::zeros(&[100], DType::F32, device).unwrap();
+    let part = private.slice(0, SliceArg::range(7, 57)).unwrap();
+    let window = dst.slice(0, SliceArg::range(20, 70)).unwrap();
+    // SAFETY: no host reference into `dst` is alive.
+    unsafe { metal::copy_unchecked(&part, &window).unwrap() };
+    drop(window);
+    let got = read::<f32>(&dst);
+    assert!(got[..20].iter().all(|&x| x == 0.0));
+    assert_eq!(&got[20..70], &data[7..57]);
+    assert!(got[70..].iter().all(|&x| x == 0.0));
+    assert!(metal::copy_from(&mut dst, &part).is_err(), "shape mismatch");
+}
+
+#[test]
+fn strided_copy_kernel_matches_the_cpu() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let shape = [5usize, 6, 7];
+    let n: usize = shape.iter().product();
+    let host_f32 = Tensor::from_slice(&iota_f32(n), &shape).unwrap();
+    let host_u8 = Tensor::from_slice(&(0..n).map(|i| i as u8).collect::<Vec<_>>(), &shape).unwrap();
+    let host_f64 = Tensor::from_slice(
+        &(0..n).map(|i| i as f64 * -1.25).collect::<Vec<_>>(),
+        &shape,
+    )
+    .unwrap();
+    let host_u16 = host_f32.cast(DType::F16).unwrap();
+    let host_c128 = host_f64.cast(DType::C128).unwrap();
+    let views = |t: &Tensor| -> Vec<Tensor> {
+        vec![
+            t.transpose().unwrap(),
+            t.permute(&[1, 0, 2]).unwrap(),
+            t.slice(
+                1,
+                SliceArg {
+                    start: Some(5),
+                    stop: None,
+                    step: -2,
+                },
+            )
+            .unwrap(),
+            t.slice(
+                2,
+                SliceArg {
+                    start: Some(1),
+                    stop: Some(6),
+                    step: 3,
+                },
+            )
+            .unwrap()
+            .index(0, 2)
+            .unwrap(),
+            t.index(2, 4)
+                .unwrap()
+                .expand_dims(0)
+                .unwrap()
+                .broadcast_to(&[3, 5, 6])
+                .unwrap(),
+        ]
+    };
+    for host in [&host_f32, &host_u8, &host_f64, &host_u16, &host_c128] {
+        for mode in modes() {
+            let dev = metal::copy_to(host, device, Some(mode)).unwrap();
+            for (gpu_view, cpu_view) in views(&dev).into_iter().zip(views(host)) {
+                let compact = metal::copy_to(&gpu_view, device, Some(StorageMode::Shared)).unwrap();
+                metal::synchronize(device).unwrap();
+                let expected = cpu_view.copy().unwrap();
+                let nbytes = expected.nbytes();
+                let got_ptr = compact.buffer().host_ptr().unwrap().as_ptr();
+                let want_ptr = expected.buffer().host_ptr().unwrap().as_ptr();
+                // SAFETY: a compact host-visible view of `nbytes` bytes, synchronized.
+                let got = unsafe { std::slice::from_raw_parts(got_ptr, nbytes) };
+                // SAFETY: a compact host tensor of `nbytes` bytes.
+                let want = unsafe { std::slice::from_raw_parts(want_ptr, nbytes) };
+                assert_eq!(got, want, "{} {mode} {gpu_view:?}", host.dtype());
+            }
+        }
+    }
+    // A strided destination: write a compact source into every other column, reversed.
+    let dst = Tensor::zeros(&[4, 10], DType::F32, device).unwrap();
+    let src = on_metal(device, &iota_f32(20), &[4, 5], StorageMode::Private);
+    {
+        let cols = dst
+            .slice(
+                1,
+                SliceArg {
+                    start: Some(9),
+                    stop: None,
+                    step: -2,
+                },
+            )
+            .unwrap();
+        // SAFETY: no host reference into `dst` is alive.
+        unsafe { metal::copy_unchecked(&src, &cols).unwrap() };
+    }
+    metal::synchronize(device).unwrap();
+    let got = dst.as_slice::<f32>().unwrap();
+    for r in 0..4 {
+        for c in 0..5 {
+            assert_eq!(got[r * 10 + 9 - 2 * c], iota_f32(20)[r * 5 + c]);
+            assert_eq!(got[r * 10 + 8 - 2 * c], 0.0);
+        }
+    }
+}
+
+#[test]
+fn overlapping_copy_within_one_buffer() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let t = on_metal(device, &iota_f32(64), &[64], StorageMode::Private);
+    let src = t.slice(0, SliceArg::range(0, 48)).unwrap();
+    let dst = t.slice(0, SliceArg::range(8, 56)).unwrap();
+    // SAFETY: the buffer is private; no host reference exists.
+    unsafe { metal::copy_unchecked(&src, &dst).unwrap() };
+    let got = read::<f32>(&t);
+    let data = iota_f32(64);
+    assert_eq!(&got[..8], &data[..8]);
+    assert_eq!(
+        &got[8..56],
+        &data[..48],
+        "the source was read before it was overwritten"
+    );
+    assert_eq!(&got[56..], &data[56..]);
+}
+
+#[test]
+fn residency_follows_our_allocations() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let info = metal::device_info(device).unwrap();
+    let count = || metal::residency_allocation_count(device).unwrap();
+    match info.residency {
+        ResidencyStatus::Enabled => {
+            metal::synchronize(device).unwrap();
+            let before = count().unwrap();
+            let a = metal::allocate(device, 1 << 16, Some(StorageMode::Private), false).unwrap();
+            let b = metal::allocate(device, 1 << 16, Some(StorageMode::Shared), false).unwrap();
+            assert_eq!(
+                count(),
+                Some(before + 2),
+                "both joined the set at the flush"
+            );
+            // A foreign buffer is not registered unless asked.
+            let foreign = through_dlpack(
+                &Tensor::new(
+                    b.clone(),
+                    DType::U8,
+                    dlbridge::Layout::contiguous(&[16]).unwrap(),
+                )
+                .unwrap(),
+            );
+            let shared = metal::import_foreign(foreign, ImportOptions::default()).unwrap();
+            assert_eq!(count(), Some(before + 2));
+            drop(shared);
+            drop((a, b));
+            metal::synchronize(device).unwrap();
+            assert_eq!(count(), Some(before), "released buffers left the set");
+            // Asked for, the foreign buffer joins, and leaves with the import.
+            let producer = metal::allocate(device, 64, None, false).unwrap();
+            let t = Tensor::new(
+                producer,
+                DType::U8,
+                dlbridge::Layout::contiguous(&[64]).unwrap(),
+            )
+            .unwrap();
+            let registered = metal::import_foreign(
+                through_dlpack(&t),
+                ImportOptions {
+                    residency: true,
+                    ..ImportOptions::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(count(), Some(before + 2), "ours and the registered import");
+            drop((registered, t));
+            metal::synchronize(device).unwrap();
+            assert_eq!(count(), Some(before));
+        }
+        ResidencyStatus::DisabledByEnvironment => {
+            let value = std::env::var(RESIDENCY_ENV).unwrap_or_default();
+            assert_eq!(metal::residency::parse_env(Some(&value)), Ok(false));
+            assert_eq!(count(), None);
+        }
+        ResidencyStatus::Unsupported | ResidencyStatus::Failed(_) => assert_eq!(count(), None),
+    }
+}
+
+/// The status agrees with the environment; run once as is and once (by the next test) in a child
+/// process with `DLBRIDGE_METAL_RESIDENCY=0`.
+#[test]
+fn residency_status_matches_the_environment() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let info = metal::device_info(device).unwrap();
+    let off = std::env::var(RESIDENCY_ENV)
+        .is_ok_and(|v| metal::residency::parse_env(Some(&v)) == Ok(false));
+    if off {
+        assert_eq!(info.residency, ResidencyStatus::DisabledByEnvironment);
+    } else {
+        assert_ne!(info.residency, ResidencyStatus::DisabledByEnvironment);
+    }
+    // Allocation and GPU work run the same either way.
+    let t = on_metal(device, &iota_f32(10), &[10], StorageMode::Private);
+    assert_eq!(read::<f32>(&t), iota_f32(10));
+}
+
+#[test]
+fn residency_can_be_turned_off() {
+    if gpu().is_none() {
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "residency_status_matches_the_environment",
+            "--nocapture",
+        ])
+        .env(RESIDENCY_ENV, "0")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("1 passed"), "{text}");
+}
+
+/// Unmaps a file mapping when the last holder lets go, and says so.
+struct Mapping {
+    addr: *mut libc::c_void,
+    len: usize,
+    unmapped: Arc<AtomicBool>,
+}
+
+// SAFETY: the mapping is plain memory; the struct only unmaps it on drop.
+unsafe impl Send for Mapping {}
+// SAFETY: shared references do not touch the memory.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `addr`/`len` is the mapping made in the test, unmapped only here.
+        unsafe { libc::munmap(self.addr, self.len) };
+        self.unmapped.store(true, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn no_copy_wrapping_of_an_mmapped_region() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let page = metal::device_info(device).unwrap().page_size;
+    // A file of 3 pages plus a bit, holding float32 values.
+    let n = (3 * page + 400) / 4;
+    let values = iota_f32(n);
+    let mut path = std::env::temp_dir();
+    path.push(format!("dlbridge-metal-{}.bin", std::process::id()));
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let len = bytes.len();
+    // SAFETY: maps the whole file, shared, read-write; checked for failure below.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            0,
+        )
+    };
+    assert_ne!(addr, libc::MAP_FAILED);
+    std::fs::remove_file(&path).unwrap();
+    let unmapped = Arc::new(AtomicBool::new(false));
+    let mapping = Arc::new(Mapping {
+        addr,
+        len,
+        unmapped: unmapped.clone(),
+    });
+    // The "tensors" of the file: a header-like start 100 floats in, and the tail.
+    let start = 400;
+    let items = [start..start + 4 * 1000, start + 4 * 1000..len];
+    let base = addr.cast::<u8>();
+    // SAFETY: the file mapping covers `len` bytes and stays mapped until `mapping` is dropped.
+    let region = unsafe { metal::wrap_host(device, base, len, &items, false, mapping) }.unwrap();
+    let t = region.tensor(start, DType::F32, &[1000]).unwrap();
+    // No copy: the tensor's host address is the file mapping's.
+    let host = t
+        .buffer()
+        .host_ptr()
+        .unwrap()
+        .as_ptr()
+        .wrapping_add(t.byte_offset());
+    assert_eq!(host, base.wrapping_add(start));
+    assert_eq!(
+        t.buffer().host_ptr().unwrap().as_ptr() as usize % page,
+        0,
+        "whole pages"
+    );
+    assert_eq!(read::<f32>(&t), values[100..1100]);
+    // A write into the mapping is what the GPU reads next.
+    // SAFETY: inside the mapping, which is writable; no GPU work is pending on it.
+    unsafe { *base.wrapping_add(start).cast::<f32>() = 1234.5 };
+    let gpu = metal::copy_to(&t, device, Some(StorageMode::Private)).unwrap();
+    assert_eq!(read::<f32>(&gpu)[0], 1234.5);
+    // And a GPU write lands in the file's pages.
+    let mut tail = region
+        .tensor(start + 4000, DType::F32, &[(len - start - 4000) / 4])
+        .unwrap();
+    let ones = Tensor::from_slice(&vec![1.0f32; tail.numel()], tail.shape()).unwrap();
+    let gpu_ones = metal::copy_to(&ones, device, Some(StorageMode::Private)).unwrap();
+    // SAFETY: no host reference into the tail is alive.
+    unsafe { metal::copy_unchecked(&gpu_ones, &tail).unwrap() };
+    metal::synchronize(device).unwrap();
+    // SAFETY: the last float of the mapping, after the GPU work completed.
+    let last = unsafe { *base.wrapping_add(len - 4).cast::<f32>() };
+    assert_eq!(last, 1.0);
+    assert!(
+        tail.as_mut_slice::<f32>().is_err(),
+        "the region still shares the buffer"
+    );
+    // Misaligned and straddling views are refused.
+    assert!(matches!(
+        region.tensor(start + 2, DType::F32, &[4]),
+        Err(Error::Misaligned(_))
+    ));
+    assert!(region.tensor(0, DType::F32, &[n + 1]).is_err());
+    // The mapping is released once Metal lets the buffers go.
+    drop((t, tail, gpu, region));
+    metal::synchronize(device).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !unmapped.load(Ordering::SeqCst) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        unmapped.load(Ordering::SeqCst),
+        "the deallocator released the mapping"
+    );
+}
+
+#[test]
+fn import_shares_host_visible_buffers() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    for mode in modes().into_iter().filter(|&m| m != StorageMode::Private) {
+        let producer = on_metal(device, &iota_f32(24), &[4, 6], mode);
+        let view = producer.slice(1, SliceArg::range(2, 5)).unwrap();
+        let refs = producer.buffer().ref_count();
+        let foreign = through_dlpack(&view);
+        assert_eq!(foreign.buffer().handle(), producer.buffer().handle());
+        assert_eq!(foreign.byte_offset(), view.byte_offset());
+        let imported = metal::import_foreign(foreign, ImportOptions::default()).unwrap();
+        assert_eq!(
+            producer.buffer().ref_count(),
+            refs + 1,
+            "the import keeps the producer's export alive"
+        );
+        assert_eq!(
+            imported.buffer().handle(),
+            producer.buffer().handle(),
+            "zero-copy"
+        );
+        assert_eq!(imported.buffer().storage_mode(), mode);
+        assert_eq!(imported.buffer().host_ptr(), producer.buffer().host_ptr());
+        assert_eq!(imported.byte_offset(), view.byte_offset());
+        assert_eq!(read::<f32>(&imported), read::<f32>(&view));
+        // A write through the producer is what the import reads.
+        let mut row = Tensor::from_slice(&[99.0f32; 3], &[3]).unwrap();
+        row = metal::copy_to(&row, device, Some(StorageMode::Private)).unwrap();
+        // SAFETY: no host reference into the producer is alive.
+        unsafe { metal::copy_unchecked(&row, &view.index(0, 0).unwrap()).unwrap() };
+        assert_eq!(read::<f32>(&imported)[..3], [99.0; 3]);
+        // copy=True: new memory, same values.
+        let copied = metal::import_foreign(
+            through_dlpack(&view),
+            ImportOptions {
+                copy: Some(true),
+                ..ImportOptions::default()
+            },
+        )
+        .unwrap();
+        assert_ne!(copied.buffer().handle(), producer.buffer().handle());
+        assert_eq!(copied.buffer().storage_mode(), StorageMode::Shared);
+        assert_eq!(
+            copied.as_slice::<f32>().unwrap(),
+            read::<f32>(&view).as_slice()
+        );
+        assert_eq!(
+            producer.buffer().ref_count(),
+            refs + 1,
+            "the copy let its producer go"
+        );
+        drop(imported);
+        assert_eq!(
+            producer.buffer().ref_count(),
+            refs,
+            "and so does the shared import, once"
+        );
+    }
+}
+
+#[test]
+fn import_copies_private_buffers() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let producer = on_metal(device, &iota_f32(24), &[4, 6], StorageMode::Private);
+    let view = producer.transpose().unwrap();
+    let imported = metal::import_foreign(through_dlpack(&view), ImportOptions::default()).unwrap();
+    assert_ne!(imported.buffer().handle(), producer.buffer().handle());
+    assert_eq!(imported.buffer().storage_mode(), StorageMode::Shared);
+    assert!(imported.is_contiguous());
+    assert_eq!(
+        imported.as_slice::<f32>().unwrap(),
+        read::<f32>(&view).as_slice()
+    );
+    let refused = metal::import_foreign(
+        through_dlpack(&view),
+        ImportOptions {
+            copy: Some(false),
+            ..ImportOptions::default()
+        },
+    );
+    assert!(
+        matches!(refused, Err(Error::CopyRequired(_))),
+        "{refused:?}"
+    );
+    // A dtype change converts, from private and shared producers alike.
+    for mode in modes() {
+        let p = on_metal(device, &iota_f32(6), &[6], mode);
+        let converted = metal::import_foreign(
+            through_dlpack(&p),
+            ImportOptions {
+                dtype: Some(DType::F64),
+                ..ImportOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(converted.dtype(), DType::F64);
+        let expected: Vec<f64> = iota_f32(6).iter().map(|&v| f64::from(v)).collect();
+        assert_eq!(converted.as_slice::<f64>().unwrap(), expected.as_slice());
+    }
+}
+
+#[test]
+fn import_checks_the_real_buffer() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let producer = on_metal(device, &iota_f32(16), &[16], StorageMode::Shared);
+    metal::synchronize(device).unwrap();
+    let exported = producer.to_dlpack_versioned(VERSION, false);
+    // A descriptor that claims more elements than the id<MTLBuffer> holds.
+    // SAFETY: the export is live and ours.
+    let shape = unsafe { (*exported.as_ptr()).dl_tensor.shape };
+    // SAFETY: the export's shape array has one entry, which it owns.
+    unsafe { *shape = 1 << 20 };
+    // SAFETY: a live export whose ownership passes to the importer.
+    let claimed = unsafe { Tensor::from_dlpack_versioned(exported) }.unwrap();
+    let err = metal::import_foreign(claimed, ImportOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfBounds(ref m) if m.contains("id<MTLBuffer> holds")),
+        "{err}"
+    );
+    // Not a Metal tensor at all.
+    let cpu = Tensor::zeros(&[2], DType::F32, Device::CPU).unwrap();
+    assert!(matches!(
+        metal::import_foreign(cpu, ImportOptions::default()),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn export_hands_out_the_buffer_and_offset() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let t = on_metal(device, &iota_f32(12), &[3, 4], StorageMode::Private);
+    let row = t.index(0, 2).unwrap();
+    metal::synchronize(device).unwrap();
+    let exported = row.to_dlpack_versioned(VERSION, false);
+    // SAFETY: a live export; read, then released through its deleter.
+    let dl = unsafe { &(*exported.as_ptr()).dl_tensor };
+    assert_eq!(dl.data, t.buffer().handle(), "data is the id<MTLBuffer>");
+    assert_eq!(dl.byte_offset, 32);
+    assert_eq!(dl.device.device_type, dlbridge::dlpack::ffi::K_DL_METAL);
+    // SAFETY: the export is ours and released once.
+    unsafe { dlbridge::dlpack::release_versioned(exported) };
+}

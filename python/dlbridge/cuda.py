@@ -106,8 +106,10 @@ def stream(s: Any, device: Any = None) -> Iterator[Any]:
     """Makes ``s`` the calling thread's current stream on its device inside the ``with`` block.
 
     ``s`` is a :class:`Stream`, another library's stream object (``torch.cuda.Stream``,
-    ``cupy.cuda.Stream``) or a raw handle (1: legacy default, 2: per-thread default). The handle
-    must outlive the block. ``None`` leaves the current stream as it is.
+    ``cupy.cuda.Stream``) or a raw handle (1: legacy default, 2: per-thread default). Another
+    library's stream must outlive the arrays allocated while it is current (dlbridge's caching
+    pool orders their reuse after work on it); dlbridge's own streams are never destroyed, only
+    recycled. ``None`` leaves the current stream as it is.
     """
     if s is None:
         yield s

@@ -99,20 +99,41 @@ pub fn make_visible(ordinal: i32, consumer: Option<usize>) -> Result<()> {
     }
 }
 
-/// A CUDA stream: one dlbridge created (destroyed when dropped) or another library's handle
-/// (never destroyed here).
+/// A CUDA stream: one dlbridge created (recycled for a later `Stream::new` when dropped, never
+/// destroyed) or another library's handle (never destroyed here either).
 #[derive(Debug)]
 pub struct Stream {
     handle: usize,
     ordinal: i32,
-    owned: bool,
+    /// For streams dlbridge created: whether it is non-blocking.
+    owned: Option<bool>,
 }
+
+/// Streams dlbridge created and no `Stream` holds any more, by (device, non-blocking). They are
+/// never destroyed: memory released to the pool records a fence on the stream it was used on,
+/// possibly after the `Stream` value is gone, so handles must stay valid for the process (as
+/// PyTorch's stream pool does).
+static SPARE_STREAMS: std::sync::Mutex<Vec<(i32, bool, usize)>> = std::sync::Mutex::new(Vec::new());
 
 impl Stream {
     /// A new stream on device `ordinal`. A non-blocking stream does not synchronise with the
     /// legacy default stream (PyTorch's and CuPy's streams are non-blocking).
     pub fn new(ordinal: i32, non_blocking: bool) -> Result<Stream> {
         let _ctx = context(ordinal)?;
+        {
+            let mut spare = SPARE_STREAMS.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = spare
+                .iter()
+                .position(|&(d, nb, _)| d == ordinal && nb == non_blocking)
+            {
+                let (_, _, handle) = spare.swap_remove(i);
+                return Ok(Stream {
+                    handle,
+                    ordinal,
+                    owned: Some(non_blocking),
+                });
+            }
+        }
         let mut handle: sys::CUstream = std::ptr::null_mut();
         let flags = if non_blocking {
             sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
@@ -127,7 +148,7 @@ impl Stream {
         Ok(Stream {
             handle: handle.expose_provenance(),
             ordinal,
-            owned: true,
+            owned: Some(non_blocking),
         })
     }
 
@@ -143,7 +164,7 @@ impl Stream {
         Ok(Stream {
             handle,
             ordinal,
-            owned: false,
+            owned: None,
         })
     }
 
@@ -196,12 +217,12 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if self.owned {
-            if let Ok(_ctx) = context(self.ordinal) {
-                // SAFETY: the stream was created by `Stream::new` and is destroyed only here; work
-                // still enqueued on it completes first (the driver defers the release).
-                let _ = unsafe { sys::cuStreamDestroy_v2(raw(self.handle)) };
-            }
+        // Kept for reuse rather than destroyed: see `SPARE_STREAMS`.
+        if let Some(non_blocking) = self.owned {
+            SPARE_STREAMS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((self.ordinal, non_blocking, self.handle));
         }
     }
 }

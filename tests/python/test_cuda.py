@@ -154,6 +154,21 @@ def test_copies_between_every_pair_of_kinds(rng):
             np.testing.assert_array_equal(host(b), x[:, ::2])
 
 
+def test_strided_destinations_across_host_and_device(rng):
+    x = rng.standard_normal((40, 30)).astype(np.float32)
+    a = dlbridge.asarray(x, device="cuda:0")
+    h = np.zeros((40, 30), np.float32)
+    dlbridge.asarray(h)[:, ::2] = a[:, ::2]  # device -> strided host view (zero-copy over h)
+    expected = np.zeros_like(x)
+    expected[:, ::2] = x[:, ::2]
+    np.testing.assert_array_equal(h, expected)
+    d = dlbridge.zeros((30, 40), dtype="float32", device="cuda:0")
+    d[::3] = dlbridge.asarray(np.ascontiguousarray(x.T[::3]))  # host -> strided device view
+    expected = np.zeros((30, 40), np.float32)
+    expected[::3] = x.T[::3]
+    np.testing.assert_array_equal(host(d), expected)
+
+
 def test_setitem_writes_device_memory(rng):
     a = dlbridge.zeros((4, 6), dtype="float32", device="cuda:0")
     a[1] = 3.0
@@ -571,3 +586,65 @@ def test_pool_orders_reuse_across_streams(torch, round_):
     assert not host(y).any()
     del seen
     torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# More interop cases: read-only memory, JAX dtypes and lifetime, several GPUs.
+
+
+def test_read_only_cuda_tensor(torch):
+    t = torch.arange(8.0, device="cuda")
+    cap = HandMadeCapsule(t, t.data_ptr(), [8], [1], (2, 32, 1), device=(2, 0), flags=1)
+    a = dlbridge.from_dlpack(cap.capsule)
+    assert a.readonly and a.data_ptr == t.data_ptr()
+    with pytest.raises(BufferError, match="read-only"):
+        a[0] = 5.0
+    b = a.copy()  # a copy is the caller's own, writable memory
+    assert not b.readonly and b.device == "cuda:0"
+    b[0] = 5.0
+    assert b.tolist()[0] == 5.0 and t[0].item() == 0.0
+    with pytest.raises(BufferError):
+        a.__dlpack__()  # a legacy capsule cannot say read-only
+    del a
+    collect()
+    assert cap.deleted == 1
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "uint8", "float16", "bfloat16", "float32",
+                                   "complex64"])
+def test_jax_dtypes_and_lifetime(jax, dtype):
+    jnp = jax.numpy
+    j = (jnp.arange(64) % 3).astype(dtype)
+    a = dlbridge.from_dlpack(j)
+    assert a.dtype == dtype and a.data_ptr == j.unsafe_buffer_pointer()
+    expected = np.real(np.asarray(j.astype("float32") if dtype == "bfloat16" else j))
+    expected = expected.astype(np.float32).tolist()
+    del j
+    collect()
+    assert host(a.astype("float32")).tolist() == expected
+
+
+def test_jax_consumes_views_and_offsets(jax):
+    a = dlbridge.arange(4 * 64, dtype="float32", device="cuda:0").reshape((4, 64))
+    row = a[2]  # a view 512 bytes into the buffer
+    j = jax.dlpack.from_dlpack(row)
+    np.testing.assert_array_equal(np.asarray(j), np.arange(128, 192, dtype=np.float32))
+
+
+@pytest.mark.skipif(dlbridge.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_peer_copies(rng):
+    x = rng.standard_normal((257, 129)).astype(np.float32)
+    a = dlbridge.asarray(x, device="cuda:0")
+    b = a.to("cuda:1")  # compact: one peer copy
+    assert b.device == "cuda:1"
+    np.testing.assert_array_equal(host(b), x)
+    c = a.T.to("cuda:1")  # strided: made compact on cuda:0, then copied across
+    np.testing.assert_array_equal(host(c), x.T)
+    d = dlbridge.zeros((129, 257), dtype="float32", device="cuda:1")
+    d[:, ::2] = a.T[:, ::2]  # strided on both sides, across devices
+    expected = np.zeros((129, 257), np.float32)
+    expected[:, ::2] = x.T[:, ::2]
+    np.testing.assert_array_equal(host(d), expected)
+    with dlbridge.cuda.stream(dlbridge.cuda.Stream(1), device=1):
+        e = b.copy()
+    np.testing.assert_array_equal(host(e), x)

@@ -146,11 +146,12 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
             return unsafe { copy(dst, &src.copy()?) };
         }
         if !dst.is_contiguous() {
-            let staged = Tensor::empty(dst.shape(), dst.dtype(), src.device())?;
+            // Across compactly, then scatter on the destination's device.
+            let staged = Tensor::empty(dst.shape(), dst.dtype(), dst.device())?;
             // SAFETY: `staged` is new memory nothing else uses.
             unsafe { copy(&staged, src)? };
             // SAFETY: forwarded.
-            return unsafe { copy(dst, &staged) };
+            return unsafe { dst.copy_from_unchecked(&staged) };
         }
         return peer_copy(dst, src);
     }
@@ -161,11 +162,12 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         return unsafe { copy(dst, &staged) };
     }
     if !dst.is_contiguous() {
-        let staged = Tensor::empty(dst.shape(), dst.dtype(), src.device())?;
+        // Move compact bytes to the destination's side, then scatter there.
+        let staged = Tensor::empty(dst.shape(), dst.dtype(), dst.device())?;
         // SAFETY: `staged` is new memory nothing else uses.
         unsafe { copy(&staged, src)? };
         // SAFETY: forwarded.
-        return unsafe { copy(dst, &staged) };
+        return unsafe { dst.copy_from_unchecked(&staged) };
     }
     let bytes = dst.nbytes();
     if is_cuda(dk) {

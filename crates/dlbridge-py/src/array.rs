@@ -188,7 +188,7 @@ impl PyArray {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let device = self.tensor.device();
-        if crate::cuda::is_cuda(device) {
+        if device.kind().is_cuda() {
             // Make our pending work visible on the consumer's stream (array API semantics).
             crate::cuda::export_handoff(device, stream)?;
         } else if let Some(stream) = stream.filter(|s| !s.is_none()) {

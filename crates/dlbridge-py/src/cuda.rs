@@ -3,25 +3,13 @@
 //! The Python module `dlbridge.cuda` (python/dlbridge/cuda.py) wraps these natives and adds the
 //! `stream(...)` context manager.
 
-use dlbridge::{Device, DeviceKind};
-#[cfg(not(feature = "cuda"))]
-use pyo3::exceptions::PyRuntimeError;
+use dlbridge::Device;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-#[cfg(feature = "cuda")]
 use dlbridge::backend::cuda;
 
-#[cfg(feature = "cuda")]
 use crate::errors::IntoPyResult;
-
-/// Whether `device` is CUDA memory of any kind (device, pinned host, managed).
-pub(crate) fn is_cuda(device: Device) -> bool {
-    matches!(
-        device.kind(),
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged
-    )
-}
 
 /// Reads a DLPack `stream` argument: `None` or an int; anything else is a `TypeError`.
 fn stream_arg(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
@@ -42,70 +30,39 @@ fn stream_arg(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
 
 /// As a producer: makes our pending work on `device` visible on the consumer's `stream`.
 pub(crate) fn export_handoff(device: Device, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    let stream = stream_arg(stream)?;
-    #[cfg(feature = "cuda")]
-    {
-        let consumer = cuda::stream_from_dlpack(stream).py()?;
-        cuda::make_visible(device.index() as i32, consumer).py()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (device, stream);
-        Ok(())
-    }
+    let consumer = cuda::stream_from_dlpack(stream_arg(stream)?).py()?;
+    cuda::make_visible(device.index() as i32, consumer).py()
 }
 
 /// As a consumer: the `stream` to pass to a producer on `device`: our current stream, with the
 /// legacy default stream spelled `1` as the array API standard asks.
 pub(crate) fn consumer_stream(device: Device) -> i64 {
-    #[cfg(feature = "cuda")]
-    {
-        match cuda::current_stream(device.index() as i32) {
-            0 => 1,
-            s => s as i64,
-        }
+    match cuda::current_stream(device.index() as i32) {
+        0 => 1,
+        s => s as i64,
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = device;
-        1
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn no_cuda() -> PyErr {
-    PyRuntimeError::new_err("this build of dlbridge has no CUDA backend")
 }
 
 /// Whether a CUDA driver and at least one device are present.
 #[pyfunction]
 pub(crate) fn _cuda_is_available() -> bool {
-    #[cfg(feature = "cuda")]
-    return cuda::is_available();
-    #[cfg(not(feature = "cuda"))]
-    false
+    cuda::is_available()
 }
 
 /// Why CUDA is unavailable (empty when it is available).
 #[pyfunction]
 pub(crate) fn _cuda_unavailable_reason() -> String {
-    #[cfg(feature = "cuda")]
-    return match cuda::device_count() {
+    match cuda::device_count() {
         Ok(0) => "the CUDA driver found no devices".into(),
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
-    };
-    #[cfg(not(feature = "cuda"))]
-    "this build of dlbridge has no CUDA backend".into()
+    }
 }
 
 /// The number of CUDA devices (0 without a driver).
 #[pyfunction]
 pub(crate) fn _cuda_device_count() -> usize {
-    #[cfg(feature = "cuda")]
-    return cuda::device_count().unwrap_or(0);
-    #[cfg(not(feature = "cuda"))]
-    0
+    cuda::device_count().unwrap_or(0)
 }
 
 fn ordinal(device: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
@@ -119,7 +76,7 @@ fn ordinal(device: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
             .ok_or_else(|| PyValueError::new_err(format!("CUDA device {i} does not exist")));
     }
     let d = crate::device::parse(device)?;
-    if !is_cuda(d) {
+    if !d.kind().is_cuda() {
         return Err(PyValueError::new_err(format!("{d} is not a CUDA device")));
     }
     Ok(d.index() as i32)
@@ -130,13 +87,7 @@ fn ordinal(device: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
 #[pyo3(signature = (device=None))]
 pub(crate) fn _cuda_synchronize(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
     let ordinal = ordinal(device)?;
-    #[cfg(feature = "cuda")]
-    return py.detach(|| cuda::synchronize(ordinal)).py();
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (py, ordinal);
-        Err(no_cuda())
-    }
+    py.detach(|| cuda::synchronize(ordinal)).py()
 }
 
 /// The name of a CUDA device.
@@ -144,13 +95,7 @@ pub(crate) fn _cuda_synchronize(py: Python<'_>, device: Option<&Bound<'_, PyAny>
 #[pyo3(signature = (device=None))]
 pub(crate) fn _cuda_device_name(device: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
     let ordinal = ordinal(device)?;
-    #[cfg(feature = "cuda")]
-    return cuda::device_name(ordinal).py();
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        Err(no_cuda())
-    }
+    cuda::device_name(ordinal).py()
 }
 
 /// `(free, total)` bytes of a CUDA device's memory.
@@ -158,13 +103,7 @@ pub(crate) fn _cuda_device_name(device: Option<&Bound<'_, PyAny>>) -> PyResult<S
 #[pyo3(signature = (device=None))]
 pub(crate) fn _cuda_mem_get_info(device: Option<&Bound<'_, PyAny>>) -> PyResult<(usize, usize)> {
     let ordinal = ordinal(device)?;
-    #[cfg(feature = "cuda")]
-    return cuda::mem_info(ordinal).py();
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        Err(no_cuda())
-    }
+    cuda::mem_info(ordinal).py()
 }
 
 /// The calling thread's current stream handle on a device (0: the legacy default stream).
@@ -172,13 +111,7 @@ pub(crate) fn _cuda_mem_get_info(device: Option<&Bound<'_, PyAny>>) -> PyResult<
 #[pyo3(signature = (device=None))]
 pub(crate) fn _cuda_current_stream(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
     let ordinal = ordinal(device)?;
-    #[cfg(feature = "cuda")]
-    return Ok(cuda::current_stream(ordinal));
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        Err(no_cuda())
-    }
+    Ok(cuda::current_stream(ordinal))
 }
 
 /// Sets the calling thread's current stream on a device; returns the previous handle.
@@ -189,29 +122,19 @@ pub(crate) fn _cuda_set_stream(
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<usize> {
     let ordinal = ordinal(device)?;
-    #[cfg(feature = "cuda")]
-    {
-        // Checks the device exists (and the driver loads) before accepting the handle.
-        cuda::device_count().py()?;
-        if ordinal as usize >= cuda::device_count().py()? {
-            return Err(PyValueError::new_err(format!(
-                "CUDA device {ordinal} does not exist: this machine has {} CUDA device(s)",
-                cuda::device_count().py()?
-            )));
-        }
-        Ok(cuda::set_current_stream(ordinal, handle))
+    // The driver must load and the device exist before a handle is accepted for it.
+    let count = cuda::device_count().py()?;
+    if ordinal as usize >= count {
+        return Err(PyValueError::new_err(format!(
+            "CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)"
+        )));
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (ordinal, handle);
-        Err(no_cuda())
-    }
+    Ok(cuda::set_current_stream(ordinal, handle))
 }
 
 /// A CUDA stream: one dlbridge created, or another library's handle.
 #[pyclass(frozen, module = "dlbridge.cuda", name = "Stream")]
 pub(crate) struct PyStream {
-    #[cfg(feature = "cuda")]
     inner: cuda::Stream,
 }
 
@@ -223,15 +146,9 @@ impl PyStream {
     #[pyo3(signature = (device=None, *, non_blocking=true))]
     fn py_new(device: Option<&Bound<'_, PyAny>>, non_blocking: bool) -> PyResult<Self> {
         let ordinal = ordinal(device)?;
-        #[cfg(feature = "cuda")]
-        return Ok(PyStream {
+        Ok(PyStream {
             inner: cuda::Stream::new(ordinal, non_blocking).py()?,
-        });
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (ordinal, non_blocking);
-            Err(no_cuda())
-        }
+        })
     }
 
     /// Wraps another library's stream handle (e.g. `torch.cuda.current_stream().cuda_stream`).
@@ -247,27 +164,16 @@ impl PyStream {
                  the per-thread default stream, or a CUstream handle"
             )));
         }
-        #[cfg(feature = "cuda")]
-        {
-            // SAFETY: the caller vouches for the handle, as documented; dlbridge never destroys
-            // it.
-            let inner = unsafe { cuda::Stream::from_raw(ordinal, handle as usize) }.py()?;
-            Ok(PyStream { inner })
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = ordinal;
-            Err(no_cuda())
-        }
+        // SAFETY: the caller vouches for the handle, as documented; dlbridge never destroys
+        // it.
+        let inner = unsafe { cuda::Stream::from_raw(ordinal, handle as usize) }.py()?;
+        Ok(PyStream { inner })
     }
 
     /// The raw `CUstream` handle (0 for the legacy default stream).
     #[getter]
     fn handle(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        return self.inner.handle();
-        #[cfg(not(feature = "cuda"))]
-        0
+        self.inner.handle()
     }
 
     /// The same handle, under PyTorch's name.
@@ -279,52 +185,29 @@ impl PyStream {
     /// The device ordinal.
     #[getter]
     fn device(&self) -> i32 {
-        #[cfg(feature = "cuda")]
-        return self.inner.device();
-        #[cfg(not(feature = "cuda"))]
-        0
+        self.inner.device()
     }
 
     /// Waits for all work on the stream.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        #[cfg(feature = "cuda")]
-        return py.detach(|| self.inner.synchronize()).py();
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = py;
-            Err(no_cuda())
-        }
+        py.detach(|| self.inner.synchronize()).py()
     }
 
     /// Whether all work on the stream has finished.
     fn query(&self) -> PyResult<bool> {
-        #[cfg(feature = "cuda")]
-        return self.inner.query().py();
-        #[cfg(not(feature = "cuda"))]
-        Err(no_cuda())
+        self.inner.query().py()
     }
 
     /// Makes later work on this stream wait for `event`.
     fn wait_event(&self, event: &Bound<'_, PyEvent>) -> PyResult<()> {
-        #[cfg(feature = "cuda")]
-        return self.inner.wait_event(&event.get().inner).py();
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = event;
-            Err(no_cuda())
-        }
+        self.inner.wait_event(&event.get().inner).py()
     }
 
     /// Records a new event on this stream and returns it.
     fn record_event(&self) -> PyResult<PyEvent> {
-        #[cfg(feature = "cuda")]
-        {
-            let event = cuda::Event::new(self.inner.device(), false).py()?;
-            event.record(self.inner.handle()).py()?;
-            Ok(PyEvent { inner: event })
-        }
-        #[cfg(not(feature = "cuda"))]
-        Err(no_cuda())
+        let event = cuda::Event::new(self.inner.device(), false).py()?;
+        event.record(self.inner.handle()).py()?;
+        Ok(PyEvent { inner: event })
     }
 
     fn __repr__(&self) -> String {
@@ -339,7 +222,6 @@ impl PyStream {
 /// A CUDA event.
 #[pyclass(frozen, module = "dlbridge.cuda", name = "Event")]
 pub(crate) struct PyEvent {
-    #[cfg(feature = "cuda")]
     inner: cuda::Event,
 }
 
@@ -350,73 +232,37 @@ impl PyEvent {
     #[pyo3(signature = (device=None, *, enable_timing=false))]
     fn py_new(device: Option<&Bound<'_, PyAny>>, enable_timing: bool) -> PyResult<Self> {
         let ordinal = ordinal(device)?;
-        #[cfg(feature = "cuda")]
-        return Ok(PyEvent {
+        Ok(PyEvent {
             inner: cuda::Event::new(ordinal, enable_timing).py()?,
-        });
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (ordinal, enable_timing);
-            Err(no_cuda())
-        }
+        })
     }
 
     /// Records the event on `stream` (a `Stream`, a handle, or the current stream when None).
     #[pyo3(signature = (stream=None))]
     fn record(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        #[cfg(feature = "cuda")]
-        {
-            let handle = match stream {
-                Some(s) if !s.is_none() => match s.cast::<PyStream>() {
-                    Ok(st) => st.get().inner.handle(),
-                    Err(_) => s.extract::<usize>()?,
-                },
-                _ => cuda::current_stream(self.inner_device()),
-            };
-            self.inner.record(handle).py()
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = stream;
-            Err(no_cuda())
-        }
+        let handle = match stream {
+            Some(s) if !s.is_none() => match s.cast::<PyStream>() {
+                Ok(st) => st.get().inner.handle(),
+                Err(_) => s.extract::<usize>()?,
+            },
+            _ => cuda::current_stream(self.inner.device()),
+        };
+        self.inner.record(handle).py()
     }
 
     /// Waits until the recorded work has finished.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        #[cfg(feature = "cuda")]
-        return py.detach(|| self.inner.synchronize()).py();
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = py;
-            Err(no_cuda())
-        }
+        py.detach(|| self.inner.synchronize()).py()
     }
 
     /// Whether the recorded work has finished.
     fn query(&self) -> PyResult<bool> {
-        #[cfg(feature = "cuda")]
-        return self.inner.query().py();
-        #[cfg(not(feature = "cuda"))]
-        Err(no_cuda())
+        self.inner.query().py()
     }
 
     /// Milliseconds from this event to `end` (both recorded, completed and timing-enabled).
     fn elapsed_time(&self, end: &Bound<'_, PyEvent>) -> PyResult<f32> {
-        #[cfg(feature = "cuda")]
-        return self.inner.elapsed_ms(&end.get().inner).py();
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = end;
-            Err(no_cuda())
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl PyEvent {
-    fn inner_device(&self) -> i32 {
-        self.inner.device()
+        self.inner.elapsed_ms(&end.get().inner).py()
     }
 }
 

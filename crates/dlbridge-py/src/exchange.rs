@@ -317,7 +317,7 @@ fn call_dlpack<'py>(
     };
     // The producer's device decides whether a stream must be named (CUDA) or not (elsewhere).
     let here = producer_device(x)?;
-    let on_cuda = here.is_some_and(crate::cuda::is_cuda);
+    let on_cuda = here.is_some_and(|d| d.kind().is_cuda());
     if device.is_none() && copy.is_none() && !on_cuda {
         // The common case: a constant `{"max_version": (1, 3)}`. Callees never keep or change
         // the dict they are called with (CPython copies it into `**kwargs` where one is declared).
@@ -329,7 +329,7 @@ fn call_dlpack<'py>(
     }
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "max_version"), max_version_tuple(py))?;
-    if let Some(here) = here.filter(|d| crate::cuda::is_cuda(*d)) {
+    if let Some(here) = here.filter(|d| d.kind().is_cuda()) {
         // Ask the producer to order its work before our current stream.
         kwargs.set_item(intern!(py, "stream"), crate::cuda::consumer_stream(here))?;
     }

@@ -148,7 +148,6 @@ fn order_after_producer(
     use dlbridge::dlpack::ffi::{K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_CUDA_MANAGED};
     match device.device_type {
         K_DL_CPU => Ok(()),
-        #[cfg(feature = "cuda")]
         K_DL_CUDA | K_DL_CUDA_HOST | K_DL_CUDA_MANAGED => {
             let Some(current_work_stream) = api.current_work_stream else {
                 return Err(None);
@@ -168,10 +167,7 @@ fn order_after_producer(
             dlbridge::backend::cuda::order_streams(ordinal, producer.expose_provenance(), ours)
                 .map_err(|e| Some(crate::errors::to_py(e)))
         }
-        _ => {
-            let _ = (api, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_CUDA_MANAGED);
-            Err(None)
-        }
+        _ => Err(None),
     }
 }
 
@@ -326,16 +322,12 @@ unsafe extern "C" fn current_work_stream(
     // The calling thread's current dlbridge stream on a CUDA device (NULL is the legacy default
     // stream); devices without streams have none.
     let stream = match device_type {
-        #[cfg(feature = "cuda")]
         dlbridge::dlpack::ffi::K_DL_CUDA
         | dlbridge::dlpack::ffi::K_DL_CUDA_HOST
         | dlbridge::dlpack::ffi::K_DL_CUDA_MANAGED => {
             dlbridge::backend::cuda::current_stream(device_id)
         }
-        _ => {
-            let _ = device_id;
-            0
-        }
+        _ => 0,
     };
     // SAFETY: `out` is a valid place for the result.
     unsafe { *out = std::ptr::with_exposed_provenance_mut(stream) };

@@ -73,6 +73,14 @@ impl DeviceKind {
         )
     }
 
+    /// Whether this is CUDA memory of any kind: device, pinned host or managed.
+    pub const fn is_cuda(self) -> bool {
+        matches!(
+            self,
+            DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged
+        )
+    }
+
     /// Whether host code may read and write memory of this kind through its address (CUDA managed
     /// and pinned memory after synchronization). Metal shared buffers are host-accessible through
     /// `contents()`, which is a property of the buffer, not of the device kind.

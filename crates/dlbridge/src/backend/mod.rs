@@ -123,16 +123,10 @@ pub(crate) fn validate_foreign(device: Device, addr: usize, len: usize) -> Resul
 /// # Safety
 /// As [`Tensor::copy_from_unchecked`](crate::Tensor::copy_from_unchecked).
 pub(crate) unsafe fn copy_device(dst: &crate::Tensor, src: &crate::Tensor) -> Result<()> {
-    let cuda_kind = |k: DeviceKind| {
-        matches!(
-            k,
-            DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged
-        )
-    };
     let (sk, dk) = (src.device().kind(), dst.device().kind());
     let cuda_ok =
-        (cuda_kind(sk) || sk == DeviceKind::Cpu) && (cuda_kind(dk) || dk == DeviceKind::Cpu);
-    if cuda_ok && (cuda_kind(sk) || cuda_kind(dk)) {
+        (sk.is_cuda() || sk == DeviceKind::Cpu) && (dk.is_cuda() || dk == DeviceKind::Cpu);
+    if cuda_ok && (sk.is_cuda() || dk.is_cuda()) {
         #[cfg(cuda)]
         // SAFETY: forwarded contract.
         return unsafe { cuda::copy(dst, src) };

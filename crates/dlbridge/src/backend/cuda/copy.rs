@@ -10,7 +10,7 @@ use std::ffi::{CString, c_void};
 
 use cudarc::driver::sys;
 
-use super::stream::current_stream;
+use super::stream::{current_stream, order_across, raw as raw_stream};
 use super::{BACKEND, DeviceContext, check, context};
 use crate::backend::plan::{Axis, CopyPlan, plan_copy};
 use crate::device::DeviceKind;
@@ -105,13 +105,6 @@ struct TiledArgs {
     bdst: [i64; 8],
 }
 
-fn is_cuda(kind: DeviceKind) -> bool {
-    matches!(
-        kind,
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged
-    )
-}
-
 /// The address of a view's first element.
 fn first_address(t: &Tensor) -> usize {
     t.buffer().handle().expose_provenance() + t.byte_offset()
@@ -132,7 +125,7 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         return Ok(());
     }
     let (sk, dk) = (src.device().kind(), dst.device().kind());
-    if is_cuda(sk) && is_cuda(dk) {
+    if sk.is_cuda() && dk.is_cuda() {
         let s_ord = src.device().index() as i32;
         let d_ord = dst.device().index() as i32;
         let peer = sk == DeviceKind::Cuda && dk == DeviceKind::Cuda && s_ord != d_ord;
@@ -170,7 +163,7 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         return unsafe { dst.copy_from_unchecked(&staged) };
     }
     let bytes = dst.nbytes();
-    if is_cuda(dk) {
+    if dk.is_cuda() {
         let ordinal = dst.device().index() as i32;
         let _ctx = context(ordinal)?;
         let stream = raw_stream(current_stream(ordinal));
@@ -212,10 +205,6 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
     }
 }
 
-fn raw_stream(handle: usize) -> sys::CUstream {
-    std::ptr::with_exposed_provenance_mut(handle)
-}
-
 /// Compact device memory of one device to compact device memory of another.
 fn peer_copy(dst: &Tensor, src: &Tensor) -> Result<()> {
     let (s_ord, d_ord) = (src.device().index() as i32, dst.device().index() as i32);
@@ -225,7 +214,7 @@ fn peer_copy(dst: &Tensor, src: &Tensor) -> Result<()> {
     let d_ctx = context(d_ord)?;
     let stream = current_stream(d_ord);
     // The source's pending writes (on its device's current stream) come first.
-    order_across(s_ord, d_ord, stream)?;
+    order_across(s_ord, current_stream(s_ord), d_ord, stream)?;
     // SAFETY: compact byte ranges inside live allocations on two devices; both contexts are
     // primary contexts retained for the process; the stream belongs to the destination device.
     check(
@@ -240,25 +229,6 @@ fn peer_copy(dst: &Tensor, src: &Tensor) -> Result<()> {
             )
         },
         "cuMemcpyPeerAsync",
-    )
-}
-
-/// Makes `stream` of device `to` wait for the current stream of device `from`.
-fn order_across(from: i32, to: i32, stream: usize) -> Result<()> {
-    let event = super::Event::new(from, false)?;
-    event.record(current_stream(from))?;
-    let _ctx = context(to)?;
-    // SAFETY: a live event (waiting on another device's event is allowed) and a stream of the
-    // current context.
-    check(
-        unsafe {
-            sys::cuStreamWaitEvent(
-                raw_stream(stream),
-                std::ptr::with_exposed_provenance_mut(event.handle()),
-                0,
-            )
-        },
-        "cuStreamWaitEvent",
     )
 }
 
@@ -338,9 +308,7 @@ fn run_plan(ordinal: i32, dst: &Tensor, src: &Tensor) -> Result<()> {
                 let s = (src_addr as i64 + so * word as i64) as u64;
                 let dd = (dst_addr as i64 + d * word as i64) as u64;
                 match tiled {
-                    Some((x, y)) => {
-                        launch_tiled(&ctx, kernels.tiled[k], dd, s, &axes, x, y, stream)?
-                    }
+                    Some((x, y)) => launch_tiled(kernels.tiled[k], dd, s, &axes, x, y, stream)?,
                     None => launch_strided(&ctx, kernels.strided[k], dd, s, &axes, stream)?,
                 }
             }
@@ -385,7 +353,6 @@ fn launch_strided(
 
 #[allow(clippy::too_many_arguments)]
 fn launch_tiled(
-    _ctx: &DeviceContext,
     f: sys::CUfunction,
     dst: u64,
     src: u64,
@@ -405,8 +372,7 @@ fn launch_tiled(
         bsrc: [0; 8],
         bdst: [0; 8],
     };
-    for (k, a) in axes.iter().enumerate().filter(|(k, _)| *k != x && *k != y) {
-        let _ = k;
+    for (_, a) in axes.iter().enumerate().filter(|(k, _)| *k != x && *k != y) {
         let n = args.nb as usize;
         args.bshape[n] = a.extent as i64;
         args.bsrc[n] = a.src;

@@ -32,7 +32,7 @@ struct CudaAllocator {
 }
 
 fn raw_stream(handle: StreamKey) -> sys::CUstream {
-    std::ptr::with_exposed_provenance_mut(handle as usize)
+    super::stream::raw(handle as usize)
 }
 
 impl RawAllocator for CudaAllocator {
@@ -259,12 +259,8 @@ impl Allocation for NoMemory {}
 /// Allocates `bytes` of CUDA memory of `device`'s kind (device, pinned host or managed) from its
 /// pool, for the calling thread's current stream; zero-filled in stream order when `zeroed`.
 pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
-    let storage = match device.kind() {
-        DeviceKind::Cuda => StorageMode::Private,
-        DeviceKind::CudaHost => StorageMode::Shared,
-        _ => StorageMode::Managed,
-    };
     let pool = pool(device)?;
+    let storage = pool.storage_mode();
     if bytes == 0 {
         // SAFETY: no bytes: the NULL handle is never dereferenced.
         return Ok(unsafe {

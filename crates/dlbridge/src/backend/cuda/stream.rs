@@ -60,7 +60,8 @@ fn same_stream(a: usize, b: usize) -> bool {
     norm(a) == norm(b)
 }
 
-fn raw(handle: usize) -> sys::CUstream {
+/// The driver's `CUstream` for a raw handle (`0` is the legacy default stream).
+pub(super) fn raw(handle: usize) -> sys::CUstream {
     std::ptr::with_exposed_provenance_mut(handle)
 }
 
@@ -71,23 +72,26 @@ pub fn order_streams(ordinal: i32, producer: usize, consumer: usize) -> Result<(
     if same_stream(producer, consumer) {
         return Ok(());
     }
-    let ctx = context(ordinal)?;
+    order_across(ordinal, producer, ordinal, consumer)
+}
+
+/// As [`order_streams`], for a `producer` stream of device `from` and a `consumer` stream of
+/// device `to` (a stream may wait for another device's event).
+pub(super) fn order_across(from: i32, producer: usize, to: i32, consumer: usize) -> Result<()> {
+    let ctx = context(from)?;
     // One event per device serves every handoff: a wait captures the event's state when it is
     // enqueued, so re-recording it later does not disturb earlier waits. The lock keeps a record
     // and its wait together.
     let event = ctx.handoff.lock().unwrap_or_else(|e| e.into_inner());
-    check(
-        // SAFETY: the event belongs to this device's context, which is current; the stream handle is
-        // the producer's, whose validity the caller vouches for (a bad handle is reported by the
-        // driver).
-        unsafe { sys::cuEventRecord(*event, raw(producer)) },
-        "cuEventRecord",
-    )?;
-    // SAFETY: as above, for the consumer's stream.
-    check(
-        unsafe { sys::cuStreamWaitEvent(raw(consumer), *event, 0) },
-        "cuStreamWaitEvent",
-    )
+    // SAFETY: the event belongs to this device's context, which is current; the stream handle is
+    // the producer's, whose validity the caller vouches for (a bad handle is reported by the
+    // driver).
+    let rc = unsafe { sys::cuEventRecord(*event, raw(producer)) };
+    check(rc, "cuEventRecord")?;
+    let _to = (to != from).then(|| context(to)).transpose()?;
+    // SAFETY: a live event and the consumer's stream, of the context now current.
+    let rc = unsafe { sys::cuStreamWaitEvent(raw(consumer), *event, 0) };
+    check(rc, "cuStreamWaitEvent")
 }
 
 /// As a DLPack producer: makes dlbridge's pending work on device `ordinal` (its current stream)
@@ -159,7 +163,7 @@ impl Stream {
     /// # Safety
     /// The handle must stay a valid stream of that device for as long as dlbridge uses it.
     pub unsafe fn from_raw(ordinal: i32, handle: usize) -> Result<Stream> {
-        driver()?;
+        // Checks the driver and the device.
         let _ctx = context(ordinal)?;
         Ok(Stream {
             handle,

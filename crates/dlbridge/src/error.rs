@@ -86,6 +86,16 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A run-time compiler (NVRTC, the Metal shader compiler) rejected a kernel.
+    #[error("{backend} compilation of `{name}` failed:\n{log}")]
+    Compile {
+        /// Which backend.
+        backend: &'static str,
+        /// The kernel's entry point.
+        name: String,
+        /// The compiler's log.
+        log: String,
+    },
     /// A driver or runtime call failed.
     #[error("{backend} error: {message}")]
     Driver {
@@ -132,7 +142,9 @@ impl Error {
             | Error::Overflow(_)
             | Error::InvalidArgument(_) => ErrorKind::Value,
             Error::OutOfMemory { .. } => ErrorKind::Memory,
-            Error::BackendUnavailable { .. } | Error::Driver { .. } => ErrorKind::Runtime,
+            Error::BackendUnavailable { .. } | Error::Driver { .. } | Error::Compile { .. } => {
+                ErrorKind::Runtime
+            }
         }
     }
 }

@@ -14,6 +14,7 @@
 //! | our tensor out | [`Tensor::to_dlpack_versioned`] | hand a consumer a view that keeps our buffer alive |
 //! | host access | [`Tensor::as_slice`] / [`Tensor::as_mut_slice`] | checked typed access honouring the view's offset and bounds |
 //! | storage mode | [`StorageMode`], [`storage_mode`] | private, shared or managed memory: asked for, else `DLBRIDGE_STORAGE_MODE`, else the device's default ([`storage`]) |
+//! | compute | [`compute`] | element-wise ops with broadcasting, reductions, matmul and casts on any backend; run-time user kernels ([`compute::kernel`]) |
 //! | caching pool | [`Pool`], [`memory_stats`] | freed blocks kept per (device, storage mode) and reused without a driver call; limits and statistics ([`pool`]) |
 //!
 //! ```
@@ -37,6 +38,7 @@
 
 pub mod backend;
 pub mod buffer;
+pub mod compute;
 pub mod device;
 pub mod dlpack;
 pub mod dtype;

@@ -153,6 +153,77 @@ pub(crate) unsafe fn copy_device(dst: &crate::Tensor, src: &crate::Tensor) -> Re
     Err(Error::NotHostAccessible { device, what })
 }
 
+/// Runs an element-wise kernel on the request's device ([`crate::compute`]).
+pub(crate) fn map(req: &crate::compute::MapRequest<'_>) -> Result<()> {
+    match req.out.device().kind() {
+        DeviceKind::Cpu => cpu::compute::map(req),
+        #[cfg(cuda)]
+        kind if kind.is_cuda() => cuda::compute::map(req),
+        DeviceKind::Metal => metal::compute::map(req),
+        _ => Err(no_compute(req.out.device())),
+    }
+}
+
+/// Runs a reduction on the request's device ([`crate::compute`]).
+pub(crate) fn reduce(req: &crate::compute::ReduceRequest<'_>) -> Result<()> {
+    match req.out.device().kind() {
+        DeviceKind::Cpu => cpu::compute::reduce(req),
+        #[cfg(cuda)]
+        kind if kind.is_cuda() => cuda::compute::reduce(req),
+        DeviceKind::Metal => metal::compute::reduce(req),
+        _ => Err(no_compute(req.out.device())),
+    }
+}
+
+/// Runs a batched matrix product on the request's device ([`crate::compute`]).
+pub(crate) fn matmul(req: &crate::compute::MatmulRequest<'_>) -> Result<()> {
+    match req.out.device().kind() {
+        DeviceKind::Cpu => cpu::compute::matmul(req),
+        #[cfg(cuda)]
+        kind if kind.is_cuda() => cuda::compute::matmul(req),
+        DeviceKind::Metal => metal::compute::matmul(req),
+        _ => Err(no_compute(req.out.device())),
+    }
+}
+
+/// Compiles a CUDA C kernel with NVRTC ([`crate::compute::kernel::compile`]).
+pub(crate) fn compile_cuda_kernel(
+    device: Device,
+    source: &str,
+    name: &str,
+    options: &[String],
+) -> Result<crate::compute::kernel::Kernel> {
+    #[cfg(cuda)]
+    return cuda::launch::compile(device, source, name, options);
+    #[cfg(not(cuda))]
+    {
+        let _ = (device, source, name, options);
+        Err(unavailable("CUDA"))
+    }
+}
+
+/// Launches a compiled CUDA kernel ([`crate::compute::kernel::launch`]).
+pub(crate) fn launch_cuda_kernel(
+    kernel: &crate::compute::kernel::Kernel,
+    config: crate::compute::kernel::LaunchConfig,
+    args: &[crate::compute::kernel::KernelArg],
+) -> Result<crate::compute::kernel::LaunchTiming> {
+    #[cfg(cuda)]
+    return cuda::launch::launch(kernel, config, args);
+    #[cfg(not(cuda))]
+    {
+        let _ = (kernel, config, args);
+        Err(unavailable("CUDA"))
+    }
+}
+
+fn no_compute(device: Device) -> Error {
+    if device.kind().is_cuda() {
+        return unavailable("CUDA");
+    }
+    Error::UnsupportedDevice(format!("dlbridge does not compute on {device}"))
+}
+
 /// The pool that serves allocations on `device` when nothing asks for a storage mode. CUDA device
 /// kinds name a mode each, so `cuda:N`, `cuda_host:N` and `cuda_managed:N` will name the private,
 /// shared and managed pools of device `N`.

@@ -14,6 +14,7 @@
 //! [`DEFAULT_CACHE_LIMIT`] unless [`Pool::set_cache_limit`] says otherwise.
 
 pub mod cast;
+pub(crate) mod compute;
 
 use std::alloc::Layout as AllocLayout;
 use std::ffi::c_void;

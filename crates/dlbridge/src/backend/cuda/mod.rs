@@ -23,7 +23,9 @@
 //! `CU_STREAM_LEGACY` (`1`) are the legacy default stream, `CU_STREAM_PER_THREAD` (`2`) the
 //! per-thread default stream, anything else a `CUstream`.
 
+pub(crate) mod compute;
 mod copy;
+pub(crate) mod launch;
 mod memory;
 mod stream;
 

@@ -29,6 +29,7 @@
 //! imported (`torch.mps.synchronize()`, `mx.eval(...)`).
 
 pub mod batch;
+pub(crate) mod compute;
 pub mod import;
 pub mod kernel;
 pub mod pages;

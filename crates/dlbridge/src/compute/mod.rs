@@ -1,0 +1,487 @@
+//! Built-in kernels over [`Tensor`]s on any backend: element-wise arithmetic with NumPy
+//! broadcasting, reductions, (batched) matrix products and dtype casts; and user kernels compiled
+//! at run time ([`kernel`]).
+//!
+//! | layer | here | what it decides |
+//! | --- | --- | --- |
+//! | front | [`unary`], [`binary`], [`binary_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
+//! | request | [`MapRequest`], [`ReduceRequest`], [`MatmulRequest`] | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
+//! | backend | `backend::{cpu,cuda,metal}::compute` | how: Rust loops and `gemm` on the CPU; NVRTC kernels and cuBLAS on CUDA; MSL kernels on Metal |
+//!
+//! Results are new compact arrays on the operands' device (the caching pool makes that cheap).
+//! On CUDA the work is enqueued on the calling thread's current stream and this returns without
+//! waiting; on Metal it is encoded in dlbridge's queue; on the CPU it is done on return.
+//!
+//! # Numbers
+//! `float16` and `bfloat16` are computed in `float32` and rounded once when stored. Integer
+//! arithmetic wraps, as NumPy's does; integer division by zero is not possible (`div` of
+//! integers returns `float64`). `max` and `min` propagate NaN. A `sum` of nothing is 0, a `mean`
+//! of nothing is NaN, and `max` / `min` of nothing are errors.
+
+pub mod kernel;
+pub mod plan;
+pub mod promote;
+
+use crate::backend;
+use crate::device::{Device, DeviceKind};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+pub use plan::{MapPlan, MatmulShape, MatrixLayout, ReducePlan, broadcast_shapes};
+
+/// Element-wise functions of one operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// Square root.
+    Sqrt,
+    /// `e` to the power.
+    Exp,
+    /// Natural logarithm.
+    Log,
+    /// Sine (radians).
+    Sin,
+    /// Cosine (radians).
+    Cos,
+    /// Absolute value.
+    Abs,
+    /// `x * x`.
+    Square,
+    /// `-x` (wrapping for unsigned integers, as NumPy).
+    Negative,
+}
+
+impl UnaryOp {
+    /// Every unary op.
+    pub const ALL: [UnaryOp; 8] = [
+        UnaryOp::Sqrt,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Abs,
+        UnaryOp::Square,
+        UnaryOp::Negative,
+    ];
+
+    /// The op's name (`"sqrt"`, ...), as the Python API spells it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Square => "square",
+            UnaryOp::Negative => "negative",
+        }
+    }
+
+    /// Whether the op's result is floating even for integer input.
+    pub const fn is_transcendental(self) -> bool {
+        matches!(
+            self,
+            UnaryOp::Sqrt | UnaryOp::Exp | UnaryOp::Log | UnaryOp::Sin | UnaryOp::Cos
+        )
+    }
+}
+
+/// Element-wise functions of two operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    /// `a + b`.
+    Add,
+    /// `a - b`.
+    Sub,
+    /// `a * b`.
+    Mul,
+    /// `a / b` (true division).
+    Div,
+}
+
+impl BinaryOp {
+    /// Every binary op.
+    pub const ALL: [BinaryOp; 4] = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div];
+
+    /// The op's name (`"add"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+        }
+    }
+}
+
+/// Reductions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// The sum.
+    Sum,
+    /// The arithmetic mean.
+    Mean,
+    /// The largest element (NaN if any is NaN).
+    Max,
+    /// The smallest element (NaN if any is NaN).
+    Min,
+}
+
+impl ReduceOp {
+    /// Every reduction.
+    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
+
+    /// The op's name (`"sum"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+/// A Python-style scalar operand: "weak", it takes the array's dtype where it can.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    /// An integer.
+    Int(i64),
+    /// A float.
+    Float(f64),
+}
+
+impl Scalar {
+    /// The value as `f64` (what float kernels compute with).
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Scalar::Int(i) => i as f64,
+            Scalar::Float(f) => f,
+        }
+    }
+
+    /// The value as a wrapping `i64` (what integer kernels compute with; floats truncate toward
+    /// zero).
+    pub fn as_i64(self) -> i64 {
+        match self {
+            Scalar::Int(i) => i,
+            Scalar::Float(f) => f as i64,
+        }
+    }
+}
+
+/// What an element-wise kernel computes per element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MapOp {
+    /// `out = op(in0)`; every operand in the request's dtype.
+    Unary(UnaryOp),
+    /// `out = op(in0, in1)`; every operand in the request's dtype.
+    Binary(BinaryOp),
+    /// `out = in0` converted from the input's dtype to the output's (NumPy's `astype` rules:
+    /// floats truncate toward zero into integers, out-of-range values wrap for integers).
+    Cast,
+}
+
+/// One input of an element-wise kernel.
+#[derive(Clone, Copy, Debug)]
+pub enum Operand<'a> {
+    /// An array, viewed with the output's shape (broadcast axes have stride 0).
+    Tensor(&'a Tensor),
+    /// A scalar, converted to the request's dtype by the kernel ([`Scalar::as_f64`] for floats,
+    /// [`Scalar::as_i64`] wrapping for integers).
+    Scalar(Scalar),
+}
+
+/// An element-wise kernel to run: `out[i] = op(inputs[0][i], inputs[1][i])`.
+///
+/// Contract: `out` is a new compact array the backend may write; every tensor input has `out`'s
+/// shape and lives on `out`'s device; for [`MapOp::Unary`] and [`MapOp::Binary`] every tensor
+/// input has `out`'s dtype (`dtype`); for [`MapOp::Cast`] the one input may have any numeric
+/// dtype. `plan` is the collapsed loop nest with `out` as operand 0, then the tensor inputs in
+/// order (scalars have no entry).
+#[derive(Debug)]
+pub struct MapRequest<'a> {
+    /// The function.
+    pub op: MapOp,
+    /// One operand (unary, cast) or two (binary).
+    pub inputs: Vec<Operand<'a>>,
+    /// The result, compact, written by the backend.
+    pub out: &'a Tensor,
+    /// The collapsed index space: operand 0 is `out`, then each tensor input.
+    pub plan: MapPlan,
+}
+
+impl MapRequest<'_> {
+    /// The dtype arithmetic operands have (`out`'s).
+    pub fn dtype(&self) -> DType {
+        self.out.dtype()
+    }
+
+    /// The tensor inputs, in order.
+    pub fn tensor_inputs(&self) -> impl Iterator<Item = &Tensor> {
+        self.inputs.iter().filter_map(|o| match o {
+            Operand::Tensor(t) => Some(*t),
+            Operand::Scalar(_) => None,
+        })
+    }
+}
+
+/// A reduction to run: for each output element, `op` over the input elements the plan assigns to
+/// it, accumulated in `acc`, the result converted to `out`'s dtype. `mean` divides the
+/// accumulated sum by `plan.count`. The request is never empty on the output side; an empty
+/// reduced side (`plan.count == 0`) reaches a backend only for `sum` (write 0) and `mean`
+/// (write NaN).
+#[derive(Debug)]
+pub struct ReduceRequest<'a> {
+    /// The reduction.
+    pub op: ReduceOp,
+    /// The input (any layout).
+    pub input: &'a Tensor,
+    /// The dtype partial results are kept in.
+    pub acc: DType,
+    /// The result, compact, of shape `plan.out_shape`.
+    pub out: &'a Tensor,
+    /// The index space: `plan.kept` addresses the output (operand 0) and the input (operand 1);
+    /// `plan.reduced` the input's reduced axes.
+    pub plan: ReducePlan,
+}
+
+/// A batched matrix product to run: `out[b] = a[b] @ b[b]` for `b` in `0..batch`.
+///
+/// Contract: `a`, `b` and `out` share one floating dtype and device; their layouts are given by
+/// `a_layout`, `b_layout` (relative to each tensor's first element) and are BLAS-compatible
+/// ([`MatrixLayout::blas_compatible`]); `out` is compact, shape `[batch, m, n]` row-major. `k`
+/// may be 0 (the product is zeros).
+#[derive(Debug)]
+pub struct MatmulRequest<'a> {
+    /// The left operands (`batch × m × k`).
+    pub a: &'a Tensor,
+    /// The right operands (`batch × k × n`).
+    pub b: &'a Tensor,
+    /// The result (`batch × m × n`, compact).
+    pub out: &'a Tensor,
+    /// How `a` is laid out.
+    pub a_layout: MatrixLayout,
+    /// How `b` is laid out.
+    pub b_layout: MatrixLayout,
+    /// Matrices in the batch.
+    pub batch: usize,
+    /// Rows of `a` and `out`.
+    pub m: usize,
+    /// The contracted extent.
+    pub k: usize,
+    /// Columns of `b` and `out`.
+    pub n: usize,
+}
+
+/// The device all `tensors` live on, or an error naming the two that differ.
+fn common_device<'a>(what: &str, tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Device> {
+    let mut found: Option<Device> = None;
+    for t in tensors {
+        match found {
+            None => found = Some(t.device()),
+            Some(d) if d == t.device() => {}
+            Some(d) => {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: the arrays are on different devices ({d} and {}); move one with \
+                     copy_to / Array.to first",
+                    t.device()
+                )));
+            }
+        }
+    }
+    let device = found.expect("at least one tensor");
+    if matches!(device.kind(), DeviceKind::Other(_)) {
+        return Err(Error::UnsupportedDevice(format!(
+            "{what} on {device}: dlbridge computes on cpu, cuda and metal devices"
+        )));
+    }
+    Ok(device)
+}
+
+/// A new compact array on `like`'s device, in `like`'s storage mode.
+fn new_on(like: &Tensor, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    Tensor::allocate(
+        shape,
+        dtype,
+        like.device(),
+        Some(like.buffer().storage_mode()),
+        false,
+    )
+}
+
+/// `x` with dtype `dtype` (itself when it already has it, else a converted copy on its device).
+fn with_dtype(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    if x.dtype() == dtype {
+        Ok(x.clone())
+    } else {
+        cast(x, dtype)
+    }
+}
+
+fn run_map(req: &MapRequest<'_>) -> Result<()> {
+    if req.plan.is_empty() {
+        return Ok(());
+    }
+    backend::map(req)
+}
+
+/// The request for `op` over `inputs` into `out`.
+fn map_request<'a>(op: MapOp, inputs: Vec<Operand<'a>>, out: &'a Tensor) -> MapRequest<'a> {
+    let mut strides: Vec<&[isize]> = vec![out.strides()];
+    for input in &inputs {
+        if let Operand::Tensor(t) = input {
+            strides.push(t.strides());
+        }
+    }
+    let plan = MapPlan::new(out.shape(), &strides);
+    MapRequest {
+        op,
+        inputs,
+        out,
+        plan,
+    }
+}
+
+/// `x` converted to `dtype`, computed on `x`'s device (NumPy's `astype` rules). The kernels
+/// convert between the integer and floating types of [`promote::is_numeric`] and `bool`.
+pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    let device = common_device("cast", [x])?;
+    let supported = |d: DType| promote::is_numeric(d) || d == DType::BOOL;
+    if !supported(x.dtype()) || !supported(dtype) || device.is_cpu() {
+        // The host converter covers every dtype (complex and the minifloats included).
+        return x.cast(dtype);
+    }
+    let out = new_on(x, x.shape(), dtype)?;
+    run_map(&map_request(MapOp::Cast, vec![Operand::Tensor(x)], &out))?;
+    Ok(out)
+}
+
+/// `op(x)` element-wise; the result dtype follows [`promote::unary_result`].
+pub fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
+    common_device(op.name(), [x])?;
+    let dtype = promote::unary_result(op, x.dtype())?;
+    let x = with_dtype(x, dtype)?;
+    let out = new_on(&x, x.shape(), dtype)?;
+    run_map(&map_request(
+        MapOp::Unary(op),
+        vec![Operand::Tensor(&x)],
+        &out,
+    ))?;
+    Ok(out)
+}
+
+/// `op(a, b)` element-wise with NumPy broadcasting; the dtype follows [`promote::promote`] and
+/// [`promote::binary_result`].
+pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    common_device(op.name(), [a, b])?;
+    let shape = broadcast_shapes(a.shape(), b.shape())?;
+    let dtype = promote::binary_result(op, promote::promote(a.dtype(), b.dtype())?);
+    let a = with_dtype(a, dtype)?.broadcast_to(&shape)?;
+    let b = with_dtype(b, dtype)?.broadcast_to(&shape)?;
+    let out = new_on(&a, &shape, dtype)?;
+    let inputs = vec![Operand::Tensor(&a), Operand::Tensor(&b)];
+    run_map(&map_request(MapOp::Binary(op), inputs, &out))?;
+    Ok(out)
+}
+
+/// `op(a, s)`, or `op(s, a)` when `scalar_first`; the scalar is weak ([`promote::promote_scalar`]).
+pub fn binary_scalar(op: BinaryOp, a: &Tensor, s: Scalar, scalar_first: bool) -> Result<Tensor> {
+    common_device(op.name(), [a])?;
+    let dtype = promote::binary_result(op, promote::promote_scalar(a.dtype(), s)?);
+    let a = with_dtype(a, dtype)?;
+    let out = new_on(&a, a.shape(), dtype)?;
+    let inputs = if scalar_first {
+        vec![Operand::Scalar(s), Operand::Tensor(&a)]
+    } else {
+        vec![Operand::Tensor(&a), Operand::Scalar(s)]
+    };
+    run_map(&map_request(MapOp::Binary(op), inputs, &out))?;
+    Ok(out)
+}
+
+/// `op` over `axes` of `x` (`None`: every axis; negative axes count from the end). With
+/// `keepdims` the reduced axes stay, with length 1.
+pub fn reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool) -> Result<Tensor> {
+    common_device(op.name(), [x])?;
+    let (acc, out_dtype) = promote::reduce_types(op, x.dtype())?;
+    let plan = ReducePlan::new(x.shape(), x.strides(), axes)?;
+    let keepdims_shape: Vec<Option<usize>> =
+        plan.keepdims_shape.iter().copied().map(Some).collect();
+    if plan.count == 0 && matches!(op, ReduceOp::Max | ReduceOp::Min) && plan.outputs() > 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{} of an empty selection (shape {:?}) has no value: the operation has no identity",
+            op.name(),
+            x.shape()
+        )));
+    }
+    let out = new_on(x, &plan.out_shape, out_dtype)?;
+    if plan.outputs() > 0 {
+        let req = ReduceRequest {
+            op,
+            input: x,
+            acc,
+            out: &out,
+            plan,
+        };
+        backend::reduce(&req)?;
+    }
+    if keepdims {
+        out.reshape(&keepdims_shape)
+    } else {
+        Ok(out)
+    }
+}
+
+/// The matrix product by NumPy's `matmul` rules (1-d operands, broadcast batch axes); floating
+/// dtypes only ([`promote::matmul_type`]).
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    common_device("matmul", [a, b])?;
+    let dtype = promote::matmul_type(a.dtype(), b.dtype())?;
+    let shape = MatmulShape::new(a.shape(), b.shape())?;
+    let as_matrix = |t: &Tensor, full: &[usize]| -> Result<(Tensor, MatrixLayout)> {
+        let t = with_dtype(t, dtype)?;
+        // A 1-d operand gains its axis, then broadcasts over the batch.
+        let t = if t.ndim() == 1 {
+            let axis = if full[full.len() - 2] == 1 && full[full.len() - 1] == t.shape()[0] {
+                0
+            } else {
+                1
+            };
+            t.expand_dims(axis)?
+        } else {
+            t
+        };
+        let t = t.broadcast_to(full)?;
+        if let Some(layout) = plan::matrix_layout(t.shape(), t.strides())
+            && layout.blas_compatible()
+        {
+            return Ok((t, layout));
+        }
+        let compact = t.copy()?;
+        let layout = plan::matrix_layout(compact.shape(), compact.strides())
+            .expect("a compact array's batch axes collapse");
+        Ok((compact, layout))
+    };
+    let (ta, a_layout) = as_matrix(a, &shape.a_shape)?;
+    let (tb, b_layout) = as_matrix(b, &shape.b_shape)?;
+    let batch = shape.batch_count();
+    let out = new_on(&ta, &[batch, shape.m, shape.n], dtype)?;
+    if batch > 0 && shape.m > 0 && shape.n > 0 {
+        let req = MatmulRequest {
+            a: &ta,
+            b: &tb,
+            out: &out,
+            a_layout,
+            b_layout,
+            batch,
+            m: shape.m,
+            k: shape.k,
+            n: shape.n,
+        };
+        backend::matmul(&req)?;
+    }
+    let target: Vec<Option<usize>> = shape.out_shape.iter().copied().map(Some).collect();
+    out.reshape(&target)
+}

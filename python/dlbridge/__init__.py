@@ -54,11 +54,30 @@ from ._dlbridge import (
     uint64,
     zeros,
 )
-from . import cuda
+from . import cuda, ops
+from ._dlbridge import Kernel
+from .backend import (
+    Backend,
+    BackendUnavailableError,
+    KernelExecutionResult,
+    get_elementwise_kernel,
+    get_matrix_multiply_kernel,
+    get_vector_add_kernel,
+)
+from .unified import UnifiedBuffer
 
 __all__ = [
     "Array",
+    "Backend",
+    "BackendUnavailableError",
     "DType",
+    "Kernel",
+    "KernelExecutionResult",
+    "UnifiedBuffer",
+    "get_elementwise_kernel",
+    "get_matrix_multiply_kernel",
+    "get_vector_add_kernel",
+    "ops",
     "Device",
     "__version__",
     "arange",

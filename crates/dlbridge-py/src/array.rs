@@ -1,7 +1,10 @@
 //! `dlbridge.Array`: the Python face of a [`Tensor`].
 
 use dlbridge::{Device, SliceArg, Tensor};
-use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
+use std::ops::Deref;
+use std::sync::{RwLock, RwLockReadGuard};
+
+use pyo3::exceptions::{PyBufferError, PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyEllipsis, PyList, PySlice, PyTuple};
 use pyo3::{IntoPyObjectExt, intern};
@@ -11,6 +14,8 @@ use crate::device::{self, PyDevice};
 use crate::dtype::PyDType;
 use crate::errors::IntoPyResult;
 use crate::exchange::{self, ExportRequest};
+use crate::ops;
+use dlbridge::compute::{BinaryOp, ReduceOp, UnaryOp};
 
 /// A strided array on the CPU, a CUDA device or a Metal device, exchanged with other libraries
 /// through DLPack without copies.
@@ -19,12 +24,68 @@ use crate::exchange::{self, ExportRequest};
 /// `strides` are in elements, not bytes.
 #[pyclass(frozen, module = "dlbridge", name = "Array", sequence)]
 pub(crate) struct PyArray {
-    pub(crate) tensor: Tensor,
+    /// The view; `None` once `Backend.free` released the memory.
+    slot: RwLock<Option<Tensor>>,
+}
+
+/// Read access to a live array's tensor (see [`PyArray::tensor`]).
+pub(crate) struct TensorRef<'a>(RwLockReadGuard<'a, Option<Tensor>>);
+
+impl Deref for TensorRef<'_> {
+    type Target = Tensor;
+
+    fn deref(&self) -> &Tensor {
+        self.0
+            .as_ref()
+            .expect("TensorRef is made only for live arrays")
+    }
 }
 
 impl PyArray {
     pub(crate) fn new(tensor: Tensor) -> Self {
-        PyArray { tensor }
+        PyArray {
+            slot: RwLock::new(Some(tensor)),
+        }
+    }
+
+    /// The array's tensor; `ValueError` once the array was freed.
+    pub(crate) fn tensor(&self) -> PyResult<TensorRef<'_>> {
+        let guard = self
+            .slot
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if guard.is_none() {
+            return Err(PyValueError::new_err(
+                "the array was freed (Backend.free); it has no memory any more",
+            ));
+        }
+        Ok(TensorRef(guard))
+    }
+
+    /// Releases the array's memory now (`Backend.free`): only when no other view, export or
+    /// running call shares it, so nothing can be left pointing at freed memory.
+    pub(crate) fn free(&self) -> PyResult<()> {
+        let mut slot = self.slot.try_write().map_err(|_| {
+            PyBufferError::new_err("the array is in use by a running call and cannot be freed")
+        })?;
+        let Some(tensor) = slot.as_ref() else {
+            return Err(PyValueError::new_err("the array was already freed"));
+        };
+        let others = tensor.buffer().ref_count() - 1;
+        if others > 0 {
+            return Err(PyBufferError::new_err(format!(
+                "cannot free: {others} other view(s) or export(s) share this array's memory; \
+                 free them (or let them go) first"
+            )));
+        }
+        if tensor.buffer().is_foreign() {
+            return Err(PyBufferError::new_err(
+                "cannot free memory another library owns (an imported array); drop the array \
+                 and the producer releases it",
+            ));
+        }
+        *slot = None;
+        Ok(())
     }
 
     /// The view `key` selects.
@@ -46,13 +107,13 @@ impl PyArray {
             .iter()
             .filter(|i| !i.is_instance_of::<PyEllipsis>() && !i.is_none())
             .count();
-        let ndim = self.tensor.ndim();
+        let ndim = self.tensor()?.ndim();
         if consuming > ndim {
             return Err(PyIndexError::new_err(format!(
                 "too many indices: the array has {ndim} dimensions but {consuming} were indexed"
             )));
         }
-        let mut t = self.tensor.clone();
+        let mut t = self.tensor()?.clone();
         let mut axis = 0usize;
         for item in &items {
             if item.is_instance_of::<PyEllipsis>() {
@@ -95,12 +156,13 @@ impl PyArray {
     }
 
     fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let host = if self.tensor.is_packed() {
-            self.tensor.unpacked().py()?
-        } else if self.tensor.device().is_cpu() && self.tensor.is_contiguous() {
-            self.tensor.clone()
+        let t = self.tensor()?;
+        let host = if t.is_packed() {
+            t.unpacked().py()?
+        } else if t.device().is_cpu() && t.is_contiguous() {
+            t.clone()
         } else {
-            self.tensor.copy_to(Device::CPU).py()?
+            t.copy_to(Device::CPU).py()?
         };
         let itemsize = host.dtype().itemsize();
         let base = host
@@ -145,16 +207,16 @@ impl PyArray {
     }
 
     fn scalar<'py>(&self, py: Python<'py>, what: &str) -> PyResult<Bound<'py, PyAny>> {
-        if self.tensor.numel() != 1 {
+        if self.tensor()?.numel() != 1 {
             return Err(PyTypeError::new_err(format!(
                 "only arrays of one element can be converted to {what} (this one has {})",
-                self.tensor.numel()
+                self.tensor()?.numel()
             )));
         }
-        let one = self
-            .tensor
+        let t = self.tensor()?;
+        let one = t
             .reshape(&[])
-            .or_else(|_| self.tensor.copy().and_then(|c| c.reshape(&[])))
+            .or_else(|_| t.copy().and_then(|c| c.reshape(&[])))
             .py()?;
         PyArray::new(one).to_list(py)
     }
@@ -187,7 +249,8 @@ impl PyArray {
         dl_device: Option<&Bound<'py, PyAny>>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let device = self.tensor.device();
+        let tensor = self.tensor()?;
+        let device = tensor.device();
         if device.kind().is_cuda() {
             // Make our pending work visible on the consumer's stream (array API semantics).
             crate::cuda::export_handoff(device, stream)?;
@@ -204,7 +267,7 @@ impl PyArray {
         };
         exchange::export(
             py,
-            &self.tensor,
+            &tensor,
             ExportRequest {
                 max_version,
                 dl_device,
@@ -214,112 +277,113 @@ impl PyArray {
     }
 
     /// The DLPack `(device_type, device_id)` of the array.
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        let dl = self.tensor.device().to_dlpack();
-        (dl.device_type, dl.device_id)
+    fn __dlpack_device__(&self) -> PyResult<(i32, i32)> {
+        let dl = self.tensor()?.device().to_dlpack();
+        Ok((dl.device_type, dl.device_id))
     }
 
     /// How many views (and exports) share this array's memory: a testing aid.
     #[getter]
-    fn _buffer_ref_count(&self) -> usize {
-        self.tensor.buffer().ref_count()
+    fn _buffer_ref_count(&self) -> PyResult<usize> {
+        Ok(self.tensor()?.buffer().ref_count())
     }
 
     /// Extents.
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.tensor.shape())
+        PyTuple::new(py, self.tensor()?.shape())
     }
 
     /// Strides in elements (not bytes).
     #[getter]
     fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.tensor.strides())
+        PyTuple::new(py, self.tensor()?.strides())
     }
 
     /// The element type.
     #[getter]
-    fn dtype(&self) -> PyDType {
-        PyDType(self.tensor.dtype())
+    fn dtype(&self) -> PyResult<PyDType> {
+        Ok(PyDType(self.tensor()?.dtype()))
     }
 
     /// Where the memory lives.
     #[getter]
-    fn device(&self) -> PyDevice {
-        PyDevice(self.tensor.device())
+    fn device(&self) -> PyResult<PyDevice> {
+        Ok(PyDevice(self.tensor()?.device()))
     }
 
     /// Number of dimensions.
     #[getter]
-    fn ndim(&self) -> usize {
-        self.tensor.ndim()
+    fn ndim(&self) -> PyResult<usize> {
+        Ok(self.tensor()?.ndim())
     }
 
     /// Number of elements.
     #[getter]
-    fn size(&self) -> usize {
-        self.tensor.numel()
+    fn size(&self) -> PyResult<usize> {
+        Ok(self.tensor()?.numel())
     }
 
     /// Bytes the elements occupy.
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.tensor.nbytes()
+    fn nbytes(&self) -> PyResult<usize> {
+        Ok(self.tensor()?.nbytes())
     }
 
     /// Bytes per element.
     #[getter]
-    fn itemsize(&self) -> usize {
-        self.tensor.dtype().itemsize()
+    fn itemsize(&self) -> PyResult<usize> {
+        Ok(self.tensor()?.dtype().itemsize())
     }
 
     /// Offset in bytes of the first element from the start of the underlying buffer.
     #[getter]
-    fn byte_offset(&self) -> usize {
-        self.tensor.byte_offset()
+    fn byte_offset(&self) -> PyResult<usize> {
+        Ok(self.tensor()?.byte_offset())
     }
 
     /// Whether writes are forbidden (for example, a read-only NumPy or JAX array imported without
     /// a copy).
     #[getter]
-    fn readonly(&self) -> bool {
-        self.tensor.is_read_only()
+    fn readonly(&self) -> PyResult<bool> {
+        Ok(self.tensor()?.is_read_only())
     }
 
     /// Whether the memory belongs to another library (imported without a copy).
     #[getter]
-    fn is_foreign(&self) -> bool {
-        self.tensor.buffer().is_foreign()
+    fn is_foreign(&self) -> PyResult<bool> {
+        Ok(self.tensor()?.buffer().is_foreign())
     }
 
     /// The address of the first element (a device address for device memory; for Metal, the
     /// `id<MTLBuffer>` handle, with the offset in `byte_offset`).
     #[getter]
-    fn data_ptr(&self) -> usize {
-        let handle = self.tensor.buffer().handle() as usize;
-        if self.tensor.device().kind().is_addressable() {
-            handle + self.tensor.byte_offset()
+    fn data_ptr(&self) -> PyResult<usize> {
+        let t = self.tensor()?;
+        let handle = t.buffer().handle() as usize;
+        Ok(if t.device().kind().is_addressable() {
+            handle + t.byte_offset()
         } else {
             handle
-        }
+        })
     }
 
     /// Whether the view is compact and row-major.
     #[getter]
-    fn is_contiguous(&self) -> bool {
-        self.tensor.is_contiguous()
+    fn is_contiguous(&self) -> PyResult<bool> {
+        Ok(self.tensor()?.is_contiguous())
     }
 
     /// The transpose (axes reversed), a view.
     #[getter(T)]
     fn t(&self) -> PyResult<PyArray> {
-        Ok(PyArray::new(self.tensor.transpose().py()?))
+        Ok(PyArray::new(self.tensor()?.transpose().py()?))
     }
 
     /// Axes reordered, a view.
     #[pyo3(signature = (*axes))]
     fn permute(&self, axes: Vec<usize>) -> PyResult<PyArray> {
-        Ok(PyArray::new(self.tensor.permute(&axes).py()?))
+        Ok(PyArray::new(self.tensor()?.permute(&axes).py()?))
     }
 
     /// A view with a new shape (one extent may be -1); raises `ValueError` when the strides cannot
@@ -344,17 +408,17 @@ impl PyArray {
                 ))),
             })
             .collect::<PyResult<_>>()?;
-        Ok(PyArray::new(self.tensor.reshape(&dims).py()?))
+        Ok(PyArray::new(self.tensor()?.reshape(&dims).py()?))
     }
 
     /// A view broadcast to `shape` (NumPy's rules).
     fn broadcast_to(&self, shape: Vec<usize>) -> PyResult<PyArray> {
-        Ok(PyArray::new(self.tensor.broadcast_to(&shape).py()?))
+        Ok(PyArray::new(self.tensor()?.broadcast_to(&shape).py()?))
     }
 
     /// A compact copy in new memory on the same device.
     fn copy(&self) -> PyResult<PyArray> {
-        Ok(PyArray::new(self.tensor.copy().py()?))
+        Ok(PyArray::new(self.tensor()?.copy().py()?))
     }
 
     /// A compact copy on `device` (the array itself when it is already there and `copy` is not
@@ -362,16 +426,20 @@ impl PyArray {
     #[pyo3(signature = (device, /, *, copy=None))]
     fn to(&self, device: &Bound<'_, PyAny>, copy: Option<bool>) -> PyResult<PyArray> {
         let target = device::parse(device)?;
-        if target == self.tensor.device() && copy != Some(true) {
-            return Ok(PyArray::new(self.tensor.clone()));
+        let t = self.tensor()?;
+        if target == t.device() && copy != Some(true) {
+            return Ok(PyArray::new(t.clone()));
         }
-        Ok(PyArray::new(self.tensor.copy_to(target).py()?))
+        Ok(PyArray::new(t.copy_to(target).py()?))
     }
 
     /// A copy with elements converted to `dtype` (NumPy's `astype` rules).
-    fn astype(&self, dtype: &Bound<'_, PyAny>) -> PyResult<PyArray> {
+    fn astype(&self, py: Python<'_>, dtype: &Bound<'_, PyAny>) -> PyResult<PyArray> {
         let dtype = crate::dtype::parse(dtype)?;
-        Ok(PyArray::new(self.tensor.cast(dtype).py()?))
+        // Converted on the array's own device (no round trip through the host for GPU arrays).
+        let src = self.tensor()?.clone();
+        let out = py.detach(|| dlbridge::compute::cast(&src, dtype)).py()?;
+        Ok(PyArray::new(out))
     }
 
     /// The elements as nested Python lists (a Python scalar for 0-d arrays).
@@ -396,7 +464,7 @@ impl PyArray {
     }
 
     fn __index__(&self, py: Python<'_>) -> PyResult<i128> {
-        let dtype = self.tensor.dtype();
+        let dtype = self.tensor()?.dtype();
         if dtype.is_floating() || dtype == dlbridge::DType::BOOL {
             return Err(PyTypeError::new_err(format!(
                 "{dtype} arrays cannot be used as indices"
@@ -417,7 +485,7 @@ impl PyArray {
     }
 
     fn __len__(&self) -> PyResult<usize> {
-        self.tensor
+        self.tensor()?
             .shape()
             .first()
             .copied()
@@ -441,7 +509,7 @@ impl PyArray {
         }
         // Another dlbridge array is copied straight across devices (no intermediate copy).
         let src = match value.cast::<PyArray>() {
-            Ok(a) if a.get().tensor.dtype() == dtype => a.get().tensor.clone(),
+            Ok(a) if a.get().tensor()?.dtype() == dtype => a.get().tensor()?.clone(),
             _ => crate::creation::tensor_from(value, Some(dtype), Some(view.device()), None)?,
         };
         // SAFETY: as above.
@@ -457,7 +525,7 @@ impl PyArray {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let np = py.import(intern!(py, "numpy"))?;
-        let tensor = &slf.get().tensor;
+        let tensor = &slf.get().tensor()?;
         let device = tensor.device();
         let mut copied = false;
         let source: Bound<'py, PyAny> = if device.is_cpu() {
@@ -497,7 +565,7 @@ impl PyArray {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let t = &self.tensor;
+        let t = &*self.tensor()?;
         let mut extra = format!("dtype={}", t.dtype());
         if !t.device().is_cpu() {
             extra.push_str(&format!(", device='{}'", t.device()));
@@ -511,11 +579,123 @@ impl PyArray {
         Ok(format!("dlbridge.Array(shape={:?}, {extra})", t.shape()))
     }
 
+    fn __add__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Add, &*self.tensor()?, other, false)
+    }
+
+    fn __radd__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Add, &*self.tensor()?, other, true)
+    }
+
+    fn __sub__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Sub, &*self.tensor()?, other, false)
+    }
+
+    fn __rsub__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Sub, &*self.tensor()?, other, true)
+    }
+
+    fn __mul__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Mul, &*self.tensor()?, other, false)
+    }
+
+    fn __rmul__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Mul, &*self.tensor()?, other, true)
+    }
+
+    fn __truediv__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Div, &*self.tensor()?, other, false)
+    }
+
+    fn __rtruediv__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Div, &*self.tensor()?, other, true)
+    }
+
+    fn __matmul__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        match ops::arg(other)? {
+            Some(ops::Arg::Tensor(b)) => {
+                let a = self.tensor()?.clone();
+                let out = py.detach(|| dlbridge::compute::matmul(&a, &b)).py()?;
+                PyArray::new(out).into_py_any(py)
+            }
+            _ => Ok(py.NotImplemented()),
+        }
+    }
+
+    fn __rmatmul__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        match ops::arg(other)? {
+            Some(ops::Arg::Tensor(a)) => {
+                let b = self.tensor()?.clone();
+                let out = py.detach(|| dlbridge::compute::matmul(&a, &b)).py()?;
+                PyArray::new(out).into_py_any(py)
+            }
+            _ => Ok(py.NotImplemented()),
+        }
+    }
+
+    fn __neg__(&self, py: Python<'_>) -> PyResult<PyArray> {
+        ops::unary_tensor(py, UnaryOp::Negative, &*self.tensor()?)
+    }
+
+    fn __abs__(&self, py: Python<'_>) -> PyResult<PyArray> {
+        ops::unary_tensor(py, UnaryOp::Abs, &*self.tensor()?)
+    }
+
+    /// The sum over `axis` (None: all elements).
+    #[pyo3(signature = (axis=None, keepdims=false))]
+    fn sum(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<PyArray> {
+        ops::reduce_tensor(py, ReduceOp::Sum, &*self.tensor()?, axis, keepdims)
+    }
+
+    /// The mean over `axis` (None: all elements).
+    #[pyo3(signature = (axis=None, keepdims=false))]
+    fn mean(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<PyArray> {
+        ops::reduce_tensor(py, ReduceOp::Mean, &*self.tensor()?, axis, keepdims)
+    }
+
+    /// The largest element over `axis` (None: all elements); NaN if any is NaN.
+    #[pyo3(signature = (axis=None, keepdims=false))]
+    fn max(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<PyArray> {
+        ops::reduce_tensor(py, ReduceOp::Max, &*self.tensor()?, axis, keepdims)
+    }
+
+    /// The smallest element over `axis` (None: all elements); NaN if any is NaN.
+    #[pyo3(signature = (axis=None, keepdims=false))]
+    fn min(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<PyArray> {
+        ops::reduce_tensor(py, ReduceOp::Min, &*self.tensor()?, axis, keepdims)
+    }
+
     fn __iter__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let n = slf.get().__len__()?;
         let items: Vec<PyArray> = (0..n)
-            .map(|i| slf.get().tensor.index(0, i as isize).py().map(PyArray::new))
+            .map(|i| {
+                slf.get()
+                    .tensor()?
+                    .index(0, i as isize)
+                    .py()
+                    .map(PyArray::new)
+            })
             .collect::<PyResult<_>>()?;
         let list = PyList::new(py, items)?;
         list.try_iter()?.into_py_any(py)

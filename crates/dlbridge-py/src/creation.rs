@@ -240,7 +240,7 @@ pub(crate) fn tensor_from(
     let zero_copy_source = if let Ok(a) = obj.cast::<PyArray>() {
         Some(exchange::finish_import(
             exchange::Taken {
-                tensor: a.get().tensor.clone(),
+                tensor: a.get().tensor()?.clone(),
                 is_copied: false,
             },
             device,

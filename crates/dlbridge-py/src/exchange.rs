@@ -254,7 +254,7 @@ pub(crate) fn from_dlpack(
     let taken = if let Ok(array) = x.cast::<crate::array::PyArray>() {
         // One of ours: share the tensor directly.
         Taken {
-            tensor: array.get().tensor.clone(),
+            tensor: array.get().tensor()?.clone(),
             is_copied: false,
         }
     } else if x.is_instance_of::<PyCapsule>() {

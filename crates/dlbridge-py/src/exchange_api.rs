@@ -261,15 +261,15 @@ unsafe extern "C" fn from_py_object(
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the GIL is held and the caller passes a live object.
     match unsafe { array_of(py, py_object) } {
-        Ok(array) => {
-            let managed = array
-                .get()
-                .tensor
-                .to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
-            // SAFETY: `out` is a valid place for the result.
-            unsafe { *out = managed.as_ptr() };
-            0
-        }
+        Ok(array) => match array.get().tensor() {
+            Ok(t) => {
+                let managed = t.to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
+                // SAFETY: `out` is a valid place for the result.
+                unsafe { *out = managed.as_ptr() };
+                0
+            }
+            Err(e) => fail(py, e),
+        },
         Err(e) => fail(py, e),
     }
 }
@@ -279,13 +279,17 @@ unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut D
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the GIL is held and the caller passes a live object.
     match unsafe { array_of(py, py_object) } {
-        Ok(array) => {
-            // The array is frozen and alive while the caller holds `py_object`, so the shape
-            // and strides its layout owns stay put until control returns, as the protocol asks.
-            // SAFETY: `out` is a valid, writable `DLTensor`.
-            unsafe { *out = array.get().tensor.borrowed_descriptor() };
-            0
-        }
+        Ok(array) => match array.get().tensor() {
+            // The array is alive while the caller holds `py_object`, and its view never changes
+            // (only `Backend.free` can end it, which the caller must not race with its own
+            // use), so the shape and strides its layout owns stay put, as the protocol asks.
+            Ok(t) => {
+                // SAFETY: `out` is a valid, writable `DLTensor`.
+                unsafe { *out = t.borrowed_descriptor() };
+                0
+            }
+            Err(e) => fail(py, e),
+        },
         Err(e) => fail(py, e),
     }
 }

@@ -15,7 +15,9 @@ mod dtype;
 mod errors;
 mod exchange;
 mod exchange_api;
+mod kernel;
 mod memory;
+mod ops;
 
 use pyo3::prelude::*;
 
@@ -37,6 +39,12 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(d)
 }
 
+/// Releases an array's memory now (`Backend.free`); see [`array::PyArray::free`].
+#[pyfunction]
+fn _free(array: &Bound<'_, array::PyArray>) -> PyResult<()> {
+    array.get().free()
+}
+
 #[pymodule]
 fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<array::PyArray>()?;
@@ -49,8 +57,11 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(creation::full, m)?)?;
     m.add_function(wrap_pyfunction!(creation::arange, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_free, m)?)?;
     cuda::register(m)?;
     memory::register(m)?;
+    ops::register(m)?;
+    kernel::register(m)?;
     for name in [
         "bool",
         "int8",

@@ -1,0 +1,224 @@
+//! The built-in kernels from Python: `dlbridge.ops.*`, the arithmetic operators and the
+//! reduction methods of `dlbridge.Array` ([`dlbridge::compute`]).
+//!
+//! Operands are dlbridge arrays, any DLPack producer (imported without a copy), or Python
+//! `int` / `float` scalars (weak: they take the array's dtype where they can). Work runs with the
+//! GIL released.
+
+use dlbridge::Tensor;
+use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyFloat, PyInt, PyTuple};
+use pyo3::{IntoPyObjectExt, intern};
+
+use crate::array::PyArray;
+use crate::errors::IntoPyResult;
+use crate::exchange;
+
+/// One operand of an element-wise op.
+pub(crate) enum Arg {
+    Tensor(Tensor),
+    Scalar(Scalar),
+}
+
+/// Reads an operand; `Ok(None)` for objects that are neither arrays, DLPack producers nor
+/// Python numbers (operators answer `NotImplemented` to those).
+pub(crate) fn arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
+    if let Ok(a) = obj.cast::<PyArray>() {
+        return Ok(Some(Arg::Tensor(a.get().tensor()?.clone())));
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(
+            "bool operands are not supported by the arithmetic kernels; use 0 or 1",
+        ));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        let v: i64 = obj.extract().map_err(|_| {
+            PyValueError::new_err(format!("the integer {obj} does not fit in 64 bits"))
+        })?;
+        return Ok(Some(Arg::Scalar(Scalar::Int(v))));
+    }
+    if obj.is_instance_of::<PyFloat>() {
+        return Ok(Some(Arg::Scalar(Scalar::Float(obj.extract()?))));
+    }
+    let py = obj.py();
+    if obj.hasattr(intern!(py, "__dlpack__"))? {
+        return Ok(Some(Arg::Tensor(exchange::from_dlpack(obj, None, None)?)));
+    }
+    Ok(None)
+}
+
+fn required(obj: &Bound<'_, PyAny>) -> PyResult<Arg> {
+    arg(obj)?.ok_or_else(|| {
+        PyTypeError::new_err(format!(
+            "expected a dlbridge array, a DLPack array or a Python number, got {}",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    })
+}
+
+fn tensor_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Tensor> {
+    match required(obj)? {
+        Arg::Tensor(t) => Ok(t),
+        Arg::Scalar(_) => Err(PyTypeError::new_err(format!(
+            "{what} needs an array, not a scalar"
+        ))),
+    }
+}
+
+fn unary_op(name: &str) -> PyResult<UnaryOp> {
+    UnaryOp::ALL
+        .into_iter()
+        .find(|op| op.name() == name)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown element-wise function {name:?}")))
+}
+
+fn binary_op(name: &str) -> PyResult<BinaryOp> {
+    BinaryOp::ALL
+        .into_iter()
+        .find(|op| op.name() == name)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown binary function {name:?}")))
+}
+
+fn reduce_op(name: &str) -> PyResult<ReduceOp> {
+    ReduceOp::ALL
+        .into_iter()
+        .find(|op| op.name() == name)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown reduction {name:?}")))
+}
+
+/// `op(a, b)` on read operands; `None` when neither is an array.
+pub(crate) fn binary_args(py: Python<'_>, op: BinaryOp, a: Arg, b: Arg) -> PyResult<PyArray> {
+    let out = match (a, b) {
+        (Arg::Tensor(a), Arg::Tensor(b)) => py.detach(|| compute::binary(op, &a, &b)),
+        (Arg::Tensor(a), Arg::Scalar(s)) => py.detach(|| compute::binary_scalar(op, &a, s, false)),
+        (Arg::Scalar(s), Arg::Tensor(b)) => py.detach(|| compute::binary_scalar(op, &b, s, true)),
+        (Arg::Scalar(_), Arg::Scalar(_)) => {
+            return Err(PyTypeError::new_err(format!(
+                "{} of two Python numbers: at least one operand must be an array",
+                op.name()
+            )));
+        }
+    };
+    out.py().map(PyArray::new)
+}
+
+/// An operator method's body: `NotImplemented` for operands it does not know.
+pub(crate) fn operator(
+    py: Python<'_>,
+    op: BinaryOp,
+    this: &Tensor,
+    other: &Bound<'_, PyAny>,
+    reflected: bool,
+) -> PyResult<Py<PyAny>> {
+    let Some(other) = arg(other)? else {
+        return Ok(py.NotImplemented());
+    };
+    let this = Arg::Tensor(this.clone());
+    let (a, b) = if reflected {
+        (other, this)
+    } else {
+        (this, other)
+    };
+    binary_args(py, op, a, b)?.into_py_any(py)
+}
+
+/// `op(x)` element-wise.
+pub(crate) fn unary_tensor(py: Python<'_>, op: UnaryOp, x: &Tensor) -> PyResult<PyArray> {
+    py.detach(|| compute::unary(op, x)).py().map(PyArray::new)
+}
+
+/// Reads `axis`: None, an int, or a tuple of ints.
+fn parse_axes(axis: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<isize>>> {
+    match axis {
+        None => Ok(None),
+        Some(a) if a.is_none() => Ok(None),
+        Some(a) => {
+            if let Ok(i) = a.extract::<isize>() {
+                Ok(Some(vec![i]))
+            } else if let Ok(t) = a.cast::<PyTuple>() {
+                Ok(Some(t.extract().map_err(|_| {
+                    PyTypeError::new_err("axis must be None, an int or a tuple of ints")
+                })?))
+            } else {
+                Err(PyTypeError::new_err(
+                    "axis must be None, an int or a tuple of ints",
+                ))
+            }
+        }
+    }
+}
+
+/// A reduction of `x` over `axis`.
+pub(crate) fn reduce_tensor(
+    py: Python<'_>,
+    op: ReduceOp,
+    x: &Tensor,
+    axis: Option<&Bound<'_, PyAny>>,
+    keepdims: bool,
+) -> PyResult<PyArray> {
+    let axes = parse_axes(axis)?;
+    py.detach(|| compute::reduce(op, x, axes.as_deref(), keepdims))
+        .py()
+        .map(PyArray::new)
+}
+
+/// `dlbridge.ops` element-wise function of one operand, by name.
+#[pyfunction]
+pub(crate) fn _unary(py: Python<'_>, op: &str, x: &Bound<'_, PyAny>) -> PyResult<PyArray> {
+    let op = unary_op(op)?;
+    let x = tensor_arg(x, op.name())?;
+    unary_tensor(py, op, &x)
+}
+
+/// `dlbridge.ops` element-wise function of two operands, by name.
+#[pyfunction]
+pub(crate) fn _binary(
+    py: Python<'_>,
+    op: &str,
+    a: &Bound<'_, PyAny>,
+    b: &Bound<'_, PyAny>,
+) -> PyResult<PyArray> {
+    let op = binary_op(op)?;
+    binary_args(py, op, required(a)?, required(b)?)
+}
+
+/// `dlbridge.ops` reduction, by name.
+#[pyfunction]
+#[pyo3(signature = (op, x, axis=None, keepdims=false))]
+pub(crate) fn _reduce(
+    py: Python<'_>,
+    op: &str,
+    x: &Bound<'_, PyAny>,
+    axis: Option<&Bound<'_, PyAny>>,
+    keepdims: bool,
+) -> PyResult<PyArray> {
+    let op = reduce_op(op)?;
+    let x = tensor_arg(x, op.name())?;
+    reduce_tensor(py, op, &x, axis, keepdims)
+}
+
+/// The matrix product (`dlbridge.ops.matmul`).
+#[pyfunction]
+pub(crate) fn _matmul(
+    py: Python<'_>,
+    a: &Bound<'_, PyAny>,
+    b: &Bound<'_, PyAny>,
+) -> PyResult<PyArray> {
+    let a = tensor_arg(a, "matmul")?;
+    let b = tensor_arg(b, "matmul")?;
+    py.detach(|| compute::matmul(&a, &b)).py().map(PyArray::new)
+}
+
+/// Registers the functions.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_unary, m)?)?;
+    m.add_function(wrap_pyfunction!(_binary, m)?)?;
+    m.add_function(wrap_pyfunction!(_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(_matmul, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,130 @@
+"""Built-in kernels on dlbridge arrays, on whichever device the arrays live.
+
+Every function takes dlbridge arrays, any DLPack array (imported without a copy: a PyTorch or
+CuPy tensor works as it is), and — for the binary functions — Python numbers. Results are new
+dlbridge arrays on the operands' device. On CUDA the work is enqueued on the current stream
+(:func:`dlbridge.cuda.stream`) and the call returns without waiting.
+
+Broadcasting follows NumPy. Type rules: arrays of one kind (signed, unsigned, floating) give the
+wider type; an integer array with a floating one gives the floating type; Python numbers take the
+array's type (an ``int`` array with a ``float`` gives ``float64``); ``div`` of integers and
+``sqrt exp log sin cos`` of integers give floats as NumPy does; ``bool`` and complex arrays are
+refused. ``float16`` and ``bfloat16`` are computed in ``float32``.
+
+>>> import dlbridge
+>>> a = dlbridge.asarray([[1.0, 2.0], [3.0, 4.0]])
+>>> dlbridge.ops.add(a, 1).tolist()
+[[2.0, 3.0], [4.0, 5.0]]
+>>> (a @ a).tolist()
+[[7.0, 10.0], [15.0, 22.0]]
+>>> a.sum(axis=0).tolist()
+[4.0, 6.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple, Union
+
+from . import _dlbridge
+from ._dlbridge import Array
+
+Axis = Optional[Union[int, Tuple[int, ...]]]
+
+__all__ = [
+    "UNARY",
+    "BINARY",
+    "REDUCTIONS",
+    "abs",
+    "add",
+    "cos",
+    "div",
+    "divide",
+    "exp",
+    "log",
+    "matmul",
+    "max",
+    "mean",
+    "min",
+    "mul",
+    "multiply",
+    "negative",
+    "sin",
+    "sqrt",
+    "square",
+    "sub",
+    "subtract",
+    "sum",
+]
+
+#: Element-wise functions of one operand.
+UNARY = ("sqrt", "exp", "log", "sin", "cos", "abs", "square", "negative")
+#: Element-wise functions of two operands.
+BINARY = ("add", "sub", "mul", "div")
+#: Reductions.
+REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+def _unary(name: str) -> Callable[[Any], Array]:
+    def op(x: Any) -> Array:
+        return _dlbridge._unary(name, x)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``{name}(x)`` element-wise, on ``x``'s device."
+    return op
+
+
+def _binary(name: str) -> Callable[[Any, Any], Array]:
+    def op(a: Any, b: Any) -> Array:
+        return _dlbridge._binary(name, a, b)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``{name}(a, b)`` element-wise with NumPy broadcasting."
+    return op
+
+
+def _reduction(name: str) -> Callable[..., Array]:
+    def op(x: Any, axis: Axis = None, keepdims: bool = False) -> Array:
+        return _dlbridge._reduce(name, x, axis, keepdims)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = (
+        f"The {name} over ``axis`` (None: every element; an int or a tuple of ints, negative "
+        "counted from the end); ``keepdims`` keeps reduced axes with length 1."
+    )
+    return op
+
+
+sqrt = _unary("sqrt")
+exp = _unary("exp")
+log = _unary("log")
+sin = _unary("sin")
+cos = _unary("cos")
+abs = _unary("abs")
+square = _unary("square")
+negative = _unary("negative")
+
+add = _binary("add")
+sub = _binary("sub")
+mul = _binary("mul")
+div = _binary("div")
+subtract = sub
+multiply = mul
+divide = div
+
+sum = _reduction("sum")
+mean = _reduction("mean")
+max = _reduction("max")
+min = _reduction("min")
+
+
+def matmul(a: Any, b: Any) -> Array:
+    """The matrix product by NumPy's ``matmul`` rules (1-d operands, broadcast batch axes);
+    floating dtypes only. cuBLAS on CUDA."""
+    return _dlbridge._matmul(a, b)
+
+
+def get(name: str) -> Optional[Callable[..., Array]]:
+    """The built-in function called ``name`` (element-wise or reduction), or None."""
+    if name in UNARY or name in BINARY or name in REDUCTIONS or name == "matmul":
+        return globals()[name]
+    return None

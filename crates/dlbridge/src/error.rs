@@ -53,6 +53,10 @@ pub enum Error {
     /// An index, slice or byte range outside the array or buffer.
     #[error("out of bounds: {0}")]
     OutOfBounds(String),
+    /// An operation has no kernel or rule for its operands' dtypes (`sqrt` of `bool`, `matmul` of
+    /// integers, `uint64 + int8`).
+    #[error("unsupported operand types: {0}")]
+    UnsupportedOperand(String),
     /// Shapes, strides or layouts that do not fit the operation.
     #[error("shape error: {0}")]
     Shape(String),
@@ -135,7 +139,9 @@ impl Error {
             | Error::ReadOnly(_)
             | Error::NotHostAccessible { .. }
             | Error::Aliased { .. } => ErrorKind::Buffer,
-            Error::InvalidDType(_) | Error::DTypeMismatch(_) => ErrorKind::Type,
+            Error::InvalidDType(_) | Error::DTypeMismatch(_) | Error::UnsupportedOperand(_) => {
+                ErrorKind::Type
+            }
             Error::OutOfBounds(_) => ErrorKind::Index,
             Error::Shape(_)
             | Error::Misaligned(_)

@@ -51,7 +51,7 @@ pub fn require_numeric(dtype: DType, what: &str) -> Result<()> {
     if is_numeric(dtype) {
         Ok(())
     } else {
-        Err(Error::UnsupportedDType(format!(
+        Err(Error::UnsupportedOperand(format!(
             "{what} is not defined for {dtype}: the kernels take int8..int64, uint8..uint64, \
              float16, bfloat16, float32 and float64"
         )))
@@ -74,7 +74,7 @@ pub fn promote(a: DType, b: DType) -> Result<DType> {
         (Some(ka), Some(kb)) => (ka, kb),
         _ => {
             let bad = if kind(a).is_none() { a } else { b };
-            return Err(Error::UnsupportedDType(format!(
+            return Err(Error::UnsupportedOperand(format!(
                 "no arithmetic rule for {bad} (operands {a} and {b})"
             )));
         }
@@ -103,7 +103,7 @@ pub fn promote(a: DType, b: DType) -> Result<DType> {
                 s.bits()
             };
             signed(need).ok_or_else(|| {
-                Error::DTypeMismatch(format!(
+                Error::UnsupportedOperand(format!(
                     "no integer type holds both {a} and {b}; cast one with astype()"
                 ))
             })?
@@ -171,7 +171,7 @@ pub fn wide_float(dtype: DType) -> DType {
 pub fn matmul_type(a: DType, b: DType) -> Result<DType> {
     let common = promote(a, b)?;
     if kind(common) != Some(Kind::Float) {
-        return Err(Error::UnsupportedDType(format!(
+        return Err(Error::UnsupportedOperand(format!(
             "matmul is defined for float16, bfloat16, float32 and float64, not {common}; \
              cast with astype()"
         )));
@@ -200,7 +200,7 @@ mod tests {
         assert_eq!(promote(DType::I64, DType::U32).unwrap(), DType::I64);
         assert_eq!(promote(DType::U32, DType::I32).unwrap(), DType::I64);
         let err = promote(DType::U64, DType::I8).unwrap_err();
-        assert!(matches!(err, Error::DTypeMismatch(_)), "{err}");
+        assert!(matches!(err, Error::UnsupportedOperand(_)), "{err}");
     }
 
     #[test]
@@ -214,11 +214,11 @@ mod tests {
         for bad in [DType::BOOL, DType::C64] {
             assert!(matches!(
                 promote(bad, DType::F32),
-                Err(Error::UnsupportedDType(_))
+                Err(Error::UnsupportedOperand(_))
             ));
             assert!(matches!(
                 promote(DType::F32, bad),
-                Err(Error::UnsupportedDType(_))
+                Err(Error::UnsupportedOperand(_))
             ));
         }
     }
@@ -289,7 +289,7 @@ mod tests {
         assert_eq!(matmul_type(DType::F32, DType::I32).unwrap(), DType::F32);
         assert!(matches!(
             matmul_type(DType::I32, DType::I32),
-            Err(Error::UnsupportedDType(_))
+            Err(Error::UnsupportedOperand(_))
         ));
     }
 }

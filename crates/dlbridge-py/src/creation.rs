@@ -4,7 +4,7 @@ use dlbridge::{DType, Device, StorageMode, Tensor};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PySequence, PyTuple};
+use pyo3::types::{PyInt, PyList, PySequence, PyTuple};
 
 use crate::array::PyArray;
 use crate::convert::{self, ScalarKind};
@@ -13,6 +13,20 @@ use crate::exchange;
 
 /// Reads a shape: an int or a sequence of non-negative ints.
 pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let extent = |d: i64| {
+        usize::try_from(d)
+            .map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
+    };
+    // Fast paths without a failed conversion (a raised and discarded exception costs more than
+    // the whole allocation): an int, or a tuple of ints.
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(vec![extent(obj.extract::<i64>()?)?]);
+    }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        if t.iter().all(|d| d.is_instance_of::<PyInt>()) {
+            return t.iter().map(|d| extent(d.extract::<i64>()?)).collect();
+        }
+    }
     let dims: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
         vec![n]
     } else if obj.cast::<PySequence>().is_ok() {

@@ -68,7 +68,11 @@ pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
         return Ok(d.get().0);
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        return s.to_cow()?.parse::<Device>().py();
+        let text = s.to_cow()?;
+        if text == "cpu" {
+            return Ok(Device::CPU);
+        }
+        return text.parse::<Device>().py();
     }
     if let Ok((device_type, device_id)) = obj.extract::<(i32, i32)>() {
         return Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {

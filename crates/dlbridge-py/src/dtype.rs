@@ -98,7 +98,25 @@ pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
         return Ok(d.get().0);
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        return s.to_cow()?.parse::<DType>().py();
+        let text = s.to_cow()?;
+        // The canonical names go straight through (the common case on hot paths such as
+        // `dlbridge.empty(n, "float32")`); anything else takes the general parser's aliases.
+        return match text.as_ref() {
+            "float32" => Ok(DType::F32),
+            "float64" => Ok(DType::F64),
+            "float16" => Ok(DType::F16),
+            "bfloat16" => Ok(DType::BF16),
+            "int8" => Ok(DType::I8),
+            "int16" => Ok(DType::I16),
+            "int32" => Ok(DType::I32),
+            "int64" => Ok(DType::I64),
+            "uint8" => Ok(DType::U8),
+            "uint16" => Ok(DType::U16),
+            "uint32" => Ok(DType::U32),
+            "uint64" => Ok(DType::U64),
+            "bool" => Ok(DType::BOOL),
+            other => other.parse::<DType>().py(),
+        };
     }
     // NumPy dtypes have `.name`; NumPy scalar types have `.__name__`; PyTorch dtypes print as
     // `torch.float32`; JAX and ML dtypes follow NumPy.

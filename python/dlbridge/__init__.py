@@ -48,13 +48,14 @@ from ._dlbridge import (
     set_cache_limit,
     set_memory_limit,
     storage_mode,
+    synchronize,
     uint8,
     uint16,
     uint32,
     uint64,
     zeros,
 )
-from . import cuda
+from . import cuda, metal
 
 __all__ = [
     "Array",
@@ -65,6 +66,8 @@ __all__ = [
     "asarray",
     "build_info",
     "cuda",
+    "metal",
+    "synchronize",
     "empty",
     "from_dlpack",
     "full",

@@ -260,7 +260,9 @@ unsafe extern "C" fn from_py_object(
     // SAFETY: the protocol calls this with the GIL held.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the GIL is held and the caller passes a live object.
-    match unsafe { array_of(py, py_object) } {
+    match unsafe { array_of(py, py_object) }
+        .and_then(|a| crate::metal::export_handoff(py, a.get().tensor.device()).map(|()| a))
+    {
         Ok(array) => {
             let managed = array
                 .get()
@@ -278,7 +280,9 @@ unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut D
     // SAFETY: the protocol calls this with the GIL held.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the GIL is held and the caller passes a live object.
-    match unsafe { array_of(py, py_object) } {
+    match unsafe { array_of(py, py_object) }
+        .and_then(|a| crate::metal::export_handoff(py, a.get().tensor.device()).map(|()| a))
+    {
         Ok(array) => {
             // The array is frozen and alive while the caller holds `py_object`, so the shape
             // and strides its layout owns stay put until control returns, as the protocol asks.

@@ -97,7 +97,10 @@ fn devices_are_discovered() {
     if cfg!(target_arch = "aarch64") && info.has_unified_memory {
         assert_eq!(info.page_size, 16 * 1024, "Apple silicon pages are 16 KiB");
     }
-    if std::env::var_os(metal::storage::STORAGE_MODE_ENV).is_none() {
+    let no_env = [metal::storage::STORAGE_MODE_ENV, dlbridge::storage::ENV_VAR]
+        .iter()
+        .all(|var| std::env::var_os(var).is_none());
+    if no_env {
         let expected = if info.has_unified_memory {
             StorageMode::Shared
         } else {

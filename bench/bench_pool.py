@@ -1,7 +1,7 @@
 """Allocation benchmark: dlbridge's caching pool beside NumPy and PyTorch, in one process and one
 run.
 
-    python bench/bench_pool.py [--quick] [--devices cpu,cuda] [--json out.json]
+    python bench/bench_pool.py [--quick] [--devices cpu,cuda,metal] [--json out.json]
 
 Each case is one allocate + free of an uninitialised uint8 array of 4 KiB, 1 MiB or 256 MiB:
 
@@ -9,14 +9,16 @@ Each case is one allocate + free of an uninitialised uint8 array of 4 KiB, 1 MiB
 * ``dlbridge uncached``: ``dlbridge.empty(n)`` + ``del`` + ``dlbridge.empty_cache()``, so every call
   allocates from the driver and (in ``empty_cache``) frees to it again;
 * peers: ``numpy.empty(n, uint8)`` + ``del``; ``torch.empty(n, dtype=torch.uint8)`` + ``del``
-  (on CUDA: PyTorch's own caching allocator, cached and after ``torch.cuda.empty_cache()``).
+  (on CUDA and Metal: PyTorch's own caching allocator, cached and after
+  ``torch.cuda.empty_cache()`` / ``torch.mps.empty_cache()``; on Metal dlbridge's arrays are in the
+  device's default storage mode, shared on Apple silicon).
 
 Cases are timed in interleaved rounds (each round times every case once) and the median of the
 rounds' per-call means is reported. Nothing touches the memory, so page faults of fresh memory
 (which reuse avoids) are not in these figures.
 
-A device column appears for every device in ``--devices`` whose backend dlbridge has; CUDA is
-skipped, with a note, when this build has no ``dlbridge.cuda``.
+A device column appears for every device in ``--devices`` whose backend dlbridge has; CUDA and
+Metal are skipped, with a note, where they are not available.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
+def metal_available() -> tuple[bool, str]:
+    if not dlbridge.metal.is_available():
+        return False, dlbridge.metal.unavailable_reason()
+    if not torch.backends.mps.is_available():
+        return False, "PyTorch sees no MPS device"
+    return True, ""
+
+
 def cases(device: str, n: int) -> dict:
     def dl_cached():
         a = dlbridge.empty(n, dtype="uint8", device=device)
@@ -66,14 +76,18 @@ def cases(device: str, n: int) -> dict:
         out["numpy.empty"] = numpy_empty
         out["torch.empty"] = torch_empty
     else:
+        on_metal = device.startswith("metal")
+        torch_device = "mps" if on_metal else device
+        torch_empty_cache = torch.mps.empty_cache if on_metal else torch.cuda.empty_cache
+
         def torch_cached():
-            a = torch.empty(n, dtype=torch.uint8, device=device)
+            a = torch.empty(n, dtype=torch.uint8, device=torch_device)
             del a
 
         def torch_uncached():
-            a = torch.empty(n, dtype=torch.uint8, device=device)
+            a = torch.empty(n, dtype=torch.uint8, device=torch_device)
             del a
-            torch.cuda.empty_cache()
+            torch_empty_cache()
 
         out["torch.empty cached"] = torch_cached
         out["torch.empty uncached"] = torch_uncached
@@ -93,7 +107,7 @@ def measure(fns: dict, numbers: dict, rounds: int) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
-    ap.add_argument("--devices", default="cpu,cuda", help="comma-separated: cpu, cuda")
+    ap.add_argument("--devices", default="cpu,cuda,metal", help="comma-separated: cpu, cuda, metal")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     number, rounds = (500, 5) if args.quick else (5_000, 11)
@@ -101,10 +115,11 @@ def main():
     devices, notes = [], []
     for device in args.devices.split(","):
         device = device.strip()
-        if device == "cuda":
-            ok, why = cuda_available()
+        available = {"cuda": cuda_available, "metal": metal_available}.get(device)
+        if available is not None:
+            ok, why = available()
             if not ok:
-                notes.append(f"cuda: skipped ({why})")
+                notes.append(f"{device}: skipped ({why})")
                 continue
         devices.append(device)
 
@@ -145,7 +160,8 @@ def main():
 
     print("\n| ratio | " + header + " |")
     print("| --- |" + " ---: |" * (len(devices) * len(SIZES)))
-    peers = {"cpu": ["numpy.empty", "torch.empty"], "cuda": ["torch.empty cached", "torch.empty uncached"]}
+    gpu_peers = ["torch.empty cached", "torch.empty uncached"]
+    peers = {"cpu": ["numpy.empty", "torch.empty"], "cuda": gpu_peers, "metal": gpu_peers}
     for ours in ["dlbridge cached", "dlbridge uncached"]:
         for peer in sorted({p for d in devices for p in peers.get(d.split(":")[0], [])}):
             row = []

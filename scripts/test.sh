@@ -13,6 +13,8 @@ cargo test -p dlbridge --quiet
 
 step "Apple-target check (aarch64-apple-darwin, Metal backend)"
 bash "$ROOT/scripts/apple-check.sh"
+# The Python bindings always ask for the Metal backend: check their Metal paths too.
+bash "$ROOT/scripts/apple-check.sh" -p dlbridge-py --all-targets
 
 step "python -m dlbridge info"
 "$PY" -m dlbridge info

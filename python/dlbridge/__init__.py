@@ -48,13 +48,14 @@ from ._dlbridge import (
     set_cache_limit,
     set_memory_limit,
     storage_mode,
+    synchronize,
     uint8,
     uint16,
     uint32,
     uint64,
     zeros,
 )
-from . import cuda, ops
+from . import cuda, metal, ops
 from ._dlbridge import Kernel
 from .backend import (
     Backend,
@@ -84,6 +85,8 @@ __all__ = [
     "asarray",
     "build_info",
     "cuda",
+    "metal",
+    "synchronize",
     "empty",
     "from_dlpack",
     "full",

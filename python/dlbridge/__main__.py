@@ -14,6 +14,14 @@ def main(argv: "list[str]") -> int:
     print(f"dlbridge {info['version']} (DLPack {major}.{minor})")
     print(f"backends compiled in: {', '.join(info['backends'])}")
     print(f"devices found: {', '.join(info['devices']) or 'none'}")
+    if "metal" in info["backends"]:
+        if dlbridge.metal.is_available():
+            for d in dlbridge.metal.devices():
+                memory = "unified memory" if d["has_unified_memory"] else "discrete memory"
+                print(f"  {d['device']}: {d['name']} ({memory}, default storage "
+                      f"{d['default_storage']}, residency sets {d['residency']})")
+        else:
+            print(f"  metal: {dlbridge.metal.unavailable_reason()}")
     return 0
 
 

@@ -261,6 +261,8 @@ impl PyArray {
                 stream.repr()?
             )));
         }
+        // Metal: our pending GPU work completes before the consumer sees the buffer.
+        crate::metal::export_handoff(py, device)?;
         let dl_device = match dl_device {
             Some(d) if !d.is_none() => Some(device::parse(d)?),
             _ => None,
@@ -310,6 +312,13 @@ impl PyArray {
     #[getter]
     fn device(&self) -> PyResult<PyDevice> {
         Ok(PyDevice(self.tensor()?.device()))
+    }
+
+    /// The buffer's storage mode: `"private"` (device only), `"shared"` (host and device; all
+    /// host memory) or `"managed"`.
+    #[getter]
+    fn storage(&self) -> PyResult<&'static str> {
+        Ok(self.tensor()?.buffer().storage_mode().name())
     }
 
     /// Number of dimensions.
@@ -416,21 +425,35 @@ impl PyArray {
         Ok(PyArray::new(self.tensor()?.broadcast_to(&shape).py()?))
     }
 
-    /// A compact copy in new memory on the same device.
+    /// A compact copy in new memory on the same device (in the same storage mode).
     fn copy(&self) -> PyResult<PyArray> {
-        Ok(PyArray::new(self.tensor()?.copy().py()?))
+        let t = &*self.tensor()?;
+        Ok(PyArray::new(
+            crate::creation::copy_to(t, t.device(), None).py()?,
+        ))
     }
 
-    /// A compact copy on `device` (the array itself when it is already there and `copy` is not
-    /// True).
-    #[pyo3(signature = (device, /, *, copy=None))]
-    fn to(&self, device: &Bound<'_, PyAny>, copy: Option<bool>) -> PyResult<PyArray> {
-        let target = device::parse(device)?;
-        let t = self.tensor()?;
-        if target == t.device() && copy != Some(true) {
+    /// A compact copy on `device`, in `storage` for Metal (the array itself when it is already
+    /// there, in that storage, and `copy` is not True).
+    #[pyo3(signature = (device, /, *, copy=None, storage=None))]
+    fn to(
+        &self,
+        device: &Bound<'_, PyAny>,
+        copy: Option<bool>,
+        storage: Option<&str>,
+    ) -> PyResult<PyArray> {
+        let storage = crate::creation::parse_storage(storage)?;
+        let target = dlbridge::backend::placement(device::parse(device)?, storage).py()?;
+        let t = &*self.tensor()?;
+        let same_storage = storage.is_none_or(|s| {
+            target.kind() != dlbridge::DeviceKind::Metal || s == t.buffer().storage_mode()
+        });
+        if target == t.device() && same_storage && copy != Some(true) {
             return Ok(PyArray::new(t.clone()));
         }
-        Ok(PyArray::new(t.copy_to(target).py()?))
+        Ok(PyArray::new(
+            crate::creation::copy_to(t, target, storage).py()?,
+        ))
     }
 
     /// A copy with elements converted to `dtype` (NumPy's `astype` rules).
@@ -510,7 +533,7 @@ impl PyArray {
         // Another dlbridge array is copied straight across devices (no intermediate copy).
         let src = match value.cast::<PyArray>() {
             Ok(a) if a.get().tensor()?.dtype() == dtype => a.get().tensor()?.clone(),
-            _ => crate::creation::tensor_from(value, Some(dtype), Some(view.device()), None)?,
+            _ => crate::creation::tensor_from(value, Some(dtype), Some(view.device()), None, None)?,
         };
         // SAFETY: as above.
         unsafe { view.copy_from_unchecked(&src) }.py()
@@ -534,6 +557,9 @@ impl PyArray {
             // Pinned or managed memory: NumPy reads it in place once the device is done with it.
             dlbridge::backend::host_barrier(device).py()?;
             slf.clone().into_any()
+        } else if let Some(view) = crate::metal::host_view(tensor)? {
+            // Shared Metal memory: NumPy reads it in place, after the GPU work on it.
+            Bound::new(py, PyArray::new(view))?.into_any()
         } else {
             if copy == Some(false) {
                 return Err(PyValueError::new_err(format!(

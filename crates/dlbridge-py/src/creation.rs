@@ -88,6 +88,25 @@ pub(crate) fn placement(
     Ok((dlbridge::backend::placement(device, storage).py()?, storage))
 }
 
+/// A compact copy of `t` on `device` in `storage` (`None`: the device's default; for a copy within
+/// one Metal device, the source's mode).
+pub(crate) fn copy_to(
+    t: &Tensor,
+    device: Device,
+    storage: Option<StorageMode>,
+) -> dlbridge::Result<Tensor> {
+    let storage = match storage {
+        None if device == t.device() && device.kind() == dlbridge::DeviceKind::Metal => {
+            Some(t.buffer().storage_mode())
+        }
+        storage => storage,
+    };
+    let out = Tensor::allocate(t.shape(), t.dtype(), device, storage, false)?;
+    // SAFETY: `out` is new memory that nothing else references.
+    unsafe { out.copy_from_unchecked(t)? };
+    Ok(out)
+}
+
 /// A new compact array; the dtype defaults to float32 and the device to the CPU. Unless `zeroed`,
 /// the contents are undefined.
 fn allocate(
@@ -181,7 +200,7 @@ pub(crate) fn arange(
         )
     });
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(if all_int { DType::I64 } else { DType::F32 });
-    let (device, _) = placement(device, storage)?;
+    let (device, storage) = placement(device, storage)?;
     let values: Vec<f64>;
     let ints: Vec<i128>;
     let count;
@@ -219,11 +238,23 @@ pub(crate) fn arange(
         };
         convert::write_element(dtype, &v, &mut bytes)?;
     }
-    Ok(PyArray::new(from_bytes(&[count], dtype, &bytes, device)?))
+    Ok(PyArray::new(from_bytes(
+        &[count],
+        dtype,
+        &bytes,
+        device,
+        storage,
+    )?))
 }
 
-/// A compact tensor on `device` holding `bytes` (native order).
-fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8], device: Device) -> PyResult<Tensor> {
+/// A compact tensor on `device` (in `storage`) holding `bytes` (native order).
+fn from_bytes(
+    shape: &[usize],
+    dtype: DType,
+    bytes: &[u8],
+    device: Device,
+    storage: Option<StorageMode>,
+) -> PyResult<Tensor> {
     let mut host = Tensor::empty(&[bytes.len()], DType::U8, Device::CPU).py()?;
     // SAFETY: creation functions run inside Python calls, with the GIL held.
     crate::memory::warn_env_once(unsafe { Python::assume_attached() })?;
@@ -237,17 +268,19 @@ fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8], device: Device) -> Py
     if device.is_cpu() {
         Ok(typed)
     } else {
-        typed.copy_to(device).py()
+        copy_to(&typed, device, storage).py()
     }
 }
 
 /// Converts any supported object to a tensor: a dlbridge array, a DLPack capsule or producer
 /// (zero-copy), a buffer-protocol object (zero-copy), or nested sequences of scalars (copied).
-/// A `dtype` other than the source's converts (a copy).
+/// A `dtype` other than the source's converts (a copy); so does a Metal `storage` mode other than
+/// the source's.
 pub(crate) fn tensor_from(
     obj: &Bound<'_, PyAny>,
     dtype: Option<DType>,
     device: Option<Device>,
+    storage: Option<StorageMode>,
     copy: Option<bool>,
 ) -> PyResult<Tensor> {
     let py = obj.py();
@@ -258,12 +291,22 @@ pub(crate) fn tensor_from(
                 is_copied: false,
             },
             device,
+            storage,
             copy,
         )?)
     } else if obj.is_instance_of::<pyo3::types::PyCapsule>()
         || obj.hasattr(intern!(py, "__dlpack__"))?
     {
-        Some(exchange::from_dlpack(obj, device, copy)?)
+        let t = exchange::from_dlpack(obj, device, copy)?;
+        Some(exchange::finish_import(
+            exchange::Taken {
+                tensor: t,
+                is_copied: copy == Some(true),
+            },
+            None,
+            storage,
+            copy,
+        )?)
     } else if !obj.is_instance_of::<PyList>()
         && !obj.is_instance_of::<PyTuple>()
         && exchange::has_buffer(obj)
@@ -275,6 +318,7 @@ pub(crate) fn tensor_from(
                 is_copied: false,
             },
             device,
+            storage,
             copy,
         )?)
     } else {
@@ -306,7 +350,13 @@ pub(crate) fn tensor_from(
     for leaf in &nested.leaves {
         convert::write_element(dtype, leaf, &mut bytes)?;
     }
-    from_bytes(&nested.shape, dtype, &bytes, device.unwrap_or(Device::CPU))
+    from_bytes(
+        &nested.shape,
+        dtype,
+        &bytes,
+        device.unwrap_or(Device::CPU),
+        storage,
+    )
 }
 
 /// Converts `obj` to a dlbridge array, without copying where possible (array API `asarray`).
@@ -320,11 +370,16 @@ pub(crate) fn asarray(
     storage: Option<&str>,
 ) -> PyResult<PyArray> {
     let dtype = parse_opt_dtype(dtype)?;
-    let device = match storage {
-        None => parse_opt_device(device)?,
-        Some(_) => Some(placement(device, storage)?.0),
+    let (device, storage) = match storage {
+        None => (parse_opt_device(device)?, None),
+        Some(_) => {
+            let (device, storage) = placement(device, storage)?;
+            (Some(device), storage)
+        }
     };
-    Ok(PyArray::new(tensor_from(obj, dtype, device, copy)?))
+    Ok(PyArray::new(tensor_from(
+        obj, dtype, device, storage, copy,
+    )?))
 }
 
 /// Imports any DLPack producer (or capsule) without copying (array API `from_dlpack`).

@@ -188,8 +188,11 @@ pub(crate) fn export<'py>(
     req: ExportRequest,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mut copied: Option<Tensor> = None;
+    let mut viewed: Option<Tensor> = None;
     if let Some(target) = req.dl_device {
-        if target != tensor.device() {
+        // Metal: a host view of shared memory, where no copy is asked for.
+        viewed = crate::metal::export_to_host(tensor, target, req.copy)?;
+        if target != tensor.device() && viewed.is_none() {
             if req.copy == Some(false) {
                 return Err(PyBufferError::new_err(format!(
                     "exporting to {target} needs a copy from {}, but copy=False",
@@ -203,7 +206,7 @@ pub(crate) fn export<'py>(
         copied = Some(tensor.copy().py()?);
     }
     let is_copied = copied.is_some();
-    let tensor = copied.as_ref().unwrap_or(tensor);
+    let tensor = copied.as_ref().or(viewed.as_ref()).unwrap_or(tensor);
     match req.max_version {
         Some((major, minor)) if major >= 1 => {
             let version = if major == 1 {
@@ -243,8 +246,9 @@ pub(crate) fn export<'py>(
 }
 
 /// `from_dlpack` per the array API standard: ask the producer for a versioned capsule (falling back
-/// to the legacy protocol when it does not take keywords), import it zero-copy, then apply `device`
-/// and `copy`.
+/// to the legacy protocol when it does not take keywords), import it zero-copy (a `kDLMetal` tensor
+/// is resolved against its `id<MTLBuffer>`, which copies private memory), then apply `device` and
+/// `copy`.
 pub(crate) fn from_dlpack(
     x: &Bound<'_, PyAny>,
     device: Option<Device>,
@@ -257,15 +261,23 @@ pub(crate) fn from_dlpack(
             tensor: array.get().tensor()?.clone(),
             is_copied: false,
         }
-    } else if x.is_instance_of::<PyCapsule>() {
-        take_capsule(x)?
-    } else if let Some(taken) = crate::exchange_api::take_via_table(x) {
-        taken?
     } else {
-        let capsule = call_dlpack(py, x, device, copy)?;
-        take_capsule(&capsule)?
+        let taken = if x.is_instance_of::<PyCapsule>() {
+            take_capsule(x)?
+        } else if let Some(taken) = crate::exchange_api::take_via_table(x) {
+            taken?
+        } else {
+            let capsule = call_dlpack(py, x, device, copy)?;
+            take_capsule(&capsule)?
+        };
+        // Another device is reached by a copy below, which needs no resolution first.
+        if device.is_some_and(|d| d != taken.tensor.device()) {
+            taken
+        } else {
+            crate::metal::resolve_import(taken, copy)?
+        }
     };
-    finish_import(taken, device, copy)
+    finish_import(taken, device, None, copy)
 }
 
 /// Errors of a DLPack exchange: a device dlbridge cannot reach is, in the array API standard's
@@ -277,25 +289,40 @@ fn exchange_error(err: dlbridge::Error) -> PyErr {
     }
 }
 
-/// Applies the consumer's `device` and `copy` to an imported tensor.
+/// Applies the consumer's `device`, `storage` (a Metal storage mode; other devices name theirs in
+/// the device) and `copy` to an imported tensor.
 pub(crate) fn finish_import(
     taken: Taken,
     device: Option<Device>,
+    storage: Option<StorageMode>,
     copy: Option<bool>,
 ) -> PyResult<Tensor> {
     let Taken { tensor, is_copied } = taken;
     let target = device.unwrap_or_else(|| tensor.device());
-    if target != tensor.device() {
+    let other_storage = target.kind() == dlbridge::DeviceKind::Metal
+        && storage.is_some_and(|s| s != tensor.buffer().storage_mode());
+    if target != tensor.device() || other_storage {
         if copy == Some(false) {
+            let (have, wanted) = match storage {
+                Some(s) if other_storage => (
+                    format!(
+                        "in {} storage on {}",
+                        tensor.buffer().storage_mode(),
+                        tensor.device()
+                    ),
+                    format!("{s} storage on {target}"),
+                ),
+                _ => (format!("on {}", tensor.device()), target.to_string()),
+            };
             return Err(PyBufferError::new_err(format!(
-                "the array is on {} and {target} was asked for, which needs a copy, but copy=False",
-                tensor.device()
+                "the array is {have} and {wanted} was asked for, which needs a copy, but \
+                 copy=False"
             )));
         }
-        return tensor.copy_to(target).map_err(exchange_error);
+        return crate::creation::copy_to(&tensor, target, storage).map_err(exchange_error);
     }
     if copy == Some(true) && !is_copied {
-        return tensor.copy().py();
+        return crate::creation::copy_to(&tensor, target, storage).py();
     }
     Ok(tensor)
 }

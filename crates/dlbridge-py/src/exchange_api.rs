@@ -260,7 +260,10 @@ unsafe extern "C" fn from_py_object(
     // SAFETY: the protocol calls this with the GIL held.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the GIL is held and the caller passes a live object.
-    match unsafe { array_of(py, py_object) } {
+    match unsafe { array_of(py, py_object) }.and_then(|a| {
+        let device = a.get().tensor()?.device();
+        crate::metal::export_handoff(py, device).map(|()| a)
+    }) {
         Ok(array) => match array.get().tensor() {
             Ok(t) => {
                 let managed = t.to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
@@ -278,7 +281,10 @@ unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut D
     // SAFETY: the protocol calls this with the GIL held.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the GIL is held and the caller passes a live object.
-    match unsafe { array_of(py, py_object) } {
+    match unsafe { array_of(py, py_object) }.and_then(|a| {
+        let device = a.get().tensor()?.device();
+        crate::metal::export_handoff(py, device).map(|()| a)
+    }) {
         Ok(array) => match array.get().tensor() {
             // The array is alive while the caller holds `py_object`, and its view never changes
             // (only `Backend.free` can end it, which the caller must not race with its own

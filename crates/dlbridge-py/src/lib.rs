@@ -5,6 +5,7 @@
 //! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
 //! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`exchange`] (capsules are renamed there) |
 //! | exceptions | [`errors`] (the one mapping) |
+//! | `dlbridge.cuda`, `dlbridge.metal` | [`cuda`], [`metal`] (natives the Python modules wrap) |
 
 mod array;
 mod convert;
@@ -17,6 +18,7 @@ mod exchange;
 mod exchange_api;
 mod kernel;
 mod memory;
+mod metal;
 mod ops;
 
 use pyo3::prelude::*;
@@ -35,6 +37,9 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     for i in 0..cuda::_cuda_device_count() {
         devices.push(dlbridge::Device::cuda(i as u32).to_string());
     }
+    for i in 0..dlbridge::backend::metal::device_count() {
+        devices.push(dlbridge::Device::metal(i as u32).to_string());
+    }
     d.set_item("devices", devices)?;
     Ok(d)
 }
@@ -43,6 +48,16 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
 #[pyfunction]
 fn _free(array: &Bound<'_, array::PyArray>) -> PyResult<()> {
     array.get().free()
+}
+
+/// Waits until dlbridge's pending work on `device` has finished (a CUDA device's streams, a Metal
+/// device's command buffers; nothing on the CPU). Raises `RuntimeError` when the device's backend
+/// is not available.
+#[pyfunction]
+fn synchronize(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
+    let device = device::parse(device)?;
+    py.detach(|| dlbridge::backend::synchronize(device))
+        .map_err(errors::to_py)
 }
 
 #[pymodule]
@@ -58,8 +73,10 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(creation::arange, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(_free, m)?)?;
+    m.add_function(wrap_pyfunction!(synchronize, m)?)?;
     cuda::register(m)?;
     memory::register(m)?;
+    metal::register(m)?;
     ops::register(m)?;
     kernel::register(m)?;
     for name in [

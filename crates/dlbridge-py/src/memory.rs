@@ -1,11 +1,15 @@
 //! Memory statistics, cache control, limits and storage modes: `dlbridge.memory_stats`,
 //! `empty_cache`, `reset_peak_memory`, `set_memory_limit`, `set_cache_limit`, `storage_mode`.
 //!
-//! Every function takes a `device` (default `"cpu"`) in any form `dlbridge.Device` accepts.
+//! Every function takes a `device` (default `"cpu"`) in any form `dlbridge.Device` accepts. The pool
+//! functions also take `storage`, for a pool the device alone does not name (a Metal device's
+//! private or managed pool; `None` is the pool of the device's default mode).
+
+use std::sync::Arc;
 
 use std::ffi::CString;
 
-use dlbridge::{Device, StorageMode};
+use dlbridge::{Device, Pool, StorageMode};
 use pyo3::exceptions::{PyRuntimeWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyTuple};
@@ -40,6 +44,15 @@ pub(crate) fn warn_env_once(py: Python<'_>) -> PyResult<()> {
 
 fn device_or_cpu(device: Option<&Bound<'_, PyAny>>) -> PyResult<Device> {
     Ok(parse_opt_device(device)?.unwrap_or(Device::CPU))
+}
+
+/// The pool of `device` (default CPU) for `storage` (`None`: the device's own).
+fn pool_of(
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<&'static Arc<Pool>> {
+    let storage = crate::creation::parse_storage(storage)?;
+    dlbridge::backend::pool_for(device_or_cpu(device)?, storage).py()
 }
 
 /// Reads a limit: `None`, or a non-negative integer number of bytes (an `int`, or an object with
@@ -88,13 +101,14 @@ fn parse_limit(limit: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
 /// `cache_hits`, `cache_misses`, `driver_allocations`, `driver_frees`, `memory_limit` and
 /// `cache_limit` (`None`: no limit).
 #[pyfunction]
-#[pyo3(signature = (device=None), text_signature = "(device='cpu')")]
+#[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn memory_stats<'py>(
     py: Python<'py>,
     device: Option<&Bound<'py, PyAny>>,
+    storage: Option<&str>,
 ) -> PyResult<Bound<'py, PyDict>> {
     warn_env_once(py)?;
-    let s = dlbridge::memory_stats(device_or_cpu(device)?).py()?;
+    let s = pool_of(device, storage)?.stats();
     let d = PyDict::new(py);
     d.set_item("active_bytes", s.active_bytes)?;
     d.set_item("active_blocks", s.active_blocks)?;
@@ -114,46 +128,63 @@ fn memory_stats<'py>(
 
 /// Returns every cached block of the device's pool to the driver; memory in use is untouched.
 #[pyfunction]
-#[pyo3(signature = (device=None), text_signature = "(device='cpu')")]
-fn empty_cache(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    let device = device_or_cpu(device)?;
+#[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
+fn empty_cache(
+    py: Python<'_>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<()> {
+    let pool = pool_of(device, storage)?;
     // Large blocks take a while to unmap; let other threads run meanwhile.
-    py.detach(|| dlbridge::empty_cache(device)).py()
+    py.detach(|| pool.clear_cache());
+    Ok(())
 }
 
 /// Restarts `peak_active_bytes` from the current `active_bytes`.
 #[pyfunction]
-#[pyo3(signature = (device=None), text_signature = "(device='cpu')")]
-fn reset_peak_memory(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    dlbridge::reset_peak_memory(device_or_cpu(device)?).py()
+#[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
+fn reset_peak_memory(device: Option<&Bound<'_, PyAny>>, storage: Option<&str>) -> PyResult<()> {
+    pool_of(device, storage)?.reset_peak();
+    Ok(())
 }
 
 /// Limits the bytes in use on the device (`None`: no limit). An allocation that would pass it
 /// raises `MemoryError`; a negative or impossibly large limit raises `ValueError`.
 #[pyfunction]
-#[pyo3(signature = (limit, /, device=None), text_signature = "(limit, /, device='cpu')")]
-fn set_memory_limit(limit: &Bound<'_, PyAny>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+#[pyo3(
+    signature = (limit, /, device=None, *, storage=None),
+    text_signature = "(limit, /, device='cpu', *, storage=None)"
+)]
+fn set_memory_limit(
+    limit: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<()> {
     let limit = parse_limit(limit)?;
-    dlbridge::set_memory_limit(device_or_cpu(device)?, limit).py()
+    pool_of(device, storage)?.set_memory_limit(limit).py()
 }
 
 /// Limits the bytes the device's pool keeps cached (`None`: no limit, `0`: no caching); cached
 /// blocks beyond it go back to the driver, least recently used first.
 #[pyfunction]
-#[pyo3(signature = (limit, /, device=None), text_signature = "(limit, /, device='cpu')")]
+#[pyo3(
+    signature = (limit, /, device=None, *, storage=None),
+    text_signature = "(limit, /, device='cpu', *, storage=None)"
+)]
 fn set_cache_limit(
     py: Python<'_>,
     limit: &Bound<'_, PyAny>,
     device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
 ) -> PyResult<()> {
     let limit = parse_limit(limit)?;
-    let device = device_or_cpu(device)?;
-    py.detach(|| dlbridge::set_cache_limit(device, limit)).py()
+    let pool = pool_of(device, storage)?;
+    py.detach(|| pool.set_cache_limit(limit)).py()
 }
 
 /// `(mode, source)`: the storage mode (`"private"`, `"shared"`, `"managed"`) allocations on the
-/// device get, and where it came from (`"default"`, `"environment"` for
-/// `DLBRIDGE_STORAGE_MODE`, `"explicit"`). With `requested`, the answer for an allocation that
+/// device get, and where it came from (`"default"`, `"environment"` for `DLBRIDGE_STORAGE_MODE`
+/// or, on Metal devices, `DLBRIDGE_METAL_STORAGE_MODE`, `"explicit"`). With `requested`, the answer for an allocation that
 /// asks for that mode. On the CPU the mode is always `"shared"`.
 #[pyfunction]
 #[pyo3(signature = (device=None, requested=None), text_signature = "(device='cpu', requested=None)")]

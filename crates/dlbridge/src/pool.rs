@@ -34,6 +34,11 @@
 //!   and the oldest fenced one is taken when none is ready);
 //! - with no stream only when the fence is complete (there is no stream to make wait).
 //!
+//! A fence may say that no stream orders its block ([`Fence::stream_ordered`] is `false`): memory
+//! the host touches as soon as it is handed out (Metal's shared and managed buffers) is reused
+//! only once its fence is complete, on any stream; a request that finds no such block gets a new
+//! one from the driver.
+//!
 //! Before a block whose fence is not complete goes back to the driver, [`Fence::synchronize`]
 //! waits for the fenced work. Fence methods run with the pool's lock held: they must be quick and
 //! must not call into the pool.
@@ -113,6 +118,14 @@ pub trait Fence: Send + Sync {
     /// # Errors
     /// The driver's error; the pool records it ([`Pool::take_error`]) and frees the block anyway.
     fn synchronize(&self) -> Result<()>;
+    /// Whether stream order protects the block: a request on the fence's own stream may take it
+    /// at once, and one on another stream after [`order_before`](Fence::order_before). `false`
+    /// where the host may touch the memory as soon as it is handed out, before any stream runs
+    /// (Metal's shared and managed buffers): the block is then reused only once the fence is
+    /// complete. The default is `true`.
+    fn stream_ordered(&self) -> bool {
+        true
+    }
 }
 
 /// What a backend supplies to a [`Pool`]: uncached allocation and release of device memory.
@@ -258,17 +271,27 @@ impl State {
         };
         let ready = list.iter().rposition(|block| match &block.fence {
             None => true,
-            Some(fence) => stream == Some(fence.stream()) || fence.is_complete(),
-        });
-        let index = match (ready, stream, list.first()) {
-            (Some(index), _, _) => index,
-            (None, Some(stream), Some(oldest)) => {
-                if let Some(fence) = &oldest.fence {
-                    fence.order_before(stream)?;
-                }
-                0
+            Some(fence) => {
+                (stream == Some(fence.stream()) && fence.stream_ordered()) || fence.is_complete()
             }
-            _ => return Ok(None),
+        });
+        // Else the oldest block that stream order protects, once `stream` waits for its work.
+        let orderable = || {
+            list.iter()
+                .position(|b| b.fence.as_ref().is_none_or(|f| f.stream_ordered()))
+        };
+        let index = match (ready, stream) {
+            (Some(index), _) => index,
+            (None, Some(stream)) => match orderable() {
+                Some(index) => {
+                    if let Some(fence) = &list[index].fence {
+                        fence.order_before(stream)?;
+                    }
+                    index
+                }
+                None => return Ok(None),
+            },
+            (None, None) => return Ok(None),
         };
         Ok(self.remove_cached(size, index))
     }

@@ -6,7 +6,7 @@
 //! | CPU | `shared` | every request is reported as `shared`: host memory is shared memory |
 //! | CUDA | `private` | `private` (device memory), `shared` (pinned host memory), `managed` |
 //! | CUDA host / CUDA managed | `shared` / `managed` | the device kind names the mode; another explicit mode is an error |
-//! | Metal | `shared` | `private`, `shared`, `managed` |
+//! | Metal | `shared` on unified memory, `private` on discrete GPUs; `DLBRIDGE_METAL_STORAGE_MODE` comes before this variable ([`backend::metal::storage`](crate::backend::metal::storage)) | `private`, `shared`, `managed` (macOS) |
 //!
 //! # The environment variable
 //! `DLBRIDGE_STORAGE_MODE` is read once, the first time a storage mode is resolved, and the answer

@@ -43,6 +43,14 @@ fn iota_f32(n: usize) -> Vec<f32> {
     (0..n).map(|i| i as f32 * 0.5 - 7.0).collect()
 }
 
+/// Returns every cached block of the device's pools to Metal (cached blocks stay allocated, and
+/// in the residency set).
+fn empty_pools(device: Device) {
+    for mode in modes() {
+        metal::pool(device, Some(mode)).unwrap().clear_cache();
+    }
+}
+
 /// A Metal tensor holding `data` in `shape`, in `storage`.
 fn on_metal(device: Device, data: &[f32], shape: &[usize], storage: StorageMode) -> Tensor {
     let host = Tensor::from_slice(data, shape).unwrap();
@@ -89,7 +97,10 @@ fn devices_are_discovered() {
     if cfg!(target_arch = "aarch64") && info.has_unified_memory {
         assert_eq!(info.page_size, 16 * 1024, "Apple silicon pages are 16 KiB");
     }
-    if std::env::var_os(metal::storage::STORAGE_MODE_ENV).is_none() {
+    let no_env = [metal::storage::STORAGE_MODE_ENV, dlbridge::storage::ENV_VAR]
+        .iter()
+        .all(|var| std::env::var_os(var).is_none());
+    if no_env {
         let expected = if info.has_unified_memory {
             StorageMode::Shared
         } else {
@@ -348,6 +359,8 @@ fn residency_follows_our_allocations() {
     let count = || metal::residency_allocation_count(device).unwrap();
     match info.residency {
         ResidencyStatus::Enabled => {
+            // Cached pool blocks stay in the set: start, and check, with empty caches.
+            empty_pools(device);
             metal::synchronize(device).unwrap();
             let before = count().unwrap();
             let a = metal::allocate(device, 1 << 16, Some(StorageMode::Private), false).unwrap();
@@ -370,6 +383,7 @@ fn residency_follows_our_allocations() {
             assert_eq!(count(), Some(before + 2));
             drop(shared);
             drop((a, b));
+            empty_pools(device);
             metal::synchronize(device).unwrap();
             assert_eq!(count(), Some(before), "released buffers left the set");
             // Asked for, the foreign buffer joins, and leaves with the import.
@@ -390,6 +404,7 @@ fn residency_follows_our_allocations() {
             .unwrap();
             assert_eq!(count(), Some(before + 2), "ours and the registered import");
             drop((registered, t));
+            empty_pools(device);
             metal::synchronize(device).unwrap();
             assert_eq!(count(), Some(before));
         }
@@ -399,6 +414,136 @@ fn residency_follows_our_allocations() {
             assert_eq!(count(), None);
         }
         ResidencyStatus::Unsupported | ResidencyStatus::Failed(_) => assert_eq!(count(), None),
+    }
+}
+
+#[test]
+fn allocations_come_from_the_pool_and_are_rezeroed() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    for mode in modes() {
+        let pool = metal::pool(device, Some(mode)).unwrap();
+        assert_eq!((pool.device(), pool.storage_mode()), (device, mode));
+        metal::synchronize(device).unwrap();
+        let host = Tensor::from_slice(&[7u8; 10_000], &[10_000]).unwrap();
+        let a = metal::copy_to(&host, device, Some(mode)).unwrap();
+        let handle = a.buffer().handle();
+        drop(a);
+        let before = pool.stats();
+        // A private block is reused in queue order; a shared one was written by the host only.
+        let b = metal::allocate(device, 10_000, Some(mode), true).unwrap();
+        assert_eq!(b.handle(), handle, "{mode}");
+        let after = pool.stats();
+        assert_eq!(after.cache_hits, before.cache_hits + 1, "{mode}");
+        assert_eq!(
+            after.driver_allocations, before.driver_allocations,
+            "{mode}"
+        );
+        let t = Tensor::new(
+            b,
+            DType::U8,
+            dlbridge::Layout::contiguous(&[10_000]).unwrap(),
+        )
+        .unwrap();
+        assert!(
+            read::<u8>(&t).iter().all(|&x| x == 0),
+            "{mode}: zeroed again"
+        );
+    }
+    // `metal:N` names the pool of the default mode; `pool_for` reaches the others.
+    let default = metal::device_info(device).unwrap().default_storage;
+    let default_pool = metal::pool(device, Some(default)).unwrap();
+    assert!(Arc::ptr_eq(
+        metal::pool(device, None).unwrap(),
+        default_pool
+    ));
+    assert_eq!(
+        dlbridge::memory_stats(device).unwrap(),
+        default_pool.stats()
+    );
+    assert!(Arc::ptr_eq(
+        dlbridge::backend::pool_for(device, Some(StorageMode::Private)).unwrap(),
+        metal::pool(device, Some(StorageMode::Private)).unwrap()
+    ));
+    assert_eq!(
+        dlbridge::backend::resolve_storage(device, None)
+            .unwrap()
+            .mode,
+        default
+    );
+    assert!(
+        default_pool.stats().cache_limit.is_some(),
+        "a default cache limit"
+    );
+}
+
+#[test]
+fn host_visible_blocks_wait_for_their_gpu_work() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let src = on_metal(device, &iota_f32(1024), &[1024], StorageMode::Private);
+    for mode in modes() {
+        metal::synchronize(device).unwrap();
+        let pool = metal::pool(device, Some(mode)).unwrap();
+        // A blit into `dst` is encoded, not committed, when `dst` is released.
+        let dst = metal::copy_to(&src, device, Some(mode)).unwrap();
+        let handle = dst.buffer().handle();
+        drop(dst);
+        let hits = pool.stats().cache_hits;
+        let next = metal::allocate(device, 4096, Some(mode), false).unwrap();
+        if mode == StorageMode::Private {
+            assert_eq!(next.handle(), handle, "the queue orders private reuse");
+            assert_eq!(pool.stats().cache_hits, hits + 1);
+        } else {
+            assert_ne!(next.handle(), handle, "{mode}: the blit may still write it");
+        }
+        drop(next);
+        metal::synchronize(device).unwrap();
+        // Complete now: every mode takes a cached block.
+        let hits = pool.stats().cache_hits;
+        let again = metal::allocate(device, 4096, Some(mode), false).unwrap();
+        assert_eq!(pool.stats().cache_hits, hits + 1, "{mode}");
+        drop(again);
+    }
+    // Foreign buffers never enter a pool.
+    let producer = on_metal(device, &iota_f32(64), &[64], StorageMode::Shared);
+    let pool = metal::pool(device, Some(StorageMode::Shared)).unwrap();
+    let before = pool.stats();
+    let imported =
+        metal::import_foreign(through_dlpack(&producer), ImportOptions::default()).unwrap();
+    drop(imported);
+    assert_eq!(pool.stats(), before);
+}
+
+#[test]
+fn host_views_of_shared_memory() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let t = on_metal(device, &iota_f32(12), &[3, 4], StorageMode::Shared);
+    let row = t.index(0, 1).unwrap();
+    let view = metal::host_view(&row).unwrap();
+    assert_eq!(view.device(), Device::CPU);
+    assert_eq!(view.as_slice::<f32>().unwrap(), &iota_f32(12)[4..8]);
+    let contents = t.buffer().host_ptr().unwrap().as_ptr() as usize;
+    assert_eq!(
+        view.as_slice::<f32>().unwrap().as_ptr() as usize,
+        contents + 16,
+        "the same bytes"
+    );
+    let private = metal::copy_to(&t, device, Some(StorageMode::Private)).unwrap();
+    assert!(matches!(
+        metal::host_view(&private),
+        Err(Error::NotHostAccessible { .. })
+    ));
+    if MANAGED_AVAILABLE {
+        let managed = metal::copy_to(&t, device, Some(StorageMode::Managed)).unwrap();
+        assert!(matches!(
+            metal::host_view(&managed),
+            Err(Error::CopyRequired(_))
+        ));
     }
 }
 

@@ -36,6 +36,8 @@ enum Event {
 struct FenceState {
     complete: AtomicBool,
     fail_order: AtomicBool,
+    /// The host may touch the block at once: no stream orders its reuse.
+    unordered: AtomicBool,
 }
 
 #[derive(Default)]
@@ -153,6 +155,10 @@ impl Fence for TestFence {
             .push(Event::Sync(self.stream));
         self.state.complete.store(true, Ordering::SeqCst);
         Ok(())
+    }
+
+    fn stream_ordered(&self) -> bool {
+        !self.state.unordered.load(Ordering::SeqCst)
     }
 }
 
@@ -736,6 +742,47 @@ fn a_failed_wait_fails_the_allocation_and_keeps_the_block() {
         addr(&pool.allocate(MIB, Some(STREAM_B), false).unwrap()),
         address
     );
+}
+
+#[test]
+fn blocks_no_stream_orders_wait_for_their_fence_on_every_stream() {
+    let (pool, shared, state) = fenced_pool();
+    state.unordered.store(true, Ordering::SeqCst);
+    let block = pool.allocate(MIB, Some(STREAM_A), false).unwrap();
+    let address = addr(&block);
+    drop(block);
+    shared.clear_log();
+    // Neither its own stream nor another takes it early, and nobody is made to wait for it.
+    let a = pool.allocate(MIB, Some(STREAM_A), false).unwrap();
+    let b = pool.allocate(MIB, Some(STREAM_B), false).unwrap();
+    assert!(addr(&a) != address && addr(&b) != address);
+    assert_eq!(shared.log(), vec![Event::Alloc(MIB), Event::Alloc(MIB)]);
+    assert_eq!(pool.stats().cache_hits, 0);
+    // Complete, it is the first choice of any stream.
+    state.complete.store(true, Ordering::SeqCst);
+    shared.clear_log();
+    let again = pool.allocate(MIB, Some(STREAM_B), false).unwrap();
+    assert_eq!(addr(&again), address);
+    assert_eq!(shared.log(), vec![]);
+}
+
+#[test]
+fn a_stream_ordered_block_is_taken_behind_an_unordered_one() {
+    let (pool, shared) = test_pool();
+    let host = Arc::new(FenceState::default());
+    host.unordered.store(true, Ordering::SeqCst);
+    let queued = Arc::new(FenceState::default());
+    let x = pool.allocate(MIB, Some(STREAM_A), false).unwrap();
+    let y = pool.allocate(MIB, Some(STREAM_A), false).unwrap();
+    let queued_addr = addr(&y);
+    *shared.pending.lock().unwrap() = Some(Arc::clone(&host));
+    drop(x); // the oldest, but no stream may wait for it
+    *shared.pending.lock().unwrap() = Some(Arc::clone(&queued));
+    drop(y);
+    shared.clear_log();
+    let got = pool.allocate(MIB, Some(STREAM_B), false).unwrap();
+    assert_eq!(addr(&got), queued_addr);
+    assert_eq!(shared.log(), vec![Event::Order(STREAM_A, STREAM_B)]);
 }
 
 #[test]

@@ -87,14 +87,42 @@ fn cuda_kind_for(device: Device, storage: Option<StorageMode>) -> Result<Device>
 }
 
 /// Waits until the host may read or write `device`'s memory: a no-op except for the host-visible
-/// CUDA kinds (pinned and managed memory), whose pending device work is waited for.
+/// CUDA kinds (pinned and managed memory) and Metal devices (shared and managed buffers), whose
+/// pending device work is waited for.
 pub fn host_barrier(device: Device) -> Result<()> {
+    if device.kind() == DeviceKind::Metal {
+        return metal::synchronize(device);
+    }
     #[cfg(cuda)]
     return cuda::host_barrier(device);
     #[cfg(not(cuda))]
     {
         let _ = device;
         Ok(())
+    }
+}
+
+/// Waits until dlbridge's pending work on `device` has finished: the CUDA device's work (all its
+/// streams), or the Metal device's command buffers (committing the open one first). A no-op on the
+/// CPU.
+///
+/// # Errors
+/// [`Error::BackendUnavailable`] for a backend not in this build or without devices; the
+/// driver's error (for Metal, GPU errors recorded since the last synchronization);
+/// [`Error::UnsupportedDevice`] for devices dlbridge has no backend for.
+pub fn synchronize(device: Device) -> Result<()> {
+    match device.kind() {
+        DeviceKind::Cpu => Ok(()),
+        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
+            #[cfg(cuda)]
+            return cuda::synchronize(device.index() as i32);
+            #[cfg(not(cuda))]
+            return Err(unavailable("CUDA"));
+        }
+        DeviceKind::Metal => metal::synchronize(device),
+        DeviceKind::Other(_) => Err(Error::UnsupportedDevice(format!(
+            "dlbridge has no work on {device} to wait for"
+        ))),
     }
 }
 
@@ -218,6 +246,7 @@ pub(crate) fn launch_cuda_kernel(
 }
 
 fn no_compute(device: Device) -> Error {
+    #[cfg(not(cuda))]
     if device.kind().is_cuda() {
         return unavailable("CUDA");
     }
@@ -226,7 +255,8 @@ fn no_compute(device: Device) -> Error {
 
 /// The pool that serves allocations on `device` when nothing asks for a storage mode. CUDA device
 /// kinds name a mode each, so `cuda:N`, `cuda_host:N` and `cuda_managed:N` will name the private,
-/// shared and managed pools of device `N`.
+/// shared and managed pools of device `N`; `metal:N` names the pool of the device's default mode
+/// ([`metal::resolve_storage`]).
 fn pool(device: Device) -> Result<&'static Arc<Pool>> {
     match device.kind() {
         DeviceKind::Cpu => Ok(cpu::pool()),
@@ -238,8 +268,30 @@ fn pool(device: Device) -> Result<&'static Arc<Pool>> {
         DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
             Err(unavailable("CUDA"))
         }
-        DeviceKind::Metal => Err(unavailable("Metal")),
+        // One pool per (device index, storage mode), as for CUDA; the device names no mode.
+        DeviceKind::Metal => metal::pool(device, None),
         DeviceKind::Other(_) => Err(no_memory_of_ours(device)),
+    }
+}
+
+/// The pool that serves allocations on `device` in `storage`: `None` gives the pool
+/// [`memory_stats`] and friends use for `device`; a mode picks the CUDA kind as [`placement`]
+/// does, or one of a Metal device's pools (the CPU has one pool, whatever the mode). Use it for
+/// the figures and limits of a pool the device alone does not name, such as a Metal device's
+/// private pool.
+///
+/// # Errors
+/// As [`memory_stats`], and [`Error::InvalidArgument`] for a mode that conflicts with the device
+/// or that the OS lacks (managed Metal storage outside macOS).
+pub fn pool_for(device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>> {
+    match (device.kind(), storage) {
+        (_, None) => pool(device),
+        (DeviceKind::Metal, storage) => metal::pool(device, storage),
+        (DeviceKind::Cpu, storage) => {
+            storage::resolve(DeviceKind::Cpu, storage)?;
+            pool(device)
+        }
+        (_, storage) => pool(placement(device, storage)?),
     }
 }
 
@@ -309,10 +361,15 @@ pub fn storage_mode(device: Device) -> Result<Resolved> {
 /// # Errors
 /// As [`memory_stats`], and as [`storage::resolve`].
 pub fn resolve_storage(device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
+    if device.kind() == DeviceKind::Metal {
+        // The default depends on the device (unified memory or not) and on its own variable.
+        return metal::resolve_storage(device, requested);
+    }
     pool(device)?;
     storage::resolve(device.kind(), requested)
 }
 
+#[cfg(not(cuda))]
 fn unavailable(backend: &'static str) -> Error {
     Error::BackendUnavailable {
         backend,

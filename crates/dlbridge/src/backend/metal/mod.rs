@@ -5,18 +5,20 @@
 //! | --- | --- | --- |
 //! | device | [`Device::metal`]`(i)`, [`devices`] | `id<MTLDevice>`: index 0 is the system default, then the rest of `MTLCopyAllDevices()` |
 //! | allocation | [`allocate`] → [`Buffer`] (handle = `id<MTLBuffer>`, host = `contents()` unless private) | `newBufferWithLength:options:` |
-//! | raw allocation (for a caching pool) | `runtime::MetalAllocator` / `runtime::RawBuffer` | the same, without a [`Buffer`] around it |
-//! | storage mode | [`StorageMode`], `DLBRIDGE_METAL_STORAGE_MODE` ([`storage`]) | `MTLStorageMode{Private,Shared,Managed}` |
+//! | caching pool | [`pool`]: one [`Pool`] per (device, storage mode) over `runtime::MetalAllocator` / `runtime::RawBuffer`, fenced by command-buffer serials ([`fence`]) | buffers kept allocated (and resident) for reuse |
+//! | storage mode | [`StorageMode`], [`resolve_storage`], `DLBRIDGE_METAL_STORAGE_MODE` ([`storage`]) | `MTLStorageMode{Private,Shared,Managed}` |
 //! | foreign tensor in | [`import_foreign`], decided by [`import::plan_import`] | share a retained `id<MTLBuffer>`, or blit it |
-//! | our tensor out | [`Tensor::to_dlpack_versioned`]: `data` = `id<MTLBuffer>`, offset in `byte_offset` | — |
+//! | our tensor out | [`Tensor::to_dlpack_versioned`]: `data` = `id<MTLBuffer>`, offset in `byte_offset` (after [`synchronize`]) | — |
+//! | host view of shared memory | [`host_view`]: a CPU tensor over `contents()` | — |
 //! | host pages, no copy | [`wrap_host`] → [`HostRegion`], arithmetic in [`pages`] | `newBufferWithBytesNoCopy:length:options:deallocator:` |
 //! | copies | [`copy_to`], [`copy_from`]: blits, or the strided-copy kernel ([`kernel`]) | blit and compute encoders |
-//! | ordering | [`synchronize`]; batching in [`batch`] | one `MTLCommandQueue` per device, command buffers committed in batches |
+//! | ordering | [`synchronize`]; batching in [`batch`]; completion in [`fence::Progress`] | one `MTLCommandQueue` per device, command buffers committed in batches, completion handlers |
 //! | residency | automatic for dlbridge's allocations; staging in [`residency`] | `MTLResidencySet` (macOS 15+), attached to the queue |
 //!
 //! # What is platform-free
 //! The decisions — storage-mode resolution, import plans, residency staging, command-buffer serials,
-//! page rounding and splitting, the copy kernel's plan and index arithmetic — live in plain Rust
+//! when a pooled block may be reused, page rounding and splitting, the copy kernel's plan and index
+//! arithmetic — live in plain Rust
 //! modules that compile and are unit-tested on every host. Only `runtime` (compiled with feature
 //! `metal` on Apple targets, `cfg(metal)`) talks to Metal, and executes those decisions. Elsewhere
 //! the functions below keep their signatures and answer [`Error::BackendUnavailable`].
@@ -26,10 +28,35 @@
 //! writing, and before another framework is handed a buffer (DLPack has no stream for Metal), call
 //! [`synchronize`]; copies that end on the host ([`copy_to`] a CPU device, imports that copy) do so
 //! themselves. Symmetrically, a producer must have finished its own GPU work before its tensor is
-//! imported (`torch.mps.synchronize()`, `mx.eval(...)`).
+//! imported (`torch.mps.synchronize()`, `mx.eval(...)`). dlbridge's own host access waits by
+//! itself: [`Tensor::as_slice`] and friends call [`synchronize`] first (through
+//! [`backend::host_barrier`](crate::backend::host_barrier)), and so do [`host_view`] and the copies.
+//!
+//! # The caching pool
+//! [`allocate`] takes its memory from [`pool`]`(device, storage)`, one [`Pool`] per device and
+//! storage mode ([`crate::pool`] describes rounding, limits and statistics;
+//! [`crate::backend::memory_stats`] and friends reach the pool of the device's default mode,
+//! [`crate::backend::pool_for`] any of them). Released buffers stay allocated, and resident, in the
+//! cache. A block released while dlbridge's GPU work may still use it is fenced with the serial
+//! of the last command buffer encoded so far ([`fence`]): a private block is reused at once (the
+//! queue runs the old work first), a shared or managed one only after that serial completed (the
+//! host may write it as soon as it is handed out). Requests for zero-filled memory are zeroed also
+//! when the block comes from the cache (`memset`, or a GPU fill for private storage). Each pool
+//! caches at most a quarter of the device's recommended working set unless told otherwise. Foreign
+//! buffers ([`import_foreign`], [`wrap_host`]) never enter a pool.
+//!
+//! # Python
+//! The `dlbridge` package wires this up (crates/dlbridge-py): `device="metal"` / `"metal:N"` and
+//! `storage=` in the creation functions and `Array.to`; `Array.storage`; `from_dlpack` of a
+//! `kDLMetal` tensor (PyTorch MPS, MLX) through [`import_foreign`]; `Array.__dlpack__`
+//! synchronizes first and, asked for `dl_device=(kDLCPU, 0)`, hands out a [`host_view`] of shared
+//! memory or else a host copy; `dlbridge.synchronize("metal")`; the `dlbridge.metal` module
+//! (availability, devices, residency); `memory_stats(..., storage=)` and friends. Without the
+//! backend each of these raises `RuntimeError("Metal backend not available: ...")`.
 
 pub mod batch;
 pub(crate) mod compute;
+pub mod fence;
 pub mod import;
 pub mod kernel;
 pub mod pages;
@@ -51,10 +78,12 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, StorageMode};
-use crate::device::Device;
+use crate::device::{Device, DeviceKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::pool::Pool;
+use crate::storage::Resolved;
 use crate::tensor::Tensor;
 
 /// What dlbridge found out about one Metal device.
@@ -232,11 +261,11 @@ pub fn device_info(device: Device) -> Result<DeviceInfo> {
     imp::device_info(device)
 }
 
-/// Allocates `bytes` on a Metal device in `storage` (`None`: the device default), zero-filled when
-/// `zeroed`: by `memset` for shared and managed buffers (then `didModifyRange:` for managed), by a
-/// GPU blit fill for private ones. (Apple's reference page for `newBufferWithLength:options:` says
-/// it clears new buffers; dlbridge zeroes explicitly anyway, so that zeroing does not depend on
-/// which allocator — Metal's, or a caching pool's recycled buffers — answered.)
+/// Allocates `bytes` on a Metal device in `storage` (`None`: the device default) from the
+/// device's caching [`pool`] for that mode, zero-filled when `zeroed`: by `memset` for shared and
+/// managed buffers (then `didModifyRange:` for managed), by a GPU blit fill for private ones.
+/// (Apple's reference page for `newBufferWithLength:options:` says it clears new buffers; dlbridge
+/// zeroes explicitly anyway, since a recycled buffer holds its last user's bytes.)
 pub fn allocate(
     device: Device,
     bytes: usize,
@@ -250,6 +279,91 @@ pub fn allocate(
 /// the last call. Cheap when nothing is pending.
 pub fn synchronize(device: Device) -> Result<()> {
     imp::synchronize(device)
+}
+
+/// The caching pool that serves allocations on `device` in `storage` (`None`: the device's
+/// default mode), made on first use.
+///
+/// # Errors
+/// [`Error::BackendUnavailable`] without the backend or a device; [`Error::UnsupportedDevice`] for
+/// a device index beyond the machine's; [`Error::InvalidArgument`] for managed storage where the
+/// OS has none.
+pub fn pool(device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>> {
+    imp::pool(device, storage)
+}
+
+/// The storage mode an allocation on `device` asking for `requested` gets, and where that came
+/// from ([`storage::resolve_with_source`]: the request, `DLBRIDGE_METAL_STORAGE_MODE`,
+/// `DLBRIDGE_STORAGE_MODE`, else shared on unified memory and private elsewhere).
+pub fn resolve_storage(device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
+    imp::resolve_storage(device, requested)
+}
+
+/// A CPU view of a Metal view in shared storage: the same bytes, through the buffer's
+/// `contents()`, for a host consumer (NumPy through DLPack with `dl_device=(kDLCPU, 0)`). The
+/// device is synchronized first, so dlbridge's GPU work on the bytes is complete; the view keeps
+/// the Metal buffer alive and is as read-only as `t`.
+///
+/// # Errors
+/// [`Error::NotHostAccessible`] for private storage (and for foreign Metal memory not resolved by
+/// [`import_foreign`]); [`Error::CopyRequired`] for managed storage, whose host writes Metal must
+/// be told of (`didModifyRange:`), which a host consumer does not do: copy those instead
+/// ([`copy_to`] the CPU); [`Error::InvalidArgument`] when `t` is not on a Metal device.
+pub fn host_view(t: &Tensor) -> Result<Tensor> {
+    let device = t.device();
+    if device.kind() != DeviceKind::Metal {
+        return Err(Error::InvalidArgument(format!(
+            "a host view of Metal memory, but the array is on {device}"
+        )));
+    }
+    let buffer = t.buffer();
+    match (buffer.storage_mode(), buffer.host_ptr()) {
+        (StorageMode::Shared, Some(_)) => {}
+        (StorageMode::Managed, Some(_)) => {
+            return Err(Error::CopyRequired(format!(
+                "the {device} buffer has managed storage, whose host writes Metal must be told of \
+                 (didModifyRange:); it reaches the host as a copy"
+            )));
+        }
+        (mode, _) => {
+            return Err(Error::NotHostAccessible {
+                device,
+                what: format!("a host view of {mode} storage (copy it to the CPU instead)"),
+            });
+        }
+    }
+    synchronize(device)?;
+    host_alias(t)
+}
+
+/// The same bytes as `t` (a Metal view of host-visible memory), as a CPU view over the buffer's
+/// `contents()`, so that host code copies them with the CPU's strided copy. No synchronization
+/// and no storage-mode rules: the caller waits for the GPU, and announces host writes into
+/// managed memory ([`host_wrote`]).
+pub(crate) fn host_alias(t: &Tensor) -> Result<Tensor> {
+    let buffer = t.buffer();
+    let host = buffer.require_host("a host view of Metal memory")?;
+    // SAFETY: `host` is the `contents()` of the Metal buffer (a Metal `Buffer` has a host address
+    // only for shared and managed storage): `buffer.len()` bytes the host may read (and write,
+    // unless the buffer is read-only), valid while the Metal buffer lives, which the clone of
+    // `buffer` given as the owner ensures.
+    let cpu = unsafe {
+        Buffer::from_foreign(
+            host.as_ptr().cast(),
+            host.as_ptr(),
+            buffer.len(),
+            Device::CPU,
+            StorageMode::Shared,
+            buffer.is_read_only(),
+            Box::new(buffer.clone()),
+        )
+    };
+    let view = Tensor::with_packing(cpu, t.dtype(), t.layout().clone(), t.is_packed())?;
+    Ok(if t.is_read_only() {
+        view.into_read_only()
+    } else {
+        view
+    })
 }
 
 /// Resolves a foreign `kDLMetal` tensor, as [`Tensor::from_dlpack_versioned`] imported it
@@ -362,6 +476,37 @@ mod tests {
         }
     }
 
+    /// A Metal tensor as an importer holds it before [`import_foreign`] resolves it: an opaque
+    /// handle, no host address.
+    fn opaque_metal(storage: StorageMode) -> Tensor {
+        // SAFETY: the handle is never dereferenced: no host address is given, and nothing here
+        // reaches a Metal runtime.
+        let buffer = unsafe {
+            Buffer::from_foreign(
+                std::ptr::without_provenance_mut(0x1000),
+                std::ptr::null_mut(),
+                64,
+                Device::metal(0),
+                storage,
+                false,
+                Box::new(()),
+            )
+        };
+        Tensor::new(buffer, DType::F32, Layout::contiguous(&[4]).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn host_views_need_shared_host_visible_memory() {
+        let cpu = Tensor::zeros(&[2], DType::F32, Device::CPU).unwrap();
+        assert!(matches!(host_view(&cpu), Err(Error::InvalidArgument(_))));
+        for storage in [StorageMode::Private, StorageMode::Shared] {
+            let err = host_view(&opaque_metal(storage)).unwrap_err();
+            assert!(matches!(err, Error::NotHostAccessible { .. }), "{err}");
+        }
+        let err = host_view(&opaque_metal(StorageMode::Managed)).unwrap_err();
+        assert!(matches!(err, Error::NotHostAccessible { .. }), "{err}");
+    }
+
     #[cfg(not(metal))]
     #[test]
     fn compiled_out_backend_answers_unavailable() {
@@ -385,6 +530,12 @@ mod tests {
                 ),
                 "{err}"
             );
+        }
+        for result in [
+            pool(Device::metal(0), None).map(|_| ()),
+            resolve_storage(Device::metal(0), Some(StorageMode::Private)).map(|_| ()),
+        ] {
+            assert!(matches!(result, Err(Error::BackendUnavailable { .. })));
         }
         // The seam in `backend` answers the same.
         let err = crate::backend::allocate(Device::metal(0), 16, None, false).unwrap_err();

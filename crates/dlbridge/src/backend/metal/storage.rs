@@ -15,15 +15,18 @@
 //! # Default mode
 //! `DLBRIDGE_METAL_STORAGE_MODE` (`private`, `shared` or `managed`, any case) picks the mode of
 //! allocations that do not name one. It is read once per process; an unknown value, or `managed`
-//! where the OS has no managed mode, is reported with a warning and ignored. Unset, the default is
-//! `shared` on unified-memory devices (the memory other frameworks — MLX, PyTorch MPS — can share
-//! without copies, and the host can read) and `private` on discrete GPUs (where shared memory
-//! lives across the PCIe bus).
+//! where the OS has no managed mode, is reported with a warning and ignored. Unset, the
+//! process-wide `DLBRIDGE_STORAGE_MODE` ([`crate::storage`]) applies, unless it names managed
+//! storage where the OS has none. With neither, the default is `shared` on unified-memory devices
+//! (the memory other frameworks — MLX, PyTorch MPS — can share without copies, and the host can
+//! read) and `private` on discrete GPUs (where shared memory lives across the PCIe bus).
+//! [`resolve_with_source`] says which of these decided.
 
 use std::str::FromStr;
 
 use crate::buffer::StorageMode;
 use crate::error::{Error, Result};
+use crate::storage::{Resolved, Source};
 
 /// The environment variable that sets the default storage mode of Metal allocations.
 pub const STORAGE_MODE_ENV: &str = "DLBRIDGE_METAL_STORAGE_MODE";
@@ -130,6 +133,29 @@ pub fn resolve(
     }
 }
 
+/// The mode an allocation on a Metal device gets and where it came from: `requested`; else
+/// `DLBRIDGE_METAL_STORAGE_MODE` (`metal_env`); else `DLBRIDGE_STORAGE_MODE` (`generic_env`, unless
+/// it names managed storage where the OS has none); else the device's default ([`default_mode`]).
+pub fn resolve_with_source(
+    requested: Option<StorageMode>,
+    metal_env: &EnvChoice,
+    generic_env: Option<StorageMode>,
+    unified_memory: bool,
+    managed_available: bool,
+) -> Result<Resolved> {
+    let generic = generic_env.filter(|&m| m != StorageMode::Managed || managed_available);
+    let (mode, source) = match (requested, metal_env, generic) {
+        (Some(mode), _, _) => (
+            resolve(Some(mode), mode, managed_available)?,
+            Source::Explicit,
+        ),
+        (None, EnvChoice::Mode(mode), _) => (*mode, Source::Environment),
+        (None, _, Some(mode)) => (mode, Source::Environment),
+        (None, _, None) => (default_mode(metal_env, unified_memory), Source::Default),
+    };
+    Ok(Resolved { mode, source })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,6 +213,48 @@ mod tests {
         assert_eq!(default_mode(&bad, false), StorageMode::Private);
         let managed = EnvChoice::Mode(StorageMode::Managed);
         assert_eq!(default_mode(&managed, true), StorageMode::Managed);
+    }
+
+    #[test]
+    fn resolution_with_its_source() {
+        use StorageMode::*;
+        let r = |mode, source| Resolved { mode, source };
+        let unset = EnvChoice::Unset;
+        let metal = EnvChoice::Mode(Private);
+        let bad = EnvChoice::Invalid("x".into());
+        let go = |req, env: &EnvChoice, generic, unified, managed| {
+            resolve_with_source(req, env, generic, unified, managed).unwrap()
+        };
+        assert_eq!(
+            go(None, &unset, None, true, true),
+            r(Shared, Source::Default)
+        );
+        assert_eq!(
+            go(None, &bad, None, false, true),
+            r(Private, Source::Default)
+        );
+        assert_eq!(
+            go(None, &unset, Some(Managed), true, true),
+            r(Managed, Source::Environment)
+        );
+        // The Metal variable wins over the process-wide one.
+        assert_eq!(
+            go(None, &metal, Some(Shared), true, true),
+            r(Private, Source::Environment)
+        );
+        // Process-wide managed where the OS has none: ignored, not an error.
+        assert_eq!(
+            go(None, &unset, Some(Managed), true, false),
+            r(Shared, Source::Default)
+        );
+        assert_eq!(
+            go(Some(Shared), &metal, Some(Private), false, true),
+            r(Shared, Source::Explicit)
+        );
+        assert!(matches!(
+            resolve_with_source(Some(Managed), &unset, None, true, false),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 
     #[test]

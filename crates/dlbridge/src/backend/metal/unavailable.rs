@@ -9,6 +9,8 @@ use super::{DeviceInfo, HostRegion, ImportOptions};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::storage::Resolved;
 use crate::tensor::Tensor;
 
 pub(super) fn no_device() -> Error {
@@ -36,6 +38,14 @@ pub(super) fn allocate(_: Device, _: usize, _: Option<StorageMode>, _: bool) -> 
 }
 
 pub(super) fn synchronize(_: Device) -> Result<()> {
+    Err(no_device())
+}
+
+pub(super) fn pool(_: Device, _: Option<StorageMode>) -> Result<&'static Arc<Pool>> {
+    Err(no_device())
+}
+
+pub(super) fn resolve_storage(_: Device, _: Option<StorageMode>) -> Result<Resolved> {
     Err(no_device())
 }
 

@@ -1,5 +1,5 @@
-//! dlbridge's own Metal allocations: a raw allocator pair (for a caching pool to wrap) and the
-//! [`Buffer`]s built on it.
+//! dlbridge's own Metal allocations: a raw allocator pair, which the caching pool wraps
+//! ([`super::pool`]), and the [`Buffer`]s built on it.
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 
 /// Allocation lengths are rounded up to this many bytes (so blit fills and copies of a whole
 /// buffer meet the macOS 4-byte rule, and a 0-byte request still gets a real `id<MTLBuffer>`).
-const LENGTH_GRANULE: usize = 16;
+pub(crate) const LENGTH_GRANULE: usize = 16;
 
 /// One `id<MTLBuffer>` from `newBufferWithLength:options:`, with its residency registration.
 /// Dropping it releases both (the residency removal waits for the GPU work that may use it).
@@ -128,6 +128,11 @@ impl MetalAllocator {
         self.storage
     }
 
+    /// The runtime state of the allocator's device.
+    pub(crate) fn context(&self) -> &'static Context {
+        self.context
+    }
+
     /// The device.
     pub fn device(&self) -> Device {
         self.device
@@ -232,21 +237,6 @@ pub(crate) fn resource_options(storage: StorageMode) -> MTLResourceOptions {
     };
     mode | MTLResourceOptions::CPUCacheModeDefaultCache
         | MTLResourceOptions::HazardTrackingModeDefault
-}
-
-/// Allocates a [`Buffer`] of `bytes` (see [`crate::backend::metal::allocate`]).
-pub(crate) fn allocate(
-    device: Device,
-    bytes: usize,
-    storage: Option<StorageMode>,
-    zeroed: bool,
-) -> Result<Buffer> {
-    let allocator = MetalAllocator::new(device, storage)?;
-    let raw = allocator.allocate(bytes)?;
-    if zeroed {
-        allocator.zero(&raw, 0..raw.len())?;
-    }
-    raw.into_buffer(bytes)
 }
 
 /// `didModifyRange:` for a managed buffer the host wrote.

@@ -6,8 +6,9 @@ use std::ffi::c_void;
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use block2::RcBlock;
 use objc2::rc::Retained;
 use objc2::runtime::{AnyClass, ProtocolObject};
 use objc2::sel;
@@ -20,6 +21,7 @@ use objc2_metal::{
 
 use super::objc::{CommandBuffer, MetalBuffer, ResidencySet, driver, ns_error};
 use crate::backend::metal::batch::{Batch, Completions};
+use crate::backend::metal::fence::Progress;
 use crate::backend::metal::kernel::{
     MAX_THREADS_PER_DISPATCH, MSL_SOURCE, STRIDED_COPY, StridedCopyParams, StridedCopyPlan,
 };
@@ -81,6 +83,8 @@ pub struct Context {
     stream: Mutex<Stream>,
     /// Mirror of `Batch::last_encoded`, readable without the queue lock (by releases).
     last_encoded: AtomicU64,
+    /// Completed serials, fed by completion handlers: what the caching pool's fences read.
+    progress: Arc<Progress>,
     residency: Option<Residency>,
     next_id: AtomicU64,
     library: OnceLock<std::result::Result<Retained<ProtocolObject<dyn MTLLibrary>>, String>>,
@@ -145,6 +149,7 @@ impl Context {
                 staging: Staging::new(),
             }),
             last_encoded: AtomicU64::new(0),
+            progress: Arc::new(Progress::new()),
             residency,
             next_id: AtomicU64::new(1),
             library: OnceLock::new(),
@@ -165,6 +170,17 @@ impl Context {
     /// What dlbridge knows about the device.
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// The serial of the last command buffer that may hold work encoded so far (the open one
+    /// when it has operations); read without the queue lock.
+    pub(crate) fn last_encoded(&self) -> u64 {
+        self.last_encoded.load(Ordering::SeqCst)
+    }
+
+    /// The queue's completed serials, as completion handlers report them.
+    pub(crate) fn progress(&self) -> &Arc<Progress> {
+        &self.progress
     }
 
     // ------------------------------------------------------------------------------ residency
@@ -271,6 +287,7 @@ impl Context {
                     .unwrap_or_else(|| "the command buffer failed".into())
             });
             stream.completions.complete(*serial, error);
+            self.progress.complete(*serial);
             deferred
                 .command_buffers
                 .extend(stream.in_flight.pop_front().map(|(_, cb)| cb));
@@ -287,6 +304,14 @@ impl Context {
                 .open
                 .take()
                 .expect("a batch with operations has a command buffer");
+            let progress = Arc::clone(&self.progress);
+            let handler = RcBlock::new(move |_: NonNull<ProtocolObject<dyn MTLCommandBuffer>>| {
+                progress.complete(serial);
+            });
+            // SAFETY: `handler` is a live block of the signature Metal calls; Metal copies it
+            // (`Block_copy`) before this returns, so dropping ours afterwards is fine. It captures
+            // only an `Arc<Progress>` (`Send + Sync`), as Metal may call it on any thread.
+            unsafe { cb.addCompletedHandler(RcBlock::as_ptr(&handler)) };
             cb.commit();
             stream.in_flight.push_back((serial, cb));
         }

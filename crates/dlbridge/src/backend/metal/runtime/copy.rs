@@ -7,6 +7,7 @@ use super::buffer::{registry_id_of, storage_of};
 use super::context::Context;
 use super::objc::MetalBuffer;
 use super::{context, context_by_registry_id};
+use crate::backend::metal::host_alias;
 use crate::backend::metal::kernel::{CopyMethod, plan_copy};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
@@ -162,7 +163,9 @@ fn gpu_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
     }
 }
 
-/// Metal view → host view. Complete when it returns.
+/// Metal view → host view. Complete when it returns. Host-visible Metal memory is read through a
+/// CPU alias of its `contents()` ([`host_alias`]), so that the copy is the CPU's strided copy
+/// (and does not come back here).
 ///
 /// # Safety
 /// As [`copy_unchecked`], for `dst`.
@@ -172,7 +175,7 @@ unsafe fn download(src: &Tensor, dst: &Tensor) -> Result<()> {
         // The GPU may still write the source: wait, then read it in place.
         s.context.synchronize()?;
         // SAFETY: forwarded contract.
-        return unsafe { dst.copy_from_unchecked(src) };
+        return unsafe { dst.copy_from_unchecked(&host_alias(src)?) };
     }
     let staging = Tensor::allocate(
         src.shape(),
@@ -184,7 +187,7 @@ unsafe fn download(src: &Tensor, dst: &Tensor) -> Result<()> {
     gpu_copy(src, &staging)?;
     s.context.synchronize()?;
     // SAFETY: forwarded contract; `staging` is complete (synchronized) and disjoint from `dst`.
-    unsafe { dst.copy_from_unchecked(&staging) }
+    unsafe { dst.copy_from_unchecked(&host_alias(&staging)?) }
 }
 
 /// Host view → Metal view. A host-visible destination is written in place (after the GPU work
@@ -197,8 +200,8 @@ unsafe fn upload(src: &Tensor, dst: &Tensor) -> Result<()> {
     let d = resolve(dst.buffer())?;
     if dst.buffer().host_ptr().is_some() {
         d.context.synchronize()?;
-        // SAFETY: forwarded contract.
-        unsafe { dst.copy_from_unchecked(src)? };
+        // SAFETY: forwarded contract: the alias addresses exactly `dst`'s bytes.
+        unsafe { host_alias(dst)?.copy_from_unchecked(src)? };
         if d.storage == StorageMode::Managed {
             super::host_wrote(dst.buffer(), dst.byte_range())?;
         }
@@ -212,6 +215,6 @@ unsafe fn upload(src: &Tensor, dst: &Tensor) -> Result<()> {
         false,
     )?;
     // SAFETY: `staging` is new memory no other view references.
-    unsafe { staging.copy_from_unchecked(src)? };
+    unsafe { host_alias(&staging)?.copy_from_unchecked(src)? };
     gpu_copy(&staging, dst)
 }

@@ -1,5 +1,6 @@
 //! The part of the Metal backend that talks to Metal (compiled only under `cfg(metal)`): device
-//! discovery, one [`Context`] per device, allocations, copies, imports and no-copy wrapping.
+//! discovery, one [`Context`] per device, allocations (through the caching pools of [`pool`]),
+//! copies, imports and no-copy wrapping.
 //!
 //! Devices are discovered once per process: index 0 is `MTLCreateSystemDefaultDevice()`, the
 //! others follow in `MTLCopyAllDevices()` order. A device's [`Context`] (queue, residency set,
@@ -10,6 +11,7 @@ mod context;
 mod copy;
 mod import;
 mod objc;
+mod pool;
 mod wrap;
 
 use std::sync::OnceLock;
@@ -21,25 +23,40 @@ use objc2_metal::{MTLCopyAllDevices, MTLCreateSystemDefaultDevice, MTLDevice};
 pub use buffer::{MetalAllocator, RawBuffer};
 pub use context::{Context, MAX_OPS_PER_COMMAND_BUFFER};
 
-pub(super) use buffer::{allocate, host_wrote};
+pub(super) use buffer::host_wrote;
 pub(super) use copy::copy_unchecked;
 pub(super) use import::import_foreign;
+pub(super) use pool::{allocate, pool};
 pub(super) use wrap::wrap_host;
 
 use super::pages::page_size_from;
 use super::storage::{self, EnvChoice, MANAGED_AVAILABLE, STORAGE_MODE_ENV};
 use super::{DeviceInfo, ResidencyStatus, order_devices, residency};
+use crate::buffer::StorageMode;
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
+use crate::storage::Resolved;
 
 // `MTLCreateSystemDefaultDevice` lives in CoreGraphics on macOS.
 #[link(name = "CoreGraphics", kind = "framework")]
 unsafe extern "C" {}
 
-/// The environment, read once.
+/// The environment, read once (`DLBRIDGE_STORAGE_MODE` is read, once, by [`crate::storage`]).
 struct Env {
     storage: EnvChoice,
     residency: bool,
+}
+
+/// The storage mode of an allocation asking for `requested` on a device with or without unified
+/// memory, and where it came from.
+fn resolve_mode(requested: Option<StorageMode>, unified: bool) -> Result<Resolved> {
+    storage::resolve_with_source(
+        requested,
+        &env().storage,
+        crate::storage::environment_mode(),
+        unified,
+        MANAGED_AVAILABLE,
+    )
 }
 
 fn env() -> &'static Env {
@@ -143,7 +160,7 @@ fn describe(index: u32, device: &ProtocolObject<dyn MTLDevice>) -> Result<Device
         low_power: macos && device.isLowPower(),
         removable: macos && device.isRemovable(),
         page_size: page_size()?,
-        default_storage: storage::default_mode(&env().storage, unified),
+        default_storage: resolve_mode(None, unified)?.mode,
         managed_storage: MANAGED_AVAILABLE,
         residency: ResidencyStatus::Unsupported,
     })
@@ -196,6 +213,10 @@ pub(super) fn device_info(device: Device) -> Result<DeviceInfo> {
 
 pub(super) fn synchronize(device: Device) -> Result<()> {
     context(device)?.synchronize()
+}
+
+pub(super) fn resolve_storage(device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
+    resolve_mode(requested, context(device)?.info().has_unified_memory)
 }
 
 pub(super) fn residency_allocation_count(device: Device) -> Result<Option<usize>> {

@@ -321,7 +321,7 @@ impl Context {
 
     /// Encodes one operation into the open command buffer (creating it if needed), and commits
     /// the buffer when the batch is full.
-    fn encode(
+    pub(crate) fn encode(
         &self,
         f: impl FnOnce(&ProtocolObject<dyn MTLCommandBuffer>) -> Result<()>,
     ) -> Result<()> {

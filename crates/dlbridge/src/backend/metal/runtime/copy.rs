@@ -16,16 +16,16 @@ use crate::tensor::Tensor;
 
 /// A Metal buffer ready for GPU work: its device's context, the retained `id<MTLBuffer>`, and the
 /// storage mode Metal reports.
-struct Resolved {
-    context: &'static Context,
-    buffer: MetalBuffer,
-    storage: StorageMode,
+pub(super) struct Resolved {
+    pub(super) context: &'static Context,
+    pub(super) buffer: MetalBuffer,
+    pub(super) storage: StorageMode,
 }
 
 /// Finds the `id<MTLBuffer>` behind a Metal [`Buffer`]. dlbridge's own are trusted; foreign ones
 /// (imported, not yet resolved by `import_foreign`) are checked: an `MTLBuffer` of a device that
 /// dlbridge knows, the one the tensor claims, and at least as long as the views need.
-fn resolve(buffer: &Buffer) -> Result<Resolved> {
+pub(super) fn resolve(buffer: &Buffer) -> Result<Resolved> {
     // SAFETY: a Metal `Buffer`'s handle is an `id<MTLBuffer>` kept alive by the buffer: dlbridge's
     // own by construction, a foreign one by the DLPack contract (and checked below).
     let mtl = unsafe { MetalBuffer::retain_handle(buffer.handle()) }?;

@@ -7,6 +7,7 @@
 //! kernels) is created on first use and lives as long as the process.
 
 mod buffer;
+pub(super) mod compute;
 mod context;
 mod copy;
 mod import;

@@ -23,6 +23,8 @@ use crate::tensor::Tensor;
 
 /// A kernel compiled for one device.
 #[derive(Clone)]
+// Only the CUDA and Metal backends make kernels; a build with neither still has the type.
+#[cfg_attr(not(any(cuda, metal)), allow(dead_code))]
 pub struct Kernel {
     device: Device,
     name: String,
@@ -30,6 +32,7 @@ pub struct Kernel {
     inner: Arc<dyn Any + Send + Sync>,
 }
 
+#[cfg_attr(not(any(cuda, metal)), allow(dead_code))]
 impl Kernel {
     /// Made by a backend: `params` are the sizes in bytes of the entry's parameters where the
     /// backend can tell them.

@@ -389,6 +389,30 @@ fn float_special_values() {
 }
 
 #[test]
+fn trig_of_large_arguments() {
+    // Arguments beyond the vectorised reduction's range, mixed with ordinary ones in one run.
+    let mut rng = Rng::new(12);
+    let v: Vec<f64> = (0..5000)
+        .map(|i| {
+            let x = rng.uniform(-1.0, 1.0);
+            if i % 3 == 0 { x * 1e7 } else { x * 10.0 }
+        })
+        .collect();
+    for dtype in [DType::F32, DType::BF16, DType::F64] {
+        let x = tensor(&v, &[v.len()], dtype);
+        for op in [UnaryOp::Sin, UnaryOp::Cos] {
+            check_unary(op, &x, "large");
+            let one = x.slice(0, SliceArg::range(3, 4)).unwrap();
+            check_unary(
+                op,
+                &one.broadcast_to(&[50]).unwrap(),
+                "one large, broadcast",
+            );
+        }
+    }
+}
+
+#[test]
 fn binary_ops_on_floats_and_integers() {
     let mut rng = Rng::new(3);
     for dtype in FLOATS.into_iter().chain(INTS) {

@@ -47,6 +47,9 @@ trait Float: Num {
     fn ln(self) -> Self;
     fn sin(self) -> Self;
     fn cos(self) -> Self;
+    /// Recomputes the elements of a `sin` (or `cos`) run whose arguments the fast path does not
+    /// cover.
+    fn fix_trig(_out: &mut [Self], _x: Src<'_, Self>, _cos: bool) {}
 }
 
 macro_rules! signed {
@@ -78,7 +81,7 @@ signed!(i8, i16, i32, i64);
 unsigned!(u8, u16, u32, u64);
 
 macro_rules! float {
-    ($t:ty, $exp:path, $ln:path) => {
+    ($t:ty, $exp:path, $ln:path, $sin:path, $cos:path, { $($fix:tt)* }) => {
         impl Num for $t {
             #[inline(always)]
             fn add(self, y: Self) -> Self {
@@ -121,22 +124,54 @@ macro_rules! float {
             }
             #[inline(always)]
             fn sin(self) -> Self {
-                <$t>::sin(self)
+                $sin(self)
             }
             #[inline(always)]
             fn cos(self) -> Self {
-                <$t>::cos(self)
+                $cos(self)
             }
+            $($fix)*
         }
     };
 }
 
-float!(f32, math::exp_f32, math::ln_f32);
-float!(f64, f64::exp, f64::ln);
+float!(
+    f32,
+    math::exp_f32,
+    math::ln_f32,
+    math::sin_f32,
+    math::cos_f32,
+    {
+        fn fix_trig(out: &mut [f32], x: Src<'_, f32>, cos: bool) {
+            let slow = |x: f32| if cos { x.cos() } else { x.sin() };
+            match x {
+                Src::Slice(xs) => {
+                    // One vectorised pass finds whether any argument is out of range (rare).
+                    let far = xs
+                        .iter()
+                        .fold(false, |far, x| far | (x.abs() > math::TRIG_LIMIT));
+                    if far {
+                        for (o, &x) in out.iter_mut().zip(xs) {
+                            if x.abs() > math::TRIG_LIMIT {
+                                *o = slow(x);
+                            }
+                        }
+                    }
+                }
+                Src::Splat(x) if x.abs() > math::TRIG_LIMIT => out.fill(slow(x)),
+                Src::Splat(_) => {}
+            }
+        }
+    }
+);
+float!(f64, f64::exp, f64::ln, f64::sin, f64::cos, {});
 
 /// One element-wise function, as a type, so that each kernel is its own monomorphised loop.
 trait Func<C>: Send + Sync + 'static {
     fn call(x: C, y: C) -> C;
+    /// Corrects a run after the vectorised pass, where `call` is not accurate for every input.
+    #[inline(always)]
+    fn fix(_out: &mut [C], _x: Src<'_, C>) {}
 }
 
 macro_rules! funcs {
@@ -166,8 +201,29 @@ funcs! { Float:
     Sqrt => |x, y| x.sqrt();
     Exp => |x, y| x.exp();
     Log => |x, y| x.ln();
-    Sin => |x, y| x.sin();
-    Cos => |x, y| x.cos();
+}
+
+struct Sin;
+struct Cos;
+
+impl<C: Float> Func<C> for Sin {
+    #[inline(always)]
+    fn call(x: C, _: C) -> C {
+        x.sin()
+    }
+    fn fix(out: &mut [C], x: Src<'_, C>) {
+        C::fix_trig(out, x, false)
+    }
+}
+
+impl<C: Float> Func<C> for Cos {
+    #[inline(always)]
+    fn call(x: C, _: C) -> C {
+        x.cos()
+    }
+    fn fix(out: &mut [C], x: Src<'_, C>) {
+        C::fix_trig(out, x, true)
+    }
 }
 
 /// The run loop: one pass per combination of slice and splat inputs.
@@ -209,9 +265,12 @@ fn native<C: Copy, F: Func<C>>(out: &mut [C], a: Src<'_, C>, b: Src<'_, C>) {
     if super::has_avx2() {
         // SAFETY: the CPU supports AVX2 (checked just above).
         unsafe { zip_avx2::<C, F>(out, a, b) };
-        return;
+    } else {
+        zip::<C, F>(out, a, b);
     }
-    zip::<C, F>(out, a, b)
+    #[cfg(not(target_arch = "x86_64"))]
+    zip::<C, F>(out, a, b);
+    F::fix(out, a);
 }
 
 /// The kernel of `F` on a 16-bit float: blocks widened to `f32`, computed, rounded once.

@@ -1,11 +1,14 @@
-//! `exp` and `log` of `f32` as branch-free polynomials the compiler vectorises (the C library's
-//! `expf` / `logf` are one call per element). Both stay within 2 ulp of the true value over the
-//! whole `f32` range (the tests check every input of the ranges that matter, sampled, and the
-//! ignored `exhaustive` tests every `f32`), and treat NaN, infinities, zero and subnormals as IEEE
-//! does.
+//! `exp`, `log`, `sin` and `cos` of `f32` as branch-free polynomials the compiler vectorises (the
+//! C library's `expf` / `logf` / `sinf` are one call per element). Each stays within 2 ulp of the
+//! true value (the tests check the ranges that matter, sampled, and the ignored `exhaustive` test
+//! every `f32`), and treats NaN, infinities, zero and subnormals as IEEE does.
 //!
-//! The reductions and coefficients are Cody and Waite's, as in the Cephes library's `expf` and
-//! `logf` (minimax polynomials on `[-ln 2 / 2, ln 2 / 2]` and `[sqrt(1/2) - 1, sqrt(2) - 1]`).
+//! The reductions and coefficients of `exp` and `log` are Cody and Waite's, as in the Cephes
+//! library's `expf` and `logf` (minimax polynomials on `[-ln 2 / 2, ln 2 / 2]` and
+//! `[sqrt(1/2) - 1, sqrt(2) - 1]`). `sin` and `cos` reduce the argument by multiples of `pi / 2`
+//! in `f64` with `pi / 2` in two parts (exact enough for `|x| <= TRIG_LIMIT`), then use Cephes'
+//! `sinf` / `cosf` polynomials on `[-pi / 4, pi / 4]`; larger arguments need the C library's
+//! reduction, and the kernels recompute them with it ([`TRIG_LIMIT`]).
 //! No fused multiply-add is used, so every CPU computes the same bits.
 
 /// `ln 2` in two parts: the high part has few enough bits that `n * LN2_HI` is exact.
@@ -76,6 +79,42 @@ pub(super) fn ln_f32(x: f32) -> f32 {
     let r = if x == f32::INFINITY { x } else { r };
     let r = if x == 0.0 { f32::NEG_INFINITY } else { r };
     if x < 0.0 || x.is_nan() { f32::NAN } else { r }
+}
+
+/// The largest `|x|` [`sin_f32`] and [`cos_f32`] reduce accurately; beyond it (and for
+/// infinities) callers use `f32::sin` / `f32::cos`.
+pub(super) const TRIG_LIMIT: f32 = 262_144.0;
+
+/// `sin x` for `|x| <= TRIG_LIMIT` (NaN for NaN).
+#[inline(always)]
+pub(super) fn sin_f32(x: f32) -> f32 {
+    sin_quadrant(x, 0)
+}
+
+/// `cos x` for `|x| <= TRIG_LIMIT` (NaN for NaN).
+#[inline(always)]
+pub(super) fn cos_f32(x: f32) -> f32 {
+    sin_quadrant(x, 1)
+}
+
+/// `sin(x + shift * pi / 2)`.
+#[inline(always)]
+fn sin_quadrant(x: f32, shift: u32) -> f32 {
+    // pi / 2 = PIO2_HI + PIO2_LO, PIO2_HI with 33 significant bits, so that `n * PIO2_HI` is exact
+    // for |n| < 2^20 (fdlibm's pio2_1 and pio2_1t).
+    const PIO2_HI: f64 = 1.570_796_326_734_125_6;
+    const PIO2_LO: f64 = 6.077_100_506_506_192e-11;
+    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
+    let xd = x as f64;
+    let t = xd * std::f64::consts::FRAC_2_PI + MAGIC;
+    let n = t - MAGIC;
+    let quadrant = (t.to_bits() as u32).wrapping_add(shift) & 3;
+    let r = ((xd - n * PIO2_HI) - n * PIO2_LO) as f32;
+    let z = r * r;
+    let sin = r + r * z * ((-1.951_529_6e-4 * z + 8.332_161e-3) * z - 1.666_665_5e-1);
+    let cos = 1.0 - 0.5 * z + z * z * ((2.443_315_7e-5 * z - 1.388_731_6e-3) * z + 4.166_664_6e-2);
+    let v = if quadrant & 1 == 0 { sin } else { cos };
+    if quadrant & 2 == 0 { v } else { -v }
 }
 
 #[cfg(test)]
@@ -176,6 +215,47 @@ mod tests {
         assert!((ln_f32(tiny) as f64 - (tiny as f64).ln()).abs() < 1e-5);
     }
 
+    /// `f` where the fast path applies, the C library beyond, as the kernels do.
+    fn with_limit(f: fn(f32) -> f32, slow: fn(f32) -> f32) -> impl Fn(f32) -> f32 {
+        move |x| if x.abs() <= TRIG_LIMIT { f(x) } else { slow(x) }
+    }
+
+    #[test]
+    fn sin_and_cos_are_within_two_ulp() {
+        let sin = with_limit(sin_f32, f32::sin);
+        let cos = with_limit(cos_f32, f32::cos);
+        for (f, r) in [
+            (&sin as &dyn Fn(f32) -> f32, f64::sin as fn(f64) -> f64),
+            (&cos, f64::cos),
+        ] {
+            check_dyn(f, r, sample(997).filter(|x| x.abs() <= 1e6));
+            check_dyn(f, r, (-2_000_000..2_000_000).map(|i| i as f32 * 1e-4));
+            // Near multiples of pi / 2, where the result is tiny.
+            check_dyn(
+                f,
+                r,
+                (1..20_000).flat_map(|k| {
+                    let c = (k as f64 * std::f64::consts::FRAC_PI_2) as f32;
+                    [
+                        c,
+                        f32::from_bits(c.to_bits() + 1),
+                        f32::from_bits(c.to_bits() - 1),
+                    ]
+                }),
+            );
+        }
+        assert!(sin(f32::NAN).is_nan() && cos(f32::INFINITY).is_nan());
+        assert_eq!(sin_f32(0.0), 0.0);
+        assert_eq!(cos_f32(0.0), 1.0);
+    }
+
+    fn check_dyn(f: &dyn Fn(f32) -> f32, reference: fn(f64) -> f64, xs: impl Iterator<Item = f32>) {
+        for x in xs {
+            let e = ulps(f(x), reference(x as f64));
+            assert!(e <= 2.0, "{e} ulp at x = {x:e}");
+        }
+    }
+
     /// Every f32 (a few seconds in release): `cargo test --release -p dlbridge exhaustive --
     /// --ignored`.
     #[test]
@@ -183,6 +263,9 @@ mod tests {
     fn exhaustive() {
         let e = check(exp_f32, f64::exp, sample(1));
         let l = check(ln_f32, f64::ln, sample(1).filter(|x| *x >= 0.0));
-        println!("worst: exp {e} ulp, ln {l} ulp");
+        let small = || sample(1).filter(|x| x.abs() <= TRIG_LIMIT);
+        let s = check(sin_f32, f64::sin, small());
+        let c = check(cos_f32, f64::cos, small());
+        println!("worst: exp {e} ulp, ln {l} ulp, sin {s} ulp, cos {c} ulp");
     }
 }

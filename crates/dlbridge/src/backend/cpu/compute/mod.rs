@@ -367,8 +367,8 @@ unsafe impl<T: Send> Send for SharedPtr<T> {}
 // SAFETY: as for `Send`.
 unsafe impl<T: Sync> Sync for SharedPtr<T> {}
 
-/// Splits `0..len` into chunks of at least `min_chunk` items (a multiple of 64, so that chunks of
-/// `out` do not share cache lines) and calls `f(start, end)` for each: on the calling thread when
+/// Splits `0..len` into chunks of at least `min_chunk` items (a multiple of 64 when that many, so
+/// that chunks of `out` do not share cache lines) and calls `f(start, end)` for each: on the calling thread when
 /// there is one chunk, else on rayon's pool.
 pub(super) fn for_chunks(len: usize, min_chunk: usize, f: impl Fn(usize, usize) + Sync) {
     let threads = rayon::current_num_threads();
@@ -376,9 +376,14 @@ pub(super) fn for_chunks(len: usize, min_chunk: usize, f: impl Fn(usize, usize) 
         f(0, len);
         return;
     }
-    let chunk = min_chunk
-        .max(len.div_ceil(threads * 4))
-        .next_multiple_of(64);
+    let chunk = min_chunk.max(len.div_ceil(threads * 4));
+    // Chunks of many cheap items (elements) stay apart by whole cache lines of `out`; chunks of
+    // a few expensive items (outputs of long reductions) stay small, so that every thread works.
+    let chunk = if chunk >= 64 {
+        chunk.next_multiple_of(64)
+    } else {
+        chunk
+    };
     let count = len.div_ceil(chunk);
     use rayon::prelude::*;
     (0..count)

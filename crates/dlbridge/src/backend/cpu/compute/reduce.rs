@@ -3,7 +3,7 @@
 //! | layout | mode | how |
 //! | --- | --- | --- |
 //! | reduced axes innermost (or any other layout) | per output | the output's reduced elements as runs; each block of 1024 folded in 32 lanes, the block result absorbed into a running total |
-//! | a kept axis innermost and contiguous (e.g. `sum(axis=0)` of a row-major matrix) | by rows | tiles of 256 outputs advanced together one reduced index at a time, so memory is read in order; lanes absorbed every 32 rows |
+//! | a kept axis innermost and contiguous (e.g. `sum(axis=0)` of a row-major matrix) | by rows | tiles of up to 4096 outputs advanced together one reduced index at a time, so memory is read in order; lanes absorbed every 32 rows |
 //!
 //! Sums of floats absorb their `f32` (or `f64`) block results into a compensated `f64` total, so
 //! a `float32` sum of 2^28 elements is as accurate as NumPy's pairwise sum or better. Integer sums
@@ -27,8 +27,10 @@ const LANES: usize = 32;
 /// Reduced elements per piece of one output folded on one thread.
 const SPLIT: usize = 256 << 10;
 
-/// Outputs the row mode advances together.
-const TILE: usize = 256;
+/// Outputs the row mode advances together: at most (their accumulators stay in the L2 cache),
+/// and at least when a row is split between threads.
+const MAX_TILE: usize = 4096;
+const MIN_TILE: usize = 256;
 
 /// A reduction: lane accumulators (`Acc`) folded over elements (`In`), absorbed into a running
 /// `Total`.
@@ -293,6 +295,7 @@ fn fold_slice<F: Fold>(mut total: F::Total, xs: &[F::In]) -> F::Total {
         let mut lanes = [F::identity(); LANES];
         let mut chunks = block.chunks_exact(LANES);
         for c in &mut chunks {
+            let c: &[F::In; LANES] = c.try_into().expect("chunks_exact");
             for i in 0..LANES {
                 lanes[i] = F::step(lanes[i], c[i]);
             }
@@ -347,6 +350,14 @@ fn step_row_generic<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
 #[target_feature(enable = "avx2")]
 unsafe fn step_row_avx2<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
     step_row_generic::<F>(acc, xs)
+}
+
+/// Absorbs a tile's lanes into its totals and restarts the lanes.
+fn absorb_row<F: Fold>(totals: &mut [F::Total], acc: &mut [F::Acc]) {
+    for (t, a) in totals.iter_mut().zip(acc.iter_mut()) {
+        *t = F::absorb(*t, *a);
+        *a = F::identity();
+    }
 }
 
 fn step_row<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
@@ -570,21 +581,34 @@ fn by_rows<S, F, O>(
     let (kept, red, count) = (&plan.kept, &plan.reduced, plan.count);
     let width = kept.shape[kept.shape.len() - 1];
     let out_step = kept.strides[0][kept.shape.len() - 1];
-    let tiles = width.div_ceil(TILE);
-    let units = plan.outputs() / width * tiles;
+    let rows_of_outputs = plan.outputs() / width;
+    // Whole rows where there are enough of them for every thread; else rows split so that each
+    // thread gets a tile. Tiles never change what a column computes, only who computes it.
+    let threads = rayon::current_num_threads();
+    let tile = if rows_of_outputs >= threads || width <= MIN_TILE {
+        width.min(MAX_TILE)
+    } else {
+        width
+            .div_ceil(threads)
+            .clamp(MIN_TILE, MAX_TILE)
+            .next_multiple_of(16)
+    };
+    let tiles = width.div_ceil(tile);
+    let units = rows_of_outputs * tiles;
     let red_inner = red.strides[0][red.shape.len() - 1];
-    let min_chunk = (64usize << 10).div_ceil(count * TILE);
+    let min_chunk = (64usize << 10).div_ceil(count * tile);
     for_chunks(units, min_chunk, |start, end| {
-        let mut acc = [F::identity(); TILE];
-        let mut totals = [F::zero(); TILE];
+        let mut acc = vec![F::identity(); tile];
+        let mut totals = vec![F::zero(); tile];
         for unit in start..end {
-            let (row, c0) = (unit / tiles, (unit % tiles) * TILE);
-            let w = TILE.min(width - c0);
+            let (row, c0) = (unit / tiles, (unit % tiles) * tile);
+            let w = tile.min(width - c0);
             let linear = row * width + c0;
             let (out_off, in_off) = (kept.offset(0, linear), kept.offset(1, linear));
             let base = first.get().wrapping_offset(in_off);
-            acc[..w].fill(F::identity());
-            totals[..w].fill(F::zero());
+            let (acc, totals) = (&mut acc[..w], &mut totals[..w]);
+            acc.fill(F::identity());
+            totals.fill(F::zero());
             let mut rows = 0;
             walk(
                 &red.shape,
@@ -596,20 +620,18 @@ fn by_rows<S, F, O>(
                         let at = base.wrapping_offset(off[0] + i * red_inner);
                         // SAFETY: `w` consecutive elements of the kept axis at one reduced index: the
                         // plan addresses them inside the input, which no one writes during the call.
-                        unsafe { S::read_run(at, 1, w, |xs| step_row::<F>(&mut acc[..w], xs)) };
+                        unsafe { S::read_run(at, 1, w, |xs| step_row::<F>(acc, xs)) };
                         rows += 1;
                         if rows == LANES {
-                            for (t, a) in totals[..w].iter_mut().zip(&mut acc[..w]) {
-                                *t = F::absorb(*t, *a);
-                                *a = F::identity();
-                            }
+                            absorb_row::<F>(totals, acc);
                             rows = 0;
                         }
                     }
                 },
             );
-            for (j, (t, a)) in totals[..w].iter().zip(&acc[..w]).enumerate() {
-                write(out_off + j as isize * out_step, finish(F::absorb(*t, *a)));
+            absorb_row::<F>(totals, acc);
+            for (j, t) in totals.iter().enumerate() {
+                write(out_off + j as isize * out_step, finish(*t));
             }
         }
     });

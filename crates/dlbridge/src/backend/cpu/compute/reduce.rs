@@ -35,6 +35,9 @@ const MIN_TILE: usize = 256;
 /// A reduction: lane accumulators (`Acc`) folded over elements (`In`), absorbed into a running
 /// `Total`.
 trait Fold: 'static {
+    /// Lanes a block is folded in (at most [`LANES`]); fewer where the step has more
+    /// instructions, so that the lanes stay in registers.
+    const WIDTH: usize = LANES;
     type In: Copy + Send + Sync;
     type Acc: Copy + Send + Sync;
     type Total: Copy + Send + Sync;
@@ -249,6 +252,7 @@ struct Min<T>(PhantomData<fn() -> T>);
 macro_rules! extreme {
     ($name:ident, $pick:ident, $identity:ident) => {
         impl<T: Bounded> Fold for $name<T> {
+            const WIDTH: usize = 16;
             type In = T;
             type Acc = T;
             type Total = T;
@@ -293,17 +297,17 @@ fn fold_slice<F: Fold>(mut total: F::Total, xs: &[F::In]) -> F::Total {
     }
     for block in xs.chunks(BLOCK) {
         let mut lanes = [F::identity(); LANES];
-        let mut chunks = block.chunks_exact(LANES);
+        let lanes = &mut lanes[..F::WIDTH];
+        let mut chunks = block.chunks_exact(F::WIDTH);
         for c in &mut chunks {
-            let c: &[F::In; LANES] = c.try_into().expect("chunks_exact");
-            for i in 0..LANES {
-                lanes[i] = F::step(lanes[i], c[i]);
+            for (l, &x) in lanes.iter_mut().zip(c) {
+                *l = F::step(*l, x);
             }
         }
         for (l, &x) in lanes.iter_mut().zip(chunks.remainder()) {
             *l = F::step(*l, x);
         }
-        let mut width = LANES;
+        let mut width = F::WIDTH;
         while width > 1 {
             width /= 2;
             for i in 0..width {

@@ -1,0 +1,642 @@
+//! Reductions: `sum`, `mean`, `max`, `min` over a [`ReducePlan`].
+//!
+//! | layout | mode | how |
+//! | --- | --- | --- |
+//! | reduced axes innermost (or any other layout) | per output | the output's reduced elements as runs; each block of 1024 folded in 32 lanes, the block result absorbed into a running total |
+//! | a kept axis innermost and contiguous (e.g. `sum(axis=0)` of a row-major matrix) | by rows | tiles of up to 4096 outputs advanced together one reduced index at a time, so memory is read in order; lanes absorbed every 32 rows |
+//!
+//! Sums of floats absorb their `f32` (or `f64`) block results into a compensated `f64` total, so
+//! a `float32` sum of 2^28 elements is as accurate as NumPy's pairwise sum or better. Integer sums
+//! wrap in 64 bits; `mean` divides the total by the count. `max` and `min` propagate NaN.
+//!
+//! A reduced range longer than [`SPLIT`] is folded in pieces of that size merged in order, in
+//! parallel where there are few outputs: the result does not depend on the number of threads.
+
+use std::marker::PhantomData;
+
+use half::{bf16, f16};
+
+use super::{BLOCK, Input, SharedPtr, Storage, for_chunks, output, unsupported, walk};
+use crate::compute::{MapPlan, ReduceOp, ReduceRequest};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+
+/// Lanes a block is folded in (independent accumulators, vectorised).
+const LANES: usize = 32;
+
+/// Reduced elements per piece of one output folded on one thread.
+const SPLIT: usize = 256 << 10;
+
+/// Outputs the row mode advances together: at most (their accumulators stay in the L2 cache),
+/// and at least when a row is split between threads.
+const MAX_TILE: usize = 4096;
+const MIN_TILE: usize = 256;
+
+/// A reduction: lane accumulators (`Acc`) folded over elements (`In`), absorbed into a running
+/// `Total`.
+trait Fold: 'static {
+    /// Lanes a block is folded in (at most [`LANES`]); fewer where the step has more
+    /// instructions, so that the lanes stay in registers.
+    const WIDTH: usize = LANES;
+    type In: Copy + Send + Sync;
+    type Acc: Copy + Send + Sync;
+    type Total: Copy + Send + Sync;
+    fn identity() -> Self::Acc;
+    fn step(acc: Self::Acc, x: Self::In) -> Self::Acc;
+    fn combine(a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    fn zero() -> Self::Total;
+    fn absorb(total: Self::Total, acc: Self::Acc) -> Self::Total;
+    fn merge(a: Self::Total, b: Self::Total) -> Self::Total;
+}
+
+/// A Neumaier-compensated `f64` sum.
+#[derive(Clone, Copy, Debug, Default)]
+struct Sum64 {
+    sum: f64,
+    comp: f64,
+}
+
+impl Sum64 {
+    #[inline(always)]
+    fn add(self, x: f64) -> Sum64 {
+        let sum = self.sum + x;
+        let lost = if self.sum.abs() >= x.abs() {
+            (self.sum - sum) + x
+        } else {
+            (x - sum) + self.sum
+        };
+        Sum64 {
+            sum,
+            comp: self.comp + lost,
+        }
+    }
+
+    fn value(self) -> f64 {
+        self.sum + self.comp
+    }
+}
+
+/// Sums of `f32` (and of the 16-bit floats, widened): `f32` lanes, `f64` totals.
+struct SumF32;
+
+impl Fold for SumF32 {
+    type In = f32;
+    type Acc = f32;
+    type Total = Sum64;
+    #[inline(always)]
+    fn identity() -> f32 {
+        0.0
+    }
+    #[inline(always)]
+    fn step(acc: f32, x: f32) -> f32 {
+        acc + x
+    }
+    #[inline(always)]
+    fn combine(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    fn zero() -> Sum64 {
+        Sum64::default()
+    }
+    #[inline(always)]
+    fn absorb(total: Sum64, acc: f32) -> Sum64 {
+        total.add(acc as f64)
+    }
+    fn merge(a: Sum64, b: Sum64) -> Sum64 {
+        let s = a.add(b.sum);
+        Sum64 {
+            comp: s.comp + b.comp,
+            ..s
+        }
+    }
+}
+
+/// Values summed in `f64`: `f64` itself, and integers for `mean`.
+trait ToF64: Copy + Send + Sync + 'static {
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! to_f64 {
+    ($($t:ty),*) => {$(
+        impl ToF64 for $t {
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+        }
+    )*};
+}
+
+to_f64!(i8, i16, i32, i64, u8, u16, u32, u64, f64);
+
+/// Sums in `f64` lanes and totals.
+struct SumF64<T>(PhantomData<fn() -> T>);
+
+impl<T: ToF64> Fold for SumF64<T> {
+    type In = T;
+    type Acc = f64;
+    type Total = Sum64;
+    #[inline(always)]
+    fn identity() -> f64 {
+        0.0
+    }
+    #[inline(always)]
+    fn step(acc: f64, x: T) -> f64 {
+        acc + x.to_f64()
+    }
+    #[inline(always)]
+    fn combine(a: f64, b: f64) -> f64 {
+        a + b
+    }
+    fn zero() -> Sum64 {
+        Sum64::default()
+    }
+    #[inline(always)]
+    fn absorb(total: Sum64, acc: f64) -> Sum64 {
+        total.add(acc)
+    }
+    fn merge(a: Sum64, b: Sum64) -> Sum64 {
+        SumF32::merge(a, b)
+    }
+}
+
+/// Integers widened to 64 bits (sign- or zero-extended), as `u64` bits.
+trait Widen: Copy + Send + Sync + 'static {
+    fn widen(self) -> u64;
+}
+
+macro_rules! widen {
+    ($($t:ty => $via:ty),*) => {$(
+        impl Widen for $t {
+            #[inline(always)]
+            fn widen(self) -> u64 {
+                self as $via as u64
+            }
+        }
+    )*};
+}
+
+widen!(i8 => i64, i16 => i64, i32 => i64, i64 => i64, u8 => u64, u16 => u64, u32 => u64, u64 => u64);
+
+/// Integer sums: wrapping 64-bit arithmetic (two's complement, so one kind serves both signs).
+struct SumInt<T>(PhantomData<fn() -> T>);
+
+impl<T: Widen> Fold for SumInt<T> {
+    type In = T;
+    type Acc = u64;
+    type Total = u64;
+    #[inline(always)]
+    fn identity() -> u64 {
+        0
+    }
+    #[inline(always)]
+    fn step(acc: u64, x: T) -> u64 {
+        acc.wrapping_add(x.widen())
+    }
+    #[inline(always)]
+    fn combine(a: u64, b: u64) -> u64 {
+        a.wrapping_add(b)
+    }
+    fn zero() -> u64 {
+        0
+    }
+    #[inline(always)]
+    fn absorb(total: u64, acc: u64) -> u64 {
+        total.wrapping_add(acc)
+    }
+    fn merge(a: u64, b: u64) -> u64 {
+        a.wrapping_add(b)
+    }
+}
+
+/// Ordered element types and their extremes (the identities of `max` and `min`).
+trait Bounded: Copy + PartialOrd + Send + Sync + 'static {
+    const LOWEST: Self;
+    const HIGHEST: Self;
+}
+
+macro_rules! bounded {
+    ($($t:ty => $lo:expr, $hi:expr;)*) => {$(
+        impl Bounded for $t {
+            const LOWEST: Self = $lo;
+            const HIGHEST: Self = $hi;
+        }
+    )*};
+}
+
+bounded! {
+    i8 => i8::MIN, i8::MAX; i16 => i16::MIN, i16::MAX; i32 => i32::MIN, i32::MAX;
+    i64 => i64::MIN, i64::MAX; u8 => 0, u8::MAX; u16 => 0, u16::MAX; u32 => 0, u32::MAX;
+    u64 => 0, u64::MAX; f32 => f32::NEG_INFINITY, f32::INFINITY;
+    f64 => f64::NEG_INFINITY, f64::INFINITY;
+}
+
+/// The larger of two values; NaN once seen stays (`x != x` only holds for NaN, and nothing
+/// compares greater than NaN).
+#[inline(always)]
+#[allow(clippy::eq_op)]
+fn max_nan<T: PartialOrd>(m: T, x: T) -> T {
+    if x > m || x != x { x } else { m }
+}
+
+/// The smaller of two values, NaN propagating.
+#[inline(always)]
+#[allow(clippy::eq_op)]
+fn min_nan<T: PartialOrd>(m: T, x: T) -> T {
+    if x < m || x != x { x } else { m }
+}
+
+struct Max<T>(PhantomData<fn() -> T>);
+struct Min<T>(PhantomData<fn() -> T>);
+
+macro_rules! extreme {
+    ($name:ident, $pick:ident, $identity:ident) => {
+        impl<T: Bounded> Fold for $name<T> {
+            const WIDTH: usize = 16;
+            type In = T;
+            type Acc = T;
+            type Total = T;
+            #[inline(always)]
+            fn identity() -> T {
+                T::$identity
+            }
+            #[inline(always)]
+            fn step(acc: T, x: T) -> T {
+                $pick(acc, x)
+            }
+            #[inline(always)]
+            fn combine(a: T, b: T) -> T {
+                $pick(a, b)
+            }
+            fn zero() -> T {
+                T::$identity
+            }
+            #[inline(always)]
+            fn absorb(total: T, acc: T) -> T {
+                $pick(total, acc)
+            }
+            fn merge(a: T, b: T) -> T {
+                $pick(a, b)
+            }
+        }
+    };
+}
+
+extreme!(Max, max_nan, LOWEST);
+extreme!(Min, min_nan, HIGHEST);
+
+/// Folds `xs` into `total`: blocks of [`BLOCK`] elements in [`LANES`] lanes each.
+#[inline(always)]
+fn fold_slice<F: Fold>(mut total: F::Total, xs: &[F::In]) -> F::Total {
+    if xs.len() < 2 * LANES {
+        let mut acc = F::identity();
+        for &x in xs {
+            acc = F::step(acc, x);
+        }
+        return F::absorb(total, acc);
+    }
+    for block in xs.chunks(BLOCK) {
+        let mut lanes = [F::identity(); LANES];
+        let lanes = &mut lanes[..F::WIDTH];
+        let mut chunks = block.chunks_exact(F::WIDTH);
+        for c in &mut chunks {
+            for (l, &x) in lanes.iter_mut().zip(c) {
+                *l = F::step(*l, x);
+            }
+        }
+        for (l, &x) in lanes.iter_mut().zip(chunks.remainder()) {
+            *l = F::step(*l, x);
+        }
+        let mut width = F::WIDTH;
+        while width > 1 {
+            width /= 2;
+            for i in 0..width {
+                lanes[i] = F::combine(lanes[i], lanes[i + width]);
+            }
+        }
+        total = F::absorb(total, lanes[0]);
+    }
+    total
+}
+
+/// [`fold_slice`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fold_slice_avx2<F: Fold>(total: F::Total, xs: &[F::In]) -> F::Total {
+    fold_slice::<F>(total, xs)
+}
+
+fn feed<F: Fold>(total: F::Total, xs: &[F::In]) -> F::Total {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { fold_slice_avx2::<F>(total, xs) };
+    }
+    fold_slice::<F>(total, xs)
+}
+
+/// One reduced index for a tile of outputs: `acc[j] = step(acc[j], xs[j])`.
+#[inline(always)]
+fn step_row_generic<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
+    for (a, &x) in acc.iter_mut().zip(xs) {
+        *a = F::step(*a, x);
+    }
+}
+
+/// [`step_row_generic`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn step_row_avx2<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
+    step_row_generic::<F>(acc, xs)
+}
+
+/// Absorbs a tile's lanes into its totals and restarts the lanes.
+fn absorb_row<F: Fold>(totals: &mut [F::Total], acc: &mut [F::Acc]) {
+    for (t, a) in totals.iter_mut().zip(acc.iter_mut()) {
+        *t = F::absorb(*t, *a);
+        *a = F::identity();
+    }
+}
+
+fn step_row<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { step_row_avx2::<F>(acc, xs) };
+    }
+    step_row_generic::<F>(acc, xs)
+}
+
+/// Runs a reduction request.
+pub(super) fn run(req: &ReduceRequest<'_>) -> Result<()> {
+    use ReduceOp::{Max as OpMax, Mean, Min as OpMin, Sum};
+    let dtype = req.input.dtype();
+    let count = req.plan.count as f64;
+    macro_rules! float_case {
+        ($s:ty, $sum:ty) => {
+            match req.op {
+                Sum => {
+                    execute::<$s, $sum, $s>(req, |t: Sum64| <$s as Storage>::from_f64(t.value()))
+                }
+                Mean => execute::<$s, $sum, $s>(req, |t: Sum64| {
+                    <$s as Storage>::from_f64(t.value() / count)
+                }),
+                OpMax => {
+                    execute::<$s, Max<<$s as Storage>::Wide>, $s>(req, <$s as Storage>::narrow)
+                }
+                OpMin => {
+                    execute::<$s, Min<<$s as Storage>::Wide>, $s>(req, <$s as Storage>::narrow)
+                }
+            }
+        };
+    }
+    macro_rules! int_case {
+        ($s:ty, $sum:ty) => {
+            match req.op {
+                Sum => execute::<$s, SumInt<$s>, $sum>(req, |t: u64| t as $sum),
+                Mean => execute::<$s, SumF64<$s>, f64>(req, |t: Sum64| t.value() / count),
+                OpMax => execute::<$s, Max<$s>, $s>(req, |t: $s| t),
+                OpMin => execute::<$s, Min<$s>, $s>(req, |t: $s| t),
+            }
+        };
+    }
+    match dtype {
+        DType::F16 => float_case!(f16, SumF32),
+        DType::BF16 => float_case!(bf16, SumF32),
+        DType::F32 => float_case!(f32, SumF32),
+        DType::F64 => float_case!(f64, SumF64<f64>),
+        DType::I8 => int_case!(i8, i64),
+        DType::I16 => int_case!(i16, i64),
+        DType::I32 => int_case!(i32, i64),
+        DType::I64 => int_case!(i64, i64),
+        DType::U8 => int_case!(u8, u64),
+        DType::U16 => int_case!(u16, u64),
+        DType::U32 => int_case!(u32, u64),
+        DType::U64 => int_case!(u64, u64),
+        _ => Err(unsupported(req.op.name(), dtype)),
+    }
+}
+
+/// Runs a reduction whose input is stored as `S`, folded by `F`, written as `O` by `finish`.
+fn execute<S, F, O>(req: &ReduceRequest<'_>, finish: impl Fn(F::Total) -> O + Sync) -> Result<()>
+where
+    S: Storage,
+    F: Fold<In = S::Wide>,
+    O: Element,
+{
+    let plan = &req.plan;
+    if req.out.dtype() != O::DTYPE {
+        return Err(Error::DTypeMismatch(format!(
+            "{} of {} writes {}, the request's output is {}",
+            req.op.name(),
+            req.input.dtype(),
+            O::DTYPE,
+            req.out.dtype()
+        )));
+    }
+    let outputs = plan.outputs();
+    if req.out.numel() != outputs || plan.kept.strides.len() != 2 {
+        return Err(Error::InvalidArgument(
+            "a reduction request's output must match its plan".into(),
+        ));
+    }
+    let input = Input::new(req.input, "reducing it")?;
+    let first = SharedPtr(input.ptr::<S>().cast_mut());
+    let out = SharedPtr(output::<O>(req.out)?);
+    let write = |o: isize, v: O| {
+        // `o` is an output element offset the plan produces, inside the compact `out`; each
+        // output is written by exactly one task.
+        let at = out.get().wrapping_offset(o);
+        // SAFETY: as above.
+        unsafe { *at = v };
+    };
+    if plan.count == 0 {
+        // Only `sum` (0) and `mean` (0 / 0 = NaN) come here.
+        for o in 0..outputs {
+            write(o as isize, finish(F::zero()));
+        }
+        return Ok(());
+    }
+    let (kept, red) = (&plan.kept, &plan.reduced);
+    let kn = kept.shape.len();
+    let red_inner = red.strides[0][red.shape.len() - 1];
+    let rows_mode = outputs > 1 && kept.strides[1][kn - 1] == 1 && red_inner != 1;
+    if rows_mode && kept.shape[kn - 1] >= 16 {
+        by_rows::<S, F, O>(plan, first, &write, &finish);
+    } else {
+        per_output::<S, F, O>(plan, first, &write, &finish);
+    }
+    drop(input);
+    Ok(())
+}
+
+/// The fold of reduced elements `start..end` of the output whose first input element is at
+/// `base`.
+///
+/// # Safety
+/// Every element the reduced plan addresses from `base` must be readable, and not written during
+/// the call.
+unsafe fn fold_range<S: Storage, F: Fold<In = S::Wide>>(
+    base: *const S,
+    red: &MapPlan,
+    start: usize,
+    end: usize,
+) -> F::Total {
+    let mut total = F::zero();
+    let stride = red.strides[0][red.shape.len() - 1];
+    walk(
+        &red.shape,
+        [red.strides[0].as_slice()],
+        start,
+        end,
+        |off, len| {
+            let at = base.wrapping_offset(off[0]);
+            // SAFETY: `len` elements of the reduced plan from `base`, readable by the caller's
+            // contract.
+            unsafe { S::read_run(at, stride, len, |xs| total = feed::<F>(total, xs)) };
+        },
+    );
+    total
+}
+
+/// Each output folded over its reduced elements: in parallel over outputs when there are many,
+/// else over pieces of the reduced range.
+fn per_output<S, F, O>(
+    plan: &crate::compute::ReducePlan,
+    first: SharedPtr<S>,
+    write: &(impl Fn(isize, O) + Sync),
+    finish: &(impl Fn(F::Total) -> O + Sync),
+) where
+    S: Storage,
+    F: Fold<In = S::Wide>,
+    O: Element,
+{
+    let (kept, red, count) = (&plan.kept, &plan.reduced, plan.count);
+    let kn = kept.shape.len();
+    let (out_step, in_step) = (kept.strides[0][kn - 1], kept.strides[1][kn - 1]);
+    let threads = rayon::current_num_threads();
+    let pieces = count.div_ceil(SPLIT);
+    let split_pieces = pieces > 1 && plan.outputs() < 2 * threads;
+    let one = |base: *const S| -> F::Total {
+        let piece = |p: usize| {
+            // SAFETY: the reduced plan from an output's first input element addresses elements
+            // of the input (its layout was checked when the view was built), which no one
+            // writes during the call.
+            unsafe { fold_range::<S, F>(base, red, p * SPLIT, ((p + 1) * SPLIT).min(count)) }
+        };
+        if split_pieces {
+            use rayon::prelude::*;
+            let base = SharedPtr(base.cast_mut());
+            let parts: Vec<F::Total> = (0..pieces)
+                .into_par_iter()
+                .map(|p| {
+                    // SAFETY: as above.
+                    unsafe {
+                        fold_range::<S, F>(base.get(), red, p * SPLIT, ((p + 1) * SPLIT).min(count))
+                    }
+                })
+                .collect();
+            parts.into_iter().reduce(F::merge).unwrap_or_else(F::zero)
+        } else {
+            (0..pieces)
+                .map(piece)
+                .reduce(F::merge)
+                .unwrap_or_else(F::zero)
+        }
+    };
+    let min_chunk = if split_pieces {
+        usize::MAX
+    } else {
+        (64usize << 10).div_ceil(count)
+    };
+    for_chunks(plan.outputs(), min_chunk, |start, end| {
+        walk(
+            &kept.shape,
+            [kept.strides[0].as_slice(), kept.strides[1].as_slice()],
+            start,
+            end,
+            |off, len| {
+                for i in 0..len as isize {
+                    let base = first.get().wrapping_offset(off[1] + i * in_step);
+                    write(off[0] + i * out_step, finish(one(base)));
+                }
+            },
+        );
+    });
+}
+
+/// Tiles of outputs along a contiguous kept axis, advanced one reduced index at a time.
+fn by_rows<S, F, O>(
+    plan: &crate::compute::ReducePlan,
+    first: SharedPtr<S>,
+    write: &(impl Fn(isize, O) + Sync),
+    finish: &(impl Fn(F::Total) -> O + Sync),
+) where
+    S: Storage,
+    F: Fold<In = S::Wide>,
+    O: Element,
+{
+    let (kept, red, count) = (&plan.kept, &plan.reduced, plan.count);
+    let width = kept.shape[kept.shape.len() - 1];
+    let out_step = kept.strides[0][kept.shape.len() - 1];
+    let rows_of_outputs = plan.outputs() / width;
+    // Whole rows where there are enough of them for every thread; else rows split so that each
+    // thread gets a tile. Tiles never change what a column computes, only who computes it.
+    let threads = rayon::current_num_threads();
+    let tile = if rows_of_outputs >= threads || width <= MIN_TILE {
+        width.min(MAX_TILE)
+    } else {
+        width
+            .div_ceil(threads)
+            .clamp(MIN_TILE, MAX_TILE)
+            .next_multiple_of(16)
+    };
+    let tiles = width.div_ceil(tile);
+    let units = rows_of_outputs * tiles;
+    let red_inner = red.strides[0][red.shape.len() - 1];
+    let min_chunk = (64usize << 10).div_ceil(count * tile);
+    for_chunks(units, min_chunk, |start, end| {
+        let mut acc = vec![F::identity(); tile];
+        let mut totals = vec![F::zero(); tile];
+        for unit in start..end {
+            let (row, c0) = (unit / tiles, (unit % tiles) * tile);
+            let w = tile.min(width - c0);
+            let linear = row * width + c0;
+            let (out_off, in_off) = (kept.offset(0, linear), kept.offset(1, linear));
+            let base = first.get().wrapping_offset(in_off);
+            let (acc, totals) = (&mut acc[..w], &mut totals[..w]);
+            acc.fill(F::identity());
+            totals.fill(F::zero());
+            let mut rows = 0;
+            walk(
+                &red.shape,
+                [red.strides[0].as_slice()],
+                0,
+                count,
+                |off, len| {
+                    for i in 0..len as isize {
+                        let at = base.wrapping_offset(off[0] + i * red_inner);
+                        // SAFETY: `w` consecutive elements of the kept axis at one reduced index: the
+                        // plan addresses them inside the input, which no one writes during the call.
+                        unsafe { S::read_run(at, 1, w, |xs| step_row::<F>(acc, xs)) };
+                        rows += 1;
+                        if rows == LANES {
+                            absorb_row::<F>(totals, acc);
+                            rows = 0;
+                        }
+                    }
+                },
+            );
+            absorb_row::<F>(totals, acc);
+            for (j, t) in totals.iter().enumerate() {
+                write(out_off + j as isize * out_step, finish(*t));
+            }
+        }
+    });
+}

@@ -1,0 +1,1182 @@
+//! The CPU backend of the built-in kernels, through the public front (`dlbridge::compute`),
+//! checked against naive references computed here in `f64` (floats) or `i128` wrapped to the
+//! dtype (integers).
+//!
+//! Inputs come from a tiny deterministic xorshift generator (fixed seeds, so a failure
+//! reproduces). Float results must be within a relative bound per dtype (a few ulp of the
+//! result; for sums and products, of the sum of magnitudes); integer results must be exact.
+
+use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp};
+use dlbridge::{DType, Error, Layout, SliceArg, Tensor};
+
+// ---------------------------------------------------------------------------------------------
+// Data
+// ---------------------------------------------------------------------------------------------
+
+const FLOATS: [DType; 4] = [DType::F16, DType::BF16, DType::F32, DType::F64];
+const INTS: [DType; 8] = [
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+    DType::U16,
+    DType::U32,
+    DType::U64,
+];
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// Uniform in `[lo, hi)`.
+    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+fn is_signed(dtype: DType) -> bool {
+    matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64)
+}
+
+/// `v` wrapped into `dtype`'s integer range.
+fn wrap(v: i128, dtype: DType) -> i128 {
+    let bits = dtype.bits() as u32;
+    let m = v.rem_euclid(1i128 << bits);
+    if is_signed(dtype) && m >= 1i128 << (bits - 1) {
+        m - (1i128 << bits)
+    } else {
+        m
+    }
+}
+
+/// `n` integers spread over all of `dtype`'s range (edges included).
+fn int_values(rng: &mut Rng, n: usize, dtype: DType) -> Vec<i128> {
+    let bits = dtype.bits() as u32;
+    let (lo, hi) = if is_signed(dtype) {
+        (-(1i128 << (bits - 1)), (1i128 << (bits - 1)) - 1)
+    } else {
+        (0, (1i128 << bits) - 1)
+    };
+    (0..n)
+        .map(|i| match i % 7 {
+            0 => lo,
+            1 => hi,
+            2 => (rng.next() % 7) as i128 - 3,
+            _ => wrap(rng.next() as i128, dtype),
+        })
+        .collect()
+}
+
+/// A CPU tensor of `dtype` holding integers.
+fn int_tensor(values: &[i128], shape: &[usize], dtype: DType) -> Tensor {
+    if is_signed(dtype) {
+        let v: Vec<i64> = values.iter().map(|&x| x as i64).collect();
+        Tensor::from_slice(&v, shape).unwrap().cast(dtype).unwrap()
+    } else {
+        let v: Vec<u64> = values.iter().map(|&x| x as u64).collect();
+        Tensor::from_slice(&v, shape).unwrap().cast(dtype).unwrap()
+    }
+}
+
+/// The integers of a tensor (any layout), row-major.
+fn ints(t: &Tensor) -> Vec<i128> {
+    if is_signed(t.dtype()) {
+        let v = t.cast(DType::I64).unwrap().to_vec::<i64>().unwrap();
+        v.into_iter().map(i128::from).collect()
+    } else {
+        let v = t.cast(DType::U64).unwrap().to_vec::<u64>().unwrap();
+        v.into_iter().map(i128::from).collect()
+    }
+}
+
+/// A CPU tensor of `dtype` holding `values` (rounded into the dtype).
+fn tensor(values: &[f64], shape: &[usize], dtype: DType) -> Tensor {
+    Tensor::from_slice(values, shape)
+        .unwrap()
+        .cast(dtype)
+        .unwrap()
+}
+
+/// Random floats in `[lo, hi)`, as stored in `dtype`.
+fn float_tensor(rng: &mut Rng, shape: &[usize], dtype: DType, lo: f64, hi: f64) -> Tensor {
+    let n = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.uniform(lo, hi)).collect();
+    tensor(&v, shape, dtype)
+}
+
+/// The elements of a tensor (any layout) as `f64`, row-major.
+fn values(t: &Tensor) -> Vec<f64> {
+    t.cast(DType::F64).unwrap().to_vec::<f64>().unwrap()
+}
+
+/// A scalar rounded into `dtype`, as the kernels take it.
+fn rounded(v: f64, dtype: DType) -> f64 {
+    values(&tensor(&[v], &[], dtype))[0]
+}
+
+/// Relative bound on element-wise float results.
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        DType::F32 => 5e-7,
+        _ => 1e-14,
+    }
+}
+
+/// The smallest magnitude `dtype` distinguishes from 0 (an absolute floor for the bounds).
+fn floor(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 6e-8,
+        DType::BF16 => 9.2e-41,
+        DType::F32 => 1.5e-45,
+        _ => 5e-324,
+    }
+}
+
+/// The largest finite value of a float dtype.
+fn max_finite(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 65504.0,
+        DType::BF16 => 3.3895e38,
+        DType::F32 => f32::MAX as f64,
+        _ => f64::MAX,
+    }
+}
+
+/// A compensated (Neumaier) sum, so that the references are more accurate than the kernels.
+fn exact_sum(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let (mut sum, mut comp) = (0.0f64, 0.0f64);
+    for x in xs {
+        let t = sum + x;
+        comp += if sum.abs() >= x.abs() {
+            (sum - t) + x
+        } else {
+            (x - t) + sum
+        };
+        sum = t;
+    }
+    sum + comp
+}
+
+/// Each `got[i]` is within `rel * scale[i] + floor` of `want[i]`; NaN matches NaN and
+/// infinities must be equal.
+fn assert_close_scaled(
+    got: &[f64],
+    want: &[f64],
+    scale: &[f64],
+    rel: f64,
+    dtype: DType,
+    what: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
+            continue;
+        }
+        if w.is_infinite() {
+            assert_eq!(g, w, "{what}[{i}]");
+            continue;
+        }
+        if g.is_infinite() {
+            // Only a value beyond the dtype's range may become an infinity when stored.
+            assert!(
+                g.signum() == w.signum() && w.abs() >= max_finite(dtype),
+                "{what}[{i}]: got {g}, want {w}"
+            );
+            continue;
+        }
+        let bound = rel * scale[i].abs() + floor(dtype);
+        assert!(
+            (g - w).abs() <= bound,
+            "{what}[{i}]: got {g}, want {w} (error {:e}, bound {bound:e})",
+            (g - w).abs()
+        );
+    }
+}
+
+fn assert_close(got: &[f64], want: &[f64], dtype: DType, what: &str) {
+    assert_close_scaled(got, want, want, tol(dtype), dtype, what);
+}
+
+// ---------------------------------------------------------------------------------------------
+// References
+// ---------------------------------------------------------------------------------------------
+
+fn unary_f64(op: UnaryOp, x: f64) -> f64 {
+    match op {
+        UnaryOp::Sqrt => x.sqrt(),
+        UnaryOp::Exp => x.exp(),
+        UnaryOp::Log => x.ln(),
+        UnaryOp::Sin => x.sin(),
+        UnaryOp::Cos => x.cos(),
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Square => x * x,
+        UnaryOp::Negative => -x,
+    }
+}
+
+fn unary_int(op: UnaryOp, x: i128) -> i128 {
+    match op {
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Square => x.wrapping_mul(x),
+        UnaryOp::Negative => -x,
+        _ => unreachable!("transcendental ops return floats"),
+    }
+}
+
+fn binary_f64(op: BinaryOp, x: f64, y: f64) -> f64 {
+    match op {
+        BinaryOp::Add => x + y,
+        BinaryOp::Sub => x - y,
+        BinaryOp::Mul => x * y,
+        BinaryOp::Div => x / y,
+    }
+}
+
+fn binary_int(op: BinaryOp, x: i128, y: i128) -> i128 {
+    match op {
+        BinaryOp::Add => x + y,
+        BinaryOp::Sub => x - y,
+        BinaryOp::Mul => x.wrapping_mul(y),
+        BinaryOp::Div => unreachable!("integer division returns floats"),
+    }
+}
+
+/// The range each unary op is tested on, per dtype.
+fn unary_domain(op: UnaryOp) -> (f64, f64) {
+    match op {
+        UnaryOp::Exp => (-10.0, 10.0),
+        UnaryOp::Log | UnaryOp::Sqrt => (-0.5, 100.0),
+        UnaryOp::Sin | UnaryOp::Cos => (-30.0, 30.0),
+        _ => (-100.0, 100.0),
+    }
+}
+
+/// Checks `unary(op, x)` against the reference.
+fn check_unary(op: UnaryOp, x: &Tensor, what: &str) {
+    let got = compute::unary(op, x).unwrap();
+    assert_eq!(got.shape(), x.shape(), "{what}");
+    let what = format!("{what} {} {}", op.name(), x.dtype());
+    if op.is_transcendental() || x.dtype().is_floating() {
+        let want: Vec<f64> = values(x).into_iter().map(|v| unary_f64(op, v)).collect();
+        assert_close(&values(&got), &want, got.dtype(), &what);
+    } else {
+        assert_eq!(got.dtype(), x.dtype(), "{what}");
+        let want: Vec<i128> = ints(x)
+            .into_iter()
+            .map(|v| wrap(unary_int(op, v), x.dtype()))
+            .collect();
+        assert_eq!(ints(&got), want, "{what}");
+    }
+}
+
+/// Checks `binary(op, a, b)` against the reference (broadcasting `a` and `b` itself).
+fn check_binary(op: BinaryOp, a: &Tensor, b: &Tensor, what: &str) {
+    let got = compute::binary(op, a, b).unwrap();
+    let shape = got.shape().to_vec();
+    let what = format!("{what} {} {} {}", op.name(), a.dtype(), b.dtype());
+    let (a, b) = (
+        a.broadcast_to(&shape).unwrap(),
+        b.broadcast_to(&shape).unwrap(),
+    );
+    if got.dtype().is_floating() {
+        let (va, vb) = (values(&a), values(&b));
+        let want: Vec<f64> = va
+            .iter()
+            .zip(&vb)
+            .map(|(&x, &y)| binary_f64(op, x, y))
+            .collect();
+        assert_close(&values(&got), &want, got.dtype(), &what);
+    } else {
+        let want: Vec<i128> = ints(&a)
+            .into_iter()
+            .zip(ints(&b))
+            .map(|(x, y)| wrap(binary_int(op, x, y), got.dtype()))
+            .collect();
+        assert_eq!(ints(&got), want, "{what}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise
+// ---------------------------------------------------------------------------------------------
+
+const SIZES: [usize; 6] = [0, 1, 7, 1023, 1024 + 33, 100_003];
+
+#[test]
+fn unary_ops_on_floats() {
+    let mut rng = Rng::new(1);
+    for dtype in FLOATS {
+        for op in UnaryOp::ALL {
+            let (lo, hi) = unary_domain(op);
+            for n in SIZES {
+                let x = float_tensor(&mut rng, &[n], dtype, lo, hi);
+                check_unary(op, &x, &format!("[{n}]"));
+            }
+        }
+    }
+}
+
+#[test]
+fn unary_ops_on_integers() {
+    let mut rng = Rng::new(2);
+    for dtype in INTS {
+        for op in UnaryOp::ALL {
+            for n in [0, 1, 7, 1023, 70_001] {
+                let x = if op.is_transcendental() {
+                    // Small non-negative values, so the float results are meaningful.
+                    let v: Vec<i128> = (0..n).map(|_| (rng.next() % 100) as i128).collect();
+                    int_tensor(&v, &[n], dtype)
+                } else {
+                    int_tensor(&int_values(&mut rng, n, dtype), &[n], dtype)
+                };
+                check_unary(op, &x, &format!("[{n}]"));
+            }
+        }
+    }
+}
+
+#[test]
+fn transcendental_results_of_integers_follow_numpy() {
+    let x = int_tensor(&[4, 9], &[2], DType::U8);
+    let y = compute::unary(UnaryOp::Sqrt, &x).unwrap();
+    assert_eq!(y.dtype(), DType::F16);
+    assert_eq!(values(&y), vec![2.0, 3.0]);
+    let y = compute::unary(UnaryOp::Exp, &int_tensor(&[0], &[1], DType::I16)).unwrap();
+    assert_eq!(y.dtype(), DType::F32);
+    let y = compute::unary(UnaryOp::Log, &int_tensor(&[1], &[1], DType::I64)).unwrap();
+    assert_eq!((y.dtype(), values(&y)), (DType::F64, vec![0.0]));
+}
+
+#[test]
+fn float_special_values() {
+    let special = [
+        0.0,
+        -0.0,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::NAN,
+        1e-30,
+        -1e-30,
+        1e30,
+        88.0,
+        -100.0,
+    ];
+    for dtype in FLOATS {
+        let x = tensor(&special, &[special.len()], dtype);
+        for op in UnaryOp::ALL {
+            check_unary(op, &x, "special");
+        }
+        for op in BinaryOp::ALL {
+            check_binary(op, &x, &x.slice(0, rev()).unwrap(), "special");
+        }
+    }
+}
+
+#[test]
+fn trig_of_large_arguments() {
+    // Arguments beyond the vectorised reduction's range, mixed with ordinary ones in one run.
+    let mut rng = Rng::new(12);
+    let v: Vec<f64> = (0..5000)
+        .map(|i| {
+            let x = rng.uniform(-1.0, 1.0);
+            if i % 3 == 0 { x * 1e7 } else { x * 10.0 }
+        })
+        .collect();
+    for dtype in [DType::F32, DType::BF16, DType::F64] {
+        let x = tensor(&v, &[v.len()], dtype);
+        for op in [UnaryOp::Sin, UnaryOp::Cos] {
+            check_unary(op, &x, "large");
+            let one = x.slice(0, SliceArg::range(3, 4)).unwrap();
+            check_unary(
+                op,
+                &one.broadcast_to(&[50]).unwrap(),
+                "one large, broadcast",
+            );
+        }
+    }
+}
+
+#[test]
+fn binary_ops_on_floats_and_integers() {
+    let mut rng = Rng::new(3);
+    for dtype in FLOATS.into_iter().chain(INTS) {
+        for n in SIZES {
+            let (a, b) = if dtype.is_floating() {
+                (
+                    float_tensor(&mut rng, &[n], dtype, -50.0, 50.0),
+                    float_tensor(&mut rng, &[n], dtype, 0.5, 50.0),
+                )
+            } else {
+                (
+                    int_tensor(&int_values(&mut rng, n, dtype), &[n], dtype),
+                    int_tensor(&int_values(&mut rng, n, dtype), &[n], dtype),
+                )
+            };
+            for op in BinaryOp::ALL {
+                check_binary(op, &a, &b, &format!("[{n}]"));
+            }
+            // The same tensor twice: inputs may share memory.
+            check_binary(BinaryOp::Mul, &a, &a, &format!("[{n}] aliased"));
+        }
+    }
+}
+
+#[test]
+fn integer_division_returns_float64() {
+    let a = int_tensor(&[7, -7, 1, 0], &[4], DType::I32);
+    let b = int_tensor(&[2, 2, 0, 0], &[4], DType::I32);
+    let q = compute::binary(BinaryOp::Div, &a, &b).unwrap();
+    assert_eq!(q.dtype(), DType::F64);
+    let v = values(&q);
+    assert_eq!(&v[..3], &[3.5, -3.5, f64::INFINITY]);
+    assert!(v[3].is_nan());
+}
+
+#[test]
+fn integer_arithmetic_wraps() {
+    let i8s = |v: &[i128]| int_tensor(v, &[v.len()], DType::I8);
+    let r = compute::binary(BinaryOp::Add, &i8s(&[127, -128]), &i8s(&[1, -1])).unwrap();
+    assert_eq!(ints(&r), vec![-128, 127]);
+    let r = compute::unary(UnaryOp::Abs, &i8s(&[-128, -5])).unwrap();
+    assert_eq!(ints(&r), vec![-128, 5]);
+    let r = compute::unary(UnaryOp::Negative, &int_tensor(&[1, 0], &[2], DType::U8)).unwrap();
+    assert_eq!(ints(&r), vec![255, 0]);
+    let r = compute::unary(UnaryOp::Square, &int_tensor(&[300], &[1], DType::I16)).unwrap();
+    assert_eq!(ints(&r), vec![wrap(90_000, DType::I16)]);
+    let big = int_tensor(&[i64::MIN as i128], &[1], DType::I64);
+    assert_eq!(
+        ints(&compute::unary(UnaryOp::Abs, &big).unwrap()),
+        vec![i64::MIN as i128]
+    );
+    let r = compute::binary_scalar(
+        BinaryOp::Mul,
+        &int_tensor(&[u64::MAX as i128], &[1], DType::U64),
+        Scalar::Int(2),
+        false,
+    )
+    .unwrap();
+    assert_eq!(ints(&r), vec![(u64::MAX - 1) as i128]);
+}
+
+#[test]
+fn mixed_dtypes_promote() {
+    let a = int_tensor(&[-3, 100], &[2], DType::I8);
+    let b = int_tensor(&[200, 255], &[2], DType::U8);
+    let r = compute::binary(BinaryOp::Add, &a, &b).unwrap();
+    assert_eq!((r.dtype(), ints(&r)), (DType::I16, vec![197, 355]));
+    let f = tensor(&[0.5, 0.25], &[2], DType::F32);
+    let r = compute::binary(BinaryOp::Mul, &a, &f).unwrap();
+    assert_eq!((r.dtype(), values(&r)), (DType::F32, vec![-1.5, 25.0]));
+    let h = tensor(&[1.5, 2.5], &[2], DType::F16);
+    let bh = tensor(&[1.5, 2.5], &[2], DType::BF16);
+    let r = compute::binary(BinaryOp::Add, &h, &bh).unwrap();
+    assert_eq!((r.dtype(), values(&r)), (DType::F32, vec![3.0, 5.0]));
+}
+
+#[test]
+fn scalars_on_either_side() {
+    let mut rng = Rng::new(4);
+    let scalars = [
+        Scalar::Int(3),
+        Scalar::Int(-300),
+        Scalar::Float(0.1),
+        Scalar::Float(-2.5),
+    ];
+    for dtype in FLOATS.into_iter().chain(INTS) {
+        let x = if dtype.is_floating() {
+            float_tensor(&mut rng, &[3, 37], dtype, 0.5, 10.0)
+        } else {
+            int_tensor(&int_values(&mut rng, 111, dtype), &[3, 37], dtype)
+        };
+        for s in scalars {
+            for op in BinaryOp::ALL {
+                for first in [false, true] {
+                    let got = compute::binary_scalar(op, &x, s, first).unwrap();
+                    let what = format!("{} {dtype} {s:?} first={first}", op.name());
+                    let f = |v: f64, sv: f64| {
+                        if first {
+                            binary_f64(op, sv, v)
+                        } else {
+                            binary_f64(op, v, sv)
+                        }
+                    };
+                    if got.dtype().is_floating() {
+                        // A weak scalar takes the array's float dtype (rounded once into it).
+                        let sv = if dtype.is_floating() {
+                            rounded(s.as_f64(), dtype)
+                        } else {
+                            s.as_f64()
+                        };
+                        let want: Vec<f64> = values(&x).into_iter().map(|v| f(v, sv)).collect();
+                        assert_close(&values(&got), &want, got.dtype(), &what);
+                    } else {
+                        let sv = wrap(s.as_i64() as i128, dtype);
+                        let want: Vec<i128> = ints(&x)
+                            .into_iter()
+                            .map(|v| {
+                                let (p, q) = if first { (sv, v) } else { (v, sv) };
+                                wrap(binary_int(op, p, q), dtype)
+                            })
+                            .collect();
+                        assert_eq!(ints(&got), want, "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn rev() -> SliceArg {
+    SliceArg {
+        start: None,
+        stop: None,
+        step: -1,
+    }
+}
+
+#[test]
+fn broadcasting_shapes() {
+    let mut rng = Rng::new(5);
+    let cases: [(&[usize], &[usize]); 7] = [
+        (&[3, 1, 5], &[4, 1]),
+        (&[1], &[1000]),
+        (&[2000, 1], &[1, 3]),
+        (&[7, 9], &[9]),
+        (&[5, 1, 300], &[1, 4, 300]),
+        (&[], &[6]),
+        (&[300, 1], &[300, 257]),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::I16, DType::F64] {
+        for (sa, sb) in cases {
+            let a = float_tensor(&mut rng, sa, DType::F64, -9.0, 9.0)
+                .cast(dtype)
+                .unwrap();
+            let b = float_tensor(&mut rng, sb, DType::F64, 1.0, 9.0)
+                .cast(dtype)
+                .unwrap();
+            for op in BinaryOp::ALL {
+                check_binary(op, &a, &b, &format!("{sa:?} with {sb:?}"));
+                check_binary(op, &b, &a, &format!("{sb:?} with {sa:?}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn strided_transposed_and_reversed_views() {
+    let mut rng = Rng::new(6);
+    for dtype in [DType::F32, DType::BF16, DType::I64, DType::U8, DType::F64] {
+        let base = float_tensor(&mut rng, &[37, 41], DType::F64, -20.0, 20.0)
+            .cast(dtype)
+            .unwrap();
+        let other = float_tensor(&mut rng, &[41, 37], DType::F64, 1.0, 20.0)
+            .cast(dtype)
+            .unwrap();
+        // 37 × 82, every other column of which is a 37 × 41 view with column stride 2.
+        let wide = float_tensor(&mut rng, &[37, 82], DType::F64, -20.0, 20.0)
+            .cast(dtype)
+            .unwrap();
+        let step2 = SliceArg {
+            start: Some(1),
+            stop: None,
+            step: 2,
+        };
+        let views = [
+            ("transposed", base.transpose().unwrap()),
+            (
+                "reversed rows",
+                base.slice(0, rev()).unwrap().transpose().unwrap(),
+            ),
+            (
+                "reversed both",
+                base.slice(0, rev())
+                    .unwrap()
+                    .slice(1, rev())
+                    .unwrap()
+                    .transpose()
+                    .unwrap(),
+            ),
+            (
+                "every other column",
+                wide.slice(1, step2).unwrap().transpose().unwrap(),
+            ),
+        ];
+        for (name, v) in &views {
+            assert_eq!(v.shape(), &[41, 37]);
+            for op in [UnaryOp::Negative, UnaryOp::Abs, UnaryOp::Square] {
+                check_unary(op, v, name);
+            }
+            if dtype.is_floating() {
+                check_unary(UnaryOp::Sin, v, name);
+            }
+            for op in BinaryOp::ALL {
+                check_binary(op, v, &other, name);
+                check_binary(op, &other.slice(1, rev()).unwrap(), v, name);
+            }
+        }
+    }
+    // A long reversed 1-d view runs the threaded strided path.
+    let x = float_tensor(&mut rng, &[200_001], DType::F32, -1.0, 1.0);
+    let r = x.slice(0, rev()).unwrap();
+    check_binary(BinaryOp::Add, &r, &x, "reversed 1-d");
+    let every3 = x
+        .slice(
+            0,
+            SliceArg {
+                start: None,
+                stop: None,
+                step: 3,
+            },
+        )
+        .unwrap();
+    check_unary(UnaryOp::Exp, &every3, "step 3");
+}
+
+#[test]
+fn zero_d_and_empty() {
+    for dtype in [DType::F32, DType::F16, DType::I32] {
+        let s = tensor(&[2.0], &[], dtype);
+        let r = compute::unary(UnaryOp::Square, &s).unwrap();
+        assert_eq!((r.shape(), values(&r)), (&[][..], vec![4.0]));
+        let r = compute::binary_scalar(BinaryOp::Sub, &s, Scalar::Int(5), true).unwrap();
+        assert_eq!(values(&r), vec![3.0]);
+        let v = tensor(&[1.0, 2.0, 3.0], &[3], dtype);
+        check_binary(BinaryOp::Mul, &s, &v, "0-d with 1-d");
+        for shape in [&[0][..], &[3, 0], &[0, 5]] {
+            let e = tensor(&[], shape, dtype);
+            let r = compute::unary(UnaryOp::Negative, &e).unwrap();
+            assert_eq!(r.shape(), shape);
+            let r = compute::binary(BinaryOp::Add, &e, &s).unwrap();
+            assert_eq!(r.shape(), shape);
+        }
+    }
+}
+
+#[test]
+fn misaligned_foreign_memory_is_read_correctly() {
+    // A float32 view one byte into a byte buffer, as a foreign producer might hand over.
+    let n = 1000;
+    let bytes = Tensor::zeros(&[4 * n + 8], DType::U8, dlbridge::Device::CPU).unwrap();
+    let view = Tensor::new(
+        bytes.buffer().clone(),
+        DType::F32,
+        Layout::new(vec![n], vec![1], 1).unwrap(),
+    )
+    .unwrap();
+    let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+    // SAFETY: `view` addresses `4n` bytes inside `bytes`; nothing else reads or writes them now.
+    unsafe {
+        view.copy_from_unchecked(&Tensor::from_slice(&data, &[n]).unwrap())
+            .unwrap()
+    };
+    let r = compute::binary_scalar(BinaryOp::Add, &view, Scalar::Float(1.0), false).unwrap();
+    let want: Vec<f64> = data.iter().map(|&x| x as f64 + 1.0).collect();
+    assert_eq!(values(&r), want);
+    let s = compute::reduce(ReduceOp::Sum, &view, None, false).unwrap();
+    assert_eq!(
+        values(&s),
+        vec![data.iter().map(|&x| x as f64).sum::<f64>()]
+    );
+    let m = compute::matmul(&view, &view).unwrap();
+    let dot: f64 = data.iter().map(|&x| (x as f64) * (x as f64)).sum();
+    assert!((values(&m)[0] - dot).abs() <= 1e-6 * dot);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions
+// ---------------------------------------------------------------------------------------------
+
+/// For each output (kept axes row-major), the input linear indices it reduces.
+fn groups(shape: &[usize], axes: &[usize]) -> Vec<Vec<usize>> {
+    let n: usize = shape.iter().product();
+    let kept: Vec<usize> = (0..shape.len()).filter(|a| !axes.contains(a)).collect();
+    let outputs: usize = kept.iter().map(|&a| shape[a]).product();
+    let mut out = vec![Vec::new(); outputs];
+    for i in 0..n {
+        let mut rest = i;
+        let mut index = vec![0; shape.len()];
+        for a in (0..shape.len()).rev() {
+            index[a] = rest % shape[a];
+            rest /= shape[a];
+        }
+        let o = kept.iter().fold(0, |acc, &a| acc * shape[a] + index[a]);
+        out[o].push(i);
+    }
+    out
+}
+
+fn normalise(axes: Option<&[isize]>, ndim: usize) -> Vec<usize> {
+    match axes {
+        None => (0..ndim).collect(),
+        Some(a) => a
+            .iter()
+            .map(|&x| if x < 0 { x + ndim as isize } else { x } as usize)
+            .collect(),
+    }
+}
+
+/// Checks `reduce(op, x, axes, keepdims)` against the reference.
+fn check_reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool, what: &str) {
+    let got = compute::reduce(op, x, axes, keepdims).unwrap();
+    let axes_u = normalise(axes, x.ndim());
+    let what = format!("{what} {} {} axes {axes:?}", op.name(), x.dtype());
+    let want_shape: Vec<usize> = (0..x.ndim())
+        .filter_map(|a| {
+            if !axes_u.contains(&a) {
+                Some(x.shape()[a])
+            } else if keepdims {
+                Some(1)
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(got.shape(), want_shape.as_slice(), "{what}");
+    let groups = groups(x.shape(), &axes_u);
+    let dtype = x.dtype();
+    if !dtype.is_floating() && matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min) {
+        let v = ints(x);
+        let want: Vec<i128> = groups
+            .iter()
+            .map(|g| {
+                let it = g.iter().map(|&i| v[i]);
+                match op {
+                    ReduceOp::Sum => wrap(it.sum(), got.dtype()),
+                    ReduceOp::Max => it.max().unwrap(),
+                    _ => it.min().unwrap(),
+                }
+            })
+            .collect();
+        let want_dtype = match op {
+            ReduceOp::Sum if is_signed(dtype) => DType::I64,
+            ReduceOp::Sum => DType::U64,
+            _ => dtype,
+        };
+        assert_eq!(got.dtype(), want_dtype, "{what}");
+        assert_eq!(ints(&got), want, "{what}");
+        return;
+    }
+    let v = values(x);
+    let mut want = Vec::new();
+    let mut scale = Vec::new();
+    for g in &groups {
+        let xs: Vec<f64> = g.iter().map(|&i| v[i]).collect();
+        let abs: f64 = xs.iter().map(|x| x.abs()).sum();
+        let n = xs.len() as f64;
+        match op {
+            ReduceOp::Sum => {
+                want.push(exact_sum(xs.iter().copied()));
+                scale.push(abs);
+            }
+            ReduceOp::Mean => {
+                want.push(exact_sum(xs.iter().copied()) / n);
+                scale.push(abs / n);
+            }
+            ReduceOp::Max | ReduceOp::Min => {
+                let pick = if op == ReduceOp::Max {
+                    f64::max
+                } else {
+                    f64::min
+                };
+                let m = if xs.iter().any(|x| x.is_nan()) {
+                    f64::NAN
+                } else {
+                    xs.iter().copied().fold(xs[0], pick)
+                };
+                want.push(m);
+                scale.push(0.0);
+            }
+        }
+    }
+    let out_dtype = got.dtype();
+    // Sums are bounded relative to the sum of magnitudes: rounding into the output, plus the
+    // accumulation error (tiny: blocks of f32 lanes, totals in f64).
+    let rel = match out_dtype {
+        DType::F64 => 1e-13,
+        d => tol(d) + 1e-6,
+    };
+    assert_close_scaled(&values(&got), &want, &scale, rel, out_dtype, &what);
+}
+
+#[test]
+fn reductions_over_every_dtype() {
+    let mut rng = Rng::new(7);
+    for dtype in FLOATS.into_iter().chain(INTS) {
+        for shape in [
+            &[1][..],
+            &[7],
+            &[1023],
+            &[100_003],
+            &[5, 7, 9],
+            &[],
+            &[300, 257],
+        ] {
+            let n: usize = shape.iter().product();
+            let x = if dtype.is_floating() {
+                float_tensor(&mut rng, shape, dtype, -3.0, 5.0)
+            } else {
+                int_tensor(&int_values(&mut rng, n, dtype), shape, dtype)
+            };
+            for op in ReduceOp::ALL {
+                check_reduce(op, &x, None, false, &format!("{shape:?}"));
+                if shape.len() >= 2 {
+                    check_reduce(op, &x, Some(&[0]), false, &format!("{shape:?}"));
+                    check_reduce(op, &x, Some(&[-1]), true, &format!("{shape:?}"));
+                }
+                if shape.len() == 3 {
+                    check_reduce(op, &x, Some(&[0, 2]), false, "[5, 7, 9]");
+                    check_reduce(op, &x, Some(&[1]), true, "[5, 7, 9]");
+                    check_reduce(op, &x, Some(&[-2, 0]), false, "[5, 7, 9]");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reductions_over_outer_axes_and_views() {
+    let mut rng = Rng::new(8);
+    for dtype in [DType::F32, DType::F16, DType::I32, DType::F64, DType::U16] {
+        let x = float_tensor(&mut rng, &[24, 20, 33], DType::F64, -100.0, 100.0)
+            .cast(dtype)
+            .unwrap();
+        let views = [
+            ("compact", x.clone()),
+            ("transposed", x.permute(&[2, 1, 0]).unwrap()),
+            (
+                "reversed",
+                x.slice(0, rev()).unwrap().slice(2, rev()).unwrap(),
+            ),
+            (
+                "broadcast",
+                x.slice(1, SliceArg::range(0, 1))
+                    .unwrap()
+                    .broadcast_to(&[24, 4, 33])
+                    .unwrap(),
+            ),
+        ];
+        for (name, v) in &views {
+            for op in ReduceOp::ALL {
+                for axes in [
+                    &[0][..],
+                    &[0, 1],
+                    &[1],
+                    &[2],
+                    &[0, 2],
+                    &[1, 2],
+                    &[-3, -2, -1],
+                ] {
+                    check_reduce(op, v, Some(axes), false, name);
+                }
+            }
+        }
+    }
+    // Many rows of a wide matrix: the by-rows mode with several tiles and threads.
+    let wide = float_tensor(&mut rng, &[600, 700], DType::F32, -1.0, 1.0);
+    for op in ReduceOp::ALL {
+        check_reduce(op, &wide, Some(&[0]), false, "wide");
+        check_reduce(op, &wide, Some(&[1]), false, "wide");
+    }
+}
+
+#[test]
+fn max_and_min_propagate_nan() {
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        for n in [1, 5, 64, 1000, 5000] {
+            for at in [0, n / 2, n - 1] {
+                let mut v: Vec<f64> = (0..n).map(|i| (i as f64 * 0.37).sin()).collect();
+                v[at] = f64::NAN;
+                let x = tensor(&v, &[n], dtype);
+                for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum, ReduceOp::Mean] {
+                    let r = compute::reduce(op, &x, None, false).unwrap();
+                    assert!(
+                        values(&r)[0].is_nan(),
+                        "{} {dtype} n={n} NaN at {at}",
+                        op.name()
+                    );
+                }
+            }
+        }
+        // NaN in one column of a by-rows reduction stays in that column.
+        let mut v = vec![1.0; 40 * 64];
+        v[17 * 64 + 5] = f64::NAN;
+        let x = tensor(&v, &[40, 64], dtype);
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            let r = values(&compute::reduce(op, &x, Some(&[0]), false).unwrap());
+            assert!(r[5].is_nan());
+            assert!(r.iter().enumerate().all(|(i, x)| i == 5 || *x == 1.0));
+        }
+        let inf = tensor(&[f64::NEG_INFINITY, -1.0], &[2], dtype);
+        let r = compute::reduce(ReduceOp::Max, &inf, None, false).unwrap();
+        assert_eq!(values(&r), vec![-1.0]);
+    }
+}
+
+#[test]
+fn empty_reductions() {
+    let e = tensor(&[], &[0, 3], DType::F32);
+    let s = compute::reduce(ReduceOp::Sum, &e, Some(&[0]), false).unwrap();
+    assert_eq!(values(&s), vec![0.0; 3]);
+    let m = compute::reduce(ReduceOp::Mean, &e, Some(&[0]), false).unwrap();
+    assert!(values(&m).iter().all(|x| x.is_nan()));
+    let s = compute::reduce(ReduceOp::Sum, &e, Some(&[1]), false).unwrap();
+    assert_eq!(s.shape(), &[0]);
+    let i = int_tensor(&[], &[0], DType::I8);
+    let s = compute::reduce(ReduceOp::Sum, &i, None, false).unwrap();
+    assert_eq!((s.dtype(), ints(&s)), (DType::I64, vec![0]));
+    let err = compute::reduce(ReduceOp::Max, &e, Some(&[0]), false).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+#[test]
+fn integer_sums_widen_and_wrap() {
+    let x = int_tensor(&vec![127; 1000], &[1000], DType::I8);
+    let s = compute::reduce(ReduceOp::Sum, &x, None, false).unwrap();
+    assert_eq!((s.dtype(), ints(&s)), (DType::I64, vec![127_000]));
+    let m = compute::reduce(ReduceOp::Mean, &x, None, false).unwrap();
+    assert_eq!((m.dtype(), values(&m)), (DType::F64, vec![127.0]));
+    let big = int_tensor(&[u64::MAX as i128, 2], &[2], DType::U64);
+    let s = compute::reduce(ReduceOp::Sum, &big, None, false).unwrap();
+    assert_eq!((s.dtype(), ints(&s)), (DType::U64, vec![1]));
+}
+
+#[test]
+fn long_float32_sums_are_accurate() {
+    // 2^22 values near 0.1: a naive f32 running sum is off by about 1e-3 relative.
+    let n = 1 << 22;
+    let mut rng = Rng::new(9);
+    let v: Vec<f32> = (0..n)
+        .map(|_| 0.1 + rng.uniform(0.0, 1e-3) as f32)
+        .collect();
+    let x = Tensor::from_slice(&v, &[n]).unwrap();
+    let exact = exact_sum(v.iter().map(|&x| x as f64));
+    let s = values(&compute::reduce(ReduceOp::Sum, &x, None, false).unwrap())[0];
+    assert!((s - exact).abs() <= 1e-7 * exact, "{s} vs {exact}");
+    let m = values(&compute::reduce(ReduceOp::Mean, &x, None, false).unwrap())[0];
+    assert!((m - exact / n as f64).abs() <= 1e-7 * m);
+    // Two outputs, each over 2^21 elements (reduced in pieces on threads), and the transposed
+    // layout (by rows).
+    let two = x.reshape(&[Some(2), None]).unwrap();
+    check_reduce(ReduceOp::Sum, &two, Some(&[1]), false, "halves");
+    let cols = x.reshape(&[Some(1 << 16), None]).unwrap();
+    check_reduce(ReduceOp::Sum, &cols, Some(&[0]), false, "columns");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matrix products
+// ---------------------------------------------------------------------------------------------
+
+/// The reference product by NumPy's rules, and for each element the sum of magnitudes.
+fn matmul_reference(a: &Tensor, b: &Tensor) -> (Vec<usize>, Vec<f64>, Vec<f64>) {
+    let (a_vec, b_vec) = (a.ndim() == 1, b.ndim() == 1);
+    let a2 = if a_vec {
+        a.expand_dims(0).unwrap()
+    } else {
+        a.clone()
+    };
+    let b2 = if b_vec {
+        b.expand_dims(1).unwrap()
+    } else {
+        b.clone()
+    };
+    let (m, k) = (a2.shape()[a2.ndim() - 2], a2.shape()[a2.ndim() - 1]);
+    let n = b2.shape()[b2.ndim() - 1];
+    let (ba, bb) = (&a2.shape()[..a2.ndim() - 2], &b2.shape()[..b2.ndim() - 2]);
+    let batch = compute::broadcast_shapes(ba, bb).unwrap();
+    let full = |t: &Tensor, r: usize, c: usize| {
+        let mut s = batch.clone();
+        s.extend([r, c]);
+        values(&t.broadcast_to(&s).unwrap())
+    };
+    let (va, vb) = (full(&a2, m, k), full(&b2, k, n));
+    let count: usize = batch.iter().product();
+    let (mut want, mut scale) = (Vec::new(), Vec::new());
+    for p in 0..count {
+        for i in 0..m {
+            for j in 0..n {
+                let terms = (0..k).map(|l| va[p * m * k + i * k + l] * vb[p * k * n + l * n + j]);
+                let abs: f64 = terms.clone().map(f64::abs).sum();
+                want.push(exact_sum(terms));
+                scale.push(abs);
+            }
+        }
+    }
+    let mut shape = batch;
+    if !a_vec {
+        shape.push(m);
+    }
+    if !b_vec {
+        shape.push(n);
+    }
+    (shape, want, scale)
+}
+
+fn check_matmul(a: &Tensor, b: &Tensor, what: &str) {
+    let got = compute::matmul(a, b).unwrap();
+    let (shape, want, scale) = matmul_reference(a, b);
+    let what = format!("{what} {:?} @ {:?} {}", a.shape(), b.shape(), got.dtype());
+    assert_eq!(got.shape(), shape.as_slice(), "{what}");
+    let rel = match got.dtype() {
+        DType::F64 => 1e-13,
+        DType::F32 => 1e-5,
+        d => tol(d) + 1e-5,
+    };
+    assert_close_scaled(&values(&got), &want, &scale, rel, got.dtype(), &what);
+}
+
+#[test]
+fn matmul_shapes_and_dtypes() {
+    let mut rng = Rng::new(10);
+    let cases: [(&[usize], &[usize]); 11] = [
+        (&[3, 4], &[4, 5]),
+        (&[1, 1], &[1, 1]),
+        (&[65, 33], &[33, 70]),
+        (&[2, 3, 4], &[2, 4, 5]),
+        (&[2, 1, 3, 4], &[5, 4, 6]),
+        (&[7, 4], &[3, 4, 2]),
+        (&[4], &[4, 6]),
+        (&[6, 4], &[4]),
+        (&[9], &[9]),
+        (&[3, 5, 4], &[4]),
+        (&[130, 200], &[200, 90]),
+    ];
+    for dtype in FLOATS {
+        for (sa, sb) in cases {
+            let a = float_tensor(&mut rng, sa, dtype, -1.0, 1.0);
+            let b = float_tensor(&mut rng, sb, dtype, -1.0, 1.0);
+            check_matmul(&a, &b, "");
+        }
+    }
+}
+
+#[test]
+fn matmul_of_views() {
+    let mut rng = Rng::new(11);
+    for dtype in FLOATS {
+        let a = float_tensor(&mut rng, &[40, 30], dtype, -1.0, 1.0);
+        let b = float_tensor(&mut rng, &[50, 40], dtype, -1.0, 1.0);
+        // Transposed operands (column-major for the BLAS).
+        check_matmul(
+            &a.transpose().unwrap(),
+            &b.transpose().unwrap(),
+            "transposed",
+        );
+        // Strided and reversed operands (copied compact by the front).
+        let rows = SliceArg {
+            start: None,
+            stop: None,
+            step: 2,
+        };
+        check_matmul(
+            &a.slice(0, rows).unwrap().transpose().unwrap(),
+            &a.slice(0, rows).unwrap(),
+            "strided",
+        );
+        check_matmul(&b.slice(0, rev()).unwrap(), &a, "reversed");
+        // A batch broadcast from one matrix (batch stride 0).
+        let batch = a
+            .expand_dims(0)
+            .unwrap()
+            .broadcast_to(&[3, 40, 30])
+            .unwrap();
+        check_matmul(&b, &batch, "broadcast batch");
+        // A batch of many small matrices (split over threads by matrix).
+        let many_a = float_tensor(&mut rng, &[300, 3, 5], dtype, -1.0, 1.0);
+        let many_b = float_tensor(&mut rng, &[300, 5, 2], dtype, -1.0, 1.0);
+        check_matmul(&many_a, &many_b, "many");
+    }
+}
+
+#[test]
+fn matmul_with_empty_contraction_is_zero() {
+    for dtype in FLOATS {
+        let a = tensor(&[], &[3, 0], dtype);
+        let b = tensor(&[], &[0, 4], dtype);
+        let r = compute::matmul(&a, &b).unwrap();
+        assert_eq!((r.shape(), values(&r)), (&[3, 4][..], vec![0.0; 12]));
+        let e = compute::matmul(
+            &tensor(&[], &[0, 2], dtype),
+            &tensor(&[1.0, 2.0], &[2, 1], dtype),
+        )
+        .unwrap();
+        assert_eq!(e.shape(), &[0, 1]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn errors_name_what_went_wrong() {
+    let a = tensor(&[1.0, 2.0, 3.0], &[3], DType::F32);
+    let b = tensor(&[1.0; 4], &[4], DType::F32);
+    assert!(matches!(
+        compute::binary(BinaryOp::Add, &a, &b),
+        Err(Error::Shape(_))
+    ));
+    let u = int_tensor(&[1], &[1], DType::U64);
+    let i = int_tensor(&[1], &[1], DType::I8);
+    assert!(matches!(
+        compute::binary(BinaryOp::Add, &u, &i),
+        Err(Error::DTypeMismatch(_))
+    ));
+    let flags = Tensor::from_slice(&[1u8, 0], &[2])
+        .unwrap()
+        .cast(DType::BOOL)
+        .unwrap();
+    assert!(matches!(
+        compute::unary(UnaryOp::Negative, &flags),
+        Err(Error::UnsupportedDType(_))
+    ));
+    assert!(matches!(
+        compute::reduce(ReduceOp::Sum, &flags, None, false),
+        Err(Error::UnsupportedDType(_))
+    ));
+    assert!(matches!(
+        compute::binary(
+            BinaryOp::Add,
+            &a,
+            &flags.slice(0, SliceArg::range(0, 1)).unwrap()
+        ),
+        Err(Error::UnsupportedDType(_))
+    ));
+    let m = int_tensor(&[1, 2, 3, 4], &[2, 2], DType::I32);
+    assert!(matches!(
+        compute::matmul(&m, &m),
+        Err(Error::UnsupportedDType(_))
+    ));
+    assert!(matches!(
+        compute::matmul(&a, &tensor(&[1.0; 4], &[4], DType::F32)),
+        Err(Error::Shape(_))
+    ));
+    assert!(matches!(
+        compute::reduce(ReduceOp::Sum, &a, Some(&[1]), false),
+        Err(Error::OutOfBounds(_))
+    ));
+}
+
+#[test]
+fn casts_on_the_cpu_use_the_host_converter() {
+    let x = tensor(&[-2.7, 300.0, 1.5], &[3], DType::F32);
+    let r = compute::cast(&x, DType::I32).unwrap();
+    assert_eq!(ints(&r), vec![-2, 300, 1]);
+    let r = compute::cast(&x.slice(0, rev()).unwrap(), DType::U8).unwrap();
+    assert_eq!(ints(&r), vec![1, 44, 254]);
+}

@@ -30,7 +30,8 @@ struct CudaKernel {
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct CacheKey {
-    ordinal: i32,
+    /// The device as asked for (its kind too: the kernel reports it, and launches check it).
+    device: Device,
     source: String,
     name: String,
     options: Vec<String>,
@@ -50,7 +51,7 @@ pub(crate) fn compile(
     let ordinal = device.index() as i32;
     let ctx = context(ordinal)?;
     let key = CacheKey {
-        ordinal,
+        device,
         source: source.to_string(),
         name: name.to_string(),
         options: options.to_vec(),

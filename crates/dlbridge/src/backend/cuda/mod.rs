@@ -23,10 +23,13 @@
 //! `CU_STREAM_LEGACY` (`1`) are the legacy default stream, `CU_STREAM_PER_THREAD` (`2`) the
 //! per-thread default stream, anything else a `CUstream`.
 
+mod blas;
+mod codegen;
 pub(crate) mod compute;
 mod copy;
 pub(crate) mod launch;
 mod memory;
+mod nvrtc;
 mod stream;
 
 use std::ffi::{CStr, c_int};
@@ -60,6 +63,8 @@ pub(crate) struct DeviceContext {
     /// The copy kernels, loaded on first use.
     pub(crate) kernels: OnceLock<std::result::Result<copy::Kernels, String>>,
     pub(crate) multiprocessors: u32,
+    /// The compute capability `(major, minor)`, which run-time compiled code targets.
+    pub(crate) arch: (i32, i32),
 }
 
 // SAFETY: the context and event handles are plain driver handles, usable from any thread; the
@@ -228,11 +233,24 @@ fn open_device(ordinal: i32) -> std::result::Result<&'static DeviceContext, Stri
             dev,
         )
     };
+    let attribute = |which: sys::CUdevice_attribute| {
+        let mut value: c_int = 0;
+        // SAFETY: `value` is a valid out-pointer and `dev` a valid device.
+        let rc = unsafe { sys::cuDeviceGetAttribute(&mut value, which, dev) };
+        check(rc, "cuDeviceGetAttribute").map(|()| value)
+    };
+    let arch = (
+        attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(|e| e.to_string())?,
+        attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .map_err(|e| e.to_string())?,
+    );
     Ok(Box::leak(Box::new(DeviceContext {
         ctx,
         handoff: Mutex::new(event),
         kernels: OnceLock::new(),
         multiprocessors: sms.max(1) as u32,
+        arch,
     })))
 }
 

@@ -1,0 +1,1126 @@
+//! CUDA C source of the built-in kernels, one small program per (operation, dtypes, shape class).
+//!
+//! The kernels include no header (NVRTC may not find `cuda_fp16.h`): 16-bit floats are stored as
+//! `u16` and converted with the `cvt` instruction (`float16`) or bit arithmetic (`bfloat16`),
+//! rounding to nearest even; arithmetic on them runs in `float`. Integer arithmetic runs in the
+//! unsigned type of the width (so it wraps, and the compiler may assume nothing about overflow).
+//!
+//! | kernel | grid | what one thread does |
+//! | --- | --- | --- |
+//! | flat map | covers the data (grid-stride past 2³¹ blocks) | `UNROLL` 16-byte vectors of every operand, loads first |
+//! | strided map | covers the data (grid-stride past 2³¹ blocks) | `UNROLL` elements, each index decoded over ≤ [`MAX_MAP_DIMS`] axes, loads first |
+//! | group reduce | a warp or a block per (output, split) | strides over the reduced elements (16-byte vectors when contiguous), then shuffles |
+//! | thread reduce | one thread per (output, split) | walks the reduced elements (reduced axes outside the kept ones: neighbours read neighbours) |
+//! | finish | a warp per output | combines the splits' partial results |
+//!
+//! The argument blocks ([`MapArgs`], [`ReduceArgs`]) are passed by value and mirror the C structs
+//! written into every program.
+
+use std::fmt::Write as _;
+
+use crate::compute::{BinaryOp, MapOp, ReduceOp, UnaryOp};
+use crate::dtype::{DType, DTypeCode};
+
+/// The most collapsed axes the strided map kernel walks (more: operands are made compact first).
+pub(crate) const MAX_MAP_DIMS: usize = 6;
+/// The most collapsed kept or reduced axes the reduce kernels walk.
+pub(crate) const MAX_REDUCE_DIMS: usize = 4;
+/// Threads per block of every built-in kernel.
+pub(crate) const THREADS: u32 = 256;
+/// Vectors per thread per step of the flat map kernel.
+pub(crate) const UNROLL: u32 = 4;
+
+/// An element type as the kernels see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Ty {
+    Bool,
+    I8,
+    I16,
+    I32,
+    I64,
+    U8,
+    U16,
+    U32,
+    U64,
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl Ty {
+    /// The kernels' type for `dtype`, if they handle it.
+    pub(crate) fn of(dtype: DType) -> Option<Ty> {
+        if dtype.lanes() != 1 {
+            return None;
+        }
+        Some(match (dtype.code(), dtype.bits()) {
+            (DTypeCode::Bool, 8) => Ty::Bool,
+            (DTypeCode::Int, 8) => Ty::I8,
+            (DTypeCode::Int, 16) => Ty::I16,
+            (DTypeCode::Int, 32) => Ty::I32,
+            (DTypeCode::Int, 64) => Ty::I64,
+            (DTypeCode::UInt, 8) => Ty::U8,
+            (DTypeCode::UInt, 16) => Ty::U16,
+            (DTypeCode::UInt, 32) => Ty::U32,
+            (DTypeCode::UInt, 64) => Ty::U64,
+            (DTypeCode::Float, 16) => Ty::F16,
+            (DTypeCode::BFloat, 16) => Ty::BF16,
+            (DTypeCode::Float, 32) => Ty::F32,
+            (DTypeCode::Float, 64) => Ty::F64,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per element.
+    pub(crate) fn size(self) -> usize {
+        match self {
+            Ty::Bool | Ty::I8 | Ty::U8 => 1,
+            Ty::I16 | Ty::U16 | Ty::F16 | Ty::BF16 => 2,
+            Ty::I32 | Ty::U32 | Ty::F32 => 4,
+            Ty::I64 | Ty::U64 | Ty::F64 => 8,
+        }
+    }
+
+    pub(crate) fn is_float(self) -> bool {
+        matches!(self, Ty::F16 | Ty::BF16 | Ty::F32 | Ty::F64)
+    }
+
+    fn is_signed(self) -> bool {
+        matches!(self, Ty::I8 | Ty::I16 | Ty::I32 | Ty::I64)
+    }
+
+    /// The C type elements are stored as.
+    fn storage(self) -> &'static str {
+        match self {
+            Ty::Bool | Ty::U8 => "u8",
+            Ty::I8 => "i8",
+            Ty::I16 => "i16",
+            Ty::I32 => "i32",
+            Ty::I64 => "i64",
+            Ty::U16 | Ty::F16 | Ty::BF16 => "u16",
+            Ty::U32 => "u32",
+            Ty::U64 => "u64",
+            Ty::F32 => "float",
+            Ty::F64 => "double",
+        }
+    }
+
+    /// The C type arithmetic runs in.
+    fn compute(self) -> &'static str {
+        match self {
+            Ty::F16 | Ty::BF16 | Ty::F32 => "float",
+            Ty::F64 => "double",
+            other => other.storage(),
+        }
+    }
+
+    /// The unsigned type integer arithmetic wraps in.
+    fn wrap(self) -> &'static str {
+        if self.size() == 8 { "u64" } else { "u32" }
+    }
+
+    /// A stored value as a compute value.
+    fn load(self, e: &str) -> String {
+        match self {
+            Ty::F16 => format!("f16_to_f32({e})"),
+            Ty::BF16 => format!("bf16_to_f32({e})"),
+            _ => e.to_string(),
+        }
+    }
+
+    /// A compute value as a stored value.
+    fn store(self, e: &str) -> String {
+        match self {
+            Ty::F16 => format!("f32_to_f16({e})"),
+            Ty::BF16 => format!("f32_to_bf16({e})"),
+            Ty::Bool => format!("(u8)(({e}) != 0)"),
+            other => format!("({})({e})", other.storage()),
+        }
+    }
+}
+
+/// Helpers every program starts with.
+const PRELUDE: &str = r#"
+typedef signed char i8; typedef short i16; typedef int i32; typedef long long i64;
+typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32;
+typedef unsigned long long u64;
+struct alignas(16) raw16 { u64 lo, hi; };
+template <int B> struct raw_of;
+template <> struct raw_of<1> { typedef u8 t; };
+template <> struct raw_of<2> { typedef u16 t; };
+template <> struct raw_of<4> { typedef u32 t; };
+template <> struct raw_of<8> { typedef u64 t; };
+template <> struct raw_of<16> { typedef raw16 t; };
+template <typename S, int N> union pack { typename raw_of<sizeof(S) * N>::t raw; S v[N]; };
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+  u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+__device__ __forceinline__ u16 f64_to_f16(double d) {
+  u16 h; asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(d)); return h;
+}
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
+__device__ __forceinline__ u16 bits_to_bf16(u32 u) {
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+  return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ u16 f32_to_bf16(float f) { return bits_to_bf16(__float_as_uint(f)); }
+__device__ __forceinline__ u16 f64_to_bf16(double d) {
+  // Round to float toward zero, keeping inexactness in the last bit (round to odd), so that the
+  // second rounding to bfloat16 is the correct one.
+  float f = __double2float_rz(d);
+  u32 u = __float_as_uint(f);
+  if (d == d && (double)f != d) u |= 1u;
+  return bits_to_bf16(u);
+}
+// NumPy's astype: truncate toward zero, NaN to 0; values past int64 go through uint64.
+__device__ __forceinline__ u64 f64_to_int_bits(double d) {
+  if (d != d) return 0;
+  if (d >= 9223372036854775808.0) return __double2ull_rz(d);
+  return (u64)__double2ll_rz(d);
+}
+"#;
+
+/// How one input of a map kernel is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Mode {
+    /// Consecutive elements (flat kernels).
+    Vector,
+    /// One element for all (a stride-0 operand of a flat kernel), read once per thread.
+    Uniform,
+    /// A kernel parameter.
+    Scalar,
+    /// Through the plan's strides (strided kernels).
+    Strided,
+}
+
+/// The index space of a map kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum MapShape {
+    /// One run of elements, `vec` per vector access.
+    Flat { vec: u8 },
+    /// `ndim` collapsed axes; `wide`: 64-bit indices.
+    Strided { ndim: u8, wide: bool },
+}
+
+/// Everything a map kernel's source depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct MapKey {
+    pub(crate) op: MapOp,
+    pub(crate) input: Ty,
+    pub(crate) out: Ty,
+    /// How each input is read (the first `arity`).
+    pub(crate) modes: [Mode; 2],
+    pub(crate) arity: u8,
+    pub(crate) shape: MapShape,
+}
+
+impl MapKey {
+    fn inputs(&self) -> &[Mode] {
+        &self.modes[..self.arity as usize]
+    }
+}
+
+/// The map kernels' argument block (`struct MapArgs` in the source).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MapArgs {
+    pub(crate) out: u64,
+    pub(crate) input: [u64; 2],
+    /// Scalar operands of float kernels.
+    pub(crate) sf: [f64; 2],
+    /// Scalar operands of integer kernels (wrapped into the dtype by the kernel).
+    pub(crate) si: [i64; 2],
+    pub(crate) n: u64,
+    pub(crate) shape: [u64; MAX_MAP_DIMS],
+    /// Per input, its strides in elements.
+    pub(crate) strides: [[i64; MAX_MAP_DIMS]; 2],
+}
+
+const MAP_ARGS: &str = "struct MapArgs { u64 out; u64 in[2]; double sf[2]; i64 si[2]; u64 n; \
+                        u64 shape[6]; i64 st[2][6]; };\n";
+
+/// Whether the map `op` is defined on `input` → `out` (the front promotes before asking).
+pub(crate) fn map_supported(op: MapOp, input: Ty, out: Ty) -> bool {
+    match op {
+        MapOp::Cast => true,
+        MapOp::Unary(u) => {
+            input == out && input != Ty::Bool && (input.is_float() || !u.is_transcendental())
+        }
+        MapOp::Binary(b) => {
+            input == out && input != Ty::Bool && (input.is_float() || b != BinaryOp::Div)
+        }
+    }
+}
+
+fn unary_expr(op: UnaryOp, t: Ty, a: &str) -> String {
+    let c = t.compute();
+    if t.is_float() {
+        let f = if c == "float" { "f" } else { "" };
+        return match op {
+            UnaryOp::Sqrt => format!("sqrt{f}({a})"),
+            UnaryOp::Exp => format!("exp{f}({a})"),
+            UnaryOp::Log => format!("log{f}({a})"),
+            UnaryOp::Sin => format!("sin{f}({a})"),
+            UnaryOp::Cos => format!("cos{f}({a})"),
+            UnaryOp::Abs => format!("fabs{f}({a})"),
+            UnaryOp::Square => format!("({a}) * ({a})"),
+            UnaryOp::Negative => format!("-({a})"),
+        };
+    }
+    let w = t.wrap();
+    match op {
+        UnaryOp::Abs if t.is_signed() => {
+            format!("({c})(({a}) < 0 ? ({w})0 - ({w})({a}) : ({w})({a}))")
+        }
+        UnaryOp::Abs => a.to_string(),
+        UnaryOp::Square => format!("({c})(({w})({a}) * ({w})({a}))"),
+        UnaryOp::Negative => format!("({c})(({w})0 - ({w})({a}))"),
+        // Not reached: the front computes these in a float type.
+        _ => format!("({c})0"),
+    }
+}
+
+fn binary_expr(op: BinaryOp, t: Ty, a: &str, b: &str) -> String {
+    let sym = match op {
+        BinaryOp::Add => "+",
+        BinaryOp::Sub => "-",
+        BinaryOp::Mul => "*",
+        BinaryOp::Div => "/",
+    };
+    if t.is_float() {
+        return format!("({a}) {sym} ({b})");
+    }
+    let (c, w) = (t.compute(), t.wrap());
+    match op {
+        // Not reached: integer division returns float64, computed on float64 operands.
+        BinaryOp::Div => format!("({c})(({b}) == 0 ? 0 : ({a}) / ({b}))"),
+        _ => format!("({c})(({w})({a}) {sym} ({w})({b}))"),
+    }
+}
+
+/// `x` (a stored `from`) as a stored `to`, by NumPy's `astype` rules.
+fn cast_expr(from: Ty, to: Ty, x: &str) -> String {
+    if from == to {
+        return x.to_string();
+    }
+    if to == Ty::Bool {
+        return format!("(u8)(({}) != 0)", from.load(x));
+    }
+    if from == Ty::Bool {
+        // Any non-zero byte is true: a choice between the stored 0 and 1 of `to`. (Not through
+        // `double`: ptxas 13.0 miscompiled eight such lanes of bool → bfloat16, converting one
+        // double built by selecting only its high word for all of them.)
+        let one = match to {
+            Ty::F16 => "(u16)0x3c00",
+            Ty::BF16 => "(u16)0x3f80",
+            Ty::F32 => "1.0f",
+            Ty::F64 => "1.0",
+            _ => "1",
+        };
+        return format!(
+            "(({x}) != 0 ? ({})({one}) : ({})0)",
+            to.storage(),
+            to.storage()
+        );
+    }
+    match (from.is_float(), to.is_float()) {
+        (false, false) => format!("({})({x})", to.storage()),
+        // 8- and 16-bit integers are exact in float: one rounding, in float.
+        (false, true) if from.size() <= 2 && matches!(to, Ty::F16 | Ty::BF16 | Ty::F32) => {
+            to.store(&format!("(float)({x})"))
+        }
+        (false, true) => {
+            let d = format!("(double)({x})");
+            match to {
+                Ty::F16 => format!("f64_to_f16({d})"),
+                Ty::BF16 => format!("f64_to_bf16({d})"),
+                Ty::F32 => format!("(float)({d})"),
+                _ => d,
+            }
+        }
+        (true, false) => format!(
+            "({})f64_to_int_bits((double)({}))",
+            to.storage(),
+            from.load(x)
+        ),
+        (true, true) => match (from, to) {
+            (Ty::F64, Ty::F16) => format!("f64_to_f16({x})"),
+            (Ty::F64, Ty::BF16) => format!("f64_to_bf16({x})"),
+            (Ty::F64, Ty::F32) => format!("(float)({x})"),
+            (_, Ty::F64) => format!("(double)({})", from.load(x)),
+            (_, Ty::F32) => from.load(x),
+            (_, Ty::F16) => format!("f32_to_f16({})", from.load(x)),
+            (_, _) => format!("f32_to_bf16({})", from.load(x)),
+        },
+    }
+}
+
+/// The source of the map kernel `key`, entry point `k`.
+pub(crate) fn map_source(key: &MapKey) -> String {
+    let (inp, out) = (key.input, key.out);
+    let cast = key.op == MapOp::Cast;
+    // The type operands reach `op` in: stored for casts, computed otherwise.
+    let arg_t = if cast { inp.storage() } else { inp.compute() };
+    let read = |e: &str| if cast { e.to_string() } else { inp.load(e) };
+    let mut s = String::from(PRELUDE);
+    s.push_str(MAP_ARGS);
+    // The element function.
+    let params: Vec<String> = (0..key.inputs().len())
+        .map(|k| format!("{arg_t} x{k}"))
+        .collect();
+    let body = match key.op {
+        MapOp::Cast => cast_expr(inp, out, "x0"),
+        MapOp::Unary(u) => out.store(&unary_expr(u, inp, "x0")),
+        MapOp::Binary(b) => out.store(&binary_expr(b, inp, "x0", "x1")),
+    };
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ {} op({}) {{ return {body}; }}",
+        out.storage(),
+        params.join(", ")
+    );
+    let _ = writeln!(
+        s,
+        "extern \"C\" __global__ void __launch_bounds__({THREADS}) k(const MapArgs a) {{"
+    );
+    let _ = writeln!(s, "  {0}* __restrict__ out = ({0}*)a.out;", out.storage());
+    for (k, mode) in key.inputs().iter().enumerate() {
+        match mode {
+            Mode::Vector | Mode::Strided => {
+                let _ = writeln!(
+                    s,
+                    "  const {0}* __restrict__ in{k} = (const {0}*)a.in[{k}];",
+                    inp.storage()
+                );
+            }
+            Mode::Uniform => {
+                let _ = writeln!(
+                    s,
+                    "  const {arg_t} u{k} = {};",
+                    read(&format!("((const {}*)a.in[{k}])[0]", inp.storage()))
+                );
+            }
+            Mode::Scalar => {
+                let v = if inp.is_float() {
+                    format!("({arg_t})a.sf[{k}]")
+                } else {
+                    format!("({arg_t})a.si[{k}]")
+                };
+                let _ = writeln!(s, "  const {arg_t} u{k} = {v};");
+            }
+        }
+    }
+    match key.shape {
+        MapShape::Flat { vec } => flat_body(&mut s, key, vec, &read),
+        MapShape::Strided { ndim, wide } => strided_body(&mut s, key, arg_t, ndim, wide, &read),
+    }
+    s.push_str("}\n");
+    s
+}
+
+fn flat_body(s: &mut String, key: &MapKey, vec: u8, read: &dyn Fn(&str) -> String) {
+    let (inp, out) = (key.input.storage(), key.out.storage());
+    let n = vec;
+    let operand = |k: usize, m: &Mode, elem: &str| match m {
+        Mode::Vector => read(&elem.replace('#', &k.to_string())),
+        _ => format!("u{k}"),
+    };
+    let _ = writeln!(s, "  const u64 n = a.n, nvec = n / {n};");
+    let _ = writeln!(
+        s,
+        "  const u64 step = (u64)gridDim.x * (blockDim.x * {UNROLL});"
+    );
+    let _ = writeln!(
+        s,
+        "  for (u64 base = (u64)blockIdx.x * (blockDim.x * {UNROLL}) + threadIdx.x; base < nvec; \
+         base += step) {{"
+    );
+    for (k, m) in key.inputs().iter().enumerate() {
+        if *m == Mode::Vector {
+            let _ = writeln!(s, "    pack<{inp}, {n}> p{k}[{UNROLL}];");
+        }
+    }
+    let _ = writeln!(s, "    #pragma unroll");
+    let _ = writeln!(s, "    for (int u = 0; u < {UNROLL}; u++) {{");
+    let _ = writeln!(s, "      const u64 v = base + (u64)u * blockDim.x;");
+    let _ = writeln!(s, "      if (v < nvec) {{");
+    for (k, m) in key.inputs().iter().enumerate() {
+        if *m == Mode::Vector {
+            let _ = writeln!(
+                s,
+                "        p{k}[u].raw = ((const raw_of<sizeof({inp}) * {n}>::t*)in{k})[v];"
+            );
+        }
+    }
+    let _ = writeln!(s, "      }}\n    }}");
+    let _ = writeln!(s, "    #pragma unroll");
+    let _ = writeln!(s, "    for (int u = 0; u < {UNROLL}; u++) {{");
+    let _ = writeln!(s, "      const u64 v = base + (u64)u * blockDim.x;");
+    let _ = writeln!(s, "      if (v < nvec) {{");
+    let _ = writeln!(s, "        pack<{out}, {n}> r;");
+    let _ = writeln!(s, "        #pragma unroll");
+    let args: Vec<String> = key
+        .inputs()
+        .iter()
+        .enumerate()
+        .map(|(k, m)| operand(k, m, "p#[u].v[j]"))
+        .collect();
+    let _ = writeln!(
+        s,
+        "        for (int j = 0; j < {n}; j++) r.v[j] = op({});",
+        args.join(", ")
+    );
+    let _ = writeln!(
+        s,
+        "        ((raw_of<sizeof({out}) * {n}>::t*)out)[v] = r.raw;"
+    );
+    let _ = writeln!(s, "      }}\n    }}\n  }}");
+    // The tail that does not fill a vector.
+    let args: Vec<String> = key
+        .inputs()
+        .iter()
+        .enumerate()
+        .map(|(k, m)| operand(k, m, "in#[i]"))
+        .collect();
+    let _ = writeln!(
+        s,
+        "  for (u64 i = nvec * {n} + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; \
+         i += (u64)gridDim.x * blockDim.x) out[i] = op({});",
+        args.join(", ")
+    );
+}
+
+fn strided_body(
+    s: &mut String,
+    key: &MapKey,
+    arg_t: &str,
+    ndim: u8,
+    wide: bool,
+    read: &dyn Fn(&str) -> String,
+) {
+    let idx = if wide { "u64" } else { "u32" };
+    let strided: Vec<usize> = (0..key.inputs().len())
+        .filter(|&k| key.inputs()[k] == Mode::Strided)
+        .collect();
+    let _ = writeln!(s, "  const {idx} n = ({idx})a.n;");
+    let _ = writeln!(
+        s,
+        "  const {idx} step = ({idx})gridDim.x * (blockDim.x * {UNROLL});"
+    );
+    let _ = writeln!(
+        s,
+        "  for ({idx} base = ({idx})blockIdx.x * (blockDim.x * {UNROLL}) + threadIdx.x; \
+         base < n; base += step) {{"
+    );
+    // Every element's loads first, so that `UNROLL` of them are in flight per thread.
+    for &k in &strided {
+        let _ = writeln!(s, "    {arg_t} x{k}[{UNROLL}];");
+    }
+    let _ = writeln!(s, "    #pragma unroll");
+    let _ = writeln!(s, "    for (int u = 0; u < {UNROLL}; u++) {{");
+    let _ = writeln!(s, "      const {idx} i = base + ({idx})u * blockDim.x;");
+    let _ = writeln!(s, "      if (i < n) {{");
+    let _ = writeln!(s, "        {idx} rem = i;");
+    for &k in &strided {
+        let _ = writeln!(s, "        i64 o{k} = 0;");
+    }
+    let _ = writeln!(s, "        #pragma unroll");
+    let _ = writeln!(s, "        for (int d = {ndim} - 1; d > 0; d--) {{");
+    let _ = writeln!(
+        s,
+        "          const {idx} ext = ({idx})a.shape[d]; const {idx} q = rem / ext; \
+         const {idx} c = rem - q * ext; rem = q;"
+    );
+    for &k in &strided {
+        let _ = writeln!(s, "          o{k} += (i64)c * a.st[{k}][d];");
+    }
+    let _ = writeln!(s, "        }}");
+    for &k in &strided {
+        let _ = writeln!(s, "        o{k} += (i64)rem * a.st[{k}][0];");
+        let _ = writeln!(s, "        x{k}[u] = {};", read(&format!("in{k}[o{k}]")));
+    }
+    let _ = writeln!(s, "      }}\n    }}");
+    let args: Vec<String> = key
+        .inputs()
+        .iter()
+        .enumerate()
+        .map(|(k, m)| match m {
+            Mode::Strided => format!("x{k}[u]"),
+            _ => format!("u{k}"),
+        })
+        .collect();
+    let _ = writeln!(s, "    #pragma unroll");
+    let _ = writeln!(s, "    for (int u = 0; u < {UNROLL}; u++) {{");
+    let _ = writeln!(s, "      const {idx} i = base + ({idx})u * blockDim.x;");
+    let _ = writeln!(s, "      if (i < n) out[i] = op({});", args.join(", "));
+    let _ = writeln!(s, "    }}\n  }}");
+}
+
+/// How a reduce kernel spreads the work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum ReduceKind {
+    /// `threads` (32 or 256) threads per (output, split); `vec` elements per load (1: strided).
+    Group { threads: u16, vec: u8 },
+    /// One thread per (output, split).
+    Thread,
+    /// Combines the splits' partial results, a warp per output.
+    Finish,
+}
+
+/// Everything a reduce kernel's source depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ReduceKey {
+    pub(crate) op: ReduceOp,
+    pub(crate) input: Ty,
+    /// The accumulator dtype the front chose.
+    pub(crate) acc: Ty,
+    pub(crate) out: Ty,
+    pub(crate) kind: ReduceKind,
+    /// Collapsed kept and reduced axes.
+    pub(crate) kept_dims: u8,
+    pub(crate) reduced_dims: u8,
+    /// 64-bit reduced indices.
+    pub(crate) wide: bool,
+}
+
+/// The reduce kernels' argument block (`struct RArgs` in the source).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReduceArgs {
+    pub(crate) input: u64,
+    pub(crate) out: u64,
+    /// Partial results, `outputs × splits` accumulators (when `splits > 1`).
+    pub(crate) ws: u64,
+    pub(crate) outputs: u64,
+    pub(crate) count: u64,
+    /// Reduced elements per split.
+    pub(crate) chunk: u64,
+    pub(crate) splits: u64,
+    /// `count`, for `mean`.
+    pub(crate) count_f: f64,
+    pub(crate) kshape: [u64; MAX_REDUCE_DIMS],
+    pub(crate) kstride: [i64; MAX_REDUCE_DIMS],
+    pub(crate) rshape: [u64; MAX_REDUCE_DIMS],
+    pub(crate) rstride: [i64; MAX_REDUCE_DIMS],
+}
+
+const REDUCE_ARGS: &str = "struct RArgs { u64 in; u64 out; u64 ws; u64 outputs; u64 count; \
+                           u64 chunk; u64 splits; double count_f; u64 kshape[4]; i64 kstride[4]; \
+                           u64 rshape[4]; i64 rstride[4]; };\n";
+
+impl ReduceKey {
+    /// The C type partial results are kept in.
+    pub(crate) fn acc_c(&self) -> &'static str {
+        match self.op {
+            ReduceOp::Sum | ReduceOp::Mean => match self.acc {
+                Ty::I64 | Ty::U64 => "u64",
+                Ty::F64 => "double",
+                _ => "float",
+            },
+            ReduceOp::Max | ReduceOp::Min => match self.input {
+                Ty::I8 | Ty::I16 | Ty::I32 => "i32",
+                Ty::U8 | Ty::U16 | Ty::U32 | Ty::Bool => "u32",
+                other => other.compute(),
+            },
+        }
+    }
+
+    /// Bytes per partial result.
+    pub(crate) fn acc_size(&self) -> usize {
+        match self.acc_c() {
+            "u64" | "i64" | "double" => 8,
+            _ => 4,
+        }
+    }
+}
+
+fn identity(op: ReduceOp, c: &str) -> &'static str {
+    match (op, c) {
+        (ReduceOp::Sum | ReduceOp::Mean, _) => "0",
+        (ReduceOp::Max, "float") => "__int_as_float(0xff800000)",
+        (ReduceOp::Max, "double") => "__longlong_as_double(0xfff0000000000000ll)",
+        (ReduceOp::Max, "i32") => "(-2147483647 - 1)",
+        (ReduceOp::Max, "i64") => "(-9223372036854775807ll - 1)",
+        (ReduceOp::Max, _) => "0",
+        (ReduceOp::Min, "float") => "__int_as_float(0x7f800000)",
+        (ReduceOp::Min, "double") => "__longlong_as_double(0x7ff0000000000000ll)",
+        (ReduceOp::Min, "i32") => "2147483647",
+        (ReduceOp::Min, "i64") => "9223372036854775807ll",
+        (ReduceOp::Min, "u32") => "0xffffffffu",
+        (ReduceOp::Min, _) => "0xffffffffffffffffull",
+    }
+}
+
+/// The source of the reduce kernel `key`, entry point `k`.
+pub(crate) fn reduce_source(key: &ReduceKey) -> String {
+    let c = key.acc_c();
+    let (inp, out) = (key.input, key.out);
+    let float = c == "float" || c == "double";
+    let mut s = String::from(PRELUDE);
+    s.push_str(REDUCE_ARGS);
+    let _ = writeln!(s, "typedef {c} acc_t;");
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ acc_t ident() {{ return (acc_t){}; }}",
+        identity(key.op, c)
+    );
+    let comb = match (key.op, float) {
+        (ReduceOp::Sum | ReduceOp::Mean, _) => "a + b",
+        // NaN wins: `a` when it is NaN, `b` when it is (the comparison fails).
+        (ReduceOp::Max, true) => "(a > b || a != a) ? a : b",
+        (ReduceOp::Min, true) => "(a < b || a != a) ? a : b",
+        (ReduceOp::Max, false) => "a > b ? a : b",
+        (ReduceOp::Min, false) => "a < b ? a : b",
+    };
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ acc_t comb(acc_t a, acc_t b) {{ return {comb}; }}"
+    );
+    let conv = match c {
+        "u64" if inp.is_signed() => "(u64)(i64)(x)".to_string(),
+        "float" | "double" if inp.is_float() => format!("(acc_t)({})", inp.load("x")),
+        _ => "(acc_t)(x)".to_string(),
+    };
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ acc_t conv({} x) {{ return {conv}; }}",
+        inp.storage()
+    );
+    let result = match key.op {
+        ReduceOp::Mean => "a / (acc_t)count",
+        _ => "a",
+    };
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ {} finish(acc_t a, double count) {{ return {}; }}",
+        out.storage(),
+        out.store(result)
+    );
+    s.push_str(
+        "__device__ __forceinline__ acc_t warp_reduce(acc_t v) {\n\
+         #pragma unroll\n\
+         for (int off = 16; off > 0; off >>= 1) v = comb(v, __shfl_down_sync(0xffffffffu, v, off));\n\
+         return v;\n}\n",
+    );
+    decode_fn(
+        &mut s,
+        "kept_offset",
+        "kshape",
+        "kstride",
+        key.kept_dims,
+        "u64",
+    );
+    let ridx = if key.wide { "u64" } else { "u32" };
+    decode_fn(
+        &mut s,
+        "red_offset",
+        "rshape",
+        "rstride",
+        key.reduced_dims,
+        ridx,
+    );
+    let _ = writeln!(
+        s,
+        "extern \"C\" __global__ void __launch_bounds__({THREADS}) k(const RArgs a) {{"
+    );
+    let _ = writeln!(
+        s,
+        "  const {0}* __restrict__ in = (const {0}*)a.in;",
+        inp.storage()
+    );
+    let _ = writeln!(s, "  {0}* __restrict__ out = ({0}*)a.out;", out.storage());
+    s.push_str("  acc_t* __restrict__ ws = (acc_t*)a.ws;\n");
+    match key.kind {
+        ReduceKind::Group { threads, vec } => group_body(&mut s, threads, vec, ridx, inp.storage()),
+        ReduceKind::Thread => thread_body(&mut s, ridx),
+        ReduceKind::Finish => finish_body(&mut s),
+    }
+    s.push_str("}\n");
+    s
+}
+
+/// `name(a, i)`: the offset in elements of index `i` decoded over `dims` axes.
+fn decode_fn(s: &mut String, name: &str, shape: &str, stride: &str, dims: u8, idx: &str) {
+    let dims = dims.max(1);
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ i64 {name}(const RArgs& a, {idx} i) {{"
+    );
+    if dims == 1 {
+        let _ = writeln!(s, "  return (i64)i * a.{stride}[0];\n}}");
+        return;
+    }
+    let _ = writeln!(s, "  i64 off = 0;");
+    let _ = writeln!(s, "  #pragma unroll");
+    let _ = writeln!(s, "  for (int d = {dims} - 1; d > 0; d--) {{");
+    let _ = writeln!(
+        s,
+        "    const {idx} ext = ({idx})a.{shape}[d]; const {idx} q = i / ext; \
+         off += (i64)(i - q * ext) * a.{stride}[d]; i = q;"
+    );
+    let _ = writeln!(s, "  }}");
+    let _ = writeln!(s, "  return off + (i64)i * a.{stride}[0];\n}}");
+}
+
+fn group_body(s: &mut String, threads: u16, vec: u8, ridx: &str, elem: &str) {
+    let g = threads as u32;
+    let per_block = THREADS / g;
+    let _ = writeln!(s, "  const u32 lane = threadIdx.x % {g};");
+    let _ = writeln!(s, "  const u64 total = a.outputs * a.splits;");
+    if g == THREADS {
+        s.push_str("  __shared__ acc_t partial[32];\n");
+    }
+    let _ = writeln!(
+        s,
+        "  for (u64 g = (u64)blockIdx.x * {per_block} + threadIdx.x / {g}; g < total; \
+         g += (u64)gridDim.x * {per_block}) {{"
+    );
+    s.push_str(
+        "    const u64 o = g / a.splits, sp = g - o * a.splits;\n\
+         \x20   const u64 begin = sp * a.chunk;\n\
+         \x20   const u64 end = begin + a.chunk < a.count ? begin + a.chunk : a.count;\n\
+         \x20   const auto* base = in + kept_offset(a, o);\n\
+         \x20   acc_t c0 = ident(), c1 = ident(), c2 = ident(), c3 = ident();\n",
+    );
+    if vec > 1 {
+        let _ = writeln!(
+            s,
+            "    typedef raw_of<sizeof({elem}) * {vec}>::t raw_t;\n    typedef pack<{elem}, {vec}> pack_t;"
+        );
+        let _ = writeln!(s, "    const u64 nv = (end - begin) / {vec};");
+        s.push_str("    const raw_t* vp = (const raw_t*)(base + begin);\n");
+        let _ = writeln!(s, "    u64 j = lane;");
+        let _ = writeln!(s, "    for (; j + 3 * {g} < nv; j += 4 * {g}) {{");
+        let _ = writeln!(
+            s,
+            "      pack_t x0, x1, x2, x3;\n\
+             \x20     x0.raw = vp[j]; x1.raw = vp[j + {g}]; x2.raw = vp[j + 2 * {g}]; \
+             x3.raw = vp[j + 3 * {g}];"
+        );
+        let _ = writeln!(s, "      #pragma unroll");
+        let _ = writeln!(
+            s,
+            "      for (int e = 0; e < {vec}; e++) {{ c0 = comb(c0, conv(x0.v[e])); \
+             c1 = comb(c1, conv(x1.v[e])); c2 = comb(c2, conv(x2.v[e])); \
+             c3 = comb(c3, conv(x3.v[e])); }}"
+        );
+        s.push_str("    }\n");
+        let _ = writeln!(s, "    for (; j < nv; j += {g}) {{");
+        let _ = writeln!(
+            s,
+            "      pack_t x0; x0.raw = vp[j];\n      #pragma unroll\n\
+             \x20     for (int e = 0; e < {vec}; e++) c0 = comb(c0, conv(x0.v[e]));\n    }}"
+        );
+        let _ = writeln!(
+            s,
+            "    for (u64 r = begin + nv * {vec} + lane; r < end; r += {g}) \
+             c1 = comb(c1, conv(base[r]));"
+        );
+    } else {
+        let _ = writeln!(s, "    u64 r = begin + lane;");
+        let _ = writeln!(s, "    for (; r + 3 * {g} < end; r += 4 * {g}) {{");
+        let _ = writeln!(
+            s,
+            "      const auto x0 = base[red_offset(a, ({ridx})r)], \
+             x1 = base[red_offset(a, ({ridx})(r + {g}))], \
+             x2 = base[red_offset(a, ({ridx})(r + 2 * {g}))], \
+             x3 = base[red_offset(a, ({ridx})(r + 3 * {g}))];"
+        );
+        s.push_str(
+            "      c0 = comb(c0, conv(x0)); c1 = comb(c1, conv(x1)); c2 = comb(c2, conv(x2)); \
+             c3 = comb(c3, conv(x3));\n    }\n",
+        );
+        let _ = writeln!(
+            s,
+            "    for (; r < end; r += {g}) c0 = comb(c0, conv(base[red_offset(a, ({ridx})r)]));"
+        );
+    }
+    s.push_str("    acc_t acc = warp_reduce(comb(comb(c0, c1), comb(c2, c3)));\n");
+    if g == THREADS {
+        let _ = writeln!(
+            s,
+            "    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;\n\
+             \x20   __syncthreads();\n\
+             \x20   if (threadIdx.x < 32) acc = warp_reduce(threadIdx.x < {} ? partial[threadIdx.x] : ident());\n\
+             \x20   __syncthreads();",
+            THREADS / 32
+        );
+    }
+    s.push_str(
+        "    if (lane == 0) {\n\
+         \x20     if (a.splits == 1) out[o] = finish(acc, a.count_f);\n\
+         \x20     else ws[o * a.splits + sp] = acc;\n    }\n  }\n",
+    );
+}
+
+fn thread_body(s: &mut String, ridx: &str) {
+    s.push_str(
+        "  const u64 total = a.outputs * a.splits;\n\
+         \x20 for (u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x; t < total; \
+         t += (u64)gridDim.x * blockDim.x) {\n\
+         \x20   const u64 sp = t / a.outputs, o = t - sp * a.outputs;\n\
+         \x20   const u64 begin = sp * a.chunk;\n\
+         \x20   const u64 end = begin + a.chunk < a.count ? begin + a.chunk : a.count;\n\
+         \x20   const auto* base = in + kept_offset(a, o);\n\
+         \x20   acc_t c0 = ident(), c1 = ident(), c2 = ident(), c3 = ident();\n\
+         \x20   u64 r = begin;\n\
+         \x20   for (; r + 3 < end; r += 4) {\n",
+    );
+    let _ = writeln!(
+        s,
+        "      const auto x0 = base[red_offset(a, ({ridx})r)], \
+         x1 = base[red_offset(a, ({ridx})(r + 1))], \
+         x2 = base[red_offset(a, ({ridx})(r + 2))], \
+         x3 = base[red_offset(a, ({ridx})(r + 3))];"
+    );
+    let _ = writeln!(
+        s,
+        "      c0 = comb(c0, conv(x0)); c1 = comb(c1, conv(x1)); c2 = comb(c2, conv(x2)); \
+         c3 = comb(c3, conv(x3));\n    }}\n\
+         \x20   for (; r < end; r++) c0 = comb(c0, conv(base[red_offset(a, ({ridx})r)]));"
+    );
+    s.push_str(
+        "    const acc_t acc = comb(comb(c0, c1), comb(c2, c3));\n\
+         \x20   if (a.splits == 1) out[o] = finish(acc, a.count_f);\n\
+         \x20   else ws[o * a.splits + sp] = acc;\n  }\n",
+    );
+}
+
+fn finish_body(s: &mut String) {
+    s.push_str(
+        "  (void)in;\n\
+         \x20 const u32 lane = threadIdx.x & 31;\n\
+         \x20 const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;\n\
+         \x20 for (u64 w = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < a.outputs; \
+         w += warps) {\n\
+         \x20   acc_t acc = ident();\n\
+         \x20   for (u64 sp = lane; sp < a.splits; sp += 32) acc = comb(acc, ws[w * a.splits + sp]);\n\
+         \x20   acc = warp_reduce(acc);\n\
+         \x20   if (lane == 0) out[w] = finish(acc, a.count_f);\n  }\n",
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: [Ty; 12] = [
+        Ty::I8,
+        Ty::I16,
+        Ty::I32,
+        Ty::I64,
+        Ty::U8,
+        Ty::U16,
+        Ty::U32,
+        Ty::U64,
+        Ty::F16,
+        Ty::BF16,
+        Ty::F32,
+        Ty::F64,
+    ];
+
+    /// Compiles `sources` with NVRTC for sm_90 where NVRTC is installed (no GPU needed).
+    fn compiles(sources: impl Iterator<Item = (String, String)>) {
+        let Ok(arch) = super::super::nvrtc::arch_option((9, 0)) else {
+            eprintln!("NVRTC is not installed: the generated sources are not compiled");
+            return;
+        };
+        for (what, src) in sources {
+            if let Err(e) =
+                super::super::nvrtc::compile(&src, "k", std::slice::from_ref(&arch), &[])
+            {
+                panic!("{what}: {e}\n{src}");
+            }
+        }
+    }
+
+    fn reduce_keys(input: Ty) -> Vec<ReduceKey> {
+        let mut keys = Vec::new();
+        for op in ReduceOp::ALL {
+            let acc = match (op, input) {
+                (ReduceOp::Sum, t) if t.is_signed() => Ty::I64,
+                (ReduceOp::Sum, t) if !t.is_float() => Ty::U64,
+                (ReduceOp::Mean, t) if !t.is_float() => Ty::F64,
+                (ReduceOp::Sum | ReduceOp::Mean, Ty::F64) => Ty::F64,
+                (ReduceOp::Sum | ReduceOp::Mean, _) => Ty::F32,
+                _ => input,
+            };
+            let out = match op {
+                ReduceOp::Sum | ReduceOp::Mean if !input.is_float() => acc,
+                _ => input,
+            };
+            for kind in [
+                ReduceKind::Group {
+                    threads: 256,
+                    vec: (16 / input.size()) as u8,
+                },
+                ReduceKind::Group {
+                    threads: 32,
+                    vec: 1,
+                },
+                ReduceKind::Thread,
+                ReduceKind::Finish,
+            ] {
+                keys.push(ReduceKey {
+                    op,
+                    input,
+                    acc,
+                    out,
+                    kind,
+                    kept_dims: 2,
+                    reduced_dims: 3,
+                    wide: false,
+                });
+            }
+        }
+        keys
+    }
+
+    fn map_keys(t: Ty) -> Vec<MapKey> {
+        let mut keys = Vec::new();
+        let flat = MapShape::Flat {
+            vec: (16 / t.size()) as u8,
+        };
+        let strided = MapShape::Strided {
+            ndim: 3,
+            wide: true,
+        };
+        for op in UnaryOp::ALL {
+            let op = MapOp::Unary(op);
+            if map_supported(op, t, t) {
+                for shape in [flat, strided] {
+                    let mode = if shape == flat {
+                        Mode::Vector
+                    } else {
+                        Mode::Strided
+                    };
+                    keys.push(MapKey {
+                        op,
+                        input: t,
+                        out: t,
+                        modes: [mode, mode],
+                        arity: 1,
+                        shape,
+                    });
+                }
+            }
+        }
+        for op in BinaryOp::ALL {
+            let op = MapOp::Binary(op);
+            if map_supported(op, t, t) {
+                for (shape, modes) in [
+                    (flat, [Mode::Vector, Mode::Vector]),
+                    (flat, [Mode::Scalar, Mode::Uniform]),
+                    (strided, [Mode::Strided, Mode::Scalar]),
+                ] {
+                    keys.push(MapKey {
+                        op,
+                        input: t,
+                        out: t,
+                        modes,
+                        arity: 2,
+                        shape,
+                    });
+                }
+            }
+        }
+        for to in ALL.iter().copied().chain([Ty::Bool]) {
+            keys.push(MapKey {
+                op: MapOp::Cast,
+                input: t,
+                out: to,
+                modes: [Mode::Vector; 2],
+                arity: 1,
+                shape: MapShape::Flat {
+                    vec: (16 / t.size().max(to.size())) as u8,
+                },
+            });
+        }
+        keys
+    }
+
+    #[test]
+    fn representative_sources_compile() {
+        let from_bool = ALL.into_iter().map(|to| {
+            let key = MapKey {
+                op: MapOp::Cast,
+                input: Ty::Bool,
+                out: to,
+                modes: [Mode::Vector; 2],
+                arity: 1,
+                shape: MapShape::Flat {
+                    vec: (16 / to.size()) as u8,
+                },
+            };
+            (format!("{key:?}"), map_source(&key))
+        });
+        compiles(from_bool);
+        compiles([Ty::F32, Ty::BF16, Ty::I8].into_iter().flat_map(|t| {
+            let m = map_keys(t)
+                .into_iter()
+                .map(|k| (format!("{k:?}"), map_source(&k)));
+            let r = reduce_keys(t)
+                .into_iter()
+                .map(|k| (format!("{k:?}"), reduce_source(&k)));
+            m.chain(r).collect::<Vec<_>>()
+        }));
+    }
+
+    /// Every dtype (slow: run with `--ignored` where NVRTC is installed).
+    #[test]
+    #[ignore]
+    fn every_source_compiles() {
+        compiles(ALL.into_iter().flat_map(|t| {
+            let m = map_keys(t)
+                .into_iter()
+                .map(|k| (format!("{k:?}"), map_source(&k)));
+            let r = reduce_keys(t)
+                .into_iter()
+                .map(|k| (format!("{k:?}"), reduce_source(&k)));
+            m.chain(r).collect::<Vec<_>>()
+        }));
+    }
+
+    #[test]
+    fn casts_follow_numpy_paths() {
+        assert_eq!(cast_expr(Ty::F32, Ty::F32, "x"), "x");
+        assert_eq!(cast_expr(Ty::I64, Ty::U8, "x"), "(u8)(x)");
+        assert!(cast_expr(Ty::F16, Ty::I32, "x").contains("f64_to_int_bits"));
+        assert!(cast_expr(Ty::F64, Ty::BF16, "x").starts_with("f64_to_bf16"));
+        assert!(cast_expr(Ty::Bool, Ty::BF16, "x").contains("0x3f80"));
+        assert_eq!(cast_expr(Ty::I16, Ty::F16, "x"), "f32_to_f16((float)(x))");
+    }
+
+    #[test]
+    fn sources_name_their_entry() {
+        let key = MapKey {
+            op: MapOp::Binary(BinaryOp::Add),
+            input: Ty::F32,
+            out: Ty::F32,
+            modes: [Mode::Vector, Mode::Scalar],
+            arity: 2,
+            shape: MapShape::Flat { vec: 4 },
+        };
+        assert!(map_source(&key).contains("__global__ void __launch_bounds__(256) k("));
+        let key = ReduceKey {
+            op: ReduceOp::Max,
+            input: Ty::BF16,
+            acc: Ty::BF16,
+            out: Ty::BF16,
+            kind: ReduceKind::Group {
+                threads: 256,
+                vec: 8,
+            },
+            kept_dims: 1,
+            reduced_dims: 1,
+            wide: false,
+        };
+        let src = reduce_source(&key);
+        assert!(src.contains("typedef float acc_t;"), "{src}");
+    }
+}

@@ -1,0 +1,1318 @@
+//! The CUDA built-in kernels (element-wise, casts, reductions, matmul) and run-time user kernels,
+//! checked against references computed here on the host from the same data: integers exactly in
+//! `i128` (wrapped to the result's width), floats in `f64` (rounded once to the result's dtype).
+//!
+//! Every test skips, saying why, where no CUDA device is present (or the `cuda` feature is off);
+//! on a GPU machine they run for real.
+
+use dlbridge::compute::kernel::{self, KernelArg, LaunchConfig};
+use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp, promote};
+use dlbridge::{DType, Device, Error, SliceArg, Tensor};
+use half::{bf16, f16};
+
+// ---------------------------------------------------------------------------------------------
+// The device, or a reason to skip.
+
+fn gpu() -> Option<Device> {
+    #[cfg(feature = "cuda")]
+    let found = dlbridge::backend::cuda::is_available().then_some(Device::cuda(0));
+    #[cfg(not(feature = "cuda"))]
+    let found = None;
+    if found.is_none() {
+        eprintln!(
+            "skipped: no CUDA device (dlbridge built without `cuda`, or no driver / GPU here)"
+        );
+    }
+    found
+}
+
+macro_rules! gpu_or_skip {
+    () => {
+        match gpu() {
+            Some(device) => device,
+            None => return,
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Values, dtypes and the reference arithmetic.
+
+const DTYPES: [DType; 12] = [
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+    DType::U16,
+    DType::U32,
+    DType::U64,
+    DType::F16,
+    DType::BF16,
+    DType::F32,
+    DType::F64,
+];
+
+/// One element, exactly: integers as `i128`, floats as `f64`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum V {
+    I(i128),
+    F(f64),
+}
+
+impl V {
+    fn f(self) -> f64 {
+        match self {
+            V::I(i) => i as f64,
+            V::F(f) => f,
+        }
+    }
+
+    fn i(self) -> i128 {
+        match self {
+            V::I(i) => i,
+            V::F(f) => f as i128,
+        }
+    }
+}
+
+fn is_int(d: DType) -> bool {
+    !d.is_floating()
+}
+
+fn is_signed(d: DType) -> bool {
+    matches!(d, DType::I8 | DType::I16 | DType::I32 | DType::I64)
+}
+
+/// `v` wrapped into integer dtype `d` (two's complement), as NumPy's integers wrap.
+fn wrap(d: DType, v: i128) -> i128 {
+    let m = 1i128 << d.bits();
+    let r = v.rem_euclid(m);
+    if is_signed(d) && r >= m / 2 { r - m } else { r }
+}
+
+/// `x` rounded to float dtype `d`.
+fn round_to(d: DType, x: f64) -> f64 {
+    match d {
+        DType::F16 => f16::from_f64(x).to_f64(),
+        DType::BF16 => bf16::from_f64(x).to_f64(),
+        DType::F32 => x as f32 as f64,
+        _ => x,
+    }
+}
+
+/// `x` as an element of `d` (floats rounded, integers truncated and wrapped).
+fn value_of(d: DType, x: f64) -> V {
+    if is_int(d) {
+        V::I(wrap(d, x as i128))
+    } else {
+        V::F(round_to(d, x))
+    }
+}
+
+/// The relative precision of float dtype `d` (one unit in the last place at 1).
+fn eps(d: DType) -> f64 {
+    match d {
+        DType::F16 => 2f64.powi(-10),
+        DType::BF16 => 2f64.powi(-7),
+        DType::F32 => 2f64.powi(-23),
+        _ => 2f64.powi(-52),
+    }
+}
+
+/// A host tensor of `d` holding `vals`.
+fn host(d: DType, vals: &[V], shape: &[usize]) -> Tensor {
+    macro_rules! ints {
+        ($t:ty) => {
+            Tensor::from_slice(
+                &vals.iter().map(|v| v.i() as $t).collect::<Vec<$t>>(),
+                shape,
+            )
+        };
+    }
+    let t = match d {
+        DType::I8 => ints!(i8),
+        DType::I16 => ints!(i16),
+        DType::I32 => ints!(i32),
+        DType::I64 => ints!(i64),
+        DType::U8 => ints!(u8),
+        DType::U16 => ints!(u16),
+        DType::U32 => ints!(u32),
+        DType::U64 => ints!(u64),
+        DType::F16 => Tensor::from_slice(
+            &vals
+                .iter()
+                .map(|v| f16::from_f64(v.f()))
+                .collect::<Vec<_>>(),
+            shape,
+        ),
+        DType::BF16 => Tensor::from_slice(
+            &vals
+                .iter()
+                .map(|v| bf16::from_f64(v.f()))
+                .collect::<Vec<_>>(),
+            shape,
+        ),
+        DType::F32 => Tensor::from_slice(
+            &vals.iter().map(|v| v.f() as f32).collect::<Vec<_>>(),
+            shape,
+        ),
+        DType::F64 => Tensor::from_slice(&vals.iter().map(|v| v.f()).collect::<Vec<_>>(), shape),
+        DType::BOOL => Tensor::from_slice(
+            &vals
+                .iter()
+                .map(|v| (v.f() != 0.0) as u8)
+                .collect::<Vec<_>>(),
+            shape,
+        )
+        .and_then(|t| t.cast(DType::BOOL)),
+        other => panic!("no test data for {other}"),
+    };
+    t.unwrap()
+}
+
+fn on(device: Device, d: DType, vals: &[V], shape: &[usize]) -> Tensor {
+    host(d, vals, shape).copy_to(device).unwrap()
+}
+
+/// The elements of any view, row-major.
+fn read(t: &Tensor) -> Vec<V> {
+    macro_rules! ints {
+        ($t:ty) => {
+            t.to_vec::<$t>()
+                .unwrap()
+                .into_iter()
+                .map(|x| V::I(x as i128))
+                .collect()
+        };
+    }
+    match t.dtype() {
+        DType::I8 => ints!(i8),
+        DType::I16 => ints!(i16),
+        DType::I32 => ints!(i32),
+        DType::I64 => ints!(i64),
+        DType::U8 => ints!(u8),
+        DType::U16 => ints!(u16),
+        DType::U32 => ints!(u32),
+        DType::U64 => ints!(u64),
+        DType::BOOL => {
+            let bytes = t.cast(DType::U8).unwrap();
+            bytes
+                .to_vec::<u8>()
+                .unwrap()
+                .into_iter()
+                .map(|x| V::I(x as i128))
+                .collect()
+        }
+        DType::F16 => t
+            .to_vec::<f16>()
+            .unwrap()
+            .into_iter()
+            .map(|x| V::F(x.to_f64()))
+            .collect(),
+        DType::BF16 => t
+            .to_vec::<bf16>()
+            .unwrap()
+            .into_iter()
+            .map(|x| V::F(x.to_f64()))
+            .collect(),
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(|x| V::F(x as f64))
+            .collect(),
+        DType::F64 => t.to_vec::<f64>().unwrap().into_iter().map(V::F).collect(),
+        other => panic!("cannot read {other}"),
+    }
+}
+
+/// Asserts `got` matches `want` elementwise: integers exactly, floats within
+/// `atol + rtol * |want|` (NaN only matches NaN; infinities match exactly).
+fn check(what: &str, got: &[V], want: &[V], rtol: f64, atol: f64) {
+    let bad = mismatches(got, want, rtol, atol);
+    if let Some(&i) = bad.first() {
+        let show: Vec<String> = bad
+            .iter()
+            .take(8)
+            .map(|&i| format!("[{i}] got {:?} want {:?}", got[i], want[i]))
+            .collect();
+        panic!(
+            "{what}: {} of {} elements differ, first at {i}: {}",
+            bad.len(),
+            want.len(),
+            show.join(", ")
+        );
+    }
+}
+
+/// The indices where `got` and `want` differ (see [`check`]).
+fn mismatches(got: &[V], want: &[V], rtol: f64, atol: f64) -> Vec<usize> {
+    assert_eq!(got.len(), want.len(), "element count");
+    let mut bad = Vec::new();
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let ok = match (g, w) {
+            (V::I(a), V::I(b)) => a == b,
+            _ => {
+                let (a, b) = (g.f(), w.f());
+                if b.is_nan() {
+                    a.is_nan()
+                } else if b.is_infinite() {
+                    a == b
+                } else {
+                    (a - b).abs() <= atol + rtol * b.abs()
+                }
+            }
+        };
+        if !ok {
+            bad.push(i);
+        }
+    }
+    bad
+}
+
+/// The element-wise tolerance of a result of dtype `d`: a unit in the last place (the GPU may
+/// round a float32 result that is itself off by an ulp or two).
+fn tolerance(d: DType) -> (f64, f64) {
+    match d {
+        DType::F32 => (4.0 * eps(d), 1e-6),
+        DType::F64 => (16.0 * eps(d), 1e-14),
+        _ if is_int(d) => (0.0, 0.0),
+        _ => (eps(d), eps(d)),
+    }
+}
+
+/// xorshift64: deterministic, so a failure reproduces.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// Uniform in `[lo, hi)`.
+    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+
+    /// `n` elements of `d`: integers over the whole range (so arithmetic wraps), floats in
+    /// `[lo, hi)` rounded to `d`.
+    fn values(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V> {
+        (0..n)
+            .map(|_| {
+                if is_int(d) {
+                    V::I(wrap(d, self.next() as i128))
+                } else {
+                    V::F(round_to(d, self.uniform(lo, hi)))
+                }
+            })
+            .collect()
+    }
+
+    /// `n` elements of `d` in `[lo, hi)` (integers truncated).
+    fn small(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V> {
+        (0..n).map(|_| value_of(d, self.uniform(lo, hi))).collect()
+    }
+}
+
+fn unary_ref(op: UnaryOp, out: DType, v: V) -> V {
+    if is_int(out) {
+        let x = v.i();
+        return V::I(wrap(
+            out,
+            match op {
+                UnaryOp::Abs => x.abs(),
+                UnaryOp::Square => x.wrapping_mul(x),
+                UnaryOp::Negative => -x,
+                _ => unreachable!("integer results come from abs, square and negative"),
+            },
+        ));
+    }
+    let x = v.f();
+    V::F(round_to(
+        out,
+        match op {
+            UnaryOp::Sqrt => x.sqrt(),
+            UnaryOp::Exp => x.exp(),
+            UnaryOp::Log => x.ln(),
+            UnaryOp::Sin => x.sin(),
+            UnaryOp::Cos => x.cos(),
+            UnaryOp::Abs => x.abs(),
+            UnaryOp::Square => x * x,
+            UnaryOp::Negative => -x,
+        },
+    ))
+}
+
+fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
+    if is_int(out) {
+        let (x, y) = (a.i(), b.i());
+        return V::I(wrap(
+            out,
+            match op {
+                BinaryOp::Add => x + y,
+                BinaryOp::Sub => x - y,
+                BinaryOp::Mul => x.wrapping_mul(y),
+                BinaryOp::Div => unreachable!("integer division returns float64"),
+            },
+        ));
+    }
+    let (x, y) = (a.f(), b.f());
+    V::F(round_to(
+        out,
+        match op {
+            BinaryOp::Add => x + y,
+            BinaryOp::Sub => x - y,
+            BinaryOp::Mul => x * y,
+            BinaryOp::Div => x / y,
+        },
+    ))
+}
+
+/// The row-major index of every element of `shape`.
+fn indices(shape: &[usize]) -> impl Iterator<Item = Vec<usize>> + '_ {
+    let n: usize = shape.iter().product();
+    (0..n).map(move |mut flat| {
+        let mut idx = vec![0; shape.len()];
+        for (i, &d) in idx.iter_mut().zip(shape).rev() {
+            *i = flat % d;
+            flat /= d;
+        }
+        idx
+    })
+}
+
+/// The element of a row-major `shape` array broadcast to `target` at `idx` (of `target`).
+fn broadcast_index(shape: &[usize], target: &[usize], idx: &[usize]) -> usize {
+    let off = target.len() - shape.len();
+    shape.iter().enumerate().fold(0, |acc, (k, &n)| {
+        acc * n + if n == 1 { 0 } else { idx[k + off] }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise operations.
+
+#[test]
+fn unary_ops_match_the_host_on_every_dtype() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(1);
+    for dtype in DTYPES {
+        for op in UnaryOp::ALL {
+            let n = 4099;
+            let vals = match op {
+                UnaryOp::Sqrt | UnaryOp::Log if is_int(dtype) => rng.small(dtype, n, 1.0, 100.0),
+                UnaryOp::Exp if is_int(dtype) => rng.small(dtype, n, 0.0, 10.0),
+                UnaryOp::Sin | UnaryOp::Cos if is_int(dtype) => rng.small(dtype, n, 0.0, 100.0),
+                UnaryOp::Sqrt | UnaryOp::Log => rng.values(dtype, n, 0.01, 50.0),
+                UnaryOp::Exp => rng.values(dtype, n, -8.0, 8.0),
+                _ => rng.values(dtype, n, -30.0, 30.0),
+            };
+            let x = on(device, dtype, &vals, &[n]);
+            let y = compute::unary(op, &x).unwrap();
+            let out = promote::unary_result(op, dtype).unwrap();
+            assert_eq!(y.dtype(), out, "{} of {dtype}", op.name());
+            assert_eq!(y.device(), device);
+            let want: Vec<V> = vals.iter().map(|&v| unary_ref(op, out, v)).collect();
+            let (rtol, atol) = tolerance(out);
+            check(
+                &format!("{} of {dtype}", op.name()),
+                &read(&y),
+                &want,
+                rtol,
+                atol,
+            );
+        }
+    }
+}
+
+#[test]
+fn binary_ops_broadcast_on_every_dtype() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(2);
+    // (a's shape, b's shape): flat, odd sizes, and broadcasting both ways.
+    let shapes: [(&[usize], &[usize]); 4] = [
+        (&[10_007], &[10_007]),
+        (&[3], &[3]),
+        (&[37, 1, 5], &[4, 5]),
+        (&[1], &[33, 65]),
+    ];
+    for dtype in DTYPES {
+        for op in BinaryOp::ALL {
+            for (sa, sb) in shapes {
+                let (na, nb) = (sa.iter().product(), sb.iter().product());
+                let va = rng.values(dtype, na, -50.0, 50.0);
+                let vb = rng.values(dtype, nb, -50.0, 50.0);
+                let (a, b) = (on(device, dtype, &va, sa), on(device, dtype, &vb, sb));
+                let y = compute::binary(op, &a, &b).unwrap();
+                let out = promote::binary_result(op, dtype);
+                assert_eq!(y.dtype(), out);
+                let shape = compute::broadcast_shapes(sa, sb).unwrap();
+                assert_eq!(y.shape(), &shape[..]);
+                let want: Vec<V> = indices(&shape)
+                    .map(|idx| {
+                        let x = va[broadcast_index(sa, &shape, &idx)];
+                        let z = vb[broadcast_index(sb, &shape, &idx)];
+                        binary_ref(op, out, x, z)
+                    })
+                    .collect();
+                let (rtol, atol) = tolerance(out);
+                let what = format!("{} of {dtype} {sa:?} {sb:?}", op.name());
+                check(&what, &read(&y), &want, rtol, atol);
+            }
+        }
+    }
+}
+
+#[test]
+fn scalar_operands_are_weak_on_both_sides() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(3);
+    let n = 1001;
+    for dtype in DTYPES {
+        let vals = rng.values(dtype, n, -20.0, 20.0);
+        let x = on(device, dtype, &vals, &[n]);
+        for op in BinaryOp::ALL {
+            for scalar in [Scalar::Int(7), Scalar::Int(-300), Scalar::Float(0.3)] {
+                for first in [false, true] {
+                    let y = compute::binary_scalar(op, &x, scalar, first).unwrap();
+                    let common = promote::promote_scalar(dtype, scalar).unwrap();
+                    let out = promote::binary_result(op, common);
+                    assert_eq!(y.dtype(), out);
+                    // The scalar takes the dtype the kernel computes in.
+                    let s = if is_int(out) {
+                        V::I(wrap(out, scalar.as_i64() as i128))
+                    } else {
+                        V::F(round_to(out, scalar.as_f64()))
+                    };
+                    let want: Vec<V> = vals
+                        .iter()
+                        .map(|&v| {
+                            let v = if is_int(out) { v } else { V::F(v.f()) };
+                            if first {
+                                binary_ref(op, out, s, v)
+                            } else {
+                                binary_ref(op, out, v, s)
+                            }
+                        })
+                        .collect();
+                    let (rtol, atol) = tolerance(out);
+                    let what = format!("{} of {dtype} and {scalar:?} (first {first})", op.name());
+                    check(&what, &read(&y), &want, rtol, atol);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mixed_dtypes_promote_through_casts() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(4);
+    let pairs = [
+        (DType::I8, DType::U8, DType::I16),
+        (DType::U32, DType::I32, DType::I64),
+        (DType::I32, DType::F16, DType::F16),
+        (DType::F16, DType::BF16, DType::F32),
+        (DType::U64, DType::F64, DType::F64),
+        (DType::F32, DType::F64, DType::F64),
+    ];
+    for (da, db, common) in pairs {
+        let va = rng.small(da, 777, -100.0, 100.0);
+        let vb = rng.small(db, 777, -100.0, 100.0);
+        let y = compute::binary(
+            BinaryOp::Mul,
+            &on(device, da, &va, &[777]),
+            &on(device, db, &vb, &[777]),
+        )
+        .unwrap();
+        assert_eq!(y.dtype(), common);
+        let want: Vec<V> = va
+            .iter()
+            .zip(&vb)
+            .map(|(&a, &b)| {
+                let conv = |v: V| if is_int(common) { v } else { V::F(v.f()) };
+                binary_ref(BinaryOp::Mul, common, conv(a), conv(b))
+            })
+            .collect();
+        let (rtol, atol) = tolerance(common);
+        check(&format!("{da} * {db}"), &read(&y), &want, rtol, atol);
+    }
+}
+
+#[test]
+fn casts_match_the_host_converter_for_every_pair() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(5);
+    let all: Vec<DType> = DTYPES.iter().copied().chain([DType::BOOL]).collect();
+    for &from in &all {
+        // Fractions, negatives, values out of the narrow types' ranges, zeros; NaN and infinity
+        // for floats (into floats and bool only: NumPy leaves float→int of those undefined).
+        let n = 3003;
+        let mut vals = match from {
+            DType::BOOL => rng.small(DType::I8, n, 0.0, 2.0),
+            d if is_int(d) => rng.values(d, n, 0.0, 0.0),
+            // Past float16's range, but not to -inf (float→int of -inf differs by width).
+            DType::F16 => rng.values(DType::F16, n, -60_000.0, 60_000.0),
+            d => rng.values(d, n, -70_000.0, 70_000.0),
+        };
+        vals[0] = V::I(0);
+        if from == DType::BOOL {
+            vals = vals.into_iter().map(|v| V::I(v.i().clamp(0, 1))).collect();
+        }
+        let x = on(device, from, &vals, &[n]);
+        let x_host = host(from, &vals, &[n]);
+        for &to in &all {
+            let y = compute::cast(&x, to).unwrap();
+            assert_eq!((y.dtype(), y.device()), (to, device));
+            let want = read(&x_host.cast(to).unwrap());
+            // The host rounds a float64 into the 16-bit floats from its upper 32 bits only, so
+            // it may miss a tie-break the kernels get right: one unit in the last place.
+            let rtol = if matches!(to, DType::F16 | DType::BF16) {
+                eps(to)
+            } else {
+                0.0
+            };
+            let got = read(&y);
+            let bad = mismatches(&got, &want, rtol, 0.0);
+            if !bad.is_empty() {
+                // Tell a kernel error from memory that changed under the test.
+                let input = read(&x);
+                let again = read(&compute::cast(&x, to).unwrap());
+                let again_bad = mismatches(&again, &want, rtol, 0.0);
+                let input_bad = input.iter().zip(&vals).filter(|(a, b)| a != b).count();
+                eprintln!(
+                    "{from} -> {to}: {} bad at {:?}; input now differs at {input_bad} places; \
+                     a second cast differs at {} places; y is at {:#x}, x at {:#x}",
+                    bad.len(),
+                    &bad[..bad.len().min(16)],
+                    again_bad.len(),
+                    y.buffer().handle() as usize + y.byte_offset(),
+                    x.buffer().handle() as usize + x.byte_offset(),
+                );
+            }
+            check(&format!("{from} -> {to}"), &got, &want, rtol, 0.0);
+        }
+        if !is_int(from) {
+            let special = [f64::NAN, f64::INFINITY, -0.0, 1e30, -2.5, 2.5, 0.5, -0.5];
+            let vals: Vec<V> = special.iter().map(|&f| V::F(round_to(from, f))).collect();
+            let x = on(device, from, &vals, &[special.len()]);
+            for to in [DType::F16, DType::BF16, DType::F32, DType::F64, DType::BOOL] {
+                let want = read(&host(from, &vals, &[vals.len()]).cast(to).unwrap());
+                let got = read(&compute::cast(&x, to).unwrap());
+                let rtol = if matches!(to, DType::F16 | DType::BF16) {
+                    eps(to)
+                } else {
+                    0.0
+                };
+                check(
+                    &format!("{from} -> {to} (specials)"),
+                    &got,
+                    &want,
+                    rtol,
+                    0.0,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn views_are_read_in_place() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(6);
+    for dtype in [DType::F32, DType::BF16, DType::I64, DType::U8] {
+        let va = rng.values(dtype, 37 * 53, -9.0, 9.0);
+        let vb = rng.values(dtype, 37 * 53, -9.0, 9.0);
+        let a = on(device, dtype, &va, &[37, 53]);
+        let b = on(device, dtype, &vb, &[37, 53]);
+        let step = |s: isize| SliceArg {
+            start: None,
+            stop: None,
+            step: s,
+        };
+        // Transposed, reversed, every other column backwards, offset by one element (misaligned
+        // for vector loads), and a broadcast row.
+        let views: Vec<(&str, Tensor, Tensor)> = vec![
+            ("transposed", a.transpose().unwrap(), b.transpose().unwrap()),
+            (
+                "reversed",
+                a.slice(0, step(-1)).unwrap(),
+                b.slice(1, step(-1)).unwrap(),
+            ),
+            (
+                "strided",
+                a.slice(1, step(-2)).unwrap(),
+                b.slice(1, step(2)).unwrap(),
+            ),
+            (
+                "offset",
+                a.slice(0, SliceArg::range(1, 37)).unwrap(),
+                b.slice(0, SliceArg::range(0, 36)).unwrap(),
+            ),
+            ("broadcast", a, b.slice(0, SliceArg::range(3, 4)).unwrap()),
+        ];
+        for (name, x, y) in views {
+            let (hx, hy) = (read(&x), read(&y));
+            let shape = compute::broadcast_shapes(x.shape(), y.shape()).unwrap();
+            for op in [BinaryOp::Add, BinaryOp::Mul] {
+                let z = compute::binary(op, &x, &y).unwrap();
+                let want: Vec<V> = indices(&shape)
+                    .map(|idx| {
+                        binary_ref(
+                            op,
+                            dtype,
+                            hx[broadcast_index(x.shape(), &shape, &idx)],
+                            hy[broadcast_index(y.shape(), &shape, &idx)],
+                        )
+                    })
+                    .collect();
+                let (rtol, atol) = tolerance(dtype);
+                check(&format!("{name} {dtype}"), &read(&z), &want, rtol, atol);
+            }
+            let z = compute::unary(UnaryOp::Negative, &x).unwrap();
+            let want: Vec<V> = hx
+                .iter()
+                .map(|&v| unary_ref(UnaryOp::Negative, dtype, v))
+                .collect();
+            check(
+                &format!("{name} {dtype} negative"),
+                &read(&z),
+                &want,
+                0.0,
+                0.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn many_axes_and_odd_sizes() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(7);
+    // Seven axes that do not collapse (a permuted compact array) go through compact copies.
+    let shape = [2, 3, 2, 3, 2, 3, 2];
+    let n: usize = shape.iter().product();
+    let va = rng.values(DType::F32, n, -1.0, 1.0);
+    let vb = rng.values(DType::F32, n, -1.0, 1.0);
+    let a = on(device, DType::F32, &va, &shape)
+        .permute(&[6, 0, 5, 1, 4, 2, 3])
+        .unwrap();
+    let bb = on(device, DType::F32, &vb, &[3, 2, 2, 3, 3, 2, 2])
+        .permute(&[6, 5, 4, 3, 2, 1, 0])
+        .unwrap();
+    assert_eq!(a.shape(), bb.shape());
+    let z = compute::binary(BinaryOp::Sub, &a, &bb).unwrap();
+    let (ha, hb) = (read(&a), read(&bb));
+    let want: Vec<V> = ha
+        .iter()
+        .zip(&hb)
+        .map(|(&x, &y)| binary_ref(BinaryOp::Sub, DType::F32, x, y))
+        .collect();
+    check("7-d sub", &read(&z), &want, 4.0 * eps(DType::F32), 1e-6);
+    // Sizes around the vector width and the unrolled block.
+    for n in [
+        1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 1023, 1024, 1025, 4097, 262_147,
+    ] {
+        for dtype in [DType::F32, DType::F16, DType::U8, DType::F64] {
+            let v = rng.values(dtype, n, -3.0, 3.0);
+            let x = on(device, dtype, &v, &[n]);
+            let z = compute::binary(BinaryOp::Add, &x, &x).unwrap();
+            let want: Vec<V> = v
+                .iter()
+                .map(|&a| binary_ref(BinaryOp::Add, dtype, a, a))
+                .collect();
+            let (rtol, atol) = tolerance(dtype);
+            check(&format!("{n} x {dtype}"), &read(&z), &want, rtol, atol);
+        }
+    }
+    // Empty arrays and 0-d arrays.
+    let e = on(device, DType::F32, &[], &[0, 5]);
+    assert_eq!(compute::unary(UnaryOp::Exp, &e).unwrap().shape(), &[0, 5]);
+    let s = on(device, DType::F32, &[V::F(2.0)], &[]);
+    let z = compute::binary_scalar(BinaryOp::Mul, &s, Scalar::Float(1.5), false).unwrap();
+    check("0-d", &read(&z), &[V::F(3.0)], 0.0, 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions.
+
+/// The host reduction of `vals` (row-major `shape`) over `axes` (`None`: all), with each
+/// output's sum of absolute values (for the float tolerance).
+fn reduce_ref(
+    op: ReduceOp,
+    dtype: DType,
+    vals: &[V],
+    shape: &[usize],
+    axes: Option<&[usize]>,
+) -> (Vec<V>, Vec<f64>, usize) {
+    let reduced: Vec<bool> = (0..shape.len())
+        .map(|a| axes.is_none_or(|ax| ax.contains(&a)))
+        .collect();
+    let out_shape: Vec<usize> = (0..shape.len())
+        .filter(|&a| !reduced[a])
+        .map(|a| shape[a])
+        .collect();
+    let outputs: usize = out_shape.iter().product();
+    let count: usize = (0..shape.len())
+        .filter(|&a| reduced[a])
+        .map(|a| shape[a])
+        .product();
+    let mut ints = vec![0i128; outputs];
+    let mut floats = vec![0f64; outputs];
+    let mut abs = vec![0f64; outputs];
+    let mut best: Vec<Option<V>> = vec![None; outputs];
+    let mut idx = vec![0usize; shape.len()];
+    for &v in vals {
+        let o = (0..shape.len())
+            .filter(|&a| !reduced[a])
+            .fold(0, |acc, a| acc * shape[a] + idx[a]);
+        for a in (0..shape.len()).rev() {
+            idx[a] += 1;
+            if idx[a] < shape[a] {
+                break;
+            }
+            idx[a] = 0;
+        }
+        ints[o] += v.i();
+        floats[o] += v.f();
+        abs[o] += v.f().abs();
+        best[o] = Some(match best[o] {
+            None => v,
+            Some(b) => {
+                let (x, y) = (b.f(), v.f());
+                let take_new = if x.is_nan() {
+                    false
+                } else if y.is_nan() {
+                    true
+                } else if is_int(dtype) {
+                    match op {
+                        ReduceOp::Max => v.i() > b.i(),
+                        _ => v.i() < b.i(),
+                    }
+                } else {
+                    match op {
+                        ReduceOp::Max => y > x,
+                        _ => y < x,
+                    }
+                };
+                if take_new { v } else { b }
+            }
+        });
+    }
+    let (_, out_dtype) = promote::reduce_types(op, dtype).unwrap();
+    let want = (0..outputs)
+        .map(|o| match op {
+            ReduceOp::Sum if is_int(dtype) => V::I(wrap(out_dtype, ints[o])),
+            ReduceOp::Sum => V::F(round_to(out_dtype, floats[o])),
+            ReduceOp::Mean => V::F(round_to(out_dtype, floats[o] / count as f64)),
+            _ => best[o].expect("max and min of something"),
+        })
+        .collect();
+    let abs = abs
+        .into_iter()
+        .map(|s| {
+            if op == ReduceOp::Mean {
+                s / count.max(1) as f64
+            } else {
+                s
+            }
+        })
+        .collect();
+    (want, abs, count)
+}
+
+/// Checks a reduction's result against the host, with a float tolerance scaled by the sum of
+/// absolute values (the accumulator is float32 for the 16- and 32-bit floats).
+fn check_reduce(what: &str, op: ReduceOp, dtype: DType, got: &Tensor, want: &[V], abs: &[f64]) {
+    let got = read(got);
+    assert_eq!(got.len(), want.len(), "{what}");
+    let (_, out_dtype) = promote::reduce_types(op, dtype).unwrap();
+    let acc_eps = if dtype == DType::F64 || (is_int(dtype) && op == ReduceOp::Mean) {
+        1e-13
+    } else {
+        1e-5
+    };
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(abs).enumerate() {
+        match (g, w) {
+            (V::I(a), V::I(b)) => assert_eq!(a, b, "{what}: output {i}"),
+            _ => {
+                let (a, b) = (g.f(), w.f());
+                let ok = if b.is_nan() {
+                    a.is_nan()
+                } else {
+                    let tol = acc_eps * s + 2.0 * eps(out_dtype) * b.abs() + 1e-30;
+                    (a - b).abs() <= tol
+                };
+                assert!(ok, "{what}: output {i}: got {a}, want {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reductions_over_all_and_some_axes_on_every_dtype() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(8);
+    let shape = [5, 7, 301];
+    let n: usize = shape.iter().product();
+    let axes_list: [Option<&[usize]>; 6] = [
+        None,
+        Some(&[2]),
+        Some(&[0]),
+        Some(&[1]),
+        Some(&[0, 2]),
+        Some(&[0, 1, 2]),
+    ];
+    for dtype in DTYPES {
+        // Small integers for sums that stay exact in float32 partials of the means, but the
+        // whole range for max / min.
+        let vals = if is_int(dtype) {
+            rng.values(dtype, n, 0.0, 0.0)
+        } else {
+            rng.values(dtype, n, -4.0, 4.0)
+        };
+        let x = on(device, dtype, &vals, &shape);
+        for op in ReduceOp::ALL {
+            for axes in axes_list {
+                let signed: Option<Vec<isize>> =
+                    axes.map(|a| a.iter().map(|&i| i as isize).collect());
+                let y = compute::reduce(op, &x, signed.as_deref(), false).unwrap();
+                let (want, abs, _) = reduce_ref(op, dtype, &vals, &shape, axes);
+                let what = format!("{} of {dtype} over {axes:?}", op.name());
+                check_reduce(&what, op, dtype, &y, &want, &abs);
+            }
+        }
+        // keepdims keeps the reduced axes as 1.
+        let y = compute::reduce(ReduceOp::Max, &x, Some(&[-1, 0]), true).unwrap();
+        assert_eq!(y.shape(), &[1, 7, 1]);
+    }
+}
+
+#[test]
+fn reductions_of_views_large_rows_and_columns() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(9);
+    for dtype in [DType::F32, DType::F16, DType::I32, DType::F64] {
+        // Few long rows (split over blocks), and few long columns (thread per output, split).
+        for (shape, axis) in [
+            ([3usize, 1 << 20], 1usize),
+            ([1 << 20, 3], 0),
+            ([4099, 33], 1),
+            ([33, 4099], 0),
+        ] {
+            let n = shape[0] * shape[1];
+            let vals = rng.small(dtype, n, -8.0, 8.0);
+            let x = on(device, dtype, &vals, &shape);
+            for op in ReduceOp::ALL {
+                let y = compute::reduce(op, &x, Some(&[axis as isize]), false).unwrap();
+                let (want, abs, _) = reduce_ref(op, dtype, &vals, &shape, Some(&[axis]));
+                let what = format!("{} of {dtype} {shape:?} axis {axis}", op.name());
+                check_reduce(&what, op, dtype, &y, &want, &abs);
+            }
+        }
+        // A transposed, reversed view reduced along each axis and over everything.
+        let vals = rng.small(dtype, 257 * 129, -8.0, 8.0);
+        let base = on(device, dtype, &vals, &[257, 129]);
+        let view = base
+            .transpose()
+            .unwrap()
+            .slice(
+                1,
+                SliceArg {
+                    start: None,
+                    stop: None,
+                    step: -1,
+                },
+            )
+            .unwrap();
+        let hv = read(&view);
+        let vshape = view.shape().to_vec();
+        for axes in [None, Some(&[0usize][..]), Some(&[1usize][..])] {
+            for op in ReduceOp::ALL {
+                let signed: Option<Vec<isize>> =
+                    axes.map(|a| a.iter().map(|&i| i as isize).collect());
+                let y = compute::reduce(op, &view, signed.as_deref(), false).unwrap();
+                let (want, abs, _) = reduce_ref(op, dtype, &hv, &vshape, axes);
+                check_reduce(
+                    &format!("{} of a view {axes:?}", op.name()),
+                    op,
+                    dtype,
+                    &y,
+                    &want,
+                    &abs,
+                );
+            }
+        }
+    }
+    // A sum over 2^24 + 3 float32 elements: the two-pass full reduction.
+    let n = (1 << 24) + 3;
+    let vals = rng.values(DType::F32, n, 0.0, 1.0);
+    let x = on(device, DType::F32, &vals, &[n]);
+    let y = compute::reduce(ReduceOp::Sum, &x, None, false).unwrap();
+    let (want, abs, _) = reduce_ref(ReduceOp::Sum, DType::F32, &vals, &[n], None);
+    check_reduce("large sum", ReduceOp::Sum, DType::F32, &y, &want, &abs);
+}
+
+#[test]
+fn reductions_over_many_axes_nan_and_empty() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(10);
+    // Nine axes, five reduced, alternating: compacted with kept axes first.
+    let shape = [2, 3, 2, 3, 2, 3, 2, 3, 2];
+    let n: usize = shape.iter().product();
+    let vals = rng.values(DType::F32, n, -1.0, 1.0);
+    let x = on(device, DType::F32, &vals, &shape);
+    let axes = [0usize, 2, 4, 6, 8];
+    let signed: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
+    for op in ReduceOp::ALL {
+        let y = compute::reduce(op, &x, Some(&signed), false).unwrap();
+        assert_eq!(y.shape(), &[3, 3, 3, 3]);
+        let (want, abs, _) = reduce_ref(op, DType::F32, &vals, &shape, Some(&axes));
+        check_reduce(
+            &format!("{} over 5 of 9 axes", op.name()),
+            op,
+            DType::F32,
+            &y,
+            &want,
+            &abs,
+        );
+    }
+    // NaN propagates through max, min and sum.
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let mut vals = rng.values(dtype, 10_000, -1.0, 1.0);
+        vals[7777] = V::F(f64::NAN);
+        let x = on(device, dtype, &vals, &[10_000]);
+        for op in ReduceOp::ALL {
+            let y = read(&compute::reduce(op, &x, None, false).unwrap());
+            assert!(
+                y[0].f().is_nan(),
+                "{} of {dtype} with a NaN: {:?}",
+                op.name(),
+                y[0]
+            );
+        }
+        let x2 = on(device, dtype, &vals, &[100, 100]);
+        let y = read(&compute::reduce(ReduceOp::Max, &x2, Some(&[1]), false).unwrap());
+        assert!(y[77].f().is_nan() && !y[76].f().is_nan(), "{dtype} row max");
+    }
+    // Empty reductions: sums are 0, means NaN, max / min are errors.
+    for dtype in [DType::F32, DType::I16, DType::BF16] {
+        let x = on(device, dtype, &[], &[0, 4]);
+        let s = read(&compute::reduce(ReduceOp::Sum, &x, Some(&[0]), false).unwrap());
+        assert_eq!(s.len(), 4);
+        assert!(s.iter().all(|v| v.f() == 0.0), "{dtype} empty sum {s:?}");
+        let m = read(&compute::reduce(ReduceOp::Mean, &x, Some(&[0]), false).unwrap());
+        assert!(m.iter().all(|v| v.f().is_nan()), "{dtype} empty mean {m:?}");
+        let all = read(&compute::reduce(ReduceOp::Sum, &x, None, false).unwrap());
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0].f(), 0.0);
+        let err = compute::reduce(ReduceOp::Max, &x, Some(&[0]), false).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        // Nothing to write: an empty output.
+        let y = compute::reduce(ReduceOp::Max, &x, Some(&[1]), false).unwrap();
+        assert_eq!(y.shape(), &[0]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matrix products.
+
+/// The host product of row-major `a` (`[.., m, k]`) and `b` (`[.., k, n]`) with broadcast batch
+/// axes, in f64.
+fn matmul_ref(a: &[V], sa: &[usize], b: &[V], sb: &[usize]) -> (Vec<f64>, Vec<usize>) {
+    let (m, k, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
+    let batch = compute::broadcast_shapes(&sa[..sa.len() - 2], &sb[..sb.len() - 2]).unwrap();
+    let mut out_shape = batch.clone();
+    out_shape.extend([m, n]);
+    let mut out = Vec::new();
+    let bat_a = &sa[..sa.len() - 2];
+    let bat_b = &sb[..sb.len() - 2];
+    for idx in indices(&batch) {
+        let oa = broadcast_index(bat_a, &batch, &idx) * m * k;
+        let ob = broadcast_index(bat_b, &batch, &idx) * k * n;
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k)
+                    .map(|p| a[oa + i * k + p].f() * b[ob + p * n + j].f())
+                    .sum();
+                out.push(s);
+            }
+        }
+    }
+    (out, out_shape)
+}
+
+fn relative_error(got: &[V], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g.f() - w).powi(2)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+#[test]
+fn matmul_matches_the_host_for_layouts_and_batches() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(11);
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let tol = match dtype {
+            DType::F32 => 1e-5,
+            DType::F64 => 1e-12,
+            DType::F16 => 4e-3,
+            _ => 2e-2,
+        };
+        let cases: [(&[usize], &[usize]); 6] = [
+            (&[65, 33], &[33, 17]),
+            (&[1, 8, 5], &[4, 5, 7]),
+            (&[3, 65, 33], &[3, 33, 17]),
+            (&[2, 1, 8, 5], &[3, 5, 7]),
+            (&[1, 1], &[1, 300]),
+            (&[128, 256], &[256, 96]),
+        ];
+        for (sa, sb) in cases {
+            let va = rng.values(dtype, sa.iter().product(), -1.0, 1.0);
+            let vb = rng.values(dtype, sb.iter().product(), -1.0, 1.0);
+            let a = on(device, dtype, &va, sa);
+            let b = on(device, dtype, &vb, sb);
+            let y = compute::matmul(&a, &b).unwrap();
+            let (want, shape) = matmul_ref(&va, sa, &vb, sb);
+            assert_eq!(y.shape(), &shape[..]);
+            let err = relative_error(&read(&y), &want);
+            assert!(err < tol, "{dtype} {sa:?} @ {sb:?}: relative error {err}");
+        }
+        // Transposed operands (column-major for cuBLAS) and a strided one (copied first).
+        let (m, k, n) = (40, 24, 56);
+        let va = rng.values(dtype, k * m, -1.0, 1.0);
+        let vb = rng.values(dtype, n * k, -1.0, 1.0);
+        let at = on(device, dtype, &va, &[k, m]).transpose().unwrap();
+        let bt = on(device, dtype, &vb, &[n, k]).transpose().unwrap();
+        let (ha, hb) = (read(&at), read(&bt));
+        let (want, _) = matmul_ref(&ha, &[m, k], &hb, &[k, n]);
+        let err = relative_error(&read(&compute::matmul(&at, &bt).unwrap()), &want);
+        assert!(err < tol, "{dtype} transposed: {err}");
+        let vs = rng.values(dtype, m * 2 * k, -1.0, 1.0);
+        let strided = on(device, dtype, &vs, &[m, 2 * k])
+            .slice(
+                1,
+                SliceArg {
+                    start: None,
+                    stop: None,
+                    step: 2,
+                },
+            )
+            .unwrap();
+        let hs = read(&strided);
+        let (want, _) = matmul_ref(&hs, &[m, k], &hb, &[k, n]);
+        let err = relative_error(&read(&compute::matmul(&strided, &bt).unwrap()), &want);
+        assert!(err < tol, "{dtype} strided: {err}");
+        // Vectors: (k) @ (k, n) and (m, k) @ (k).
+        let v = rng.values(dtype, k, -1.0, 1.0);
+        let vt = on(device, dtype, &v, &[k]);
+        let y = compute::matmul(&vt, &bt).unwrap();
+        assert_eq!(y.shape(), &[n]);
+        let (want, _) = matmul_ref(&v, &[1, k], &hb, &[k, n]);
+        assert!(relative_error(&read(&y), &want) < tol);
+        let y = compute::matmul(&at, &vt).unwrap();
+        assert_eq!(y.shape(), &[m]);
+        let (want, _) = matmul_ref(&ha, &[m, k], &v, &[k, 1]);
+        assert!(relative_error(&read(&y), &want) < tol);
+        // k = 0: zeros.
+        let e1 = on(device, dtype, &[], &[3, 0]);
+        let e2 = on(device, dtype, &[], &[0, 4]);
+        let y = read(&compute::matmul(&e1, &e2).unwrap());
+        assert_eq!(y.len(), 12);
+        assert!(y.iter().all(|v| v.f() == 0.0));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Run-time kernels.
+
+const VADD: &str = r#"
+extern "C" __global__ void vadd(const float* a, const float* b, float* c, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) c[i] = a[i] + b[i];
+}
+template <typename T> __global__ void scale(T* x, T s, long long n) {
+  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= s;
+}
+"#;
+
+const TILE_SUM: &str = r#"
+extern "C" __global__ void tile_sum(const float* x, float* out, int n, int tile) {
+  extern __shared__ float sm[];
+  int base = blockIdx.x * tile;
+  for (int i = threadIdx.x; i < tile; i += blockDim.x) sm[i] = base + i < n ? x[base + i] : 0.0f;
+  __syncthreads();
+  for (int s = tile / 2; s > 0; s >>= 1) {
+    for (int i = threadIdx.x; i < s; i += blockDim.x) sm[i] += sm[i + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = sm[0];
+}
+"#;
+
+fn config(grid: u32, block: u32, shared_mem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid: [grid, 1, 1],
+        block: [block, 1, 1],
+        shared_mem,
+    }
+}
+
+#[test]
+fn user_kernels_compile_launch_and_time() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(12);
+    let n = 100_003usize;
+    let va = rng.values(DType::F32, n, -1.0, 1.0);
+    let vb = rng.values(DType::F32, n, -1.0, 1.0);
+    let a = on(device, DType::F32, &va, &[n]);
+    let b = on(device, DType::F32, &vb, &[n]);
+    let c = Tensor::empty(&[n], DType::F32, device).unwrap();
+    let k = kernel::compile(device, VADD, "vadd", &[]).unwrap();
+    assert_eq!(k.name(), "vadd");
+    if let Some(params) = k.param_sizes() {
+        assert_eq!(params, &[8, 8, 8, 4]);
+    }
+    // The same request comes from the cache.
+    let again = kernel::compile(device, VADD, "vadd", &[]).unwrap();
+    assert_eq!(again.name(), "vadd");
+    let args = [
+        KernelArg::Tensor(a.clone()),
+        KernelArg::Tensor(b.clone()),
+        KernelArg::Tensor(c.clone()),
+        KernelArg::Int(n as i64),
+    ];
+    let timing = kernel::launch(&k, config(n.div_ceil(256) as u32, 256, 0), &args).unwrap();
+    assert!(timing.elapsed_ms > 0.0, "{timing:?}");
+    let want: Vec<V> = va
+        .iter()
+        .zip(&vb)
+        .map(|(x, y)| V::F((x.f() as f32 + y.f() as f32) as f64))
+        .collect();
+    check("vadd", &read(&c), &want, 0.0, 0.0);
+
+    // A C++ template, found by the name written in the source.
+    let scale = kernel::compile(device, VADD, "scale<float>", &["-std=c++17".into()]).unwrap();
+    let args = [
+        KernelArg::Tensor(c.clone()),
+        KernelArg::Float(2.0),
+        KernelArg::Int(n as i64),
+    ];
+    kernel::launch(&scale, config(n.div_ceil(128) as u32, 128, 0), &args).unwrap();
+    let doubled: Vec<V> = want.iter().map(|v| V::F(v.f() * 2.0)).collect();
+    check("scale<float>", &read(&c), &doubled, 0.0, 0.0);
+
+    // 64 KiB of dynamic shared memory: above the 48 KiB default, so the kernel opts in.
+    let sum = kernel::compile(device, TILE_SUM, "tile_sum", &[]).unwrap();
+    let tile = 16_384usize;
+    let blocks = n.div_ceil(tile);
+    let out = Tensor::empty(&[blocks], DType::F32, device).unwrap();
+    let args = [
+        KernelArg::Tensor(a.clone()),
+        KernelArg::Tensor(out.clone()),
+        KernelArg::Int(n as i64),
+        KernelArg::Int(tile as i64),
+    ];
+    let t = kernel::launch(&sum, config(blocks as u32, 256, (tile * 4) as u32), &args).unwrap();
+    assert!(t.elapsed_ms > 0.0);
+    let got = read(&out);
+    for (blk, g) in got.iter().enumerate() {
+        let want: f64 = va[blk * tile..((blk + 1) * tile).min(n)]
+            .iter()
+            .map(|v| v.f())
+            .sum();
+        assert!((g.f() - want).abs() < 1e-3, "tile {blk}: {g:?} vs {want}");
+    }
+}
+
+#[test]
+fn user_kernel_errors_are_reported_and_leave_the_backend_working() {
+    let device = gpu_or_skip!();
+    // A syntax error: NVRTC's log comes back.
+    let bad = "extern \"C\" __global__ void broken(float* x) { x[0] = ; }";
+    match kernel::compile(device, bad, "broken", &[]) {
+        Err(Error::Compile { backend, name, log }) => {
+            assert_eq!((backend, name.as_str()), ("CUDA", "broken"));
+            assert!(log.contains("error"), "{log}");
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+    // A valid program without the entry point.
+    let err = kernel::compile(device, VADD, "no_such_kernel", &[]).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // Too many threads per block: the launch fails, the context does not.
+    let k = kernel::compile(device, VADD, "vadd", &[]).unwrap();
+    let x = on(device, DType::F32, &[V::F(1.0); 8], &[8]);
+    let args = [
+        KernelArg::Tensor(x.clone()),
+        KernelArg::Tensor(x.clone()),
+        KernelArg::Tensor(x.clone()),
+        KernelArg::Int(8),
+    ];
+    match kernel::launch(&k, config(1, 2048, 0), &args) {
+        Err(Error::Driver { message, .. }) => {
+            assert!(message.contains("vadd"), "{message}");
+            assert!(!message.contains("restarted"), "{message}");
+        }
+        other => panic!("expected a launch error, got {other:?}"),
+    }
+    // Wrong argument count, and an array for an int parameter (where the driver tells sizes).
+    let wrong = [
+        KernelArg::Tensor(x.clone()),
+        KernelArg::Tensor(x.clone()),
+        KernelArg::Tensor(x.clone()),
+        KernelArg::Tensor(x.clone()),
+    ];
+    if k.param_sizes().is_some() {
+        assert!(kernel::launch(&k, config(1, 32, 0), &args[..3]).is_err());
+        assert!(kernel::launch(&k, config(1, 32, 0), &wrong).is_err());
+    }
+    // Still working: the kernel and a built-in.
+    kernel::launch(&k, config(1, 32, 0), &args).unwrap();
+    check("after errors", &read(&x), &[V::F(2.0); 8], 0.0, 0.0);
+    let y = compute::binary(BinaryOp::Add, &x, &x).unwrap();
+    check(
+        "built-in after errors",
+        &read(&y),
+        &[V::F(4.0); 8],
+        0.0,
+        0.0,
+    );
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn work_follows_the_current_stream() {
+    use dlbridge::backend::cuda::{Stream, current_stream, set_current_stream};
+    let device = gpu_or_skip!();
+    let stream = Stream::new(0, true).unwrap();
+    let previous = set_current_stream(0, stream.handle());
+    assert_eq!(current_stream(0), stream.handle());
+    let mut rng = Rng::new(13);
+    let vals = rng.values(DType::F32, 1 << 20, -1.0, 1.0);
+    let x = on(device, DType::F32, &vals, &[1 << 20]);
+    let y = compute::binary(BinaryOp::Mul, &x, &x).unwrap();
+    let s = compute::reduce(ReduceOp::Sum, &y, None, false).unwrap();
+    let m = compute::matmul(
+        &x.reshape(&[Some(1024), None]).unwrap(),
+        &x.reshape(&[None, Some(1024)]).unwrap(),
+    )
+    .unwrap();
+    stream.synchronize().unwrap();
+    let want: f64 = vals.iter().map(|v| v.f() * v.f()).sum();
+    let got = read(&s)[0].f();
+    assert!((got - want).abs() < 1e-4 * want, "{got} vs {want}");
+    assert_eq!(m.shape(), &[1024, 1024]);
+    set_current_stream(0, previous);
+}

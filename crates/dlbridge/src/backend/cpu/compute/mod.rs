@@ -406,7 +406,8 @@ pub(super) fn walk<const K: usize>(
     }
     let nd = shape.len();
     let inner = shape[nd - 1];
-    let mut index = vec![0usize; nd];
+    // On the stack: reductions walk once per output.
+    let mut index = [0usize; crate::layout::MAX_NDIM];
     let mut rest = start;
     for axis in (0..nd).rev() {
         index[axis] = rest % shape[axis];

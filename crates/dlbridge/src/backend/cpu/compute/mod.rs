@@ -4,7 +4,7 @@
 //! | request | module | how |
 //! | --- | --- | --- |
 //! | [`MapRequest`] | [`map`] | the plan's innermost axis as runs; a run whose operands are contiguous or broadcast is one vectorised loop, others are gathered in blocks; `float16` / `bfloat16` converted to `float32` in blocks and rounded once when stored |
-//! | [`ReduceRequest`] | [`reduce`] | 32 lanes per block of 1024 elements, block results kept in `float64` (sums); reductions over outer axes accumulate whole rows, so memory is read in order |
+//! | [`ReduceRequest`] | [`reduce`] | blocks of 1024 elements folded in 32 lanes (16 for `max` / `min`), block results kept in `float64` (sums); reductions over outer axes accumulate whole rows, so memory is read in order |
 //! | [`MatmulRequest`] | [`matmul`] | the `gemm` crate (`float16`, `float32`, `float64`); `bfloat16` through `float32` |
 //!
 //! Work is split into chunks of a fixed size ([`for_chunks`]), so results do not depend on the
@@ -406,7 +406,8 @@ pub(super) fn walk<const K: usize>(
     }
     let nd = shape.len();
     let inner = shape[nd - 1];
-    let mut index = vec![0usize; nd];
+    // On the stack: reductions walk once per output.
+    let mut index = [0usize; crate::layout::MAX_NDIM];
     let mut rest = start;
     for axis in (0..nd).rev() {
         index[axis] = rest % shape[axis];

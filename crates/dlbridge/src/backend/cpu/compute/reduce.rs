@@ -2,7 +2,7 @@
 //!
 //! | layout | mode | how |
 //! | --- | --- | --- |
-//! | reduced axes innermost (or any other layout) | per output | the output's reduced elements as runs; each block of 1024 folded in 32 lanes, the block result absorbed into a running total |
+//! | reduced axes innermost (or any other layout) | per output | the output's reduced elements as runs; each block of 1024 folded in 32 lanes (16 for `max` / `min`), the block result absorbed into a running total |
 //! | a kept axis innermost and contiguous (e.g. `sum(axis=0)` of a row-major matrix) | by rows | tiles of up to 4096 outputs advanced together one reduced index at a time, so memory is read in order; lanes absorbed every 32 rows |
 //!
 //! Sums of floats absorb their `f32` (or `f64`) block results into a compensated `f64` total, so

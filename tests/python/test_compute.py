@@ -123,11 +123,11 @@ def test_binary_floats_match_numpy(device, dtype, name, rng):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_broadcasting_and_strided_views(device, dtype, rng):
     x = rng.uniform(-2, 2, size=(6, 1, 10))
-    y = rng.uniform(-2, 2, size=(8, 4, 3))
+    y = rng.uniform(-2, 2, size=(3, 4, 8))
     a = put(x, dtype, device)[::2, :, ::-3]  # (3, 1, 4): strided, reversed, broadcast axis
-    b = put(y, dtype, device).permute(0, 2, 1)  # (8, 3, 4): transposed
+    b = put(y, dtype, device).permute(0, 2, 1)  # (3, 8, 4): transposed
     out = ops.mul(a, b)
-    assert out.shape == (8, 3, 4) and out.is_contiguous
+    assert out.shape == (3, 8, 4) and out.is_contiguous
     close(out, rounded(x, dtype)[::2, :, ::-3] * rounded(y, dtype).transpose(0, 2, 1), dtype, scale=4.0)
     # A row broadcast against a column.
     r, c = rng.uniform(-1, 1, size=(7,)), rng.uniform(-1, 1, size=(5, 1))

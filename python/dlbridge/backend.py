@@ -328,11 +328,12 @@ class Backend:
             begin.record()  # the current stream, where dlbridge's kernels run
             try:
                 out = fn(*arrays)
+                end.record()
+                end.synchronize()  # a fault in the callable's GPU work surfaces here
+                elapsed = float(begin.elapsed_time(end))
             except Exception as e:
                 return KernelExecutionResult(False, 0.0, repr(e))
-            end.record()
-            end.synchronize()
-            return KernelExecutionResult(True, float(begin.elapsed_time(end)), None, out)
+            return KernelExecutionResult(True, elapsed, None, out)
         start = time.perf_counter()
         try:
             out = fn(*arrays)

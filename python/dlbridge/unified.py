@@ -37,10 +37,10 @@ DEVICE_DIRTY = "device_dirty"
 
 
 def _numpy_view(a: Array) -> Any:
+    """A NumPy view of host-addressable memory (never a silent copy)."""
     import numpy as np
 
-    view = np.asarray(a)
-    return view
+    return np.asarray(a, copy=False)
 
 
 class UnifiedBuffer:
@@ -70,8 +70,10 @@ class UnifiedBuffer:
         self._transfers = {"host_to_device": 0, "device_to_host": 0}
         self._device_array = _dlbridge.empty(shape, dtype, device=dev, storage=storage)
         placed = self._device_array.device
+        # Metal managed storage keeps separate host and GPU copies (the driver synchronizes them
+        # on request), so only shared storage is one memory for both sides.
         self._shared = placed.type in ("cpu", "cuda_managed") or (
-            kind == "metal" and self._device_array.storage in ("shared", "managed")
+            kind == "metal" and self._device_array.storage == "shared"
         )
         if pinned and kind != "cuda":
             raise ValueError(f"pinned host memory is a CUDA notion; this buffer is on {dev}")
@@ -148,11 +150,24 @@ class UnifiedBuffer:
     # -- transitions ---------------------------------------------------------------------------
 
     def mark_host_dirty(self) -> None:
-        """The host side was written: the device side is stale."""
+        """The host side was written: the device side is stale. Raises ``RuntimeError`` when
+        the device side was also written since the last synchronization (one side's writes
+        would be lost; synchronize first)."""
+        if self._state == DEVICE_DIRTY and not self._shared:
+            raise RuntimeError(
+                "both sides of the UnifiedBuffer were written: the device side is dirty; call "
+                "sync_to_host() before writing the host side"
+            )
         self._state = HOST_DIRTY
 
     def mark_device_dirty(self) -> None:
-        """The device side was written: the host side is stale."""
+        """The device side was written: the host side is stale. Raises ``RuntimeError`` when
+        the host side was also written since the last synchronization."""
+        if self._state == HOST_DIRTY and not self._shared:
+            raise RuntimeError(
+                "both sides of the UnifiedBuffer were written: the host side is dirty; call "
+                "sync_to_device() before writing the device side"
+            )
         self._state = DEVICE_DIRTY
 
     def sync_to_host(self) -> None:
@@ -172,6 +187,9 @@ class UnifiedBuffer:
             if not self._shared:
                 self._device_array[...] = self._host_backing
                 self._transfers["host_to_device"] += 1
+                # A copy out of pinned memory is asynchronous: the host must not write the
+                # pinned side again until it has been read.
+                self._wait_for_device()
             self._state = SYNCHRONIZED
 
     def _wait_for_device(self) -> None:

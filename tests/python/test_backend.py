@@ -348,3 +348,55 @@ def test_unified_buffer_in_managed_memory_is_one_allocation():
     total = float(ub.device.sum())
     assert total == 1.5 * 256
     assert ub.transfers == {"host_to_device": 0, "device_to_host": 0}
+
+
+@needs_cuda
+@pytest.mark.skipif(torch is None, reason="PyTorch is not installed (its _sleep kernel delays a stream)")
+@pytest.mark.parametrize("round_", range(3))
+def test_inputs_read_on_another_stream_are_not_reused_too_early(round_):
+    # `a` is allocated on stream s1 and read by an op on stream s2 (behind a ~20 ms kernel);
+    # freed, its block goes back to s1's cache. The next allocation on s1 takes that block and
+    # fills it: the fill must wait for s2's read.
+    s1, s2 = dlbridge.cuda.Stream(), dlbridge.cuda.Stream()
+    n = 1 << 20
+    with dlbridge.cuda.stream(s1):
+        a = dlbridge.full((n,), 1.0, dtype="float32", device="cuda:0")
+    s1.synchronize()
+    ptr = a.data_ptr
+    with dlbridge.cuda.stream(s2):
+        with torch.cuda.stream(torch.cuda.ExternalStream(s2.handle)):
+            torch.cuda._sleep(40_000_000)
+        out = a + a
+    del a
+    gc.collect()
+    with dlbridge.cuda.stream(s1):
+        b = dlbridge.full((n,), 7.0 + round_, dtype="float32", device="cuda:0")
+    assert b.data_ptr == ptr  # the block was reused (the case this test is about)
+    s1.synchronize()
+    s2.synchronize()
+    assert float(out.min()) == 2.0 and float(out.max()) == 2.0
+
+
+@needs_cuda
+def test_unified_buffer_refuses_writes_on_both_sides():
+    ub = dlbridge.UnifiedBuffer((4,), "float32", device="cuda:0")
+    ub.host[:] = 1
+    ub.mark_host_dirty()
+    _ = ub.device
+    ub.mark_device_dirty()
+    with pytest.raises(RuntimeError, match="both sides"):
+        ub.mark_host_dirty()
+    ub.sync_to_host()
+    ub.mark_host_dirty()
+
+
+@needs_cuda
+def test_kernels_take_pinned_and_managed_memory():
+    be = dlbridge.Backend("cuda:0")
+    k = be.compile_kernel(VECTOR_ADD, "vadd")
+    m = dlbridge.full((64,), 2.0, dtype="float32", device="cuda:0", storage="managed")
+    p = dlbridge.full((64,), 3.0, dtype="float32", device="cuda:0", storage="pinned")
+    out = be.allocate((64,))
+    res = be.execute_kernel(k, 1, 64, m, p, out, 64)
+    assert res.success, res.error
+    assert be.copy_to_host(out).tolist() == [5.0] * 64

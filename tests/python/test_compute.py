@@ -307,6 +307,12 @@ def test_matmul_matches_numpy(device, dtype, sa, sb, rng):
     close(out, want, dtype, scale=max(1.0, math.sqrt(k)))
 
 
+def test_matmul_with_an_empty_batch(device):
+    a = dlbridge.zeros((2, 0, 3, 4), device=device)
+    out = ops.matmul(a, dlbridge.zeros((4, 5), device=device))
+    assert out.shape == (2, 0, 3, 5)
+
+
 def test_matmul_transposed_and_broadcast_batch(device, rng):
     x, y = rng.uniform(-1, 1, size=(3, 7, 5)), rng.uniform(-1, 1, size=(6, 7))
     a = put(x, "float32", device).permute(0, 2, 1)  # (3, 5, 7), column-major matrices

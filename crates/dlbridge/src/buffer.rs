@@ -60,7 +60,14 @@ impl fmt::Display for StorageMode {
 }
 
 /// Memory dlbridge allocated. Dropping the value returns the memory (to the driver or a pool).
-pub trait Allocation: Send + Sync + 'static {}
+pub trait Allocation: Send + Sync + 'static {
+    /// The stream the memory was allocated for, when its release is ordered on one (a pooled
+    /// CUDA block): work on other streams that uses the memory must be made visible to that
+    /// stream before the memory is released (see `Buffer::allocation_stream`).
+    fn stream(&self) -> Option<crate::pool::StreamKey> {
+        None
+    }
+}
 
 /// Who releases the memory when the last [`Buffer`] handle goes away. The payloads are never read:
 /// they are held for what their `Drop` does.
@@ -199,6 +206,15 @@ impl Buffer {
     /// Whether another library owns the memory.
     pub fn is_foreign(&self) -> bool {
         matches!(self.inner.owner, Owner::Foreign(_))
+    }
+
+    /// The stream dlbridge's pool will order this allocation's release on (the stream it was
+    /// allocated for), when it has one; `None` for foreign memory and host memory.
+    pub fn allocation_stream(&self) -> Option<crate::pool::StreamKey> {
+        match &self.inner.owner {
+            Owner::Own(allocation) => allocation.stream(),
+            Owner::Foreign(_) => None,
+        }
     }
 
     /// How many handles share this allocation.

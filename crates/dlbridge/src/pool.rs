@@ -744,7 +744,11 @@ impl PooledBlock {
     }
 }
 
-impl Allocation for PooledBlock {}
+impl Allocation for PooledBlock {
+    fn stream(&self) -> Option<StreamKey> {
+        self.stream
+    }
+}
 
 impl Drop for PooledBlock {
     fn drop(&mut self) {

@@ -186,7 +186,10 @@ pub(crate) fn map(req: &crate::compute::MapRequest<'_>) -> Result<()> {
     match req.out.device().kind() {
         DeviceKind::Cpu => cpu::compute::map(req),
         #[cfg(cuda)]
-        kind if kind.is_cuda() => cuda::compute::map(req),
+        kind if kind.is_cuda() => {
+            cuda::compute::map(req)?;
+            cuda::record_use(req.tensor_inputs().chain([req.out]))
+        }
         DeviceKind::Metal => metal::compute::map(req),
         _ => Err(no_compute(req.out.device())),
     }
@@ -197,7 +200,10 @@ pub(crate) fn reduce(req: &crate::compute::ReduceRequest<'_>) -> Result<()> {
     match req.out.device().kind() {
         DeviceKind::Cpu => cpu::compute::reduce(req),
         #[cfg(cuda)]
-        kind if kind.is_cuda() => cuda::compute::reduce(req),
+        kind if kind.is_cuda() => {
+            cuda::compute::reduce(req)?;
+            cuda::record_use([req.input, req.out])
+        }
         DeviceKind::Metal => metal::compute::reduce(req),
         _ => Err(no_compute(req.out.device())),
     }
@@ -208,7 +214,10 @@ pub(crate) fn matmul(req: &crate::compute::MatmulRequest<'_>) -> Result<()> {
     match req.out.device().kind() {
         DeviceKind::Cpu => cpu::compute::matmul(req),
         #[cfg(cuda)]
-        kind if kind.is_cuda() => cuda::compute::matmul(req),
+        kind if kind.is_cuda() => {
+            cuda::compute::matmul(req)?;
+            cuda::record_use([req.a, req.b, req.out])
+        }
         DeviceKind::Metal => metal::compute::matmul(req),
         _ => Err(no_compute(req.out.device())),
     }

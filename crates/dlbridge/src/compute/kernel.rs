@@ -205,7 +205,7 @@ pub fn launch(kernel: &Kernel, config: LaunchConfig, args: &[KernelArg]) -> Resu
     }
     for (i, arg) in args.iter().enumerate() {
         if let KernelArg::Tensor(t) = arg
-            && t.device() != kernel.device()
+            && !reachable(t.device(), kernel.device())
         {
             return Err(Error::InvalidArgument(format!(
                 "argument {i} is on {}, the kernel runs on {}",
@@ -224,9 +224,24 @@ pub fn launch(kernel: &Kernel, config: LaunchConfig, args: &[KernelArg]) -> Resu
     }
 }
 
+/// Whether a kernel on `kernel` can address memory of `memory`: the same device, or, on CUDA,
+/// pinned or managed memory of the same device index (unified addressing).
+fn reachable(memory: Device, kernel: Device) -> bool {
+    memory == kernel
+        || (memory.kind().is_cuda() && kernel.kind().is_cuda() && memory.index() == kernel.index())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pinned_and_managed_memory_reach_cuda_kernels() {
+        assert!(reachable(Device::cuda_managed(0), Device::cuda(0)));
+        assert!(reachable(Device::cuda_host(1), Device::cuda(1)));
+        assert!(!reachable(Device::cuda(1), Device::cuda(0)));
+        assert!(!reachable(Device::CPU, Device::cuda(0)));
+    }
 
     #[test]
     fn scalars_take_their_parameter_size() {

@@ -279,6 +279,19 @@ pub struct MatmulRequest<'a> {
 fn common_device<'a>(what: &str, tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Device> {
     let mut found: Option<Device> = None;
     for t in tensors {
+        if t.device().kind().is_cuda() {
+            // A misaligned element address makes a CUDA kernel fault, and the driver keeps that
+            // fault for the rest of the process: refuse such a (foreign) view up front.
+            let address = (t.buffer().handle() as usize).wrapping_add(t.byte_offset());
+            let align = t.dtype().itemsize().max(1);
+            if t.numel() > 0 && address % align != 0 {
+                return Err(Error::Misaligned(format!(
+                    "{what}: the {} array at {address:#x} is not aligned to its {align}-byte \
+                     elements; copy it first (Array.copy())",
+                    t.dtype()
+                )));
+            }
+        }
         match found {
             None => found = Some(t.device()),
             Some(d) if d == t.device() => {}
@@ -460,8 +473,12 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             return Ok((t, layout));
         }
         let compact = t.copy()?;
-        let layout = plan::matrix_layout(compact.shape(), compact.strides())
-            .expect("a compact array's batch axes collapse");
+        let layout = plan::matrix_layout(compact.shape(), compact.strides()).ok_or_else(|| {
+            Error::Shape(format!(
+                "matmul: the batch axes of {:?} do not collapse",
+                compact.shape()
+            ))
+        })?;
         Ok((compact, layout))
     };
     let (ta, a_layout) = as_matrix(a, &shape.a_shape)?;

@@ -53,6 +53,13 @@ pub struct MapPlan {
 impl MapPlan {
     /// Collapses `shape` as addressed by each operand's `strides` (all of `shape`'s length).
     pub fn new(shape: &[usize], operands: &[&[isize]]) -> MapPlan {
+        if shape.contains(&0) {
+            // No elements: one empty axis, whatever the strides.
+            return MapPlan {
+                shape: vec![0],
+                strides: vec![vec![1]; operands.len()],
+            };
+        }
         let keep: Vec<usize> = (0..shape.len()).filter(|&i| shape[i] != 1).collect();
         let mut out_shape: Vec<usize> = Vec::with_capacity(keep.len());
         let mut out_strides: Vec<Vec<isize>> = vec![Vec::with_capacity(keep.len()); operands.len()];
@@ -368,7 +375,16 @@ mod tests {
         let scalar = MapPlan::new(&[], &[&[], &[]]);
         assert_eq!(scalar.shape, vec![1]);
         assert_eq!(scalar.len(), 1);
-        assert!(MapPlan::new(&[3, 0], &[&[0, 1]]).is_empty());
+        let empty = MapPlan::new(&[3, 0, 2], &[&[0, 2, 1], &[6, 2, 1]]);
+        assert!(empty.is_empty());
+        assert_eq!(empty.shape, vec![0]);
+        // A compact batch with an empty axis after a longer one still collapses.
+        assert_eq!(
+            matrix_layout(&[2, 0, 3, 4], &[12, 12, 4, 1])
+                .unwrap()
+                .batch_stride,
+            0
+        );
     }
 
     #[test]

@@ -39,6 +39,7 @@ use cudarc::driver::sys;
 
 pub(crate) use copy::copy;
 pub use memory::{allocate, pool, validate_foreign};
+pub(crate) use stream::record_use;
 pub use stream::{
     Event, LEGACY_STREAM, PER_THREAD_STREAM, Stream, current_stream, make_visible, order_streams,
     set_current_stream, stream_from_dlpack,

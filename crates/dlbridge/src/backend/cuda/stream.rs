@@ -348,3 +348,27 @@ fn ready(rc: sys::CUresult, call: &str) -> Result<bool> {
         }),
     }
 }
+
+/// Makes work just enqueued on the calling thread's current stream that reads or writes
+/// `tensors` visible to the streams their pooled blocks were allocated for, so that a block
+/// released later is not handed out on its own stream while this work may still use it (what
+/// PyTorch asks of its users with `record_stream`; here it is done for them). Tensors of other
+/// devices, foreign memory and blocks of the current stream need nothing.
+pub(crate) fn record_use<'a>(tensors: impl IntoIterator<Item = &'a crate::Tensor>) -> Result<()> {
+    for t in tensors {
+        let device = t.device();
+        if !device.kind().is_cuda() {
+            continue;
+        }
+        let Some(owner) = t.buffer().allocation_stream() else {
+            continue;
+        };
+        let ordinal = device.index() as i32;
+        let current = current_stream(ordinal);
+        let owner = owner as usize;
+        if !same_stream(owner, current) {
+            order_streams(ordinal, current, owner)?;
+        }
+    }
+    Ok(())
+}

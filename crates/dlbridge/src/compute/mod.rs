@@ -4,6 +4,7 @@
 //!
 //! | layer | here | what it decides |
 //! | --- | --- | --- |
+//! | device | [`Backend`] | one device's allocation, copies, synchronization, memory figures and run-time kernels |
 //! | front | [`unary`], [`binary`], [`binary_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
 //! | request | [`MapRequest`], [`ReduceRequest`], [`MatmulRequest`] | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
 //! | backend | `backend::{cpu,cuda,metal}::compute` | how: Rust loops and `gemm` on the CPU; NVRTC kernels and cuBLAS on CUDA; MSL kernels on Metal |
@@ -18,6 +19,7 @@
 //! integers returns `float64`). `max` and `min` propagate NaN. A `sum` of nothing is 0, a `mean`
 //! of nothing is NaN, and `max` / `min` of nothing are errors.
 
+mod device;
 pub mod kernel;
 pub mod plan;
 pub mod promote;
@@ -28,6 +30,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
+pub use device::{Backend, BackendType};
 pub use plan::{MapPlan, MatmulShape, MatrixLayout, ReducePlan, broadcast_shapes};
 
 /// Element-wise functions of one operand.

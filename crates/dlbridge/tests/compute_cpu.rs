@@ -6,6 +6,9 @@
 //! reproduces). Float results must be within a relative bound per dtype (a few ulp of the
 //! result; for sums and products, of the sum of magnitudes); integer results must be exact.
 
+mod common;
+
+use common::Rng;
 use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp};
 use dlbridge::{DType, Error, Layout, SliceArg, Tensor};
 
@@ -24,28 +27,6 @@ const INTS: [DType; 8] = [
     DType::U32,
     DType::U64,
 ];
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
-    }
-}
 
 fn is_signed(dtype: DType) -> bool {
     matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64)

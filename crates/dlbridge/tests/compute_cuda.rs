@@ -5,6 +5,9 @@
 //! Every test skips, saying why, where no CUDA device is present (or the `cuda` feature is off);
 //! on a GPU machine they run for real.
 
+mod common;
+
+use common::Rng;
 use dlbridge::compute::kernel::{self, KernelArg, LaunchConfig};
 use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp, promote};
 use dlbridge::{DType, Device, Error, SliceArg, Tensor};
@@ -73,6 +76,33 @@ impl V {
             V::I(i) => i,
             V::F(f) => f as i128,
         }
+    }
+}
+
+/// Test data drawn from the shared generator.
+trait Draw {
+    /// `n` elements of `d`: integers over the whole range (so arithmetic wraps), floats in
+    /// `[lo, hi)` rounded to `d`.
+    fn values(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V>;
+    /// `n` elements of `d` in `[lo, hi)` (integers truncated).
+    fn small(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V>;
+}
+
+impl Draw for Rng {
+    fn values(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V> {
+        (0..n)
+            .map(|_| {
+                if is_int(d) {
+                    V::I(wrap(d, self.next() as i128))
+                } else {
+                    V::F(round_to(d, self.uniform(lo, hi)))
+                }
+            })
+            .collect()
+    }
+
+    fn small(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V> {
+        (0..n).map(|_| value_of(d, self.uniform(lo, hi))).collect()
     }
 }
 
@@ -279,48 +309,6 @@ fn tolerance(d: DType) -> (f64, f64) {
         DType::F64 => (16.0 * eps(d), 1e-14),
         _ if is_int(d) => (0.0, 0.0),
         _ => (eps(d), eps(d)),
-    }
-}
-
-/// xorshift64: deterministic, so a failure reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
-    }
-
-    /// `n` elements of `d`: integers over the whole range (so arithmetic wraps), floats in
-    /// `[lo, hi)` rounded to `d`.
-    fn values(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V> {
-        (0..n)
-            .map(|_| {
-                if is_int(d) {
-                    V::I(wrap(d, self.next() as i128))
-                } else {
-                    V::F(round_to(d, self.uniform(lo, hi)))
-                }
-            })
-            .collect()
-    }
-
-    /// `n` elements of `d` in `[lo, hi)` (integers truncated).
-    fn small(&mut self, d: DType, n: usize, lo: f64, hi: f64) -> Vec<V> {
-        (0..n).map(|_| value_of(d, self.uniform(lo, hi))).collect()
     }
 }
 

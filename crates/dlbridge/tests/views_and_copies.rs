@@ -5,56 +5,10 @@
 //! compare every result. The model knows nothing of strides: it is the list of source elements a
 //! view selects, in row-major order.
 
+mod common;
+
+use common::Rng;
 use dlbridge::{DType, Device, Error, Layout, SliceArg, Tensor};
-
-// ---------------------------------------------------------------------------------------------
-// Deterministic randomness
-// ---------------------------------------------------------------------------------------------
-
-/// xorshift64: small, deterministic, good enough to pick shapes and slices.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn between(&mut self, lo: isize, hi: isize) -> isize {
-        lo + self.below((hi - lo + 1) as usize) as isize
-    }
-
-    fn chance(&mut self, one_in: usize) -> bool {
-        self.below(one_in) == 0
-    }
-
-    fn shape(&mut self, max_dims: usize, max_extent: usize) -> Vec<usize> {
-        let ndim = self.below(max_dims + 1);
-        (0..ndim).map(|_| self.below(max_extent + 1)).collect()
-    }
-
-    fn permutation(&mut self, n: usize) -> Vec<usize> {
-        let mut p: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            p.swap(i, self.below(i + 1));
-        }
-        p
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The reference model

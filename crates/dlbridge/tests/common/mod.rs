@@ -487,3 +487,56 @@ pub(crate) fn round_trip(t: &Tensor, legacy: bool) -> Result<Tensor, Error> {
         unsafe { Tensor::from_dlpack_versioned(e) }
     }
 }
+
+/// xorshift64: small and deterministic, so a failing test reproduces from its seed.
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub(crate) fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub(crate) fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub(crate) fn between(&mut self, lo: isize, hi: isize) -> isize {
+        lo + self.below((hi - lo + 1) as usize) as isize
+    }
+
+    /// True once in `one_in` draws, on average.
+    pub(crate) fn chance(&mut self, one_in: usize) -> bool {
+        self.below(one_in) == 0
+    }
+
+    /// A shape of up to `max_dims` axes of up to `max_extent` elements.
+    pub(crate) fn shape(&mut self, max_dims: usize, max_extent: usize) -> Vec<usize> {
+        let ndim = self.below(max_dims + 1);
+        (0..ndim).map(|_| self.below(max_extent + 1)).collect()
+    }
+
+    /// A random permutation of `0..n`.
+    pub(crate) fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let mut p: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            p.swap(i, self.below(i + 1));
+        }
+        p
+    }
+}

@@ -23,7 +23,7 @@ import re
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
-from . import _dlbridge, cuda, ops
+from . import _dlbridge, cuda, metal, ops
 from ._dlbridge import Array, Device, Kernel
 
 __all__ = [
@@ -57,24 +57,6 @@ class KernelExecutionResult:
     execution_time_ms: float
     error: Optional[str] = None
     output: Any = None
-
-
-def _metal() -> Any:
-    """The ``dlbridge.metal`` module, where this build has it."""
-    try:
-        from . import metal  # type: ignore[attr-defined]
-
-        return metal
-    except ImportError:
-        return None
-
-
-def _metal_count() -> int:
-    metal = _metal()
-    try:
-        return int(metal.device_count()) if metal is not None else 0
-    except Exception:
-        return 0
 
 
 _NAME_PATTERNS = (
@@ -115,7 +97,7 @@ class Backend:
         if device is None:
             if cuda.is_available():
                 device = "cuda:0"
-            elif _metal_count() > 0:
+            elif metal.device_count() > 0:
                 device = "metal:0"
             else:
                 device = "cpu"
@@ -132,16 +114,9 @@ class Backend:
                 raise BackendUnavailableError(
                     f"cuda:{dev.index} does not exist ({cuda.device_count()} CUDA devices found)"
                 )
-        if kind == "metal":
-            count = _metal_count()
-            if dev.index >= count:
-                metal = _metal()
-                reason = (
-                    metal.unavailable_reason()
-                    if metal is not None and hasattr(metal, "unavailable_reason") and count == 0
-                    else f"{count} Metal devices found"
-                )
-                raise BackendUnavailableError(f"Metal backend not available for metal:{dev.index}: {reason}")
+        if kind == "metal" and dev.index >= metal.device_count():
+            reason = metal.unavailable_reason() or f"{metal.device_count()} Metal devices found"
+            raise BackendUnavailableError(f"Metal backend not available for metal:{dev.index}: {reason}")
         self._device = dev
 
     # -- what it is ---------------------------------------------------------------------------
@@ -164,7 +139,7 @@ class Backend:
         if kind == "cuda":
             return cuda.is_available() and self.device_id < cuda.device_count()
         if kind == "metal":
-            return self.device_id < _metal_count()
+            return self.device_id < metal.device_count()
         return True
 
     @property
@@ -174,7 +149,7 @@ class Backend:
         if kind == "cuda":
             return cuda.device_count()
         if kind == "metal":
-            return _metal_count()
+            return metal.device_count()
         return 1
 
     @property
@@ -224,7 +199,7 @@ class Backend:
         if kind == "cuda":
             cuda.synchronize(self._device.index)
         elif kind == "metal":
-            _metal().synchronize(self._device.index)
+            metal.synchronize(self._device.index)
 
     def get_memory_info(self) -> Dict[str, int]:
         """The caching pool's figures (:func:`dlbridge.memory_stats`); on CUDA also the device's

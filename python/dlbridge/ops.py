@@ -122,9 +122,3 @@ def matmul(a: Any, b: Any) -> Array:
     floating dtypes only. cuBLAS on CUDA."""
     return _dlbridge._matmul(a, b)
 
-
-def get(name: str) -> Optional[Callable[..., Array]]:
-    """The built-in function called ``name`` (element-wise or reduction), or None."""
-    if name in UNARY or name in BINARY or name in REDUCTIONS or name == "matmul":
-        return globals()[name]
-    return None

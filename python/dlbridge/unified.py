@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Union
 
-from . import _dlbridge, cuda
+from . import _dlbridge, cuda, metal
 from ._dlbridge import Array, Device
 
 __all__ = ["UnifiedBuffer"]
@@ -197,6 +197,4 @@ class UnifiedBuffer:
         if dev.type in ("cuda", "cuda_managed"):
             cuda.current_stream(dev.index).synchronize()
         elif dev.type == "metal":
-            from . import metal  # type: ignore[attr-defined]
-
             metal.synchronize(dev.index)

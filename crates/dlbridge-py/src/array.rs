@@ -207,13 +207,13 @@ impl PyArray {
     }
 
     fn scalar<'py>(&self, py: Python<'py>, what: &str) -> PyResult<Bound<'py, PyAny>> {
-        if self.tensor()?.numel() != 1 {
+        let t = self.tensor()?;
+        if t.numel() != 1 {
             return Err(PyTypeError::new_err(format!(
                 "only arrays of one element can be converted to {what} (this one has {})",
-                self.tensor()?.numel()
+                t.numel()
             )));
         }
-        let t = self.tensor()?;
         let one = t
             .reshape(&[])
             .or_else(|_| t.copy().and_then(|c| c.reshape(&[])))

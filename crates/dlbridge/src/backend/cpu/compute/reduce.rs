@@ -524,24 +524,17 @@ fn per_output<S, F, O>(
     let pieces = count.div_ceil(SPLIT);
     let split_pieces = pieces > 1 && plan.outputs() < 2 * threads;
     let one = |base: *const S| -> F::Total {
+        let base = SharedPtr(base.cast_mut());
         let piece = |p: usize| {
             // SAFETY: the reduced plan from an output's first input element addresses elements
             // of the input (its layout was checked when the view was built), which no one
             // writes during the call.
-            unsafe { fold_range::<S, F>(base, red, p * SPLIT, ((p + 1) * SPLIT).min(count)) }
+            unsafe { fold_range::<S, F>(base.get(), red, p * SPLIT, ((p + 1) * SPLIT).min(count)) }
         };
         if split_pieces {
             use rayon::prelude::*;
-            let base = SharedPtr(base.cast_mut());
-            let parts: Vec<F::Total> = (0..pieces)
-                .into_par_iter()
-                .map(|p| {
-                    // SAFETY: as above.
-                    unsafe {
-                        fold_range::<S, F>(base.get(), red, p * SPLIT, ((p + 1) * SPLIT).min(count))
-                    }
-                })
-                .collect();
+            // Collected, then merged in order: the result does not depend on the thread count.
+            let parts: Vec<F::Total> = (0..pieces).into_par_iter().map(piece).collect();
             parts.into_iter().reduce(F::merge).unwrap_or_else(F::zero)
         } else {
             (0..pieces)

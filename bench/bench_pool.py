@@ -5,8 +5,9 @@ run.
 
 Each case is one allocate + free of an uninitialised uint8 array of 4 KiB, 1 MiB or 256 MiB:
 
-* ``dlbridge cached``: ``dlbridge.empty(n)`` + ``del`` after a warm-up, so every call is a cache hit;
-* ``dlbridge uncached``: ``dlbridge.empty(n)`` + ``del`` + ``dlbridge.empty_cache()``, so every call
+* ``dlbridge cached``: ``dlbridge.empty(n, dlbridge.uint8)`` (with ``device=`` off the CPU) +
+  ``del`` after a warm-up, so every call is a cache hit;
+* ``dlbridge uncached``: the same + ``dlbridge.empty_cache()``, so every call
   allocates from the driver and (in ``empty_cache``) frees to it again;
 * peers: ``numpy.empty(n, uint8)`` + ``del``; ``torch.empty(n, dtype=torch.uint8)`` + ``del``
   (on CUDA and Metal: PyTorch's own caching allocator, cached and after
@@ -54,14 +55,26 @@ def metal_available() -> tuple[bool, str]:
 
 
 def cases(device: str, n: int) -> dict:
-    def dl_cached():
-        a = dlbridge.empty(n, dtype="uint8", device=device)
-        del a
+    # Each library is called as its users would: with its own dtype object, and on the CPU in the
+    # same form as NumPy (the default device, no keywords).
+    if device == "cpu":
+        def dl_cached():
+            a = dlbridge.empty(n, dlbridge.uint8)
+            del a
 
-    def dl_uncached():
-        a = dlbridge.empty(n, dtype="uint8", device=device)
-        del a
-        dlbridge.empty_cache(device)
+        def dl_uncached():
+            a = dlbridge.empty(n, dlbridge.uint8)
+            del a
+            dlbridge.empty_cache(device)
+    else:
+        def dl_cached():
+            a = dlbridge.empty(n, dlbridge.uint8, device=device)
+            del a
+
+        def dl_uncached():
+            a = dlbridge.empty(n, dlbridge.uint8, device=device)
+            del a
+            dlbridge.empty_cache(device)
 
     out = {"dlbridge cached": dl_cached, "dlbridge uncached": dl_uncached}
     if device == "cpu":

@@ -21,3 +21,19 @@ step "python -m dlbridge info"
 
 step "Python tests"
 "$PY" -m pytest tests/python -q
+
+# The wheel is abi3 for CPython >= 3.9: load the same wheel into the oldest such interpreter and
+# run the tests of its hand-written entry points and of compute (NumPy 2.0 is the newest NumPy for
+# 3.9; the other files test peers' behaviour newer than that, or peers 3.9 no longer gets).
+PY39="${DLBRIDGE_PY39:-$(command -v python3.9 || ls -d "$HOME"/.pyenv/versions/3.9*/bin/python3.9 2>/dev/null | tail -n 1 || true)}"
+if [ -n "$PY39" ] && [ -x "$PY39" ]; then
+    step "Python 3.9 ($PY39): the same abi3 wheel"
+    VENV39="$ROOT/.venv39"
+    [ -x "$VENV39/bin/python" ] || "$PY39" -m venv "$VENV39"
+    "$VENV39/bin/python" -m pip install --quiet --upgrade "numpy>=2" "pytest>=8" ml_dtypes
+    "$VENV39/bin/python" -m pip install --quiet --force-reinstall --no-deps "$ROOT"/dist/dlbridge-*.whl
+    "$VENV39/bin/python" -m dlbridge info
+    "$VENV39/bin/python" -m pytest tests/python/test_entry_points.py tests/python/test_compute.py -q
+else
+    step "Python 3.9: not run, no python3.9 on this machine (set DLBRIDGE_PY39 to one)"
+fi

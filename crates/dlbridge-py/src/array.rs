@@ -14,6 +14,7 @@ use crate::device::{self, PyDevice};
 use crate::dtype::PyDType;
 use crate::errors::IntoPyResult;
 use crate::exchange::{self, ExportRequest};
+use crate::fastcall::{self, MethodDef, Signature};
 use crate::ops;
 use dlbridge::compute::{BinaryOp, ReduceOp, UnaryOp};
 
@@ -220,6 +221,88 @@ impl PyArray {
             .py()?;
         PyArray::new(one).to_list(py)
     }
+
+    /// `Array.__dlpack__`: exports the array as a DLPack capsule (array API standard semantics).
+    /// Called by [`DLPACK`], which parses the arguments.
+    fn dlpack<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tensor = self.tensor()?;
+        let device = tensor.device();
+        if device.kind().is_cuda() {
+            // Make our pending work visible on the consumer's stream (array API semantics).
+            crate::cuda::export_handoff(device, stream)?;
+        } else if let Some(stream) = stream {
+            // Streams order work on CUDA and ROCm devices; everywhere else there is none to name.
+            return Err(PyValueError::new_err(format!(
+                "stream must be None for arrays on {device} (got {})",
+                stream.repr()?
+            )));
+        }
+        // Metal: our pending GPU work completes before the consumer sees the buffer.
+        crate::metal::export_handoff(py, device)?;
+        let dl_device = dl_device.map(device::parse).transpose()?;
+        exchange::export(
+            py,
+            &tensor,
+            ExportRequest {
+                max_version,
+                dl_device,
+                copy,
+            },
+        )
+    }
+}
+
+/// The parameters of `Array.__dlpack__` (all keyword-only).
+static DLPACK_SIGNATURE: Signature<4> = Signature::new(
+    "__dlpack__",
+    ["stream", "max_version", "dl_device", "copy"],
+    0,
+    0,
+    0,
+);
+
+/// `Array.__dlpack__`, registered by hand as a fastcall method (see [`crate::fastcall`]).
+pub(crate) static DLPACK: MethodDef = MethodDef::new(
+    c"__dlpack__",
+    c"__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n\
+      Exports the array as a DLPack capsule (array API standard semantics): a versioned capsule \
+      when max_version's major is 1 or more, a legacy one otherwise; dl_device and copy=True \
+      ask for a copy (IS_COPIED is then set), copy=False refuses one.",
+    dlpack_fastcall,
+);
+
+unsafe extern "C" fn dlpack_fastcall(
+    slf: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargsf: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    // The body releases no last reference (`fastcall::run`): the array keeps its buffer, and any
+    // producer behind it, alive.
+    // SAFETY: CPython called this function, so the thread is attached.
+    let py = unsafe { Python::assume_attached() };
+    fastcall::run(py, |py| {
+        // SAFETY: these are the arguments CPython passed to this call.
+        let [stream, max_version, dl_device, copy] =
+            unsafe { DLPACK_SIGNATURE.parse(py, args, nargsf, kwnames)? };
+        // SAFETY: the method descriptor passes a live object as `self` (an instance of `Array`,
+        // which `cast` checks again).
+        let slf = unsafe { Bound::ref_from_ptr(py, &slf) }.cast::<PyArray>()?;
+        slf.get().dlpack(
+            py,
+            fastcall::opt(stream),
+            fastcall::opt_version(max_version, "max_version")?,
+            fastcall::opt(dl_device),
+            fastcall::opt_bool(copy, "copy")?,
+        )
+    })
 }
 
 /// An integer index from an `int` or any object with `__index__`.
@@ -237,45 +320,6 @@ impl PyArray {
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
         crate::exchange_api::capsule(py)
-    }
-
-    /// Exports the array as a DLPack capsule (array API standard semantics).
-    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
-    fn __dlpack__<'py>(
-        &self,
-        py: Python<'py>,
-        stream: Option<&Bound<'py, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<&Bound<'py, PyAny>>,
-        copy: Option<bool>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let tensor = self.tensor()?;
-        let device = tensor.device();
-        if device.kind().is_cuda() {
-            // Make our pending work visible on the consumer's stream (array API semantics).
-            crate::cuda::export_handoff(device, stream)?;
-        } else if let Some(stream) = stream.filter(|s| !s.is_none()) {
-            // Streams order work on CUDA and ROCm devices; everywhere else there is none to name.
-            return Err(PyValueError::new_err(format!(
-                "stream must be None for arrays on {device} (got {})",
-                stream.repr()?
-            )));
-        }
-        // Metal: our pending GPU work completes before the consumer sees the buffer.
-        crate::metal::export_handoff(py, device)?;
-        let dl_device = match dl_device {
-            Some(d) if !d.is_none() => Some(device::parse(d)?),
-            _ => None,
-        };
-        exchange::export(
-            py,
-            &tensor,
-            ExportRequest {
-                max_version,
-                dl_device,
-                copy,
-            },
-        )
     }
 
     /// The DLPack `(device_type, device_id)` of the array.

@@ -5,14 +5,19 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PySequence, PyTuple};
+use smallvec::SmallVec;
 
 use crate::array::PyArray;
 use crate::convert::{self, ScalarKind};
 use crate::errors::IntoPyResult;
 use crate::exchange;
+use crate::fastcall::{self, MethodDef, Signature};
+
+/// A parsed shape (inline up to eight axes: parsing allocates nothing on the common path).
+pub(crate) type Shape = SmallVec<[usize; 8]>;
 
 /// Reads a shape: an int or a sequence of non-negative ints.
-pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Shape> {
     let extent = |d: i64| {
         usize::try_from(d)
             .map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
@@ -20,7 +25,7 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     // Fast paths without a failed conversion (a raised and discarded exception costs more than
     // the whole allocation): an int, or a tuple of ints.
     if obj.is_instance_of::<PyInt>() {
-        return Ok(vec![extent(obj.extract::<i64>()?)?]);
+        return Ok(smallvec::smallvec![extent(obj.extract::<i64>()?)?]);
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
         if t.iter().all(|d| d.is_instance_of::<PyInt>()) {
@@ -123,16 +128,44 @@ fn allocate(
     Ok(t)
 }
 
-/// A new array with undefined contents. The default dtype is float32.
-#[pyfunction]
-#[pyo3(signature = (shape, dtype=None, *, device=None, storage=None))]
-pub(crate) fn empty(
-    shape: &Bound<'_, PyAny>,
-    dtype: Option<&Bound<'_, PyAny>>,
-    device: Option<&Bound<'_, PyAny>>,
-    storage: Option<&str>,
-) -> PyResult<PyArray> {
-    allocate(shape, dtype, device, storage, false).map(PyArray::new)
+/// The parameters of `dlbridge.empty`.
+static EMPTY_SIGNATURE: Signature<4> =
+    Signature::new("empty", ["shape", "dtype", "device", "storage"], 0, 2, 1);
+
+/// `dlbridge.empty`, registered by hand as a fastcall function (see [`crate::fastcall`]): the
+/// allocation benchmark's subject, whose per-call cost is meant to stay below `numpy.empty`'s.
+pub(crate) static EMPTY: MethodDef = MethodDef::new(
+    c"empty",
+    c"empty(shape, dtype=None, *, device=None, storage=None)\n--\n\n\
+      A new array with undefined contents. The default dtype is float32, the default device the \
+      CPU, the default storage the device's (or DLBRIDGE_STORAGE_MODE's).",
+    empty_fastcall,
+);
+
+unsafe extern "C" fn empty_fastcall(
+    _module: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargsf: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    // The body releases only objects it made (`fastcall::run`).
+    // SAFETY: CPython called this function, so the thread is attached.
+    let py = unsafe { Python::assume_attached() };
+    fastcall::run(py, |py| {
+        // SAFETY: these are the arguments CPython passed to this call.
+        let [shape, dtype, device, storage] =
+            unsafe { EMPTY_SIGNATURE.parse(py, args, nargsf, kwnames)? };
+        let shape = shape.expect("`shape` is required, so parse checked it was given");
+        let storage = fastcall::opt_str(storage, "storage")?;
+        let t = allocate(
+            shape,
+            dtype,
+            fastcall::opt(device),
+            storage.as_deref(),
+            false,
+        )?;
+        Ok(Bound::new(py, PyArray::new(t))?.into_any())
+    })
 }
 
 /// A new zero-filled array. The default dtype is float32.
@@ -382,14 +415,33 @@ pub(crate) fn asarray(
     )?))
 }
 
-/// Imports any DLPack producer (or capsule) without copying (array API `from_dlpack`).
-#[pyfunction]
-#[pyo3(signature = (x, /, *, device=None, copy=None))]
-pub(crate) fn from_dlpack(
-    x: &Bound<'_, PyAny>,
-    device: Option<&Bound<'_, PyAny>>,
-    copy: Option<bool>,
-) -> PyResult<PyArray> {
-    let device = parse_opt_device(device)?;
-    Ok(PyArray::new(exchange::from_dlpack(x, device, copy)?))
+/// The parameters of `dlbridge.from_dlpack`.
+static FROM_DLPACK_SIGNATURE: Signature<3> =
+    Signature::new("from_dlpack", ["x", "device", "copy"], 1, 1, 1);
+
+/// `dlbridge.from_dlpack`, registered by hand as a fastcall function (see [`crate::fastcall`]).
+pub(crate) static FROM_DLPACK: MethodDef = MethodDef::new(
+    c"from_dlpack",
+    c"from_dlpack(x, /, *, device=None, copy=None)\n--\n\n\
+      Imports any DLPack producer (or capsule) without copying (array API from_dlpack): \
+      copy=True gives independent memory, copy=False raises BufferError where a copy is needed, \
+      device moves the result (a copy unless it is already there).",
+    from_dlpack_fastcall,
+);
+
+unsafe extern "C" fn from_dlpack_fastcall(
+    _module: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargsf: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    fastcall::call(|py| {
+        // SAFETY: these are the arguments CPython passed to this call.
+        let [x, device, copy] = unsafe { FROM_DLPACK_SIGNATURE.parse(py, args, nargsf, kwnames)? };
+        let x = x.expect("`x` is required, so parse checked it was given");
+        let device = parse_opt_device(device)?;
+        let copy = fastcall::opt_bool(copy, "copy")?;
+        let t = exchange::from_dlpack(x, device, copy)?;
+        Ok(Bound::new(py, PyArray::new(t))?.into_any())
+    })
 }

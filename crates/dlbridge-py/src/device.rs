@@ -7,6 +7,7 @@ use pyo3::types::{PyString, PyTuple};
 
 use crate::dtype::Comparison;
 use crate::errors::IntoPyResult;
+use crate::fastcall::InternedNames;
 
 /// A device: `cpu`, `cuda:N`, `cuda_host:N`, `cuda_managed:N`, `metal:N`, or another DLPack device
 /// held opaquely. Compares equal to its string form.
@@ -63,16 +64,18 @@ impl PyDevice {
 
 /// Reads a device from a `Device`, a string (`"cpu"`, `"cuda:1"`, `"metal"`), a DLPack
 /// `(device_type, device_id)` tuple, or an object with `type` and `index` (a `torch.device`).
+/// `"cpu"`, for a parse of the commonest device without reading the text.
+static CPU_NAME: InternedNames<Device, 1> = InternedNames::new([("cpu", Device::CPU)]);
+
 pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
     if let Ok(d) = obj.cast::<PyDevice>() {
         return Ok(d.get().0);
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        let text = s.to_cow()?;
-        if text == "cpu" {
-            return Ok(Device::CPU);
+        if let Some(&d) = CPU_NAME.get(s) {
+            return Ok(d);
         }
-        return text.parse::<Device>().py();
+        return s.to_cow()?.parse::<Device>().py();
     }
     if let Ok((device_type, device_id)) = obj.extract::<(i32, i32)>() {
         return Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use crate::errors::IntoPyResult;
+use crate::fastcall::InternedNames;
 
 /// An element type: DLPack's type code, bits and lanes. Compares equal to its name
 /// (`a.dtype == "float32"`), to NumPy dtypes and to PyTorch dtypes of the same type.
@@ -93,29 +94,39 @@ impl<'py> IntoPyObject<'py> for Comparison {
 }
 
 /// Reads a dtype from a `DType`, a name, a NumPy dtype or scalar type, or a PyTorch dtype.
+/// The names of the dtypes most programs use, for a parse without reading the text.
+static COMMON: InternedNames<DType, 15> = InternedNames::new([
+    ("float32", DType::F32),
+    ("float64", DType::F64),
+    ("float16", DType::F16),
+    ("bfloat16", DType::BF16),
+    ("int8", DType::I8),
+    ("int16", DType::I16),
+    ("int32", DType::I32),
+    ("int64", DType::I64),
+    ("uint8", DType::U8),
+    ("uint16", DType::U16),
+    ("uint32", DType::U32),
+    ("uint64", DType::U64),
+    ("bool", DType::BOOL),
+    ("complex64", DType::C64),
+    ("complex128", DType::C128),
+]);
+
 pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
     if let Ok(d) = obj.cast::<PyDType>() {
         return Ok(d.get().0);
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        let text = s.to_cow()?;
         // The canonical names go straight through (the common case on hot paths such as
         // `dlbridge.empty(n, "float32")`); anything else takes the general parser's aliases.
-        return match text.as_ref() {
-            "float32" => Ok(DType::F32),
-            "float64" => Ok(DType::F64),
-            "float16" => Ok(DType::F16),
-            "bfloat16" => Ok(DType::BF16),
-            "int8" => Ok(DType::I8),
-            "int16" => Ok(DType::I16),
-            "int32" => Ok(DType::I32),
-            "int64" => Ok(DType::I64),
-            "uint8" => Ok(DType::U8),
-            "uint16" => Ok(DType::U16),
-            "uint32" => Ok(DType::U32),
-            "uint64" => Ok(DType::U64),
-            "bool" => Ok(DType::BOOL),
-            other => other.parse::<DType>().py(),
+        if let Some(&d) = COMMON.get(s) {
+            return Ok(d);
+        }
+        let text = s.to_cow()?;
+        return match COMMON.by_text(&text) {
+            Some(&d) => Ok(d),
+            None => text.parse::<DType>().py(),
         };
     }
     // NumPy dtypes have `.name`; NumPy scalar types have `.__name__`; PyTorch dtypes print as

@@ -569,7 +569,7 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         shape.push(d as usize);
         strides.push(s / v.itemsize);
     }
-    let layout = Layout::new(shape, strides, 0).py()?;
+    let layout = Layout::new(&shape, &strides, 0).py()?;
     let itemsize = dtype.itemsize();
     let (lo, hi) = layout.element_extent().unwrap_or((0, -1));
     let base = v.buf as usize as i128 + lo * itemsize as i128;

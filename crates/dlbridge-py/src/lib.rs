@@ -16,6 +16,7 @@ mod dtype;
 mod errors;
 mod exchange;
 mod exchange_api;
+mod fastcall;
 mod kernel;
 mod memory;
 mod metal;
@@ -63,11 +64,12 @@ fn synchronize(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
 #[pymodule]
 fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<array::PyArray>()?;
+    array::DLPACK.add_to_class::<array::PyArray>(m.py())?;
     m.add_class::<dtype::PyDType>()?;
     m.add_class::<device::PyDevice>()?;
-    m.add_function(wrap_pyfunction!(creation::from_dlpack, m)?)?;
+    creation::FROM_DLPACK.add_to_module(m)?;
     m.add_function(wrap_pyfunction!(creation::asarray, m)?)?;
-    m.add_function(wrap_pyfunction!(creation::empty, m)?)?;
+    creation::EMPTY.add_to_module(m)?;
     m.add_function(wrap_pyfunction!(creation::zeros, m)?)?;
     m.add_function(wrap_pyfunction!(creation::full, m)?)?;
     m.add_function(wrap_pyfunction!(creation::arange, m)?)?;

@@ -75,6 +75,8 @@ pub trait Allocation: Send + Sync + 'static {
 enum Owner {
     /// dlbridge's own allocator.
     Own(Box<dyn Allocation>),
+    /// A block of one of dlbridge's pools, held inline (no allocation of its own).
+    Pooled(crate::pool::PooledBlock),
     /// A foreign producer, kept alive by this value until it is dropped. Foreign memory never
     /// enters a pool: dropping this value only tells the producer we are done.
     Foreign(Box<dyn Any + Send + Sync>),
@@ -135,6 +137,32 @@ impl Buffer {
                 storage,
                 read_only: false,
                 owner: Owner::Own(allocation),
+            }),
+        }
+    }
+
+    /// Wraps a block of one of dlbridge's pools (the common case of [`Buffer::from_allocation`],
+    /// without boxing the block).
+    ///
+    /// # Safety
+    /// As for [`Buffer::from_allocation`], with `block` as the allocation.
+    pub unsafe fn from_pooled(
+        handle: *mut c_void,
+        host: *mut u8,
+        len: usize,
+        device: Device,
+        storage: StorageMode,
+        block: crate::pool::PooledBlock,
+    ) -> Self {
+        Buffer {
+            inner: Arc::new(Inner {
+                handle,
+                host,
+                len,
+                device,
+                storage,
+                read_only: false,
+                owner: Owner::Pooled(block),
             }),
         }
     }
@@ -213,6 +241,7 @@ impl Buffer {
     pub fn allocation_stream(&self) -> Option<crate::pool::StreamKey> {
         match &self.inner.owner {
             Owner::Own(allocation) => allocation.stream(),
+            Owner::Pooled(block) => block.stream(),
             Owner::Foreign(_) => None,
         }
     }

@@ -3,18 +3,27 @@
 
 use std::ops::Range;
 
+use smallvec::SmallVec;
+
 use crate::error::{Error, Result, overflow};
 
 /// The most dimensions a layout may have. DLPack sets no bound; 64 is NumPy's (`NPY_MAXDIMS`), so
 /// any array NumPy can hold fits, and a corrupt `ndim` is refused before anything is read.
 pub const MAX_NDIM: usize = 64;
 
+/// Axes a layout keeps inline; layouts of more axes put their extents and strides on the heap.
+const INLINE_NDIM: usize = 4;
+
+/// Extents or strides: inline up to [`INLINE_NDIM`] axes, so that making a view (or a new
+/// array) of up to six axes allocates nothing for them.
+pub(crate) type Dims<T> = SmallVec<[T; INLINE_NDIM]>;
+
 /// How a strided array addresses its buffer: `shape`, `strides` in elements (negative and zero
 /// allowed) and the byte offset of element `[0, 0, ...]` from the start of the buffer.
 #[derive(Clone, PartialEq, Eq, Debug, Default)]
 pub struct Layout {
-    shape: Vec<usize>,
-    strides: Vec<isize>,
+    shape: Dims<usize>,
+    strides: Dims<isize>,
     byte_offset: usize,
 }
 
@@ -116,11 +125,13 @@ fn moved_offset(offset: usize, index: usize, stride: isize, itemsize: usize) -> 
 
 impl Layout {
     /// A compact row-major (C-order) layout.
+    #[inline]
     pub fn contiguous(shape: &[usize]) -> Result<Self> {
         Self::contiguous_at(shape, 0)
     }
 
     /// A compact row-major layout starting `byte_offset` bytes into the buffer.
+    #[inline]
     pub fn contiguous_at(shape: &[usize], byte_offset: usize) -> Result<Self> {
         if shape.len() > MAX_NDIM {
             return Err(Error::Shape(format!(
@@ -129,23 +140,45 @@ impl Layout {
             )));
         }
         checked_numel(shape)?;
-        let mut strides = vec![0isize; shape.len()];
-        let mut acc = 1usize;
-        for (stride, &dim) in strides.iter_mut().zip(shape).rev() {
-            *stride = acc as isize;
-            // Cannot overflow: the product of all extents was checked above (a 0 extent keeps
-            // later strides at the product of the extents after it, which is also bounded).
-            acc = acc.saturating_mul(dim.max(1));
-        }
+        // Row-major strides, each the product of the extents after its axis. That product cannot
+        // overflow: the product of all extents was checked above (a 0 extent keeps later strides
+        // at the product of the extents after it, which is also bounded).
+        let stride = |axis: usize| {
+            shape[axis + 1..]
+                .iter()
+                .fold(1usize, |acc, &d| acc.saturating_mul(d.max(1))) as isize
+        };
+        let n = shape.len();
+        let (shape, strides) = if n <= INLINE_NDIM {
+            // Built in place from arrays: no copy loop or call for the common few axes.
+            let mut extents = [0usize; INLINE_NDIM];
+            let mut strides = [0isize; INLINE_NDIM];
+            for axis in 0..n {
+                extents[axis] = shape[axis];
+                strides[axis] = stride(axis);
+            }
+            (
+                Dims::from_buf_and_len(extents, n),
+                Dims::from_buf_and_len(strides, n),
+            )
+        } else {
+            let mut strides = Dims::<isize>::from_elem(0, n);
+            let mut acc = 1usize;
+            for (stride, &dim) in strides.iter_mut().zip(shape).rev() {
+                *stride = acc as isize;
+                acc = acc.saturating_mul(dim.max(1));
+            }
+            (Dims::from_slice(shape), strides)
+        };
         Ok(Layout {
-            shape: shape.to_vec(),
+            shape,
             strides,
             byte_offset,
         })
     }
 
     /// A layout from parts; checks the dimension count and that the element count fits.
-    pub fn new(shape: Vec<usize>, strides: Vec<isize>, byte_offset: usize) -> Result<Self> {
+    pub fn new(shape: &[usize], strides: &[isize], byte_offset: usize) -> Result<Self> {
         if shape.len() != strides.len() {
             return Err(Error::Shape(format!(
                 "{} extents but {} strides",
@@ -159,10 +192,10 @@ impl Layout {
                 shape.len()
             )));
         }
-        checked_numel(&shape)?;
+        checked_numel(shape)?;
         Ok(Layout {
-            shape,
-            strides,
+            shape: Dims::from_slice(shape),
+            strides: Dims::from_slice(strides),
             byte_offset,
         })
     }
@@ -405,7 +438,7 @@ impl Layout {
             ni = nj;
             oi = oj;
         }
-        Layout::new(shape, strides, self.byte_offset)
+        Layout::new(&shape, &strides, self.byte_offset)
     }
 
     /// Broadcasts to `shape` by NumPy's rules (trailing axes aligned; extents of 1 stretched with
@@ -418,7 +451,7 @@ impl Layout {
             )));
         }
         let lead = shape.len() - self.ndim();
-        let mut strides = vec![0isize; shape.len()];
+        let mut strides: Dims<isize> = smallvec::smallvec![0; shape.len()];
         for (i, &target) in shape.iter().enumerate().skip(lead) {
             let (dim, stride) = (self.shape[i - lead], self.strides[i - lead]);
             strides[i] = if dim == target {
@@ -432,7 +465,7 @@ impl Layout {
                 )));
             };
         }
-        Layout::new(shape.to_vec(), strides, self.byte_offset)
+        Layout::new(shape, &strides, self.byte_offset)
     }
 
     /// The same shape and strides with the first element at `byte_offset`.
@@ -688,9 +721,9 @@ mod tests {
     #[test]
     fn overflow_is_an_error() {
         assert!(Layout::contiguous(&[usize::MAX, 2]).is_err());
-        let l = Layout::new(vec![2], vec![isize::MAX], 0).unwrap();
+        let l = Layout::new(&[2], &[isize::MAX], 0).unwrap();
         assert!(l.byte_range(8).is_err());
-        let l = Layout::new(vec![2], vec![-1], 0).unwrap();
+        let l = Layout::new(&[2], &[-1], 0).unwrap();
         assert!(matches!(l.byte_range(4), Err(Error::OutOfBounds(_))));
         assert!(Layout::contiguous(&vec![1; MAX_NDIM + 1]).is_err());
     }

@@ -54,9 +54,10 @@
 //! Memory of foreign producers never enters a pool: [`Buffer::from_foreign`](crate::Buffer::from_foreign)
 //! keeps it apart, and only a [`PooledBlock`] returns memory here.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -231,13 +232,35 @@ struct CachedBlock {
 // `Send` by its bound.
 unsafe impl Send for CachedBlock {}
 
+/// Hashes a block size with one multiplication (SipHash, the default, is a tenth of a cached
+/// allocation's cost). Sizes are the pool's own, not attacker-chosen keys.
+#[derive(Default)]
+struct SizeHasher(u64);
+
+impl Hasher for SizeHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    fn finish(&self) -> u64 {
+        // Block sizes are multiples of 512, so the product's low bits are zero; the high half
+        // depends on every bit of the size and becomes the low half (the table index).
+        self.0.rotate_left(32)
+    }
+}
+
 /// Everything the pool's lock guards.
 #[derive(Default)]
 struct State {
     /// Cached blocks by block size, each list in release order (oldest first).
-    free: HashMap<usize, Vec<CachedBlock>>,
-    /// Every cached block's release number and size, oldest first.
-    lru: BTreeMap<u64, usize>,
+    free: HashMap<usize, Vec<CachedBlock>, BuildHasherDefault<SizeHasher>>,
+    /// The release number the next cached block gets.
     next_seq: u64,
     /// Bytes of driver allocations in flight (counted against the memory limit).
     reserved_bytes: usize,
@@ -266,34 +289,44 @@ impl State {
         size: usize,
         stream: Option<StreamKey>,
     ) -> Result<Option<CachedBlock>> {
-        let Some(list) = self.free.get(&size) else {
+        let Some(list) = self.free.get_mut(&size) else {
             return Ok(None);
         };
-        let ready = list.iter().rposition(|block| match &block.fence {
-            None => true,
-            Some(fence) => {
-                (stream == Some(fence.stream()) && fence.stream_ordered()) || fence.is_complete()
-            }
-        });
-        // Else the oldest block that stream order protects, once `stream` waits for its work.
-        let orderable = || {
-            list.iter()
-                .position(|b| b.fence.as_ref().is_none_or(|f| f.stream_ordered()))
-        };
-        let index = match (ready, stream) {
-            (Some(index), _) => index,
-            (None, Some(stream)) => match orderable() {
-                Some(index) => {
-                    if let Some(fence) = &list[index].fence {
-                        fence.order_before(stream)?;
-                    }
-                    index
+        // The common case, and the whole of it on the CPU: the newest block has no fence.
+        let index = if list.last().is_some_and(|b| b.fence.is_none()) {
+            list.len() - 1
+        } else {
+            let ready = list.iter().rposition(|block| match &block.fence {
+                None => true,
+                Some(fence) => {
+                    (stream == Some(fence.stream()) && fence.stream_ordered())
+                        || fence.is_complete()
                 }
-                None => return Ok(None),
-            },
-            (None, None) => return Ok(None),
+            });
+            // Else the oldest block that stream order protects, once `stream` waits for its work.
+            match (ready, stream) {
+                (Some(index), _) => index,
+                (None, Some(stream)) => {
+                    let orderable = list
+                        .iter()
+                        .position(|b| b.fence.as_ref().is_none_or(|f| f.stream_ordered()));
+                    match orderable {
+                        Some(index) => {
+                            if let Some(fence) = &list[index].fence {
+                                fence.order_before(stream)?;
+                            }
+                            index
+                        }
+                        None => return Ok(None),
+                    }
+                }
+                (None, None) => return Ok(None),
+            }
         };
-        Ok(self.remove_cached(size, index))
+        let block = list.remove(index);
+        self.stats.cached_bytes -= size;
+        self.stats.cached_blocks -= 1;
+        Ok(Some(block))
     }
 
     fn remove_cached(&mut self, size: usize, index: usize) -> Option<CachedBlock> {
@@ -302,7 +335,6 @@ impl State {
             return None;
         }
         let block = list.remove(index);
-        self.lru.remove(&block.seq);
         self.stats.cached_bytes -= size;
         self.stats.cached_blocks -= 1;
         Some(block)
@@ -315,34 +347,30 @@ impl State {
             .entry(size)
             .or_default()
             .push(CachedBlock { ptr, seq, fence });
-        self.lru.insert(seq, size);
         self.stats.cached_bytes += size;
         self.stats.cached_blocks += 1;
     }
 
     /// Takes the least recently released blocks out until the cache holds at most `limit` bytes;
-    /// the caller frees them.
+    /// the caller frees them. Each list is in release order, so the oldest block is the first of
+    /// some list: finding it scans one entry per block size (eviction is rare next to reuse,
+    /// which this layout keeps cheap).
     fn evict_to(&mut self, limit: usize) -> Vec<(usize, CachedBlock)> {
         let mut out = Vec::new();
         while self.stats.cached_bytes > limit {
-            let Some((seq, size)) = self.lru.first_key_value().map(|(&s, &z)| (s, z)) else {
+            let oldest = self
+                .free
+                .iter()
+                .filter_map(|(&size, list)| list.first().map(|b| (b.seq, size)))
+                .min();
+            let Some((_, size)) = oldest else {
                 break;
             };
-            // Lists are in release order, so the oldest block of its size is the first.
-            let index = self
-                .free
-                .get(&size)
-                .and_then(|list| list.binary_search_by_key(&seq, |b| b.seq).ok());
-            match index.and_then(|index| self.remove_cached(size, index)) {
-                Some(block) => {
-                    self.stats.driver_frees += 1;
-                    out.push((size, block));
-                }
-                // Unreachable while `lru` and `free` agree; drop the stale entry either way.
-                None => {
-                    self.lru.remove(&seq);
-                }
-            }
+            let Some(block) = self.remove_cached(size, 0) else {
+                break;
+            };
+            self.stats.driver_frees += 1;
+            out.push((size, block));
         }
         out
     }
@@ -534,8 +562,8 @@ impl Pool {
             state.stats.requested_bytes -= requested;
             state.insert_cached(size, ptr, fence);
             match state.stats.cache_limit {
-                Some(limit) => state.evict_to(limit),
-                None => Vec::new(),
+                Some(limit) if state.stats.cached_bytes > limit => state.evict_to(limit),
+                _ => return,
             }
         };
         self.free_to_driver(evicted);

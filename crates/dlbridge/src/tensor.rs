@@ -71,6 +71,7 @@ impl Tensor {
     }
 
     /// A new compact tensor; `storage` overrides the device's default mode.
+    #[inline]
     pub fn allocate(
         shape: &[usize],
         dtype: DType,
@@ -85,7 +86,14 @@ impl Tensor {
             .filter(|&b| b <= isize::MAX as usize)
             .ok_or_else(|| crate::error::overflow(format!("size of {shape:?} {dtype}")))?;
         let buffer = backend::allocate(device, bytes, storage, zeroed)?;
-        Tensor::new(buffer, dtype, layout)
+        // The layout is compact and addresses exactly the buffer's `bytes`: nothing to check.
+        Ok(Tensor {
+            buffer,
+            dtype,
+            layout,
+            packed: false,
+            read_only: false,
+        })
     }
 
     /// A CPU tensor holding a copy of `data` in `shape`.

@@ -657,7 +657,7 @@ fn misaligned_foreign_memory_is_read_correctly() {
     let view = Tensor::new(
         bytes.buffer().clone(),
         DType::F32,
-        Layout::new(vec![n], vec![1], 1).unwrap(),
+        Layout::new(&[n], &[1], 1).unwrap(),
     )
     .unwrap();
     let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();

@@ -20,6 +20,7 @@ use crate::storage::{self, Resolved};
 
 /// Allocates `bytes` on `device`, zero-filled when `zeroed`. `storage` picks where the memory
 /// lives; `None` takes the environment's or the device's default ([`storage::resolve`]).
+#[inline]
 pub fn allocate(
     device: Device,
     bytes: usize,

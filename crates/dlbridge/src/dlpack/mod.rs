@@ -37,7 +37,7 @@ use crate::buffer::{Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::{Layout, MAX_NDIM};
+use crate::layout::{self, Layout, MAX_NDIM};
 use crate::tensor::Tensor;
 use ffi::{
     DLManagedTensor, DLManagedTensorVersioned, DLPACK_FLAG_BITMASK_IS_COPIED,
@@ -136,7 +136,7 @@ impl<M: Managed> Drop for ForeignTensor<M> {
 ///
 /// # Safety
 /// `ptr` must be valid for `n` reads of `i64` (the caller checked it is non-NULL).
-unsafe fn read_i64s(ptr: *const i64, n: usize) -> Vec<i64> {
+unsafe fn read_i64s(ptr: *const i64, n: usize) -> layout::Dims<i64> {
     (0..n)
         // SAFETY: within the `n` readable values; unaligned because foreign pointers promise
         // nothing.
@@ -179,16 +179,16 @@ unsafe fn import<M: Managed + 'static>(
         // SAFETY: non-NULL (checked) and, by the DLPack contract, `ndim` entries long.
         unsafe { read_i64s(dl.shape, ndim) }
     } else {
-        vec![]
+        layout::Dims::new()
     };
-    let mut shape = Vec::with_capacity(ndim);
+    let mut shape = layout::Dims::<usize>::with_capacity(ndim);
     for (axis, &d) in raw_shape.iter().enumerate() {
         let d = usize::try_from(d).map_err(|_| {
             Error::MalformedTensor(format!("extent {d} of axis {axis} is negative"))
         })?;
         shape.push(d);
     }
-    let strides: Vec<isize> = if dl.strides.is_null() {
+    let strides: layout::Dims<isize> = if dl.strides.is_null() {
         if ndim > 0 && version.is_some_and(|v| v >= STRIDES_REQUIRED_SINCE) {
             let v = version.unwrap_or(VERSION);
             return Err(Error::MalformedTensor(format!(
@@ -196,13 +196,13 @@ unsafe fn import<M: Managed + 'static>(
                 v.major, v.minor
             )));
         }
-        Layout::contiguous(&shape)?.strides().to_vec()
+        layout::Dims::from_slice(Layout::contiguous(&shape)?.strides())
     } else {
         let raw = if ndim > 0 {
             // SAFETY: non-NULL and, by the DLPack contract, `ndim` entries long.
             unsafe { read_i64s(dl.strides, ndim) }
         } else {
-            vec![]
+            layout::Dims::new()
         };
         raw.into_iter()
             .map(|s| isize::try_from(s).map_err(|_| crate::error::overflow("stride")))
@@ -214,7 +214,7 @@ unsafe fn import<M: Managed + 'static>(
         .ok_or_else(|| crate::error::overflow(format!("byte_offset {}", dl.byte_offset)))?;
     let packed = dtype.is_sub_byte() && flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED == 0;
     let read_only = flags & DLPACK_FLAG_BITMASK_READ_ONLY != 0;
-    let layout = Layout::new(shape, strides, offset)?;
+    let layout = Layout::new(&shape, &strides, offset)?;
     let numel = layout.numel();
     if numel > 0 && dl.data.is_null() {
         return Err(Error::MalformedTensor(format!(

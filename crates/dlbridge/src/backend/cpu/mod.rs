@@ -71,6 +71,11 @@ pub struct HostAllocator;
 
 impl RawAllocator for HostAllocator {
     fn round_size(&self, bytes: usize) -> Option<usize> {
+        if bytes < PAGE_ALIGN_THRESHOLD {
+            // Below the threshold a block is exactly its size (what `allocation_layout` says,
+            // without building its error on this path of every allocation).
+            return Some(bytes);
+        }
         allocation_layout(bytes).ok().map(|layout| layout.size())
     }
 
@@ -140,6 +145,7 @@ impl Allocation for NoMemory {}
 
 /// Allocates `bytes` of host memory (zero-filled when `zeroed`) from the CPU [`pool`], aligned as
 /// the module documentation says. Zero bytes take no memory and do not touch the pool.
+#[inline]
 pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
     if bytes == 0 {
         // A well-aligned, non-NULL address that is never dereferenced (there are no bytes).
@@ -162,13 +168,13 @@ pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
     // SAFETY: the block addresses at least `bytes` host bytes (`block_size() >= len()`) that the
     // host may read and write, and it stays allocated until the boxed block is dropped.
     Ok(unsafe {
-        Buffer::from_allocation(
+        Buffer::from_pooled(
             ptr.as_ptr(),
             ptr.as_ptr().cast::<u8>(),
             bytes,
             Device::CPU,
             StorageMode::Shared,
-            Box::new(block),
+            block,
         )
     })
 }

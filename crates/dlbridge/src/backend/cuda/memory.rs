@@ -284,7 +284,7 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
     // SAFETY: the block holds at least `bytes` bytes at `handle` until it is dropped with the
     // buffer; pinned and managed memory is host-addressable at the same address (unified
     // addressing).
-    Ok(unsafe { Buffer::from_allocation(handle, host, bytes, device, storage, Box::new(block)) })
+    Ok(unsafe { Buffer::from_pooled(handle, host, bytes, device, storage, block) })
 }
 
 /// Checks that `[addr, addr + len)` is memory the CUDA driver knows, of the kind and device that a

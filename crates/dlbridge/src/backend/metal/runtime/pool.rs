@@ -137,5 +137,5 @@ pub(crate) fn allocate(
     // SAFETY: `handle` is the `id<MTLBuffer>` of the block, at least `bytes` long (the block
     // size is), retained by the `RawBuffer` the block owns until it is dropped with the buffer;
     // `host` is its `contents()`, set only for shared and managed storage.
-    Ok(unsafe { Buffer::from_allocation(handle, host, bytes, device, storage, Box::new(block)) })
+    Ok(unsafe { Buffer::from_pooled(handle, host, bytes, device, storage, block) })
 }

@@ -1,0 +1,392 @@
+//! Hand-written vectorcall entry points for the calls whose cost per call is a promise of this
+//! package: `dlbridge.from_dlpack`, `dlbridge.empty` and `Array.__dlpack__`.
+//!
+//! The wheel targets the stable ABI of CPython 3.9, where PyO3 registers every function as
+//! `METH_VARARGS | METH_KEYWORDS`: each call with keywords then builds an argument tuple and a
+//! keyword dict, which costs more than an export does. These three functions are registered here
+//! as `METH_FASTCALL | METH_KEYWORDS` instead, and parse their arguments straight from the
+//! vector CPython passes. That calling convention has been in CPython since 3.7 and is part of
+//! the stable ABI since 3.10 (the flag's value and the function's signature are the same in
+//! every version), so it is sound on every interpreter the wheel loads on.
+//!
+//! Keyword names are matched by pointer against interned copies first (names written in Python
+//! source are interned, so this is the common case) and by value otherwise. Errors read as
+//! CPython's own (`TypeError` for a missing, repeated or unexpected argument).
+
+use std::ffi::{CStr, c_int};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr;
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::ffi;
+use pyo3::panic::PanicException;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyCFunction, PyInt, PyString, PyTuple};
+
+/// `METH_FASTCALL`, which pyo3-ffi spells only for the stable ABI of 3.10 and later; its value is
+/// the same in every CPython since 3.7.
+const METH_FASTCALL: c_int = 0x0080;
+
+/// `PY_VECTORCALL_ARGUMENTS_OFFSET`: the flag CPython sets in a vectorcall's argument count
+/// when the callee may use the slot before the vector (the top bit of the count).
+const VECTORCALL_ARGUMENTS_OFFSET: usize = 1 << (usize::BITS - 1);
+
+/// The C signature of a `METH_FASTCALL | METH_KEYWORDS` function: `self` (the module or the
+/// instance), the argument vector, its length (with `PY_VECTORCALL_ARGUMENTS_OFFSET` possibly
+/// set) and the tuple of keyword names (NULL when there are none); the keyword values follow the
+/// positional ones in the vector.
+pub(crate) type FastcallFn = unsafe extern "C" fn(
+    *mut ffi::PyObject,
+    *const *mut ffi::PyObject,
+    ffi::Py_ssize_t,
+    *mut ffi::PyObject,
+) -> *mut ffi::PyObject;
+
+/// A method definition CPython keeps a pointer to for the life of the process.
+pub(crate) struct MethodDef {
+    name: &'static str,
+    def: ffi::PyMethodDef,
+}
+
+// SAFETY: the definition is immutable after construction (CPython only reads it) and its pointers
+// are to `'static` C strings and a function.
+unsafe impl Sync for MethodDef {}
+
+impl MethodDef {
+    /// A `METH_FASTCALL | METH_KEYWORDS` definition. `doc` starts with the text signature
+    /// (`name(args)\n--\n\n`), which gives `inspect.signature` the parameters.
+    pub(crate) const fn new(name: &'static CStr, doc: &'static CStr, f: FastcallFn) -> Self {
+        let Ok(name_str) = name.to_str() else {
+            panic!("a method name is ASCII");
+        };
+        MethodDef {
+            name: name_str,
+            def: ffi::PyMethodDef {
+                ml_name: name.as_ptr(),
+                ml_meth: ffi::PyMethodDefPointer {
+                    // SAFETY: CPython calls `ml_meth` with the signature its flags name, here
+                    // `METH_FASTCALL | METH_KEYWORDS`, which is `FastcallFn`; the union field only
+                    // carries the pointer.
+                    PyCFunctionWithKeywords: unsafe {
+                        std::mem::transmute::<FastcallFn, ffi::PyCFunctionWithKeywords>(f)
+                    },
+                },
+                ml_flags: METH_FASTCALL | ffi::METH_KEYWORDS,
+                ml_doc: doc.as_ptr(),
+            },
+        }
+    }
+
+    fn as_ptr(&'static self) -> *mut ffi::PyMethodDef {
+        ptr::from_ref(&self.def).cast_mut()
+    }
+
+    /// Adds the function to module `m`.
+    pub(crate) fn add_to_module(&'static self, m: &Bound<'_, PyModule>) -> PyResult<()> {
+        let py = m.py();
+        let name = m.name()?;
+        // SAFETY: the definition lives for the whole process; `m` and `name` are live objects the
+        // call only takes new references to.
+        let raw = unsafe { ffi::PyCFunction_NewEx(self.as_ptr(), m.as_ptr(), name.as_ptr()) };
+        // SAFETY: `raw` is a new reference or NULL with an exception set.
+        let f = unsafe { Bound::from_owned_ptr_or_err(py, raw)? };
+        m.add(self.name, f.cast_into::<PyCFunction>()?)
+    }
+
+    /// Installs the function as a method of the class `T` (replacing any attribute of its name).
+    pub(crate) fn add_to_class<T: pyo3::PyTypeInfo>(&'static self, py: Python<'_>) -> PyResult<()> {
+        let ty = py.get_type::<T>();
+        // SAFETY: the type object is live; the definition lives for the whole process. A method
+        // descriptor checks that `self` is an instance of `ty` before it calls the function.
+        let raw = unsafe { ffi::PyDescr_NewMethod(ty.as_ptr().cast(), self.as_ptr()) };
+        // SAFETY: `raw` is a new reference or NULL with an exception set.
+        let descr = unsafe { Bound::from_owned_ptr_or_err(py, raw)? };
+        ty.setattr(self.name, descr)
+    }
+}
+
+/// Runs an entry point's body as a Python call, attached to the interpreter in PyO3's count of
+/// attachments, with a Rust panic turned into `PanicException` and an error raised (never
+/// unwound into CPython). For bodies that may drop the last reference to a Python object: PyO3
+/// releases a `Py<T>` dropped while its count is zero only at its next attachment, which for a
+/// foreign producer means its deleter would run late.
+pub(crate) fn call(
+    body: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyAny>>,
+) -> *mut ffi::PyObject {
+    Python::attach(|py| run(py, body))
+}
+
+/// Runs an entry point's body with a Rust panic turned into `PanicException` and an error raised
+/// (never unwound into CPython).
+///
+/// Called with a token from `Python::assume_attached`, it skips PyO3's count of attachments,
+/// which from a bare C entry point costs a `PyGILState_Ensure`/`Release` pair (about 40 ns, a
+/// third of an export). That is only for bodies that release no Python object whose deletion
+/// matters now: a `Py<T>` dropped outside the count (an error object, at worst) is released at
+/// PyO3's next attachment instead of at once. Other bodies go through [`call`].
+pub(crate) fn run<'py>(
+    py: Python<'py>,
+    body: impl FnOnce(Python<'py>) -> PyResult<Bound<'py, PyAny>>,
+) -> *mut ffi::PyObject {
+    match catch_unwind(AssertUnwindSafe(|| body(py))) {
+        Ok(Ok(obj)) => obj.into_ptr(),
+        Ok(Err(err)) => {
+            err.restore(py);
+            ptr::null_mut()
+        }
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic with no message".to_owned());
+            PanicException::new_err(msg).restore(py);
+            ptr::null_mut()
+        }
+    }
+}
+
+/// The parameters of a function with `N` parameters, in order: the first `positional_only` can
+/// be given only by position, the first `positional` by position, the rest only by keyword, and
+/// the first `required` must be given.
+pub(crate) struct Signature<const N: usize> {
+    pub(crate) function: &'static str,
+    pub(crate) params: [&'static str; N],
+    pub(crate) positional_only: usize,
+    pub(crate) positional: usize,
+    pub(crate) required: usize,
+    interned: PyOnceLock<[Py<PyString>; N]>,
+}
+
+impl<const N: usize> Signature<N> {
+    pub(crate) const fn new(
+        function: &'static str,
+        params: [&'static str; N],
+        positional_only: usize,
+        positional: usize,
+        required: usize,
+    ) -> Self {
+        assert!(positional_only <= positional && positional <= N && required <= positional);
+        Signature {
+            function,
+            params,
+            positional_only,
+            positional,
+            required,
+            interned: PyOnceLock::new(),
+        }
+    }
+
+    /// The arguments of one call, by parameter (`None`: not given; an explicit `None` argument is
+    /// `Some` of Python's `None`, which the callers treat as not given where the signature's
+    /// default is `None`).
+    ///
+    /// # Safety
+    /// `args`, `nargsf` and `kwnames` are what CPython passed to a `METH_FASTCALL |
+    /// METH_KEYWORDS` function, and the returned references are used only during that call.
+    pub(crate) unsafe fn parse<'a, 'py>(
+        &self,
+        py: Python<'py>,
+        args: *const *mut ffi::PyObject,
+        nargsf: ffi::Py_ssize_t,
+        kwnames: *mut ffi::PyObject,
+    ) -> PyResult<[Option<&'a Bound<'py, PyAny>>; N]> {
+        // The offset flag is the top bit of `nargsf` (`PY_VECTORCALL_ARGUMENTS_OFFSET`); the
+        // count is the rest.
+        let nargs = nargsf as usize & !VECTORCALL_ARGUMENTS_OFFSET;
+        let kwnames = if kwnames.is_null() {
+            None
+        } else {
+            // SAFETY: CPython passes a live object (when not NULL), borrowed for the call.
+            let names = unsafe { Bound::ref_from_ptr(py, &kwnames) };
+            // SAFETY: ... and it is a tuple of str.
+            Some(unsafe { names.cast_unchecked::<PyTuple>() })
+        };
+        let nkw = kwnames.map_or(0, |k| k.len());
+        let values: &'a [*mut ffi::PyObject] = if nargs + nkw == 0 {
+            &[]
+        } else {
+            // SAFETY: CPython's vector holds `nargs` positional and then `nkw` keyword values,
+            // all live for the call.
+            unsafe { std::slice::from_raw_parts(args, nargs + nkw) }
+        };
+        let arg = |i: usize| {
+            // SAFETY: every element of `values` is a live object borrowed for the call.
+            unsafe { Bound::ref_from_ptr(py, &values[i]) }
+        };
+        let mut out: [Option<&'a Bound<'py, PyAny>>; N] = [None; N];
+        if nargs > self.positional {
+            return Err(PyTypeError::new_err(format!(
+                "{}() takes at most {} positional argument{} ({nargs} given)",
+                self.function,
+                self.positional,
+                if self.positional == 1 { "" } else { "s" }
+            )));
+        }
+        for (i, slot) in out.iter_mut().take(nargs).enumerate() {
+            *slot = Some(arg(i));
+        }
+        if let Some(kwnames) = kwnames {
+            let interned = self
+                .interned
+                .get_or_init(py, || self.params.map(|p| PyString::intern(py, p).unbind()));
+            for k in 0..nkw {
+                let name = kwnames.get_borrowed_item(k)?;
+                let index = match interned.iter().position(|p| p.as_ptr() == name.as_ptr()) {
+                    Some(i) => Some(i),
+                    None => {
+                        let name = name.cast::<PyString>()?;
+                        let name = name.to_cow()?;
+                        self.params.iter().position(|&p| p == name)
+                    }
+                };
+                let index = match index {
+                    Some(i) if i >= self.positional_only => i,
+                    Some(_) | None => {
+                        return Err(PyTypeError::new_err(format!(
+                            "{}() got an unexpected keyword argument {}",
+                            self.function,
+                            name.repr()?
+                        )));
+                    }
+                };
+                if out[index].is_some() {
+                    return Err(PyTypeError::new_err(format!(
+                        "{}() got multiple values for argument '{}'",
+                        self.function, self.params[index]
+                    )));
+                }
+                out[index] = Some(arg(nargs + k));
+            }
+        }
+        if let Some(missing) = out[..self.required].iter().position(Option::is_none) {
+            return Err(PyTypeError::new_err(format!(
+                "{}() missing required argument '{}' (pos {})",
+                self.function,
+                self.params[missing],
+                missing + 1
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// An optional argument whose default is `None`: `None` when not given or given as `None`.
+pub(crate) fn opt<'a, 'py>(arg: Option<&'a Bound<'py, PyAny>>) -> Option<&'a Bound<'py, PyAny>> {
+    arg.filter(|a| !a.is_none())
+}
+
+/// An optional `bool` argument (`None` when not given or `None`), named `name` in errors.
+pub(crate) fn opt_bool(arg: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<bool>> {
+    opt(arg)
+        .map(|a| {
+            a.extract::<bool>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "argument '{name}' must be a bool or None, not {}",
+                    a.get_type()
+                        .name()
+                        .map_or_else(|_| "?".into(), |n| n.to_string())
+                ))
+            })
+        })
+        .transpose()
+}
+
+/// An optional `str` argument (`None` when not given or `None`), named `name` in errors.
+pub(crate) fn opt_str<'a>(
+    arg: Option<&'a Bound<'_, PyAny>>,
+    name: &str,
+) -> PyResult<Option<std::borrow::Cow<'a, str>>> {
+    opt(arg)
+        .map(|a| {
+            a.cast::<PyString>()
+                .map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "argument '{name}' must be a str or None, not {}",
+                        a.get_type()
+                            .name()
+                            .map_or_else(|_| "?".into(), |n| n.to_string())
+                    ))
+                })?
+                .to_cow()
+        })
+        .transpose()
+}
+
+/// A `(major, minor)` version argument (`None` when not given or `None`), named `name` in errors.
+pub(crate) fn opt_version(
+    arg: Option<&Bound<'_, PyAny>>,
+    name: &str,
+) -> PyResult<Option<(u32, u32)>> {
+    let Some(a) = opt(arg) else {
+        return Ok(None);
+    };
+    let bad = || {
+        PyTypeError::new_err(format!(
+            "argument '{name}' must be a (major, minor) tuple of non-negative ints, not {}",
+            a.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    };
+    let t = a.cast::<PyTuple>().map_err(|_| bad())?;
+    if t.len() != 2 {
+        return Err(bad());
+    }
+    let part = |i: usize| {
+        let item = t.get_borrowed_item(i)?;
+        // Exact ints only (as `operator.index` would take, minus bools): the common `(1, 3)`
+        // costs two C calls this way.
+        if !item.is_exact_instance_of::<PyInt>() {
+            return Err(bad());
+        }
+        // SAFETY: `item` is a live int.
+        let v = unsafe { ffi::PyLong_AsLong(item.as_ptr()) };
+        if v == -1 {
+            if let Some(err) = PyErr::take(t.py()) {
+                drop(err);
+                return Err(bad());
+            }
+        }
+        u32::try_from(v).map_err(|_| bad())
+    };
+    Ok(Some((part(0)?, part(1)?)))
+}
+
+/// Values named by strings, looked up by the identity of the string object: a string written in
+/// Python source as an identifier-like literal (`"float32"`, `"cpu"`) is interned, so it is the
+/// very object this table holds and the lookup is a few pointer comparisons. On the stable ABI of
+/// 3.9 the alternative, reading the text, copies it into a new bytes object first.
+pub(crate) struct InternedNames<T: 'static, const N: usize> {
+    entries: [(&'static str, T); N],
+    objects: PyOnceLock<[Py<PyString>; N]>,
+}
+
+impl<T: 'static, const N: usize> InternedNames<T, N> {
+    pub(crate) const fn new(entries: [(&'static str, T); N]) -> Self {
+        InternedNames {
+            entries,
+            objects: PyOnceLock::new(),
+        }
+    }
+
+    /// The value named by `s` when `s` is the interned copy of one of the names; `None` does not
+    /// mean that no name matches (compare the text for that).
+    pub(crate) fn get(&self, s: &Bound<'_, PyString>) -> Option<&T> {
+        let py = s.py();
+        let objects = self.objects.get_or_init(py, || {
+            self.entries
+                .each_ref()
+                .map(|(name, _)| PyString::intern(py, name).unbind())
+        });
+        let i = objects.iter().position(|o| o.as_ptr() == s.as_ptr())?;
+        Some(&self.entries[i].1)
+    }
+
+    /// The value named by the text `name`.
+    pub(crate) fn by_text(&self, name: &str) -> Option<&T> {
+        self.entries
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v)
+    }
+}

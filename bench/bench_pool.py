@@ -28,6 +28,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import timeit
 
 import numpy as np
@@ -107,13 +108,16 @@ def cases(device: str, n: int) -> dict:
     return out
 
 
-def measure(fns: dict, numbers: dict, rounds: int) -> dict:
+def measure(fns: dict, numbers: dict, rounds: int, verbose: bool = False) -> dict:
     for key, fn in fns.items():  # warm-up: fills the caches the cached cases rely on
         timeit.timeit(fn, number=max(numbers[key] // 10, 5))
     samples = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             samples[key].append(timeit.timeit(fn, number=numbers[key]) / numbers[key] * 1e6)
+    if verbose:
+        for key, v in samples.items():
+            print(" / ".join(key), " ".join(f"{x:.3f}" for x in v), file=sys.stderr)
     return {key: statistics.median(v) for key, v in samples.items()}
 
 
@@ -122,6 +126,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     ap.add_argument("--devices", default="cpu,cuda,metal", help="comma-separated: cpu, cuda, metal")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--verbose", action="store_true", help="print every round's figure (stderr)")
     args = ap.parse_args()
     number, rounds = (500, 5) if args.quick else (5_000, 11)
 
@@ -147,7 +152,7 @@ def main():
     saved_limit = dlbridge.memory_stats()["cache_limit"]
     dlbridge.set_cache_limit(None)  # 256 MiB blocks stay cached whatever the default limit
     try:
-        results = measure(fns, numbers, rounds)
+        results = measure(fns, numbers, rounds, args.verbose)
     finally:
         dlbridge.set_cache_limit(saved_limit)
 

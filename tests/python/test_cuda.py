@@ -588,6 +588,37 @@ def test_pool_orders_reuse_across_streams(torch, round_):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("round_", range(3))
+def test_pool_orders_reuse_after_the_legacy_stream(torch, round_):
+    """As above, with stream A the legacy default stream, whose releases record no event (the
+    pool orders stream B behind the legacy stream only when B takes the block)."""
+    if torch.cuda.current_stream().cuda_stream != 0:
+        pytest.skip("this PyTorch build's default stream is not the legacy default stream")
+    n = 1 << 22
+    dlbridge.empty_cache("cuda:0")
+    b_stream = dlbridge.cuda.Stream()
+    x = dlbridge.full((n,), 5.0 + round_, dtype="float32", device="cuda:0")  # legacy stream
+    ptr = x.data_ptr
+    xt = torch.from_dlpack(x)
+    torch.cuda._sleep(SLEEP_CYCLES)  # on the legacy stream too
+    seen = xt.clone()  # reads the block long after the host moves on
+    del xt, x  # back to the pool while the legacy stream's kernels are queued
+    collect()
+    with dlbridge.cuda.stream(b_stream):
+        y = dlbridge.zeros((n,), dtype="float32", device="cuda:0")  # memset on B
+    assert y.data_ptr == ptr  # the same block, reused
+    torch.cuda.synchronize()
+    assert bool((seen == 5.0 + round_).all())  # the legacy stream read the old values
+    assert not host(y).any()
+    # Reused again on the legacy stream: stream order alone protects it.
+    del y
+    collect()
+    z = dlbridge.zeros((n,), dtype="float32", device="cuda:0")
+    assert not host(z).any()
+    del seen
+    torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------
 # More interop cases: read-only memory, JAX dtypes and lifetime, several GPUs.
 

@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
-use super::stream::{Event, current_stream};
+use super::stream::{
+    Event, LEGACY_STREAM, current_stream, order_streams, stream_idle, synchronize_stream,
+};
 use super::{BACKEND, check, context, describe};
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
@@ -134,6 +136,14 @@ impl RawAllocator for CudaAllocator {
     }
 
     fn fence(&self, stream: StreamKey) -> Result<Option<Box<dyn Fence>>> {
+        if stream as usize == 0 || stream as usize == LEGACY_STREAM {
+            // The common case, and the one where a free makes no driver call (as in PyTorch's
+            // allocator): see `LegacyStreamFence`.
+            return Ok(Some(Box::new(LegacyStreamFence {
+                ordinal: self.ordinal,
+                host_visible: self.kind != Kind::Device,
+            })));
+        }
         let spare = self
             .spare_events
             .lock()
@@ -212,6 +222,42 @@ impl Fence for CudaFence {
 
     fn synchronize(&self) -> Result<()> {
         self.event().synchronize()
+    }
+}
+
+/// The fence of a block released on the legacy default stream, which lives as long as the
+/// device's context: instead of an event recorded at every release, it stands for "all work
+/// enqueued on that stream so far" and is resolved only when the block is wanted elsewhere. That
+/// is a superset of the work queued before the release, so every answer is safe, if at times
+/// conservative: another stream waits for an event recorded on the legacy stream at that moment;
+/// a request without a stream waits until the legacy stream is idle.
+///
+/// Other streams (user streams may be destroyed, and the per-thread default stream names a
+/// different stream on every thread) keep an event recorded at release ([`CudaFence`]).
+struct LegacyStreamFence {
+    ordinal: i32,
+    /// As in [`CudaFence`]: another stream's reuse of host-visible memory waits on the host.
+    host_visible: bool,
+}
+
+impl Fence for LegacyStreamFence {
+    fn stream(&self) -> StreamKey {
+        0
+    }
+
+    fn is_complete(&self) -> bool {
+        stream_idle(self.ordinal, 0).unwrap_or(false)
+    }
+
+    fn order_before(&self, stream: StreamKey) -> Result<()> {
+        if self.host_visible {
+            return synchronize_stream(self.ordinal, 0);
+        }
+        order_streams(self.ordinal, 0, stream as usize)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        synchronize_stream(self.ordinal, 0)
     }
 }
 

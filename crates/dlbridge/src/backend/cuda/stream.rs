@@ -349,6 +349,26 @@ fn ready(rc: sys::CUresult, call: &str) -> Result<bool> {
     }
 }
 
+/// Whether every piece of work enqueued so far on stream `handle` of device `ordinal` has
+/// finished (`cuStreamQuery`).
+pub(crate) fn stream_idle(ordinal: i32, handle: usize) -> Result<bool> {
+    let _ctx = context(ordinal)?;
+    // SAFETY: the caller's handle is a live stream of the device (or a default stream); the
+    // device's context is current.
+    ready(unsafe { sys::cuStreamQuery(raw(handle)) }, "cuStreamQuery")
+}
+
+/// Waits until every piece of work enqueued so far on stream `handle` of device `ordinal` has
+/// finished (`cuStreamSynchronize`).
+pub(crate) fn synchronize_stream(ordinal: i32, handle: usize) -> Result<()> {
+    let _ctx = context(ordinal)?;
+    // SAFETY: as in `stream_idle`.
+    check(
+        unsafe { sys::cuStreamSynchronize(raw(handle)) },
+        "cuStreamSynchronize",
+    )
+}
+
 /// Makes work just enqueued on the calling thread's current stream that reads or writes
 /// `tensors` visible to the streams their pooled blocks were allocated for, so that a block
 /// released later is not handed out on its own stream while this work may still use it (what

@@ -171,3 +171,17 @@ def test_arguments_are_released():
     for _ in range(100):
         dlbridge.empty(shape, dtype).__dlpack__(max_version=version)
     assert [sys.getrefcount(o) for o in (shape, dtype, version)] == before
+
+
+def test_device_strings_parse_right_through_the_cache():
+    # More distinct string objects than the parse cache keeps, each used twice, interleaved with
+    # strings that name other devices and bad ones (never cached).
+    names = [not_interned(f"cuda:{i}") for i in range(12)] + [not_interned("cpu:0")] * 3
+    for _ in range(2):
+        for i, name in enumerate(names):
+            expected = "cpu" if name == "cpu:0" else f"cuda:{i}"
+            assert dlbridge.Device(name) == expected
+            assert dlbridge.Device(not_interned("metal:1")) == "metal:1"
+            with pytest.raises(ValueError):
+                dlbridge.Device(not_interned("tpu:0"))
+    assert dlbridge.empty(2, device=names[-1]).device == "cpu"

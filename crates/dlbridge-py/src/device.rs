@@ -1,5 +1,7 @@
 //! `dlbridge.Device`: where memory lives.
 
+use std::sync::Mutex;
+
 use dlbridge::Device;
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
@@ -62,20 +64,62 @@ impl PyDevice {
     }
 }
 
-/// Reads a device from a `Device`, a string (`"cpu"`, `"cuda:1"`, `"metal"`), a DLPack
-/// `(device_type, device_id)` tuple, or an object with `type` and `index` (a `torch.device`).
 /// `"cpu"`, for a parse of the commonest device without reading the text.
 static CPU_NAME: InternedNames<Device, 1> = InternedNames::new([("cpu", Device::CPU)]);
 
+/// Device strings parsed before, by object. A program usually passes one constant string object
+/// on every call (`device="cuda:0"`), which this finds by pointer without reading its text (on
+/// the stable ABI of 3.9, reading copies the text into a new bytes object). The cache holds its
+/// strings, so no other string can take a listed address; it keeps the last few.
+struct ParsedStrings {
+    entries: Vec<(Py<PyString>, Device)>,
+    next: usize,
+}
+
+/// How many device strings [`PARSED`] remembers.
+const PARSED_CAPACITY: usize = 8;
+
+static PARSED: Mutex<ParsedStrings> = Mutex::new(ParsedStrings {
+    entries: Vec::new(),
+    next: 0,
+});
+
+fn parse_str(s: &Bound<'_, PyString>) -> PyResult<Device> {
+    if let Some(&d) = CPU_NAME.get(s) {
+        return Ok(d);
+    }
+    let mut parsed = PARSED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, d)) = parsed
+        .entries
+        .iter()
+        .find(|(o, _)| o.as_ptr() == s.as_ptr())
+    {
+        return Ok(*d);
+    }
+    let device = s.to_cow()?.parse::<Device>().py()?;
+    let entry = (s.clone().unbind(), device);
+    if parsed.entries.len() < PARSED_CAPACITY {
+        parsed.entries.push(entry);
+    } else {
+        let slot = parsed.next;
+        parsed.next = (slot + 1) % PARSED_CAPACITY;
+        // The string replaced is released after the lock (its release runs no Python code,
+        // but nothing is gained by holding the lock for it).
+        let old = std::mem::replace(&mut parsed.entries[slot], entry);
+        drop(parsed);
+        drop(old);
+    }
+    Ok(device)
+}
+
+/// Reads a device from a `Device`, a string (`"cpu"`, `"cuda:1"`, `"metal"`), a DLPack
+/// `(device_type, device_id)` tuple, or an object with `type` and `index` (a `torch.device`).
 pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
     if let Ok(d) = obj.cast::<PyDevice>() {
         return Ok(d.get().0);
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        if let Some(&d) = CPU_NAME.get(s) {
-            return Ok(d);
-        }
-        return s.to_cow()?.parse::<Device>().py();
+        return parse_str(s);
     }
     if let Ok((device_type, device_id)) = obj.extract::<(i32, i32)>() {
         return Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {

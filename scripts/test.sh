@@ -25,8 +25,17 @@ step "Python tests"
 # The wheel is abi3 for CPython >= 3.9: load the same wheel into the oldest such interpreter and
 # run the tests of its hand-written entry points and of compute (NumPy 2.0 is the newest NumPy for
 # 3.9; the other files test peers' behaviour newer than that, or peers 3.9 no longer gets).
-PY39="${DLBRIDGE_PY39:-$(command -v python3.9 || ls -d "$HOME"/.pyenv/versions/3.9*/bin/python3.9 2>/dev/null | tail -n 1 || true)}"
-if [ -n "$PY39" ] && [ -x "$PY39" ]; then
+# (pyenv's shim answers `command -v` even where it cannot run 3.9, so each candidate is tried.)
+PY39="${DLBRIDGE_PY39:-}"
+if [ -z "$PY39" ]; then
+    for candidate in "$HOME"/.pyenv/versions/3.9*/bin/python3.9 "$(command -v python3.9 || true)"; do
+        if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 9)' 2>/dev/null; then
+            PY39="$candidate"
+            break
+        fi
+    done
+fi
+if [ -n "$PY39" ]; then
     step "Python 3.9 ($PY39): the same abi3 wheel"
     VENV39="$ROOT/.venv39"
     [ -x "$VENV39/bin/python" ] || "$PY39" -m venv "$VENV39"

@@ -14,8 +14,8 @@ Each case is one allocate + free of an uninitialised uint8 array of 4 KiB, 1 MiB
   ``torch.cuda.empty_cache()`` / ``torch.mps.empty_cache()``; on Metal dlbridge's arrays are in the
   device's default storage mode, shared on Apple silicon).
 
-Cases are timed in interleaved rounds (each round times every case once) and the median of the
-rounds' per-call means is reported. Nothing touches the memory, so page faults of fresh memory
+Cases are timed in interleaved rounds (each round times every case once, in a new seeded order)
+and the median of the rounds' per-call means is reported. Nothing touches the memory, so page faults of fresh memory
 (which reuse avoids) are not in these figures.
 
 A device column appears for every device in ``--devices`` whose backend dlbridge has; CUDA and
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import timeit
@@ -112,8 +113,15 @@ def measure(fns: dict, numbers: dict, rounds: int, verbose: bool = False) -> dic
     for key, fn in fns.items():  # warm-up: fills the caches the cached cases rely on
         timeit.timeit(fn, number=max(numbers[key] // 10, 5))
     samples = {key: [] for key in fns}
+    # Each round times the cases in a new (seeded) order. A fixed order put one case right after
+    # the same neighbours every round, and on the H100 machine the first CUDA case after the CPU
+    # cases (whichever library's it was) ran 5-10x slower in every round but the first.
+    order = random.Random(20261121)
+    keys = list(fns)
     for _ in range(rounds):
-        for key, fn in fns.items():
+        order.shuffle(keys)
+        for key in keys:
+            fn = fns[key]
             samples[key].append(timeit.timeit(fn, number=numbers[key]) / numbers[key] * 1e6)
     if verbose:
         for key, v in samples.items():

@@ -123,9 +123,16 @@ fn allocate(
 ) -> PyResult<Tensor> {
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
     let (device, storage) = placement(device, storage)?;
-    let t = Tensor::allocate(&parse_shape(shape)?, dtype, device, storage, zeroed).py()?;
-    crate::memory::warn_env_once(shape.py())?;
-    Ok(t)
+    let shape_ = parse_shape(shape)?;
+    // A `match` rather than `.py()?`: the tensor moves once instead of through a second
+    // `Result` (a copy that showed in profiles of `dlbridge.empty`).
+    match Tensor::allocate(&shape_, dtype, device, storage, zeroed) {
+        Ok(t) => {
+            crate::memory::warn_env_once(shape.py())?;
+            Ok(t)
+        }
+        Err(err) => Err(crate::errors::to_py(err)),
+    }
 }
 
 /// The parameters of `dlbridge.empty`.

@@ -128,17 +128,7 @@ impl Buffer {
         storage: StorageMode,
         allocation: Box<dyn Allocation>,
     ) -> Self {
-        Buffer {
-            inner: Arc::new(Inner {
-                handle,
-                host,
-                len,
-                device,
-                storage,
-                read_only: false,
-                owner: Owner::Own(allocation),
-            }),
-        }
+        Self::owned(handle, host, len, device, storage, Owner::Own(allocation))
     }
 
     /// Wraps a block of one of dlbridge's pools (the common case of [`Buffer::from_allocation`],
@@ -154,6 +144,18 @@ impl Buffer {
         storage: StorageMode,
         block: crate::pool::PooledBlock,
     ) -> Self {
+        Self::owned(handle, host, len, device, storage, Owner::Pooled(block))
+    }
+
+    /// A writable buffer of dlbridge's own memory (the constructors above state its contract).
+    fn owned(
+        handle: *mut c_void,
+        host: *mut u8,
+        len: usize,
+        device: Device,
+        storage: StorageMode,
+        owner: Owner,
+    ) -> Self {
         Buffer {
             inner: Arc::new(Inner {
                 handle,
@@ -162,7 +164,7 @@ impl Buffer {
                 device,
                 storage,
                 read_only: false,
-                owner: Owner::Pooled(block),
+                owner,
             }),
         }
     }

@@ -241,6 +241,20 @@ def test_reductions_float(device, dtype, axis, name, rng):
     close(out, want, dtype, scale=scale)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape, axis", [((64, 3000), 0), ((16, 4, 2000), 1), ((3, 5000), 0)])
+@pytest.mark.parametrize("name", ["sum", "max"])
+def test_reductions_over_wide_kept_axes(device, dtype, shape, axis, name, rng):
+    # Kept rows wider than one block of widened half-precision elements (1024): every column
+    # gets its own total (a regression: columns past the first block once folded into the first).
+    skip_unsupported(device, dtype)
+    x = rng.uniform(-1, 1, size=shape)
+    out = getattr(ops, name)(put(x, dtype, device), axis=axis)
+    want = getattr(np, name)(rounded(x, dtype), axis=axis)
+    scale = math.sqrt(shape[axis]) if name == "sum" else 1.0
+    close(out, want, dtype, scale=scale)
+
+
 def test_reductions_keepdims_and_strided(device, rng):
     x = rng.uniform(-1, 1, size=(9, 8, 6))
     a = put(x, "float32", device)[::-2, 1::3, :].permute(2, 0, 1)  # (6, 5, 3)

@@ -615,9 +615,17 @@ fn by_rows<S, F, O>(
                 |off, len| {
                     for i in 0..len as isize {
                         let at = base.wrapping_offset(off[0] + i * red_inner);
+                        // `read_run` hands the row over in blocks (half types are widened
+                        // `BLOCK` at a time): each block folds into its own columns.
+                        let mut col = 0;
                         // SAFETY: `w` consecutive elements of the kept axis at one reduced index: the
                         // plan addresses them inside the input, which no one writes during the call.
-                        unsafe { S::read_run(at, 1, w, |xs| step_row::<F>(acc, xs)) };
+                        unsafe {
+                            S::read_run(at, 1, w, |xs| {
+                                step_row::<F>(&mut acc[col..col + xs.len()], xs);
+                                col += xs.len();
+                            })
+                        };
                         rows += 1;
                         if rows == LANES {
                             absorb_row::<F>(totals, acc);

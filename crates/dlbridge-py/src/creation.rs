@@ -123,10 +123,10 @@ fn allocate(
 ) -> PyResult<Tensor> {
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
     let (device, storage) = placement(device, storage)?;
-    let shape_ = parse_shape(shape)?;
+    let extents = parse_shape(shape)?;
     // A `match` rather than `.py()?`: the tensor moves once instead of through a second
     // `Result` (a copy that showed in profiles of `dlbridge.empty`).
-    match Tensor::allocate(&shape_, dtype, device, storage, zeroed) {
+    match Tensor::allocate(&extents, dtype, device, storage, zeroed) {
         Ok(t) => {
             crate::memory::warn_env_once(shape.py())?;
             Ok(t)

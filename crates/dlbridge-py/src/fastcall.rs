@@ -151,12 +151,12 @@ pub(crate) fn run<'py>(
 /// be given only by position, the first `positional` by position, the rest only by keyword, and
 /// the first `required` must be given.
 pub(crate) struct Signature<const N: usize> {
-    pub(crate) function: &'static str,
-    pub(crate) params: [&'static str; N],
-    pub(crate) positional_only: usize,
-    pub(crate) positional: usize,
-    pub(crate) required: usize,
-    interned: PyOnceLock<[Py<PyString>; N]>,
+    function: &'static str,
+    /// The parameter names, each with its index.
+    params: InternedNames<usize, N>,
+    positional_only: usize,
+    positional: usize,
+    required: usize,
 }
 
 impl<const N: usize> Signature<N> {
@@ -168,14 +168,24 @@ impl<const N: usize> Signature<N> {
         required: usize,
     ) -> Self {
         assert!(positional_only <= positional && positional <= N && required <= positional);
+        let mut indexed = [("", 0); N];
+        let mut i = 0;
+        while i < N {
+            indexed[i] = (params[i], i);
+            i += 1;
+        }
         Signature {
             function,
-            params,
+            params: InternedNames::new(indexed),
             positional_only,
             positional,
             required,
-            interned: PyOnceLock::new(),
         }
+    }
+
+    /// The name of parameter `i`.
+    fn param(&self, i: usize) -> &'static str {
+        self.params.entries[i].0
     }
 
     /// The arguments of one call, by parameter (`None`: not given; an explicit `None` argument is
@@ -228,21 +238,12 @@ impl<const N: usize> Signature<N> {
             *slot = Some(arg(i));
         }
         if let Some(kwnames) = kwnames {
-            let interned = self
-                .interned
-                .get_or_init(py, || self.params.map(|p| PyString::intern(py, p).unbind()));
             for k in 0..nkw {
                 let name = kwnames.get_borrowed_item(k)?;
-                let index = match interned.iter().position(|p| p.as_ptr() == name.as_ptr()) {
-                    Some(i) => Some(i),
-                    None => {
-                        let name = name.cast::<PyString>()?;
-                        let name = name.to_cow()?;
-                        self.params.iter().position(|&p| p == name)
-                    }
-                };
+                let name = name.cast::<PyString>()?;
+                let index = self.params.lookup(&name)?;
                 let index = match index {
-                    Some(i) if i >= self.positional_only => i,
+                    Some(&i) if i >= self.positional_only => i,
                     Some(_) | None => {
                         return Err(PyTypeError::new_err(format!(
                             "{}() got an unexpected keyword argument {}",
@@ -254,7 +255,8 @@ impl<const N: usize> Signature<N> {
                 if out[index].is_some() {
                     return Err(PyTypeError::new_err(format!(
                         "{}() got multiple values for argument '{}'",
-                        self.function, self.params[index]
+                        self.function,
+                        self.param(index)
                     )));
                 }
                 out[index] = Some(arg(nargs + k));
@@ -264,7 +266,7 @@ impl<const N: usize> Signature<N> {
             return Err(PyTypeError::new_err(format!(
                 "{}() missing required argument '{}' (pos {})",
                 self.function,
-                self.params[missing],
+                self.param(missing),
                 missing + 1
             )));
         }
@@ -277,18 +279,23 @@ pub(crate) fn opt<'a, 'py>(arg: Option<&'a Bound<'py, PyAny>>) -> Option<&'a Bou
     arg.filter(|a| !a.is_none())
 }
 
+/// `TypeError`: argument `name` must be `expected` or None, not the type of `a`.
+fn wrong_type(name: &str, expected: &str, a: &Bound<'_, PyAny>) -> PyErr {
+    let ty = a
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |n| n.to_string());
+    PyTypeError::new_err(format!(
+        "argument '{name}' must be {expected} or None, not {ty}"
+    ))
+}
+
 /// An optional `bool` argument (`None` when not given or `None`), named `name` in errors.
 pub(crate) fn opt_bool(arg: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<bool>> {
     opt(arg)
         .map(|a| {
-            a.extract::<bool>().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "argument '{name}' must be a bool or None, not {}",
-                    a.get_type()
-                        .name()
-                        .map_or_else(|_| "?".into(), |n| n.to_string())
-                ))
-            })
+            a.extract::<bool>()
+                .map_err(|_| wrong_type(name, "a bool", a))
         })
         .transpose()
 }
@@ -301,14 +308,7 @@ pub(crate) fn opt_str<'a>(
     opt(arg)
         .map(|a| {
             a.cast::<PyString>()
-                .map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "argument '{name}' must be a str or None, not {}",
-                        a.get_type()
-                            .name()
-                            .map_or_else(|_| "?".into(), |n| n.to_string())
-                    ))
-                })?
+                .map_err(|_| wrong_type(name, "a str", a))?
                 .to_cow()
         })
         .transpose()
@@ -380,6 +380,14 @@ impl<T: 'static, const N: usize> InternedNames<T, N> {
         });
         let i = objects.iter().position(|o| o.as_ptr() == s.as_ptr())?;
         Some(&self.entries[i].1)
+    }
+
+    /// The value named by `s`: by identity (see [`InternedNames::get`]), else by its text.
+    pub(crate) fn lookup(&self, s: &Bound<'_, PyString>) -> PyResult<Option<&T>> {
+        match self.get(s) {
+            Some(v) => Ok(Some(v)),
+            None => Ok(self.by_text(&s.to_cow()?)),
+        }
     }
 
     /// The value named by the text `name`.

@@ -14,6 +14,17 @@ pub const MAX_NDIM: usize = 64;
 /// Axes a layout keeps inline; layouts of more axes put their extents and strides on the heap.
 const INLINE_NDIM: usize = 4;
 
+/// Writes the row-major strides of `shape` (each the product of the extents after its axis) to
+/// `out`. The caller checked that the product of all extents fits, so no stride overflows (a 0
+/// extent counts as 1, which keeps later strides at the product of the extents after them).
+fn row_major_strides(shape: &[usize], out: &mut [isize]) {
+    let mut acc = 1usize;
+    for (stride, &dim) in out.iter_mut().zip(shape).rev() {
+        *stride = acc as isize;
+        acc = acc.saturating_mul(dim.max(1));
+    }
+}
+
 /// Extents or strides: inline up to [`INLINE_NDIM`] axes, so that making a view (or a new
 /// array) of up to six axes allocates nothing for them.
 pub(crate) type Dims<T> = SmallVec<[T; INLINE_NDIM]>;
@@ -140,34 +151,20 @@ impl Layout {
             )));
         }
         checked_numel(shape)?;
-        // Row-major strides, each the product of the extents after its axis. That product cannot
-        // overflow: the product of all extents was checked above (a 0 extent keeps later strides
-        // at the product of the extents after it, which is also bounded).
-        let stride = |axis: usize| {
-            shape[axis + 1..]
-                .iter()
-                .fold(1usize, |acc, &d| acc.saturating_mul(d.max(1))) as isize
-        };
         let n = shape.len();
         let (shape, strides) = if n <= INLINE_NDIM {
-            // Built in place from arrays: no copy loop or call for the common few axes.
+            // Built in place from arrays: no copy call for the common few axes.
             let mut extents = [0usize; INLINE_NDIM];
             let mut strides = [0isize; INLINE_NDIM];
-            for axis in 0..n {
-                extents[axis] = shape[axis];
-                strides[axis] = stride(axis);
-            }
+            extents[..n].copy_from_slice(shape);
+            row_major_strides(shape, &mut strides[..n]);
             (
                 Dims::from_buf_and_len(extents, n),
                 Dims::from_buf_and_len(strides, n),
             )
         } else {
-            let mut strides = Dims::<isize>::from_elem(0, n);
-            let mut acc = 1usize;
-            for (stride, &dim) in strides.iter_mut().zip(shape).rev() {
-                *stride = acc as isize;
-                acc = acc.saturating_mul(dim.max(1));
-            }
+            let mut strides = Dims::from_elem(0, n);
+            row_major_strides(shape, &mut strides);
             (Dims::from_slice(shape), strides)
         };
         Ok(Layout {
@@ -498,7 +495,7 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
             (x, 1) => x,
             _ => {
                 return Err(Error::Shape(format!(
-                    "shapes {a:?} and {b:?} do not broadcast"
+                    "shapes {a:?} and {b:?} do not broadcast (axis {i}: {da} vs {db})"
                 )));
             }
         };

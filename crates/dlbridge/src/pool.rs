@@ -323,21 +323,12 @@ impl State {
                 (None, None) => return Ok(None),
             }
         };
-        let block = list.remove(index);
-        self.stats.cached_bytes -= size;
-        self.stats.cached_blocks -= 1;
-        Ok(Some(block))
+        Ok(Some(detach(&mut self.stats, list, index, size)))
     }
 
     fn remove_cached(&mut self, size: usize, index: usize) -> Option<CachedBlock> {
         let list = self.free.get_mut(&size)?;
-        if index >= list.len() {
-            return None;
-        }
-        let block = list.remove(index);
-        self.stats.cached_bytes -= size;
-        self.stats.cached_blocks -= 1;
-        Some(block)
+        (index < list.len()).then(|| detach(&mut self.stats, list, index, size))
     }
 
     fn insert_cached(&mut self, size: usize, ptr: NonNull<c_void>, fence: Option<Box<dyn Fence>>) {
@@ -395,6 +386,18 @@ impl State {
             self.error = Some(err);
         }
     }
+}
+
+/// Takes block `index` of the cached blocks of `size` out of the cache, and out of its figures.
+fn detach(
+    stats: &mut MemoryStats,
+    list: &mut Vec<CachedBlock>,
+    index: usize,
+    size: usize,
+) -> CachedBlock {
+    stats.cached_bytes -= size;
+    stats.cached_blocks -= 1;
+    list.remove(index)
 }
 
 /// A caching allocator for one device and storage mode; see the module documentation.

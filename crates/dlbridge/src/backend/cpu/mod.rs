@@ -72,8 +72,8 @@ pub struct HostAllocator;
 impl RawAllocator for HostAllocator {
     fn round_size(&self, bytes: usize) -> Option<usize> {
         if bytes < PAGE_ALIGN_THRESHOLD {
-            // Below the threshold a block is exactly its size (what `allocation_layout` says,
-            // without building its error on this path of every allocation).
+            // Below the threshold a block is exactly its size, as `allocation_layout` would say;
+            // this skips building (and checking) a `Layout` on every pooled allocation.
             return Some(bytes);
         }
         allocation_layout(bytes).ok().map(|layout| layout.size())

@@ -190,22 +190,12 @@ impl Stream {
 
     /// Waits until all work enqueued on the stream has finished.
     pub fn synchronize(&self) -> Result<()> {
-        let _ctx = context(self.ordinal)?;
-        // SAFETY: a valid stream of the device whose context is current.
-        check(
-            unsafe { sys::cuStreamSynchronize(raw(self.handle)) },
-            "cuStreamSynchronize",
-        )
+        synchronize_stream(self.ordinal, self.handle)
     }
 
     /// Whether all work enqueued on the stream has finished.
     pub fn query(&self) -> Result<bool> {
-        let _ctx = context(self.ordinal)?;
-        // SAFETY: a valid stream of the device whose context is current.
-        ready(
-            unsafe { sys::cuStreamQuery(raw(self.handle)) },
-            "cuStreamQuery",
-        )
+        stream_idle(self.ordinal, self.handle)
     }
 
     /// Makes later work on this stream wait for `event` (without blocking the host).
@@ -350,11 +340,11 @@ fn ready(rc: sys::CUresult, call: &str) -> Result<bool> {
 }
 
 /// Whether every piece of work enqueued so far on stream `handle` of device `ordinal` has
-/// finished (`cuStreamQuery`).
+/// finished (`cuStreamQuery`). The handle must be a live stream of the device, or a default
+/// stream (the driver reports a bad one).
 pub(crate) fn stream_idle(ordinal: i32, handle: usize) -> Result<bool> {
     let _ctx = context(ordinal)?;
-    // SAFETY: the caller's handle is a live stream of the device (or a default stream); the
-    // device's context is current.
+    // SAFETY: a stream of the device (see above) whose context is current.
     ready(unsafe { sys::cuStreamQuery(raw(handle)) }, "cuStreamQuery")
 }
 

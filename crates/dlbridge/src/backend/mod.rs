@@ -380,7 +380,7 @@ pub fn resolve_storage(device: Device, requested: Option<StorageMode>) -> Result
 }
 
 #[cfg(not(cuda))]
-fn unavailable(backend: &'static str) -> Error {
+pub(crate) fn unavailable(backend: &'static str) -> Error {
     Error::BackendUnavailable {
         backend,
         reason: "this build of dlbridge does not include it".into(),

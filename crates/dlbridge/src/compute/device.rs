@@ -203,10 +203,7 @@ fn cuda_count() -> Result<usize> {
     #[cfg(cuda)]
     return backend::cuda::device_count();
     #[cfg(not(cuda))]
-    Err(Error::BackendUnavailable {
-        backend: "CUDA",
-        reason: "this build of dlbridge does not include it".into(),
-    })
+    Err(backend::unavailable("CUDA"))
 }
 
 #[cfg(test)]

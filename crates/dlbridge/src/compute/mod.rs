@@ -186,6 +186,17 @@ pub enum MapOp {
     Cast,
 }
 
+impl MapOp {
+    /// The operation's name in messages (`exp`, `add`, `cast`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            MapOp::Unary(op) => op.name(),
+            MapOp::Binary(op) => op.name(),
+            MapOp::Cast => "cast",
+        }
+    }
+}
+
 /// One input of an element-wise kernel.
 #[derive(Clone, Copy, Debug)]
 pub enum Operand<'a> {

@@ -7,35 +7,7 @@
 
 use crate::error::{Error, Result};
 
-/// The shape two shapes broadcast to, by NumPy's rules (align trailing axes; an axis of 1
-/// stretches).
-pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
-    let ndim = a.len().max(b.len());
-    let mut out = vec![0; ndim];
-    for i in 0..ndim {
-        let da = if i < ndim - a.len() {
-            1
-        } else {
-            a[i - (ndim - a.len())]
-        };
-        let db = if i < ndim - b.len() {
-            1
-        } else {
-            b[i - (ndim - b.len())]
-        };
-        out[i] = match (da, db) {
-            (x, y) if x == y => x,
-            (1, y) => y,
-            (x, 1) => x,
-            _ => {
-                return Err(Error::Shape(format!(
-                    "shapes {a:?} and {b:?} do not broadcast (axis {i}: {da} vs {db})"
-                )));
-            }
-        };
-    }
-    Ok(out)
-}
+pub use crate::layout::broadcast_shapes;
 
 /// The loop nest of an element-wise kernel: every operand (output first) addressed over one
 /// shape, with axes that can be walked as one merged, and axes of length 1 dropped.

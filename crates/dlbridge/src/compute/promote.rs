@@ -138,10 +138,8 @@ pub fn unary_result(op: UnaryOp, dtype: DType) -> Result<DType> {
             _ => DType::F64,
         });
     }
-    if op == UnaryOp::Negative && kind(dtype) == Some(Kind::Unsigned) {
-        // NumPy wraps (-1 as uint8 is 255); the kernels do the same.
-        return Ok(dtype);
-    }
+    // Everything else keeps its dtype; negating an unsigned integer wraps, as in NumPy (-1 as
+    // uint8 is 255), and the kernels do the same.
     Ok(dtype)
 }
 

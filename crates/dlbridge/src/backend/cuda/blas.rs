@@ -25,7 +25,7 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::cublas::sys as cublas;
 use cudarc::driver::sys;
 
-use super::compute::address;
+use super::first_address;
 use super::stream::{current_stream, raw};
 use super::{BACKEND, check, context};
 use crate::compute::{MatmulRequest, MatrixLayout};
@@ -209,8 +209,14 @@ pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {
         // Sums of nothing.
         // SAFETY: `out` is a new compact array of `nbytes` bytes the request lets us write; the
         // fill is ordered on the current stream.
-        let rc =
-            unsafe { sys::cuMemsetD8Async(address(req.out), 0, req.out.nbytes(), raw(stream)) };
+        let rc = unsafe {
+            sys::cuMemsetD8Async(
+                first_address(req.out) as u64,
+                0,
+                req.out.nbytes(),
+                raw(stream),
+            )
+        };
         return check(rc, "cuMemsetD8Async");
     }
     library()?;
@@ -242,9 +248,9 @@ pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {
         let rc = unsafe { cublas::cublasSetWorkspace_v2(handle, workspace.handle(), WORKSPACE) };
         status(rc, "cublasSetWorkspace")?;
         let (pa, pb, pc) = (
-            address(req.b) as usize,
-            address(req.a) as usize,
-            address(req.out) as usize,
+            first_address(req.b),
+            first_address(req.a),
+            first_address(req.out),
         );
         let (pa, pb): (*const c_void, *const c_void) = (
             std::ptr::with_exposed_provenance(pa),

@@ -26,7 +26,7 @@ use super::codegen::{
 };
 use super::nvrtc::{self, Function};
 use super::stream::{current_stream, raw};
-use super::{BACKEND, Bound, check, context};
+use super::{BACKEND, Bound, check, context, first_address};
 use crate::compute::plan::MapPlan;
 use crate::compute::{MapOp, MapRequest, MatmulRequest, Operand, ReduceRequest, Scalar};
 use crate::device::Device;
@@ -103,11 +103,6 @@ fn kernel(ctx: &Bound, ordinal: i32, key: Key) -> Result<Loaded> {
         .or_insert(loaded))
 }
 
-/// The address of a view's first element.
-pub(super) fn address(t: &Tensor) -> u64 {
-    (t.buffer().handle().expose_provenance() + t.byte_offset()) as u64
-}
-
 fn ty(dtype: DType, what: &str) -> Result<Ty> {
     Ty::of(dtype).ok_or_else(|| {
         Error::UnsupportedDType(format!("{what} on CUDA is not defined for {dtype}"))
@@ -171,11 +166,7 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
             .map_or(out.dtype(), Tensor::dtype),
         _ => out.dtype(),
     };
-    let what = match req.op {
-        MapOp::Unary(u) => u.name(),
-        MapOp::Binary(b) => b.name(),
-        MapOp::Cast => "cast",
-    };
+    let what = req.op.name();
     let (inp, outt) = (ty(input_dtype, what)?, ty(out.dtype(), what)?);
     if !codegen::map_supported(req.op, inp, outt) || req.inputs.len() > 2 {
         return Err(Error::UnsupportedDType(format!(
@@ -194,7 +185,7 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
         && plan.strides[0][0] == 1
         && plan.strides[1..].iter().all(|s| s[0] == 0 || s[0] == 1);
     let mut args = MapArgs {
-        out: address(out),
+        out: first_address(out) as u64,
         n: n as u64,
         ..MapArgs::default()
     };
@@ -206,7 +197,7 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
     for (k, input) in req.inputs.iter().enumerate() {
         match input {
             Operand::Tensor(t) => {
-                args.input[k] = address(t);
+                args.input[k] = first_address(t) as u64;
                 let strides = &plan.strides[operand];
                 operand += 1;
                 modes[k] = if !flat {
@@ -338,8 +329,8 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     let sms = ctx.multiprocessors as usize;
     let count = plan.count;
     let mut args = ReduceArgs {
-        input: address(req.input),
-        out: address(req.out),
+        input: first_address(req.input) as u64,
+        out: first_address(req.out) as u64,
         outputs: outputs as u64,
         count: count as u64,
         count_f: count as f64,

@@ -11,7 +11,7 @@ use std::ffi::{CString, c_void};
 use cudarc::driver::sys;
 
 use super::stream::{current_stream, order_across, raw as raw_stream};
-use super::{BACKEND, DeviceContext, check, context};
+use super::{BACKEND, DeviceContext, check, context, first_address};
 use crate::backend::plan::{Axis, CopyPlan, plan_copy};
 use crate::device::DeviceKind;
 use crate::error::{Error, Result};
@@ -103,11 +103,6 @@ struct TiledArgs {
     bshape: [i64; 8],
     bsrc: [i64; 8],
     bdst: [i64; 8],
-}
-
-/// The address of a view's first element.
-fn first_address(t: &Tensor) -> usize {
-    t.buffer().handle().expose_provenance() + t.byte_offset()
 }
 
 fn byte_strides(t: &Tensor) -> Vec<isize> {

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
-use super::compute::address;
+use super::first_address;
 use super::nvrtc::{self, Function};
 use super::stream::{Event, current_stream, raw};
 use super::{BACKEND, context, describe, driver_version};
@@ -192,7 +192,7 @@ pub(crate) fn launch(
                         kernel.name()
                     )));
                 }
-                slots.push(address(t));
+                slots.push(first_address(t) as u64);
             }
             (_, Some(bytes)) => {
                 let mut b = [0u8; 8];

@@ -130,6 +130,12 @@ pub fn driver_version() -> Result<(i32, i32)> {
     Ok((v / 1000, (v % 1000) / 10))
 }
 
+/// The address of a view's first element (a device address, or a host address of pinned or
+/// managed memory).
+pub(super) fn first_address(t: &crate::Tensor) -> usize {
+    t.buffer().handle().expose_provenance() + t.byte_offset()
+}
+
 /// The context of device `ordinal`, retained on first use and bound to the calling thread until
 /// the returned guard drops (which restores whatever context the thread had before, so that
 /// another library's idea of the current device never changes under it).

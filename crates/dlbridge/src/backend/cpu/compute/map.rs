@@ -382,11 +382,7 @@ enum Arg<S> {
 }
 
 fn execute<S: Kernels>(req: &MapRequest<'_>) -> Result<()> {
-    let what = match req.op {
-        MapOp::Unary(op) => op.name(),
-        MapOp::Binary(op) => op.name(),
-        MapOp::Cast => "cast",
-    };
+    let what = req.op.name();
     let kernel = S::kernel(req.op).ok_or_else(|| unsupported(what, req.dtype()))?;
     let arity = match req.op {
         MapOp::Binary(_) => 2,

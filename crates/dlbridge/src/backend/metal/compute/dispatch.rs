@@ -231,11 +231,7 @@ pub(crate) struct MapLaunch {
 /// The element types of an element-wise request: (output, inputs). Fails first, before any GPU
 /// work, for dtypes Metal lacks (`float64`).
 pub(crate) fn map_types(op: MapOp, out: DType, inputs: &[Operand<'_>]) -> Result<(Elem, Elem)> {
-    let what = match op {
-        MapOp::Unary(u) => u.name(),
-        MapOp::Binary(b) => b.name(),
-        MapOp::Cast => "cast",
-    };
+    let what = op.name();
     let out_elem = Elem::of(out, what)?;
     let in_elem = match (op, inputs.first()) {
         (MapOp::Cast, Some(Operand::Tensor(t))) => Elem::of(t.dtype(), what)?,

@@ -14,9 +14,10 @@ Each case is one allocate + free of an uninitialised uint8 array of 4 KiB, 1 MiB
   ``torch.cuda.empty_cache()`` / ``torch.mps.empty_cache()``; on Metal dlbridge's arrays are in the
   device's default storage mode, shared on Apple silicon).
 
-Cases are timed in interleaved rounds (each round times every case once, in a new seeded order)
-and the median of the rounds' per-call means is reported. Nothing touches the memory, so page faults of fresh memory
-(which reuse avoids) are not in these figures.
+Cases are timed in interleaved rounds (each round times every case once, in a new seeded order).
+A time is the median of the rounds' per-call means; a ratio is the median of the rounds' ratios,
+whose two cases ran in the same round (a slow phase of a shared machine divides out). Nothing
+touches the memory, so page faults of fresh memory (which reuse avoids) are not in these figures.
 
 A device column appears for every device in ``--devices`` whose backend dlbridge has; CUDA and
 Metal are skipped, with a note, where they are not available.
@@ -126,7 +127,7 @@ def measure(fns: dict, numbers: dict, rounds: int, verbose: bool = False) -> dic
     if verbose:
         for key, v in samples.items():
             print(" / ".join(key), " ".join(f"{x:.3f}" for x in v), file=sys.stderr)
-    return {key: statistics.median(v) for key, v in samples.items()}
+    return samples
 
 
 def main():
@@ -136,7 +137,7 @@ def main():
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--verbose", action="store_true", help="print every round's figure (stderr)")
     args = ap.parse_args()
-    number, rounds = (500, 5) if args.quick else (5_000, 11)
+    number, rounds = (500, 5) if args.quick else (20_000, 11)
 
     devices, notes = [], []
     for device in args.devices.split(","):
@@ -160,14 +161,21 @@ def main():
     saved_limit = dlbridge.memory_stats()["cache_limit"]
     dlbridge.set_cache_limit(None)  # 256 MiB blocks stay cached whatever the default limit
     try:
-        results = measure(fns, numbers, rounds, args.verbose)
+        samples = measure(fns, numbers, rounds, args.verbose)
     finally:
         dlbridge.set_cache_limit(saved_limit)
+    results = {key: statistics.median(v) for key, v in samples.items()}
+
+    def ratio(a, b):
+        # The median of the rounds' ratios: both cases of a ratio ran in the same round, seconds
+        # apart, so a slow phase of the machine (common on shared VMs) divides out.
+        return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
     print(f"# dlbridge allocation: {platform.processor() or platform.machine()}, "
           f"Python {platform.python_version()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
           f"dlbridge {dlbridge.__version__}")
-    print(f"median per allocate + free (µs) over {rounds} interleaved rounds\n")
+    print(f"median per allocate + free (µs) over {rounds} interleaved rounds; ratios are the "
+          f"median of the rounds' ratios\n")
     for note in notes:
         print(f"- {note}")
     if notes:
@@ -193,8 +201,8 @@ def main():
             row = []
             for d in devices:
                 for label in SIZES:
-                    a, b = results.get((d, label, ours)), results.get((d, label, peer))
-                    row.append("" if a is None or b is None else f"{a / b:.2f}")
+                    a, b = (d, label, ours), (d, label, peer)
+                    row.append(f"{ratio(a, b):.2f}" if a in samples and b in samples else "")
             print(f"| {ours} / {peer} | " + " | ".join(row) + " |")
 
     stats = dlbridge.memory_stats()

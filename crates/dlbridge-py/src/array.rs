@@ -23,7 +23,7 @@ use dlbridge::compute::{BinaryOp, ReduceOp, UnaryOp};
 ///
 /// Indexing (integers, slices with any step, `...`, `None`) returns views that share memory.
 /// `strides` are in elements, not bytes.
-#[pyclass(frozen, module = "dlbridge", name = "Array", sequence)]
+#[pyclass(frozen, module = "dlbridge", name = "Array", sequence, freelist = 64)]
 pub(crate) struct PyArray {
     /// The view; `None` once `Backend.free` released the memory.
     slot: RwLock<Option<Tensor>>,

@@ -17,16 +17,24 @@ use crate::fastcall::{self, MethodDef, Signature};
 pub(crate) type Shape = SmallVec<[usize; 8]>;
 
 /// Reads a shape: an int or a sequence of non-negative ints.
+#[inline]
 pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Shape> {
-    let extent = |d: i64| {
-        usize::try_from(d)
-            .map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
-    };
     // Fast paths without a failed conversion (a raised and discarded exception costs more than
     // the whole allocation): an int, or a tuple of ints.
     if obj.is_instance_of::<PyInt>() {
         return Ok(smallvec::smallvec![extent(obj.extract::<i64>()?)?]);
     }
+    parse_shape_sequence(obj)
+}
+
+/// An extent of a shape: a non-negative int.
+#[inline]
+fn extent(d: i64) -> PyResult<usize> {
+    usize::try_from(d).map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
+}
+
+/// [`parse_shape`] of anything but an int.
+fn parse_shape_sequence(obj: &Bound<'_, PyAny>) -> PyResult<Shape> {
     if let Ok(t) = obj.cast::<PyTuple>() {
         if t.iter().all(|d| d.is_instance_of::<PyInt>()) {
             return t.iter().map(|d| extent(d.extract::<i64>()?)).collect();
@@ -43,14 +51,10 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Shape> {
             obj.get_type().name()?
         )));
     };
-    dims.into_iter()
-        .map(|d| {
-            usize::try_from(d)
-                .map_err(|_| PyValueError::new_err(format!("negative extent {d} in shape")))
-        })
-        .collect()
+    dims.into_iter().map(extent).collect()
 }
 
+#[inline]
 fn parse_opt_dtype(dtype: Option<&Bound<'_, PyAny>>) -> PyResult<Option<DType>> {
     match dtype {
         Some(d) if !d.is_none() => Ok(Some(crate::dtype::parse(d)?)),
@@ -114,6 +118,7 @@ pub(crate) fn copy_to(
 
 /// A new compact array; the dtype defaults to float32 and the device to the CPU. Unless `zeroed`,
 /// the contents are undefined.
+#[inline(always)]
 fn allocate(
     shape: &Bound<'_, PyAny>,
     dtype: Option<&Bound<'_, PyAny>>,
@@ -122,17 +127,16 @@ fn allocate(
     zeroed: bool,
 ) -> PyResult<Tensor> {
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
-    let (device, storage) = placement(device, storage)?;
+    let (device, storage) = match (device, storage) {
+        // The common call needs no parsing: the CPU in its default storage.
+        (None, None) => (Device::CPU, None),
+        _ => placement(device, storage)?,
+    };
     let extents = parse_shape(shape)?;
-    // A `match` rather than `.py()?`: the tensor moves once instead of through a second
-    // `Result` (a copy that showed in profiles of `dlbridge.empty`).
-    match Tensor::allocate(&extents, dtype, device, storage, zeroed) {
-        Ok(t) => {
-            crate::memory::warn_env_once(shape.py())?;
-            Ok(t)
-        }
-        Err(err) => Err(crate::errors::to_py(err)),
-    }
+    // Before the allocation, which reads `DLBRIDGE_STORAGE_MODE` if nothing has yet: reading it
+    // here instead changes nothing, and the tensor then moves straight to the caller.
+    crate::memory::warn_env_once(shape.py())?;
+    Tensor::allocate(&extents, dtype, device, storage, zeroed).map_err(crate::errors::to_py)
 }
 
 /// The parameters of `dlbridge.empty`.

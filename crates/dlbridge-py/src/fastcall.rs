@@ -195,6 +195,7 @@ impl<const N: usize> Signature<N> {
     /// # Safety
     /// `args`, `nargsf` and `kwnames` are what CPython passed to a `METH_FASTCALL |
     /// METH_KEYWORDS` function, and the returned references are used only during that call.
+    #[inline]
     pub(crate) unsafe fn parse<'a, 'py>(
         &self,
         py: Python<'py>,
@@ -227,12 +228,7 @@ impl<const N: usize> Signature<N> {
         };
         let mut out: [Option<&'a Bound<'py, PyAny>>; N] = [None; N];
         if nargs > self.positional {
-            return Err(PyTypeError::new_err(format!(
-                "{}() takes at most {} positional argument{} ({nargs} given)",
-                self.function,
-                self.positional,
-                if self.positional == 1 { "" } else { "s" }
-            )));
+            return Err(self.too_many_positional(nargs));
         }
         for (i, slot) in out.iter_mut().take(nargs).enumerate() {
             *slot = Some(arg(i));
@@ -263,14 +259,29 @@ impl<const N: usize> Signature<N> {
             }
         }
         if let Some(missing) = out[..self.required].iter().position(Option::is_none) {
-            return Err(PyTypeError::new_err(format!(
-                "{}() missing required argument '{}' (pos {})",
-                self.function,
-                self.param(missing),
-                missing + 1
-            )));
+            return Err(self.missing(missing));
         }
         Ok(out)
+    }
+
+    #[cold]
+    fn too_many_positional(&self, nargs: usize) -> PyErr {
+        PyTypeError::new_err(format!(
+            "{}() takes at most {} positional argument{} ({nargs} given)",
+            self.function,
+            self.positional,
+            if self.positional == 1 { "" } else { "s" }
+        ))
+    }
+
+    #[cold]
+    fn missing(&self, index: usize) -> PyErr {
+        PyTypeError::new_err(format!(
+            "{}() missing required argument '{}' (pos {})",
+            self.function,
+            self.param(index),
+            index + 1
+        ))
     }
 }
 

@@ -33,6 +33,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// the variable if nothing has yet. Call it where Python code allocates.
 ///
 /// Fails only when the warning filters turn the warning into an exception.
+#[inline]
 pub(crate) fn warn_env_once(py: Python<'_>) -> PyResult<()> {
     let Some(message) = dlbridge::storage::take_env_warning() else {
         return Ok(());

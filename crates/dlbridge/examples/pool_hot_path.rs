@@ -36,7 +36,7 @@ fn main() -> dlbridge::Result<()> {
         let raw = median_ns(
             || {
                 drop(std::hint::black_box(
-                    pool.allocate(bytes, None, false).unwrap(),
+                    pool.allocate_static(bytes, None, false).unwrap(),
                 ))
             },
             100_000,

@@ -17,7 +17,8 @@ const INLINE_NDIM: usize = 4;
 /// Writes the row-major strides of `shape` (each the product of the extents after its axis) to
 /// `out`. The caller checked that the product of all extents fits, so no stride overflows (a 0
 /// extent counts as 1, which keeps later strides at the product of the extents after them).
-fn row_major_strides(shape: &[usize], out: &mut [isize]) {
+#[inline]
+pub(crate) fn row_major_strides(shape: &[usize], out: &mut [isize]) {
     let mut acc = 1usize;
     for (stride, &dim) in out.iter_mut().zip(shape).rev() {
         *stride = acc as isize;
@@ -26,7 +27,7 @@ fn row_major_strides(shape: &[usize], out: &mut [isize]) {
 }
 
 /// Extents or strides: inline up to [`INLINE_NDIM`] axes, so that making a view (or a new
-/// array) of up to six axes allocates nothing for them.
+/// array) of up to four axes allocates nothing for them.
 pub(crate) type Dims<T> = SmallVec<[T; INLINE_NDIM]>;
 
 /// How a strided array addresses its buffer: `shape`, `strides` in elements (negative and zero
@@ -103,12 +104,26 @@ impl SliceArg {
     }
 }
 
+#[inline]
 fn checked_numel(shape: &[usize]) -> Result<usize> {
-    shape
+    match shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .filter(|&n| n <= isize::MAX as usize)
-        .ok_or_else(|| overflow(format!("element count of shape {shape:?}")))
+    {
+        Some(n) => Ok(n),
+        None => Err(numel_overflow(shape)),
+    }
+}
+
+#[cold]
+fn numel_overflow(shape: &[usize]) -> Error {
+    overflow(format!("element count of shape {shape:?}"))
+}
+
+#[cold]
+fn too_many_axes(ndim: usize) -> Error {
+    Error::Shape(format!("{ndim} dimensions exceed the limit of {MAX_NDIM}"))
 }
 
 fn wrap_axis(axis: isize, ndim: usize) -> Result<usize> {
@@ -142,13 +157,10 @@ impl Layout {
     }
 
     /// A compact row-major layout starting `byte_offset` bytes into the buffer.
-    #[inline]
+    #[inline(always)]
     pub fn contiguous_at(shape: &[usize], byte_offset: usize) -> Result<Self> {
         if shape.len() > MAX_NDIM {
-            return Err(Error::Shape(format!(
-                "{} dimensions exceed the limit of {MAX_NDIM}",
-                shape.len()
-            )));
+            return Err(too_many_axes(shape.len()));
         }
         checked_numel(shape)?;
         let n = shape.len();
@@ -184,10 +196,7 @@ impl Layout {
             )));
         }
         if shape.len() > MAX_NDIM {
-            return Err(Error::Shape(format!(
-                "{} dimensions exceed the limit of {MAX_NDIM}",
-                shape.len()
-            )));
+            return Err(too_many_axes(shape.len()));
         }
         checked_numel(shape)?;
         Ok(Layout {

@@ -284,6 +284,7 @@ impl State {
 
     /// Takes a cached block of `size` that is safe to use on `stream` (see the module
     /// documentation), or `None`.
+    #[inline]
     fn take_cached(
         &mut self,
         size: usize,
@@ -293,35 +294,12 @@ impl State {
             return Ok(None);
         };
         // The common case, and the whole of it on the CPU: the newest block has no fence.
-        let index = if list.last().is_some_and(|b| b.fence.is_none()) {
-            list.len() - 1
-        } else {
-            let ready = list.iter().rposition(|block| match &block.fence {
-                None => true,
-                Some(fence) => {
-                    (stream == Some(fence.stream()) && fence.stream_ordered())
-                        || fence.is_complete()
-                }
-            });
-            // Else the oldest block that stream order protects, once `stream` waits for its work.
-            match (ready, stream) {
-                (Some(index), _) => index,
-                (None, Some(stream)) => {
-                    let orderable = list
-                        .iter()
-                        .position(|b| b.fence.as_ref().is_none_or(|f| f.stream_ordered()));
-                    match orderable {
-                        Some(index) => {
-                            if let Some(fence) = &list[index].fence {
-                                fence.order_before(stream)?;
-                            }
-                            index
-                        }
-                        None => return Ok(None),
-                    }
-                }
-                (None, None) => return Ok(None),
-            }
+        let index = match list.last() {
+            Some(block) if block.fence.is_none() => list.len() - 1,
+            _ => match ready_block(list, stream)? {
+                Some(index) => index,
+                None => return Ok(None),
+            },
         };
         Ok(Some(detach(&mut self.stats, list, index, size)))
     }
@@ -367,6 +345,7 @@ impl State {
     }
 
     /// Counts a handed-out block.
+    #[inline]
     fn commit(&mut self, size: usize, requested: usize, hit: bool) {
         let s = &mut self.stats;
         s.active_bytes += size;
@@ -388,7 +367,30 @@ impl State {
     }
 }
 
+/// The index of a block of `list` (cached blocks of one size, oldest first) that is safe to use
+/// on `stream`: the newest one whose fence lets it be, else the oldest one that stream order
+/// protects once `stream` waits for its work (which this makes it do); `None` if there is none.
+fn ready_block(list: &[CachedBlock], stream: Option<StreamKey>) -> Result<Option<usize>> {
+    let ready = list.iter().rposition(|block| match &block.fence {
+        None => true,
+        Some(fence) => {
+            (stream == Some(fence.stream()) && fence.stream_ordered()) || fence.is_complete()
+        }
+    });
+    let (None, Some(stream)) = (ready, stream) else {
+        return Ok(ready);
+    };
+    let orderable = list
+        .iter()
+        .position(|b| b.fence.as_ref().is_none_or(|f| f.stream_ordered()));
+    if let Some(fence) = orderable.and_then(|index| list[index].fence.as_ref()) {
+        fence.order_before(stream)?;
+    }
+    Ok(orderable)
+}
+
 /// Takes block `index` of the cached blocks of `size` out of the cache, and out of its figures.
+#[inline]
 fn detach(
     stats: &mut MemoryStats,
     list: &mut Vec<CachedBlock>,
@@ -433,6 +435,7 @@ impl Pool {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the size cannot be described.
+    #[inline]
     pub fn block_size(&self, bytes: usize) -> Result<usize> {
         round_size(bytes)
             .and_then(|size| self.allocator.round_size(size))
@@ -457,6 +460,34 @@ impl Pool {
         stream: Option<StreamKey>,
         zeroed: bool,
     ) -> Result<PooledBlock> {
+        self.take(bytes, stream, zeroed, || Home::Counted(Arc::clone(self)))
+    }
+
+    /// [`Pool::allocate`] from a pool that lives as long as the process (a backend's pool): the
+    /// block refers to it without counting a reference, which saves two atomic operations per
+    /// allocate + free.
+    ///
+    /// # Errors
+    /// As [`Pool::allocate`].
+    #[inline]
+    pub fn allocate_static(
+        &'static self,
+        bytes: usize,
+        stream: Option<StreamKey>,
+        zeroed: bool,
+    ) -> Result<PooledBlock> {
+        self.take(bytes, stream, zeroed, || Home::Static(self))
+    }
+
+    /// The body of both allocation methods; `home` says how the block refers to the pool.
+    #[inline]
+    fn take(
+        &self,
+        bytes: usize,
+        stream: Option<StreamKey>,
+        zeroed: bool,
+        home: impl FnOnce() -> Home,
+    ) -> Result<PooledBlock> {
         let size = self.block_size(bytes)?;
         let cached = {
             let mut state = self.lock();
@@ -475,17 +506,46 @@ impl Pool {
             }
             cached
         };
-        if let Some(cached) = cached {
-            let block = self.block(cached.ptr, size, bytes, stream);
+        if let Some(CachedBlock { ptr, fence, .. }) = cached {
             // The fence (an event, say) is released outside the lock.
-            drop(cached);
+            drop(fence);
             if zeroed {
                 // SAFETY: the block is live and `bytes <= size`; it is handed to nobody until this
                 // returns, and the fill is ordered on the stream it is handed out for.
-                unsafe { self.allocator.zero(block.ptr, bytes, stream)? };
+                if let Err(err) = unsafe { self.allocator.zero(ptr, bytes, stream) } {
+                    // Back to the cache, as a dropped block goes.
+                    self.release(ptr, size, bytes, stream);
+                    return Err(err);
+                }
             }
-            return Ok(block);
+            return Ok(PooledBlock {
+                home: home(),
+                ptr,
+                size,
+                requested: bytes,
+                stream,
+            });
         }
+        let ptr = self.allocate_from_driver(bytes, size, zeroed)?;
+        Ok(PooledBlock {
+            home: home(),
+            ptr,
+            size,
+            requested: bytes,
+            stream,
+        })
+    }
+
+    /// A new block of `size` bytes from the driver, for a request of `bytes` whose `size` the
+    /// caller has already reserved (a miss): on exhaustion the cache is released and the driver
+    /// asked once more.
+    #[cold]
+    fn allocate_from_driver(
+        &self,
+        bytes: usize,
+        size: usize,
+        zeroed: bool,
+    ) -> Result<NonNull<c_void>> {
         let reservation = Reservation {
             pool: self,
             size,
@@ -513,23 +573,7 @@ impl Pool {
             Err(err) => return Err(err),
         };
         reservation.commit(bytes);
-        Ok(self.block(ptr, size, bytes, stream))
-    }
-
-    fn block(
-        self: &Arc<Self>,
-        ptr: NonNull<c_void>,
-        size: usize,
-        requested: usize,
-        stream: Option<StreamKey>,
-    ) -> PooledBlock {
-        PooledBlock {
-            pool: Arc::clone(self),
-            ptr,
-            size,
-            requested,
-            stream,
-        }
+        Ok(ptr)
     }
 
     /// Takes a released block back: into the cache, then trims the cache to its limit.
@@ -645,6 +689,7 @@ impl Pool {
         self.lock().error.take()
     }
 
+    #[inline]
     fn lock(&self) -> MutexGuard<'_, State> {
         // Nothing panics while holding the lock; should something, the figures are still whole
         // numbers, so keep going rather than poisoning every later allocation.
@@ -725,10 +770,18 @@ impl Drop for Reservation<'_> {
     }
 }
 
+/// How a block refers to its pool.
+enum Home {
+    /// A pool that is never dropped (made by a backend for the whole process).
+    Static(&'static Pool),
+    /// A pool that lives while blocks or other handles refer to it.
+    Counted(Arc<Pool>),
+}
+
 /// A block handed out by a [`Pool`]; dropping it returns the block to the pool (fenced on its
 /// stream where the backend says queued work may still use it).
 pub struct PooledBlock {
-    pool: Arc<Pool>,
+    home: Home,
     ptr: NonNull<c_void>,
     size: usize,
     requested: usize,
@@ -770,8 +823,11 @@ impl PooledBlock {
     }
 
     /// The pool the block returns to.
-    pub fn pool(&self) -> &Arc<Pool> {
-        &self.pool
+    pub fn pool(&self) -> &Pool {
+        match &self.home {
+            Home::Static(pool) => pool,
+            Home::Counted(pool) => pool,
+        }
     }
 }
 
@@ -783,7 +839,7 @@ impl Allocation for PooledBlock {
 
 impl Drop for PooledBlock {
     fn drop(&mut self) {
-        self.pool
+        self.pool()
             .release(self.ptr, self.size, self.requested, self.stream);
     }
 }

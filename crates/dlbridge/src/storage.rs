@@ -85,6 +85,7 @@ pub const fn default_mode(kind: DeviceKind) -> Option<StorageMode> {
 /// [`Error::UnsupportedDevice`] for a kind dlbridge cannot allocate on;
 /// [`Error::InvalidArgument`] when `kind` names a mode itself (CUDA host, CUDA managed) and
 /// `explicit` asks for another.
+#[inline]
 pub fn resolve(kind: DeviceKind, explicit: Option<StorageMode>) -> Result<Resolved> {
     resolve_with(kind, explicit, environment_mode())
 }
@@ -139,6 +140,7 @@ pub fn environment_mode() -> Option<StorageMode> {
 /// The warning about an invalid `DLBRIDGE_STORAGE_MODE`, to exactly one caller: the first call
 /// after the variable was found invalid returns the message, every other call `None`. Reads the
 /// variable if nothing has yet.
+#[inline]
 pub fn take_env_warning() -> Option<String> {
     // Skips the lock in the common case of a valid (or no) value.
     environment().warning.as_ref()?;
@@ -158,6 +160,7 @@ struct Environment {
 static ENVIRONMENT: OnceLock<Environment> = OnceLock::new();
 static PENDING_WARNING: Mutex<Option<String>> = Mutex::new(None);
 
+#[inline]
 fn environment() -> &'static Environment {
     ENVIRONMENT.get_or_init(|| {
         let raw = std::env::var_os(ENV_VAR);

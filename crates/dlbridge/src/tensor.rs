@@ -71,7 +71,7 @@ impl Tensor {
     }
 
     /// A new compact tensor; `storage` overrides the device's default mode.
-    #[inline]
+    #[inline(always)]
     pub fn allocate(
         shape: &[usize],
         dtype: DType,

@@ -50,6 +50,8 @@ struct Shared {
     budget: Mutex<Option<usize>>,
     /// The fence state the next releases get (`None`: no fence).
     pending: Mutex<Option<Arc<FenceState>>>,
+    /// Fail every zero fill.
+    fail_zero: AtomicBool,
     log: Mutex<Vec<Event>>,
 }
 
@@ -104,6 +106,12 @@ impl RawAllocator for TestDriver {
         bytes: usize,
         stream: Option<StreamKey>,
     ) -> dlbridge::Result<()> {
+        if self.0.fail_zero.load(Ordering::SeqCst) {
+            return Err(Error::Driver {
+                backend: "test",
+                message: "the fill could not be queued".into(),
+            });
+        }
         // SAFETY: the pool's contract for `zero` is the host allocator's.
         unsafe { HostAllocator.zero(ptr, bytes, stream) }
     }
@@ -308,6 +316,50 @@ fn reused_blocks_are_zeroed_again_when_asked() {
         let raw = pool.allocate(bytes, None, false).unwrap();
         assert_eq!(addr(&raw), address);
     }
+}
+
+#[test]
+fn a_failed_zero_fill_puts_the_reused_block_back() {
+    let (pool, shared) = test_pool();
+    let address = addr(&pool.allocate(4 * KIB, None, false).unwrap());
+    shared.fail_zero.store(true, Ordering::SeqCst);
+    let err = pool.allocate(4 * KIB, None, true).unwrap_err();
+    assert!(matches!(err, Error::Driver { .. }), "{err}");
+    // The hit was counted and the block released again: nothing is active, the block is cached.
+    let s = pool.stats();
+    assert_eq!(
+        (s.allocations, s.cache_hits, s.active_blocks, s.active_bytes),
+        (2, 1, 0, 0)
+    );
+    assert_eq!((s.cached_blocks, s.cached_bytes), (1, 4 * KIB));
+    shared.fail_zero.store(false, Ordering::SeqCst);
+    assert_eq!(addr(&pool.allocate(4 * KIB, None, true).unwrap()), address);
+    assert_eq!(pool.stats().driver_allocations, 1);
+}
+
+#[test]
+fn a_static_pool_hands_out_blocks_without_counting_references() {
+    let pool: &'static Arc<Pool> = Box::leak(Box::new(test_pool().0));
+    let block = pool.allocate_static(100 * KIB, None, false).unwrap();
+    assert_eq!(Arc::strong_count(pool), 1, "the block holds no reference");
+    assert!(std::ptr::eq(block.pool(), &**pool));
+    let address = addr(&block);
+    drop(block);
+    // The same reuse and figures as through a counted reference.
+    let counted = pool.allocate(100 * KIB, None, false).unwrap();
+    assert_eq!(Arc::strong_count(pool), 2);
+    assert_eq!(addr(&counted), address);
+    drop(counted);
+    assert_eq!(Arc::strong_count(pool), 1);
+    let s = pool.stats();
+    assert_eq!(
+        (s.allocations, s.cache_hits, s.driver_allocations),
+        (2, 1, 1)
+    );
+    assert_eq!(
+        (s.active_bytes, s.cached_bytes),
+        (0, pool.block_size(100 * KIB).unwrap())
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -161,11 +161,7 @@ impl ReducePlan {
 /// Row-major (C-order) strides in elements of a compact array of `shape`.
 pub fn row_major_strides(shape: &[usize]) -> Vec<isize> {
     let mut strides = vec![0isize; shape.len()];
-    let mut step = 1isize;
-    for (s, &n) in strides.iter_mut().zip(shape).rev() {
-        *s = step;
-        step = step.wrapping_mul(n.max(1) as isize);
-    }
+    crate::layout::row_major_strides(shape, &mut strides);
     strides
 }
 

@@ -163,7 +163,7 @@ pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
             )
         });
     }
-    let block = pool().allocate(bytes, None, zeroed)?;
+    let block = pool().allocate_static(bytes, None, zeroed)?;
     let ptr = block.as_ptr();
     // SAFETY: the block addresses at least `bytes` host bytes (`block_size() >= len()`) that the
     // host may read and write, and it stays allocated until the boxed block is dropped.

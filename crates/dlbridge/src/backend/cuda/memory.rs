@@ -321,7 +321,7 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
         });
     }
     let stream = current_stream(device.index() as i32) as StreamKey;
-    let block = pool.allocate(bytes, Some(stream), zeroed)?;
+    let block = pool.allocate_static(bytes, Some(stream), zeroed)?;
     let handle = block.as_ptr().as_ptr();
     let host = match device.kind() {
         DeviceKind::Cuda => std::ptr::null_mut(),

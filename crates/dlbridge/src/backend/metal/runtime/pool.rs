@@ -128,7 +128,7 @@ pub(crate) fn allocate(
     zeroed: bool,
 ) -> Result<Buffer> {
     let pool = pool(device, storage)?;
-    let block = pool.allocate(bytes, Some(QUEUE_STREAM), zeroed)?;
+    let block = pool.allocate_static(bytes, Some(QUEUE_STREAM), zeroed)?;
     // SAFETY: the block is live (we hold it); the borrow ends before the block moves below.
     let raw = unsafe { MetalBlocks::raw(block.as_ptr()) };
     let handle = raw.handle();

@@ -350,11 +350,16 @@ def test_unified_buffer_in_managed_memory_is_one_allocation():
     assert ub.transfers == {"host_to_device": 0, "device_to_host": 0}
 
 
+# Long enough that the host's steps after enqueuing the read (a garbage collection among them,
+# which takes milliseconds with PyTorch loaded) end well before the read can start.
+LONG_SLEEP_CYCLES = 400_000_000  # about 200 ms on a GPU clocked near 2 GHz
+
+
 @needs_cuda
 @pytest.mark.skipif(torch is None, reason="PyTorch is not installed (its _sleep kernel delays a stream)")
 @pytest.mark.parametrize("round_", range(3))
 def test_inputs_read_on_another_stream_are_not_reused_too_early(round_):
-    # `a` is allocated on stream s1 and read by an op on stream s2 (behind a ~20 ms kernel);
+    # `a` is allocated on stream s1 and read by an op on stream s2 (behind a ~200 ms kernel);
     # freed, its block goes back to s1's cache. The next allocation on s1 takes that block and
     # fills it: the fill must wait for s2's read.
     s1, s2 = dlbridge.cuda.Stream(), dlbridge.cuda.Stream()
@@ -365,7 +370,7 @@ def test_inputs_read_on_another_stream_are_not_reused_too_early(round_):
     ptr = a.data_ptr
     with dlbridge.cuda.stream(s2):
         with torch.cuda.stream(torch.cuda.ExternalStream(s2.handle)):
-            torch.cuda._sleep(40_000_000)
+            torch.cuda._sleep(LONG_SLEEP_CYCLES)
         out = a + a
     del a
     gc.collect()
@@ -375,6 +380,33 @@ def test_inputs_read_on_another_stream_are_not_reused_too_early(round_):
     s1.synchronize()
     s2.synchronize()
     assert float(out.min()) == 2.0 and float(out.max()) == 2.0
+
+
+@needs_cuda
+@pytest.mark.skipif(torch is None, reason="PyTorch is not installed (its _sleep kernel delays a stream)")
+@pytest.mark.parametrize("round_", range(3))
+def test_copy_sources_read_on_another_stream_are_not_reused_too_early(round_):
+    # As above, with a copy instead of an op: `a` (stream s1's block) is copied on stream s2
+    # behind a ~200 ms kernel; the refill of its reused block on s1 must wait for that copy.
+    s1, s2 = dlbridge.cuda.Stream(), dlbridge.cuda.Stream()
+    n = 1 << 22
+    value = 3.0 + round_
+    with dlbridge.cuda.stream(s1):
+        a = dlbridge.full((n,), value, dtype="float32", device="cuda:0")
+    s1.synchronize()
+    ptr = a.data_ptr
+    with dlbridge.cuda.stream(s2):
+        with torch.cuda.stream(torch.cuda.ExternalStream(s2.handle)):
+            torch.cuda._sleep(LONG_SLEEP_CYCLES)
+        out = a.copy()  # read on s2
+    del a
+    gc.collect()
+    with dlbridge.cuda.stream(s1):
+        b = dlbridge.full((n,), -1.0, dtype="float32", device="cuda:0")
+    assert b.data_ptr == ptr  # the block was reused
+    s1.synchronize()
+    s2.synchronize()
+    assert float(out.min()) == value and float(out.max()) == value
 
 
 @needs_cuda

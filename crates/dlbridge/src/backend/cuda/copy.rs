@@ -4,13 +4,15 @@
 //!
 //! Everything is enqueued on the current stream of the device doing the work. A copy into
 //! pageable host memory (a CPU tensor) waits for that stream before returning, since the host
-//! reads the result next; every other copy returns as soon as it is enqueued.
+//! reads the result next; every other copy returns as soon as it is enqueued, after recording
+//! its use of pooled blocks of other streams ([`record_use_on`]), so that such a block freed
+//! next is not reused on its own stream before the copy is done.
 
 use std::ffi::{CString, c_void};
 
 use cudarc::driver::sys;
 
-use super::stream::{current_stream, order_across, raw as raw_stream};
+use super::stream::{current_stream, order_across, raw as raw_stream, record_use_on};
 use super::{BACKEND, DeviceContext, check, context, first_address};
 use crate::backend::plan::{Axis, CopyPlan, plan_copy};
 use crate::device::DeviceKind;
@@ -127,7 +129,8 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         if !peer {
             // One device does the work: the side holding device memory, else the destination.
             let ordinal = if sk == DeviceKind::Cuda { s_ord } else { d_ord };
-            return run_plan(ordinal, dst, src);
+            run_plan(ordinal, dst, src)?;
+            return record_use_on(ordinal, current_stream(ordinal), [dst, src]);
         }
         if !src.is_contiguous() {
             // SAFETY: forwarded; the staged copy is new memory.
@@ -141,7 +144,8 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
             // SAFETY: forwarded.
             return unsafe { dst.copy_from_unchecked(&staged) };
         }
-        return peer_copy(dst, src);
+        peer_copy(dst, src)?;
+        return record_use_on(d_ord, current_stream(d_ord), [dst, src]);
     }
     // One side is pageable host memory: move compact bytes, making either side compact first.
     if !src.is_contiguous() {
@@ -174,7 +178,8 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
                 )
             },
             "cuMemcpyHtoDAsync",
-        )
+        )?;
+        record_use_on(ordinal, current_stream(ordinal), [dst])
     } else {
         let ordinal = src.device().index() as i32;
         let _ctx = context(ordinal)?;

@@ -366,6 +366,20 @@ pub(crate) fn synchronize_stream(ordinal: i32, handle: usize) -> Result<()> {
 /// devices, foreign memory and blocks of the current stream need nothing.
 pub(crate) fn record_use<'a>(tensors: impl IntoIterator<Item = &'a crate::Tensor>) -> Result<()> {
     for t in tensors {
+        let ordinal = t.device().index() as i32;
+        record_use_on(ordinal, current_stream(ordinal), [t])?;
+    }
+    Ok(())
+}
+
+/// As [`record_use`], for work enqueued on stream `stream` of device `ordinal` (a copy runs on one
+/// device's stream, and may touch memory of another device's pool).
+pub(crate) fn record_use_on<'a>(
+    ordinal: i32,
+    stream: usize,
+    tensors: impl IntoIterator<Item = &'a crate::Tensor>,
+) -> Result<()> {
+    for t in tensors {
         let device = t.device();
         if !device.kind().is_cuda() {
             continue;
@@ -373,11 +387,12 @@ pub(crate) fn record_use<'a>(tensors: impl IntoIterator<Item = &'a crate::Tensor
         let Some(owner) = t.buffer().allocation_stream() else {
             continue;
         };
-        let ordinal = device.index() as i32;
-        let current = current_stream(ordinal);
+        let owner_ordinal = device.index() as i32;
         let owner = owner as usize;
-        if !same_stream(owner, current) {
-            order_streams(ordinal, current, owner)?;
+        if owner_ordinal == ordinal {
+            order_streams(ordinal, stream, owner)?;
+        } else {
+            order_across(ordinal, stream, owner_ordinal, owner)?;
         }
     }
     Ok(())

@@ -266,6 +266,22 @@ def test_reductions_keepdims_and_strided(device, rng):
     close(a.mean(), np.asarray(xv.mean()), "float32")
 
 
+def test_many_axes_that_do_not_merge(device, rng):
+    # 18 axes whose reversed order keeps any two from merging: more axes, on each side of the
+    # reduction too, than the GPU kernels walk (CUDA 6, Metal 8), so the backends copy first.
+    perm = tuple(reversed(range(18)))
+    x, y = rng.uniform(-1, 1, size=(2,) * 18), rng.uniform(-1, 1, size=(2,) * 18)
+    a = put(x, "float32", device).permute(*perm)
+    b = put(y, "float32", device)
+    xv, yv = rounded(x, "float32").transpose(perm), rounded(y, "float32")
+    close(a + b, xv + yv, "float32")
+    close(ops.multiply(a, 2.0), xv * 2.0, "float32")
+    every_other = tuple(range(0, 18, 2))
+    close(a.sum(axis=every_other), xv.sum(axis=every_other), "float32", scale=8)
+    close(a.max(axis=every_other), xv.max(axis=every_other), "float32")
+    close(b.mean(axis=every_other), yv.mean(axis=every_other), "float32")
+
+
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "int64", "uint64"])
 def test_integer_reductions(device, dtype, rng):
     x = rng.integers(0, 100, size=(33, 17)).astype(dtype)

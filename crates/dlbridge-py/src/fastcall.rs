@@ -147,6 +147,21 @@ pub(crate) fn run<'py>(
     }
 }
 
+/// The first `n` entries of a fast call's argument vector (none at all, without reading `args`,
+/// when `n` is 0).
+///
+/// # Safety
+/// `args` is the vector CPython passed to the call, holding at least `n` live objects, and the
+/// slice is used only during that call.
+unsafe fn vector<'a>(args: *const *mut ffi::PyObject, n: usize) -> &'a [*mut ffi::PyObject] {
+    if n == 0 {
+        &[]
+    } else {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts(args, n) }
+    }
+}
+
 /// The parameters of a function with `N` parameters, in order: the first `positional_only` can
 /// be given only by position, the first `positional` by position, the rest only by keyword, and
 /// the first `required` must be given.
@@ -195,7 +210,7 @@ impl<const N: usize> Signature<N> {
     /// # Safety
     /// `args`, `nargsf` and `kwnames` are what CPython passed to a `METH_FASTCALL |
     /// METH_KEYWORDS` function, and the returned references are used only during that call.
-    #[inline]
+    #[inline(always)]
     pub(crate) unsafe fn parse<'a, 'py>(
         &self,
         py: Python<'py>,
@@ -206,62 +221,69 @@ impl<const N: usize> Signature<N> {
         // The offset flag is the top bit of `nargsf` (`PY_VECTORCALL_ARGUMENTS_OFFSET`); the
         // count is the rest.
         let nargs = nargsf as usize & !VECTORCALL_ARGUMENTS_OFFSET;
-        let kwnames = if kwnames.is_null() {
-            None
-        } else {
-            // SAFETY: CPython passes a live object (when not NULL), borrowed for the call.
-            let names = unsafe { Bound::ref_from_ptr(py, &kwnames) };
-            // SAFETY: ... and it is a tuple of str.
-            Some(unsafe { names.cast_unchecked::<PyTuple>() })
-        };
-        let nkw = kwnames.map_or(0, |k| k.len());
-        let values: &'a [*mut ffi::PyObject] = if nargs + nkw == 0 {
-            &[]
-        } else {
-            // SAFETY: CPython's vector holds `nargs` positional and then `nkw` keyword values,
-            // all live for the call.
-            unsafe { std::slice::from_raw_parts(args, nargs + nkw) }
-        };
-        let arg = |i: usize| {
-            // SAFETY: every element of `values` is a live object borrowed for the call.
-            unsafe { Bound::ref_from_ptr(py, &values[i]) }
-        };
-        let mut out: [Option<&'a Bound<'py, PyAny>>; N] = [None; N];
         if nargs > self.positional {
             return Err(self.too_many_positional(nargs));
         }
-        for (i, slot) in out.iter_mut().take(nargs).enumerate() {
-            *slot = Some(arg(i));
+        let mut out: [Option<&'a Bound<'py, PyAny>>; N] = [None; N];
+        // SAFETY: CPython's vector starts with `nargs` positional values, live for the call.
+        let positional = unsafe { vector(args, nargs) };
+        for (slot, value) in out.iter_mut().zip(positional) {
+            // SAFETY: a live object borrowed for the call.
+            *slot = Some(unsafe { Bound::ref_from_ptr(py, value) });
         }
-        if let Some(kwnames) = kwnames {
-            for k in 0..nkw {
-                let name = kwnames.get_borrowed_item(k)?;
-                let name = name.cast::<PyString>()?;
-                let index = self.params.lookup(&name)?;
-                let index = match index {
-                    Some(&i) if i >= self.positional_only => i,
-                    Some(_) | None => {
-                        return Err(PyTypeError::new_err(format!(
-                            "{}() got an unexpected keyword argument {}",
-                            self.function,
-                            name.repr()?
-                        )));
-                    }
-                };
-                if out[index].is_some() {
-                    return Err(PyTypeError::new_err(format!(
-                        "{}() got multiple values for argument '{}'",
-                        self.function,
-                        self.param(index)
-                    )));
-                }
-                out[index] = Some(arg(nargs + k));
-            }
+        if !kwnames.is_null() {
+            // SAFETY: forwarded: the call's vector and its tuple of keyword names.
+            unsafe { self.parse_keywords(py, args, nargs, kwnames, &mut out)? };
         }
         if let Some(missing) = out[..self.required].iter().position(Option::is_none) {
             return Err(self.missing(missing));
         }
         Ok(out)
+    }
+
+    /// The keyword part of [`Signature::parse`]: the values after the `nargs` positional ones in
+    /// `args`, named by the tuple `kwnames`, into `out`.
+    ///
+    /// # Safety
+    /// As [`Signature::parse`], with `kwnames` not NULL.
+    unsafe fn parse_keywords<'py>(
+        &self,
+        py: Python<'py>,
+        args: *const *mut ffi::PyObject,
+        nargs: usize,
+        kwnames: *mut ffi::PyObject,
+        out: &mut [Option<&Bound<'py, PyAny>>; N],
+    ) -> PyResult<()> {
+        // SAFETY: CPython passes a live object, borrowed for the call ...
+        let kwnames = unsafe { Bound::ref_from_ptr(py, &kwnames) };
+        // SAFETY: ... and it is a tuple of str.
+        let kwnames = unsafe { kwnames.cast_unchecked::<PyTuple>() };
+        // SAFETY: the keyword values follow the positional ones in CPython's vector.
+        let values = unsafe { vector(args, nargs + kwnames.len()) };
+        for k in 0..kwnames.len() {
+            let name = kwnames.get_borrowed_item(k)?;
+            let name = name.cast::<PyString>()?;
+            let index = match self.params.lookup(&name)? {
+                Some(&i) if i >= self.positional_only => i,
+                Some(_) | None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "{}() got an unexpected keyword argument {}",
+                        self.function,
+                        name.repr()?
+                    )));
+                }
+            };
+            if out[index].is_some() {
+                return Err(PyTypeError::new_err(format!(
+                    "{}() got multiple values for argument '{}'",
+                    self.function,
+                    self.param(index)
+                )));
+            }
+            // SAFETY: a live object borrowed for the call.
+            out[index] = Some(unsafe { Bound::ref_from_ptr(py, &values[nargs + k]) });
+        }
+        Ok(())
     }
 
     #[cold]

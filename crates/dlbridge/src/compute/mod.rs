@@ -241,6 +241,64 @@ impl MapRequest<'_> {
     }
 }
 
+impl<'a> MapRequest<'a> {
+    /// Compact copies of the tensor inputs a backend's kernels cannot read in place: those
+    /// `must_copy` names, and, when the index space has more than `max_axes` axes, every input
+    /// that is not contiguous (`out` is compact, so compact inputs collapse with it into one
+    /// axis). One entry per input (`None`: used as it is); `None` when no input needs a copy.
+    ///
+    /// # Errors
+    /// The copy's (memory, mostly).
+    pub(crate) fn staged_inputs(
+        &self,
+        max_axes: usize,
+        must_copy: impl Fn(&Tensor) -> bool,
+    ) -> Result<Option<Vec<Option<Tensor>>>> {
+        let too_many = self.plan.shape.len() > max_axes;
+        let copies = self
+            .inputs
+            .iter()
+            .map(|o| match o {
+                Operand::Tensor(t) if must_copy(t) || (too_many && !t.is_contiguous()) => {
+                    t.copy().map(Some)
+                }
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(copies.iter().any(Option::is_some).then_some(copies))
+    }
+
+    /// This request with its inputs replaced by `copies` where there is one (from
+    /// [`MapRequest::staged_inputs`]), and planned again.
+    pub(crate) fn with_inputs<'b>(&self, copies: &'b [Option<Tensor>]) -> MapRequest<'b>
+    where
+        'a: 'b,
+    {
+        let inputs: Vec<Operand<'b>> = self
+            .inputs
+            .iter()
+            .zip(copies)
+            .map(|(o, c)| c.as_ref().map_or(*o, Operand::Tensor))
+            .collect();
+        let tensors: Vec<&Tensor> = inputs
+            .iter()
+            .filter_map(|o| match *o {
+                Operand::Tensor(t) => Some(t),
+                Operand::Scalar(_) => None,
+            })
+            .collect();
+        let mut strides: Vec<&[isize]> = vec![self.out.strides()];
+        strides.extend(tensors.iter().map(|t| t.strides()));
+        let plan = MapPlan::new(self.out.shape(), &strides);
+        MapRequest {
+            op: self.op,
+            inputs,
+            out: self.out,
+            plan,
+        }
+    }
+}
+
 /// A reduction to run: for each output element, `op` over the input elements the plan assigns to
 /// it, accumulated in `acc`, the result converted to `out`'s dtype. `mean` divides the
 /// accumulated sum by `plan.count`. The request is never empty on the output side; an empty
@@ -259,6 +317,44 @@ pub struct ReduceRequest<'a> {
     /// The index space: `plan.kept` addresses the output (operand 0) and the input (operand 1);
     /// `plan.reduced` the input's reduced axes.
     pub plan: ReducePlan,
+}
+
+impl<'a> ReduceRequest<'a> {
+    /// The input copied with its kept axes first and its reduced axes last, so that each side
+    /// collapses to one axis, and the plan over the copy: for kernels that walk a bounded number
+    /// of axes (or need an aligned, compact input). Axes of extent 1 count as reduced, which
+    /// changes neither the outputs nor their order.
+    ///
+    /// # Errors
+    /// The copy's (memory, mostly).
+    pub(crate) fn staged_input(&self) -> Result<(Tensor, ReducePlan)> {
+        let ndim = self.input.ndim();
+        let reduced = |a: &usize| self.plan.keepdims_shape[*a] == 1;
+        let kept: Vec<usize> = (0..ndim).filter(|a| !reduced(a)).collect();
+        let perm: Vec<usize> = kept
+            .iter()
+            .copied()
+            .chain((0..ndim).filter(reduced))
+            .collect();
+        let input = self.input.permute(&perm)?.copy()?;
+        let axes: Vec<isize> = (kept.len() as isize..ndim as isize).collect();
+        let plan = ReducePlan::new(input.shape(), input.strides(), Some(&axes))?;
+        Ok((input, plan))
+    }
+
+    /// This request over `input` and `plan` (from [`ReduceRequest::staged_input`]).
+    pub(crate) fn with_input<'b>(&self, input: &'b Tensor, plan: ReducePlan) -> ReduceRequest<'b>
+    where
+        'a: 'b,
+    {
+        ReduceRequest {
+            op: self.op,
+            input,
+            acc: self.acc,
+            out: self.out,
+            plan,
+        }
+    }
 }
 
 /// A batched matrix product to run: `out[b] = a[b] @ b[b]` for `b` in `0..batch`.

@@ -175,7 +175,15 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
         )));
     }
     if req.plan.shape.len() > MAX_MAP_DIMS {
-        return map_compacted(req);
+        // More axes than the strided kernel walks: strided inputs are made compact (the
+        // output's layout), after which every operand collapses.
+        return match req.staged_inputs(MAX_MAP_DIMS, |_| false)? {
+            Some(copies) => map(&req.with_inputs(&copies)),
+            None => Err(Error::Shape(format!(
+                "{} axes that do not merge, with compact inputs",
+                req.plan.shape.len()
+            ))),
+        };
     }
     let ordinal = out.device().index() as i32;
     let ctx = context(ordinal)?;
@@ -261,37 +269,6 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
     launch(loaded.function, blocks, stream, &args)
 }
 
-/// A map over more axes than the strided kernel walks: the tensor inputs are made compact (the
-/// output's layout), after which the operands collapse.
-fn map_compacted(req: &MapRequest<'_>) -> Result<()> {
-    let compact: Vec<Option<Tensor>> = req
-        .inputs
-        .iter()
-        .map(|o| match o {
-            Operand::Tensor(t) => t.copy().map(Some),
-            Operand::Scalar(_) => Ok(None),
-        })
-        .collect::<Result<_>>()?;
-    let inputs: Vec<Operand<'_>> = req
-        .inputs
-        .iter()
-        .zip(&compact)
-        .map(|(o, c)| match (o, c) {
-            (_, Some(t)) => Operand::Tensor(t),
-            (o, None) => *o,
-        })
-        .collect();
-    let mut strides: Vec<&[isize]> = vec![req.out.strides()];
-    strides.extend(compact.iter().flatten().map(Tensor::strides));
-    let plan = MapPlan::new(req.out.shape(), &strides);
-    map(&MapRequest {
-        op: req.op,
-        inputs,
-        out: req.out,
-        plan,
-    })
-}
-
 /// The smallest absolute stride over the axes of `plan` operand `k` that have more than one
 /// element (`isize::MAX` when none has).
 fn smallest_stride(plan: &MapPlan, k: usize) -> isize {
@@ -311,7 +288,10 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
         return Ok(());
     }
     if plan.kept.shape.len() > MAX_REDUCE_DIMS || plan.reduced.shape.len() > MAX_REDUCE_DIMS {
-        return reduce_compacted(req);
+        // More axes than the kernels walk: a copy with the reduced axes last collapses each side
+        // to one axis.
+        let (input, plan) = req.staged_input()?;
+        return reduce(&req.with_input(&input, plan));
     }
     let op = req.op;
     let input = ty(req.input.dtype(), op.name())?;
@@ -453,28 +433,6 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     }
     drop(workspace);
     Ok(())
-}
-
-/// A reduction over more collapsed axes than the kernels walk: the input is copied with its kept
-/// axes first and its reduced axes last, after which each side collapses to one axis.
-fn reduce_compacted(req: &ReduceRequest<'_>) -> Result<()> {
-    let shape = req.input.shape();
-    // Axes of length 1 count as reduced: that changes neither the outputs nor their order.
-    let reduced: Vec<bool> = req.plan.keepdims_shape.iter().map(|&n| n == 1).collect();
-    let mut perm: Vec<usize> = (0..shape.len()).filter(|&a| !reduced[a]).collect();
-    let kept = perm.len();
-    perm.extend((0..shape.len()).filter(|&a| reduced[a]));
-    let compact = req.input.permute(&perm)?.copy()?;
-    let axes: Vec<isize> = (kept as isize..shape.len() as isize).collect();
-    let plan =
-        crate::compute::plan::ReducePlan::new(compact.shape(), compact.strides(), Some(&axes))?;
-    reduce(&ReduceRequest {
-        op: req.op,
-        input: &compact,
-        acc: req.acc,
-        out: req.out,
-        plan,
-    })
 }
 
 pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {

@@ -166,9 +166,10 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         let ordinal = dst.device().index() as i32;
         let _ctx = context(ordinal)?;
         let stream = raw_stream(current_stream(ordinal));
-        // SAFETY: `bytes` compact bytes at both addresses, inside live allocations; pageable
-        // sources are staged by the driver before the call returns, so `src` may go right after.
         check(
+            // SAFETY: `bytes` compact bytes at both addresses, inside live allocations; pageable
+            // sources are staged by the driver before the call returns, so `src` may go right
+            // after.
             unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
                     first_address(dst) as u64,

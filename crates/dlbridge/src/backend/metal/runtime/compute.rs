@@ -31,9 +31,7 @@ use crate::backend::metal::compute::options::{self, CompileOptions};
 use crate::buffer::{Buffer, StorageMode};
 use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
 use crate::compute::plan::matrix_layout;
-use crate::compute::{
-    MapPlan, MapRequest, MatmulRequest, MatrixLayout, Operand, ReducePlan, ReduceRequest,
-};
+use crate::compute::{MapRequest, MatmulRequest, MatrixLayout, Operand, ReduceRequest};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -253,35 +251,18 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
     // Operands the kernels cannot address in place are made compact on the GPU first: views
     // misaligned for their element type, and every strided input when the index space has too
     // many axes (the output is compact, so compact inputs merge into one axis).
-    let too_many = req.plan.shape.len() > MAX_DIMS;
-    let mut compacted: Vec<Option<Tensor>> = Vec::with_capacity(req.inputs.len());
-    for input in &req.inputs {
-        compacted.push(match input {
-            Operand::Tensor(t) if !is_aligned(t) || (too_many && !t.is_contiguous()) => {
-                Some(t.copy()?)
-            }
-            _ => None,
-        });
-    }
-    let inputs: Vec<Operand<'_>> = req
-        .inputs
-        .iter()
-        .zip(&compacted)
-        .map(|(o, c)| c.as_ref().map_or(*o, Operand::Tensor))
-        .collect();
-    let replanned;
-    let plan = if compacted.iter().any(Option::is_some) {
-        let mut strides: Vec<&[isize]> = vec![req.out.strides()];
-        strides.extend(inputs.iter().filter_map(|o| match o {
-            Operand::Tensor(t) => Some(t.strides()),
-            Operand::Scalar(_) => None,
-        }));
-        replanned = MapPlan::new(req.out.shape(), &strides);
-        &replanned
+    let compacted = req
+        .staged_inputs(MAX_DIMS, |t| !is_aligned(t))?
+        .unwrap_or_default();
+    let staged;
+    let req = if compacted.is_empty() {
+        req
     } else {
-        &req.plan
+        staged = req.with_inputs(&compacted);
+        &staged
     };
-    let launch = dispatch::plan_map(req.op, req.out, &inputs, plan)?;
+    let inputs = &req.inputs;
+    let launch = dispatch::plan_map(req.op, req.out, inputs, &req.plan)?;
     let out = resolve(req.out.buffer())?;
     let context = out.context;
     let mut bound = Vec::with_capacity(launch.buffers.len());
@@ -305,7 +286,7 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
         .into_iter()
         .collect();
     let keep: Vec<Buffer> = compacted
-        .into_iter()
+        .iter()
         .flatten()
         .map(|t| t.buffer().clone())
         .collect();
@@ -327,41 +308,29 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
 
 // -------------------------------------------------------------------------------- reductions
 
-/// The axes `plan` reduces, recovered from its keepdims shape (an axis of extent 1 counts as
-/// reduced: that changes no index).
-fn reduced_axes(plan: &ReducePlan) -> Vec<isize> {
-    (0..plan.keepdims_shape.len())
-        .filter(|&i| plan.keepdims_shape[i] == 1)
-        .map(|i| i as isize)
-        .collect()
-}
-
 /// Encodes a reduction (one or two passes) into the device's queue.
 pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     let what = req.op.name();
     msl::Elem::of(req.input.dtype(), what)?;
     msl::Elem::of(req.out.dtype(), what)?;
     dispatch::work_type(req.op, req.acc)?;
+    // An input the kernels cannot address in place (misaligned for its element type, or with
+    // more axes on a side than they walk) is copied on the GPU with its reduced axes last, after
+    // which each side is one axis.
     let too_many = req.plan.kept.shape.len() > MAX_DIMS || req.plan.reduced.shape.len() > MAX_DIMS;
-    let compact = if !is_aligned(req.input) || (too_many && !req.input.is_contiguous()) {
-        Some(req.input.copy()?)
+    let (compact, plan) = if too_many || !is_aligned(req.input) {
+        let (input, plan) = req.staged_input()?;
+        (Some(input), Some(plan))
     } else {
-        None
+        (None, None)
     };
     let replanned;
-    let req = match &compact {
-        Some(c) => {
-            let axes = reduced_axes(&req.plan);
-            replanned = ReduceRequest {
-                op: req.op,
-                input: c,
-                acc: req.acc,
-                out: req.out,
-                plan: ReducePlan::new(c.shape(), c.strides(), Some(&axes))?,
-            };
+    let req = match (&compact, plan) {
+        (Some(input), Some(plan)) => {
+            replanned = req.with_input(input, plan);
             &replanned
         }
-        None => req,
+        _ => req,
     };
     let launch = dispatch::plan_reduce(req)?;
     let out = resolve(req.out.buffer())?;

@@ -5,6 +5,7 @@ Every test here needs a CUDA GPU and skips (with the reason) where there is none
 """
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -616,6 +617,42 @@ def test_pool_orders_reuse_after_the_legacy_stream(torch, round_):
     z = dlbridge.zeros((n,), dtype="float32", device="cuda:0")
     assert not host(z).any()
     del seen
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_pool_keeps_per_thread_default_streams_apart(torch, round_):
+    """Handle 2 (the per-thread default stream) names a different stream on every thread: a block
+    freed while thread A's per-thread stream still reads it, then reallocated (same address) on
+    thread B's per-thread stream and zeroed there, must not change what A's kernel reads."""
+    n = 1 << 22
+    dlbridge.empty_cache("cuda:0")
+    got = {}
+
+    def thread_a():
+        with dlbridge.cuda.stream(2):
+            x = dlbridge.full((n,), 5.0 + round_, dtype="float32", device="cuda:0")
+            got["ptr"] = x.data_ptr
+            xt = torch.from_dlpack(x)
+            with torch.cuda.stream(torch.cuda.ExternalStream(2)):
+                torch.cuda._sleep(SLEEP_CYCLES * 10)  # about 200 ms
+                got["seen"] = xt.clone()  # reads the block long after the host moves on
+            del xt, x  # back to the pool while A's kernels are queued
+            collect()
+
+    def thread_b():
+        with dlbridge.cuda.stream(2):
+            got["y"] = dlbridge.zeros((n,), dtype="float32", device="cuda:0")  # memset on B
+
+    for body in (thread_a, thread_b):
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+    assert got["y"].data_ptr == got["ptr"]  # the same block, reused
+    torch.cuda.synchronize()
+    assert bool((got["seen"] == 5.0 + round_).all())  # A read the old values, not B's zeros
+    assert not host(got["y"]).any()
+    del got
     torch.cuda.empty_cache()
 
 

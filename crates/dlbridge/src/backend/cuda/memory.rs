@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys;
 
 use super::stream::{
-    Event, LEGACY_STREAM, current_stream, order_streams, stream_idle, synchronize_stream,
+    Event, LEGACY_STREAM, current_stream, handle_of_key, order_streams, pool_key, stream_idle,
+    synchronize_stream,
 };
 use super::{BACKEND, check, context, describe};
 use crate::buffer::{Allocation, Buffer, StorageMode};
@@ -33,8 +34,9 @@ struct CudaAllocator {
     spare_events: Arc<Mutex<Vec<Event>>>,
 }
 
-fn raw_stream(handle: StreamKey) -> sys::CUstream {
-    super::stream::raw(handle as usize)
+/// The driver's handle for the stream of pool key `key` (see [`handle_of_key`]).
+fn raw_stream(key: StreamKey) -> sys::CUstream {
+    super::stream::raw(handle_of_key(key))
 }
 
 impl RawAllocator for CudaAllocator {
@@ -90,7 +92,7 @@ impl RawAllocator for CudaAllocator {
             message: "the driver returned NULL for a non-empty allocation".into(),
         })?;
         if zeroed {
-            let stream = current_stream(self.ordinal) as StreamKey;
+            let stream = pool_key(current_stream(self.ordinal));
             // SAFETY: the block was just allocated with `bytes` bytes and nobody else has it.
             unsafe { self.zero(ptr, bytes, Some(stream))? };
         }
@@ -121,7 +123,7 @@ impl RawAllocator for CudaAllocator {
         stream: Option<StreamKey>,
     ) -> Result<()> {
         let _ctx = context(self.ordinal)?;
-        let stream = stream.unwrap_or(current_stream(self.ordinal) as StreamKey);
+        let stream = stream.unwrap_or_else(|| pool_key(current_stream(self.ordinal)));
         // SAFETY: the caller guarantees `bytes` bytes of a live block nobody else uses; the fill
         // is ordered on `stream` before later work there.
         let rc = unsafe {
@@ -153,7 +155,9 @@ impl RawAllocator for CudaAllocator {
             Some(event) => event,
             None => Event::new(self.ordinal, false)?,
         };
-        event.record(stream as usize)?;
+        // A block of another thread's per-thread default stream is fenced on the legacy default
+        // stream, whose event follows the work of every blocking stream (see `handle_of_key`).
+        event.record(handle_of_key(stream))?;
         Ok(Some(Box::new(CudaFence {
             event: Some(event),
             stream,
@@ -253,7 +257,7 @@ impl Fence for LegacyStreamFence {
         if self.host_visible {
             return synchronize_stream(self.ordinal, 0);
         }
-        order_streams(self.ordinal, 0, stream as usize)
+        order_streams(self.ordinal, 0, handle_of_key(stream))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -320,7 +324,7 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
             )
         });
     }
-    let stream = current_stream(device.index() as i32) as StreamKey;
+    let stream = pool_key(current_stream(device.index() as i32));
     let block = pool.allocate_static(bytes, Some(stream), zeroed)?;
     let handle = block.as_ptr().as_ptr();
     let host = match device.kind() {

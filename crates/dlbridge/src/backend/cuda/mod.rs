@@ -21,7 +21,9 @@
 //! Work is enqueued on the calling thread's *current stream* for the device ([`current_stream`]),
 //! the legacy default stream unless set otherwise. Handles use the driver's values: `0` and
 //! `CU_STREAM_LEGACY` (`1`) are the legacy default stream, `CU_STREAM_PER_THREAD` (`2`) the
-//! per-thread default stream, anything else a `CUstream`.
+//! per-thread default stream, anything else a `CUstream`. The caching pool files blocks by stream,
+//! and files those of the per-thread default stream by thread, since handle `2` is a different
+//! stream on every thread (`stream::pool_key`).
 
 mod blas;
 mod codegen;

@@ -1,11 +1,13 @@
 //! Streams, events, the per-thread current stream, and DLPack's stream handoff.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys;
 
 use super::{BACKEND, check, context, describe, driver};
 use crate::error::{Error, Result};
+use crate::pool::StreamKey;
 
 /// The driver's handle for the legacy default stream.
 pub const LEGACY_STREAM: usize = 1;
@@ -15,6 +17,44 @@ pub const PER_THREAD_STREAM: usize = 2;
 thread_local! {
     /// This thread's current stream per device, where set; the legacy default stream otherwise.
     static CURRENT: RefCell<Vec<(i32, usize)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The low bits of every pool key of a per-thread default stream (see [`pool_key`]). Real stream
+/// handles never have them: they are aligned pointers, or `0`, `1` and `2`.
+const PER_THREAD_KEY_TAG: StreamKey = 0b11;
+
+thread_local! {
+    /// The calling thread's pool key for its per-thread default stream.
+    static PER_THREAD_KEY: StreamKey = {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        (NEXT.fetch_add(1, Ordering::Relaxed) << 2) | PER_THREAD_KEY_TAG
+    };
+}
+
+/// The key under which the caching pool files blocks of stream `handle` used by the calling
+/// thread: the handle itself, except for the per-thread default stream, which is a different
+/// stream on every thread and so gets a key of its own on each.
+pub(crate) fn pool_key(handle: usize) -> StreamKey {
+    if handle == PER_THREAD_STREAM {
+        PER_THREAD_KEY.with(|k| *k)
+    } else {
+        handle as StreamKey
+    }
+}
+
+/// The stream handle through which the calling thread orders work against the stream of pool key
+/// `key`: the handle itself; for a per-thread default stream, that stream when it is this
+/// thread's, else the legacy default stream, which work on every blocking stream (another
+/// thread's per-thread default stream among them) is ordered before and after.
+pub(crate) fn handle_of_key(key: StreamKey) -> usize {
+    if key & PER_THREAD_KEY_TAG != PER_THREAD_KEY_TAG {
+        return key as usize;
+    }
+    if PER_THREAD_KEY.with(|k| *k) == key {
+        PER_THREAD_STREAM
+    } else {
+        LEGACY_STREAM
+    }
 }
 
 /// The calling thread's current stream on device `ordinal` (`0` is the legacy default stream).
@@ -388,7 +428,7 @@ pub(crate) fn record_use_on<'a>(
             continue;
         };
         let owner_ordinal = device.index() as i32;
-        let owner = owner as usize;
+        let owner = handle_of_key(owner);
         if owner_ordinal == ordinal {
             order_streams(ordinal, stream, owner)?;
         } else {
@@ -396,4 +436,39 @@ pub(crate) fn record_use_on<'a>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_thread_default_streams_get_a_pool_key_per_thread() {
+        // Other handles are their own keys, and map back to themselves.
+        for handle in [0, LEGACY_STREAM, 0x7f00_1234_5670] {
+            assert_eq!(pool_key(handle), handle as StreamKey);
+            assert_eq!(handle_of_key(handle as StreamKey), handle);
+        }
+        let here = pool_key(PER_THREAD_STREAM);
+        assert_eq!(
+            here & PER_THREAD_KEY_TAG,
+            PER_THREAD_KEY_TAG,
+            "never a real handle"
+        );
+        assert_eq!(pool_key(PER_THREAD_STREAM), here, "stable on one thread");
+        assert_eq!(handle_of_key(here), PER_THREAD_STREAM);
+        let there = std::thread::spawn(|| {
+            let key = pool_key(PER_THREAD_STREAM);
+            (key, handle_of_key(key))
+        })
+        .join()
+        .unwrap();
+        assert_ne!(there.0, here, "another thread, another stream");
+        assert_eq!(
+            there.1, PER_THREAD_STREAM,
+            "its own per-thread stream there"
+        );
+        // Here, another thread's per-thread stream is reached through the legacy default stream.
+        assert_eq!(handle_of_key(there.0), LEGACY_STREAM);
+    }
 }

@@ -111,6 +111,23 @@ def cpu_ms(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
+def paired_ms(ours, peer, rounds: int, calls: int = 5, pause: float = 0.25) -> tuple[float, float]:
+    """Median milliseconds per call of ``ours()`` and ``peer()``, timed in alternating blocks of
+    ``calls`` back-to-back calls with a pause before each block: a BLAS's worker threads spin for
+    a while after a call (OpenBLAS's for about 0.1 s) and would otherwise take cores from the
+    other library's block."""
+    o, p = [], []
+    for _ in range(rounds):
+        for fn, samples in ((ours, o), (peer, p)):
+            time.sleep(pause)
+            fn()  # wakes the threads
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(o), statistics.median(p)
+
+
 def bench_cpu() -> None:
     import os
 
@@ -139,8 +156,7 @@ def bench_cpu() -> None:
     b = rng.standard_normal((m, m), dtype=np.float32)
     da, db = dlbridge.from_dlpack(a), dlbridge.from_dlpack(b)
     flops = 2 * m**3
-    p = cpu_ms(lambda: a @ b, max(3, reps // 3))
-    o = cpu_ms(lambda: ops.matmul(da, db), max(3, reps // 3))
+    o, p = paired_ms(lambda: ops.matmul(da, db), lambda: a @ b, max(3, reps // 3))
     print(f"| matmul {m}³ float32 (GFLOP/s) | {flops / o / 1e6:.1f} | {flops / p / 1e6:.1f} | {p / o:.2f} |")
 
 

@@ -158,29 +158,17 @@ impl Buffer {
         storage: StorageMode,
         owner: Owner,
     ) -> Self {
-        // Allocated first and filled field by field: `Arc::new` builds the value on the stack and
-        // copies it in whole after the allocation call, which stalled on the fields just spilled
-        // there (it showed in profiles of `dlbridge.empty`).
-        let inner = Arc::<Inner>::new_uninit();
-        let value = Inner {
-            handle,
-            host,
-            len,
-            device,
-            storage,
-            read_only: false,
-            owner,
-        };
-        // SAFETY: `inner` is the only reference to its new allocation, and `as_ptr` reaches its
-        // value without going through a shared reference, so this writes memory we own alone.
-        unsafe {
-            Arc::as_ptr(&inner)
-                .cast_mut()
-                .write(std::mem::MaybeUninit::new(value));
+        Buffer {
+            inner: Arc::new(Inner {
+                handle,
+                host,
+                len,
+                device,
+                storage,
+                read_only: false,
+                owner,
+            }),
         }
-        // SAFETY: the whole value was written just above.
-        let inner = unsafe { inner.assume_init() };
-        Buffer { inner }
     }
 
     /// Wraps memory that another library owns. `keep_alive` is dropped (exactly once, on the thread

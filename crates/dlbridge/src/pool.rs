@@ -513,7 +513,13 @@ impl Pool {
                 // SAFETY: the block is live and `bytes <= size`; it is handed to nobody until this
                 // returns, and the fill is ordered on the stream it is handed out for.
                 if let Err(err) = unsafe { self.allocator.zero(ptr, bytes, stream) } {
-                    // Back to the cache, as a dropped block goes.
+                    // Not an allocation after all; the block goes back to the cache as a dropped
+                    // one does.
+                    {
+                        let mut state = self.lock();
+                        state.stats.allocations -= 1;
+                        state.stats.cache_hits -= 1;
+                    }
                     self.release(ptr, size, bytes, stream);
                     return Err(err);
                 }

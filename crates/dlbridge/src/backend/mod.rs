@@ -188,8 +188,9 @@ pub(crate) fn map(req: &crate::compute::MapRequest<'_>) -> Result<()> {
         DeviceKind::Cpu => cpu::compute::map(req),
         #[cfg(cuda)]
         kind if kind.is_cuda() => {
-            cuda::compute::map(req)?;
-            cuda::record_use(req.tensor_inputs().chain([req.out]))
+            // Recorded also after a failure part-way: what was enqueued may still run.
+            let enqueued = cuda::compute::map(req);
+            enqueued.and(cuda::record_use(req.tensor_inputs().chain([req.out])))
         }
         DeviceKind::Metal => metal::compute::map(req),
         _ => Err(no_compute(req.out.device())),
@@ -202,8 +203,8 @@ pub(crate) fn reduce(req: &crate::compute::ReduceRequest<'_>) -> Result<()> {
         DeviceKind::Cpu => cpu::compute::reduce(req),
         #[cfg(cuda)]
         kind if kind.is_cuda() => {
-            cuda::compute::reduce(req)?;
-            cuda::record_use([req.input, req.out])
+            let enqueued = cuda::compute::reduce(req);
+            enqueued.and(cuda::record_use([req.input, req.out]))
         }
         DeviceKind::Metal => metal::compute::reduce(req),
         _ => Err(no_compute(req.out.device())),
@@ -216,8 +217,8 @@ pub(crate) fn matmul(req: &crate::compute::MatmulRequest<'_>) -> Result<()> {
         DeviceKind::Cpu => cpu::compute::matmul(req),
         #[cfg(cuda)]
         kind if kind.is_cuda() => {
-            cuda::compute::matmul(req)?;
-            cuda::record_use([req.a, req.b, req.out])
+            let enqueued = cuda::compute::matmul(req);
+            enqueued.and(cuda::record_use([req.a, req.b, req.out]))
         }
         DeviceKind::Metal => metal::compute::matmul(req),
         _ => Err(no_compute(req.out.device())),

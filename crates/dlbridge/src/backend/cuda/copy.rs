@@ -129,8 +129,7 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         if !peer {
             // One device does the work: the side holding device memory, else the destination.
             let ordinal = if sk == DeviceKind::Cuda { s_ord } else { d_ord };
-            run_plan(ordinal, dst, src)?;
-            return record_use_on(ordinal, current_stream(ordinal), [dst, src]);
+            return recorded(ordinal, [dst, src], run_plan(ordinal, dst, src));
         }
         if !src.is_contiguous() {
             // SAFETY: forwarded; the staged copy is new memory.
@@ -144,8 +143,7 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
             // SAFETY: forwarded.
             return unsafe { dst.copy_from_unchecked(&staged) };
         }
-        peer_copy(dst, src)?;
-        return record_use_on(d_ord, current_stream(d_ord), [dst, src]);
+        return recorded(d_ord, [dst, src], peer_copy(dst, src));
     }
     // One side is pageable host memory: move compact bytes, making either side compact first.
     if !src.is_contiguous() {
@@ -166,7 +164,7 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         let ordinal = dst.device().index() as i32;
         let _ctx = context(ordinal)?;
         let stream = raw_stream(current_stream(ordinal));
-        check(
+        let enqueued = check(
             // SAFETY: `bytes` compact bytes at both addresses, inside live allocations; pageable
             // sources are staged by the driver before the call returns, so `src` may go right
             // after.
@@ -179,8 +177,8 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
                 )
             },
             "cuMemcpyHtoDAsync",
-        )?;
-        record_use_on(ordinal, current_stream(ordinal), [dst])
+        );
+        recorded(ordinal, [dst], enqueued)
     } else {
         let ordinal = src.device().index() as i32;
         let _ctx = context(ordinal)?;
@@ -204,6 +202,18 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
             "cuStreamSynchronize",
         )
     }
+}
+
+/// `result`, the outcome of enqueuing a copy on the current stream of device `ordinal`, after
+/// recording that stream's use of the pooled blocks of `tensors` ([`record_use_on`]), also when
+/// enqueuing failed part-way: what was enqueued may still run.
+fn recorded<'a>(
+    ordinal: i32,
+    tensors: impl IntoIterator<Item = &'a Tensor>,
+    result: Result<()>,
+) -> Result<()> {
+    let recorded = record_use_on(ordinal, current_stream(ordinal), tensors);
+    result.and(recorded)
 }
 
 /// Compact device memory of one device to compact device memory of another.

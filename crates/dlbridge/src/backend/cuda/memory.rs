@@ -94,7 +94,11 @@ impl RawAllocator for CudaAllocator {
         if zeroed {
             let stream = pool_key(current_stream(self.ordinal));
             // SAFETY: the block was just allocated with `bytes` bytes and nobody else has it.
-            unsafe { self.zero(ptr, bytes, Some(stream))? };
+            if let Err(err) = unsafe { self.zero(ptr, bytes, Some(stream)) } {
+                // SAFETY: allocated just above and handed to nobody: freed once, here.
+                unsafe { self.free(ptr, bytes) };
+                return Err(err);
+            }
         }
         Ok(ptr)
     }

@@ -14,7 +14,7 @@ use crate::device::{self, PyDevice};
 use crate::dtype::PyDType;
 use crate::errors::IntoPyResult;
 use crate::exchange::{self, ExportRequest};
-use crate::fastcall::{self, MethodDef, Signature};
+use crate::fastcall::{self, FastArgs, MethodDef, Signature};
 use crate::ops;
 use dlbridge::compute::{BinaryOp, ReduceOp, UnaryOp};
 
@@ -284,14 +284,11 @@ unsafe extern "C" fn dlpack_fastcall(
     nargsf: pyo3::ffi::Py_ssize_t,
     kwnames: *mut pyo3::ffi::PyObject,
 ) -> *mut pyo3::ffi::PyObject {
-    // The body releases no last reference (`fastcall::run`): the array keeps its buffer, and any
+    // SAFETY: CPython is calling this function with these arguments.
+    let args = unsafe { FastArgs::new(args, nargsf, kwnames) };
+    // The body releases no last reference (`Signature::run`): the array keeps its buffer, and any
     // producer behind it, alive.
-    // SAFETY: CPython called this function, so the thread is attached.
-    let py = unsafe { Python::assume_attached() };
-    fastcall::run(py, |py| {
-        // SAFETY: these are the arguments CPython passed to this call.
-        let [stream, max_version, dl_device, copy] =
-            unsafe { DLPACK_SIGNATURE.parse(py, args, nargsf, kwnames)? };
+    DLPACK_SIGNATURE.run(args, |py, [stream, max_version, dl_device, copy]| {
         // SAFETY: the method descriptor passes a live object as `self` (an instance of `Array`,
         // which `cast` checks again).
         let slf = unsafe { Bound::ref_from_ptr(py, &slf) }.cast::<PyArray>()?;

@@ -11,7 +11,7 @@ use crate::array::PyArray;
 use crate::convert::{self, ScalarKind};
 use crate::errors::IntoPyResult;
 use crate::exchange;
-use crate::fastcall::{self, MethodDef, Signature};
+use crate::fastcall::{self, FastArgs, MethodDef, Signature};
 
 /// A parsed shape (inline up to eight axes: parsing allocates nothing on the common path).
 pub(crate) type Shape = SmallVec<[usize; 8]>;
@@ -159,13 +159,10 @@ unsafe extern "C" fn empty_fastcall(
     nargsf: pyo3::ffi::Py_ssize_t,
     kwnames: *mut pyo3::ffi::PyObject,
 ) -> *mut pyo3::ffi::PyObject {
-    // The body releases only objects it made (`fastcall::run`).
-    // SAFETY: CPython called this function, so the thread is attached.
-    let py = unsafe { Python::assume_attached() };
-    fastcall::run(py, |py| {
-        // SAFETY: these are the arguments CPython passed to this call.
-        let [shape, dtype, device, storage] =
-            unsafe { EMPTY_SIGNATURE.parse(py, args, nargsf, kwnames)? };
+    // SAFETY: CPython is calling this function with these arguments.
+    let args = unsafe { FastArgs::new(args, nargsf, kwnames) };
+    // The body releases only objects it made (`Signature::run`).
+    EMPTY_SIGNATURE.run(args, |py, [shape, dtype, device, storage]| {
         let shape = shape.expect("`shape` is required, so parse checked it was given");
         let storage = fastcall::opt_str(storage, "storage")?;
         let t = allocate(
@@ -446,9 +443,9 @@ unsafe extern "C" fn from_dlpack_fastcall(
     nargsf: pyo3::ffi::Py_ssize_t,
     kwnames: *mut pyo3::ffi::PyObject,
 ) -> *mut pyo3::ffi::PyObject {
-    fastcall::call(|py| {
-        // SAFETY: these are the arguments CPython passed to this call.
-        let [x, device, copy] = unsafe { FROM_DLPACK_SIGNATURE.parse(py, args, nargsf, kwnames)? };
+    // SAFETY: CPython is calling this function with these arguments.
+    let args = unsafe { FastArgs::new(args, nargsf, kwnames) };
+    FROM_DLPACK_SIGNATURE.call(args, |py, [x, device, copy]| {
         let x = x.expect("`x` is required, so parse checked it was given");
         let device = parse_opt_device(device)?;
         let copy = fastcall::opt_bool(copy, "copy")?;

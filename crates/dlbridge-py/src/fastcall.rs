@@ -111,7 +111,7 @@ impl MethodDef {
 /// unwound into CPython). For bodies that may drop the last reference to a Python object: PyO3
 /// releases a `Py<T>` dropped while its count is zero only at its next attachment, which for a
 /// foreign producer means its deleter would run late.
-pub(crate) fn call(
+fn call(
     body: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyAny>>,
 ) -> *mut ffi::PyObject {
     Python::attach(|py| run(py, body))
@@ -125,7 +125,7 @@ pub(crate) fn call(
 /// third of an export). That is only for bodies that release no Python object whose deletion
 /// matters now: a `Py<T>` dropped outside the count (an error object, at worst) is released at
 /// PyO3's next attachment instead of at once. Other bodies go through [`call`].
-pub(crate) fn run<'py>(
+fn run<'py>(
     py: Python<'py>,
     body: impl FnOnce(Python<'py>) -> PyResult<Bound<'py, PyAny>>,
 ) -> *mut ffi::PyObject {
@@ -147,18 +147,51 @@ pub(crate) fn run<'py>(
     }
 }
 
-/// The first `n` entries of a fast call's argument vector (none at all, without reading `args`,
-/// when `n` is 0).
-///
-/// # Safety
-/// `args` is the vector CPython passed to the call, holding at least `n` live objects, and the
-/// slice is used only during that call.
-unsafe fn vector<'a>(args: *const *mut ffi::PyObject, n: usize) -> &'a [*mut ffi::PyObject] {
-    if n == 0 {
-        &[]
-    } else {
-        // SAFETY: as the caller promises.
-        unsafe { std::slice::from_raw_parts(args, n) }
+/// The arguments CPython passed to one fast call that is running now: the argument vector, its
+/// count (with `PY_VECTORCALL_ARGUMENTS_OFFSET` possibly set) and the tuple of keyword names (NULL
+/// when there are none).
+#[derive(Clone, Copy)]
+pub(crate) struct FastArgs {
+    args: *const *mut ffi::PyObject,
+    nargsf: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+}
+
+impl FastArgs {
+    /// # Safety
+    /// `args`, `nargsf` and `kwnames` are what CPython passed to the `METH_FASTCALL |
+    /// METH_KEYWORDS` function running now on this thread (so the thread is attached), and the
+    /// value is used only during that call.
+    pub(crate) unsafe fn new(
+        args: *const *mut ffi::PyObject,
+        nargsf: ffi::Py_ssize_t,
+        kwnames: *mut ffi::PyObject,
+    ) -> Self {
+        FastArgs {
+            args,
+            nargsf,
+            kwnames,
+        }
+    }
+
+    /// The number of positional arguments (the offset flag is the top bit of `nargsf`).
+    fn nargs(self) -> usize {
+        self.nargsf as usize & !VECTORCALL_ARGUMENTS_OFFSET
+    }
+
+    /// The first `n` entries of the argument vector (none, without reading it, when `n` is 0).
+    ///
+    /// # Safety
+    /// The vector holds at least `n` entries: `nargs()` positional values, then one per keyword
+    /// name.
+    unsafe fn values<'a>(self, n: usize) -> &'a [*mut ffi::PyObject] {
+        if n == 0 {
+            &[]
+        } else {
+            // SAFETY: CPython's vector of live objects, borrowed for the call (`FastArgs::new`),
+            // with at least `n` entries (the caller).
+            unsafe { std::slice::from_raw_parts(self.args, n) }
+        }
     }
 }
 
@@ -198,6 +231,35 @@ impl<const N: usize> Signature<N> {
         }
     }
 
+    /// An entry point's whole body: `body` over the call's arguments ([`Signature::parse`]), run
+    /// by [`call`], attached in PyO3's count of attachments.
+    pub(crate) fn call(
+        &self,
+        args: FastArgs,
+        body: impl for<'a, 'py> FnOnce(
+            Python<'py>,
+            [Option<&'a Bound<'py, PyAny>>; N],
+        ) -> PyResult<Bound<'py, PyAny>>,
+    ) -> *mut ffi::PyObject {
+        call(|py| body(py, self.parse(py, args)?))
+    }
+
+    /// As [`Signature::call`], outside PyO3's count of attachments ([`run`] says which bodies
+    /// that suits).
+    pub(crate) fn run(
+        &self,
+        args: FastArgs,
+        body: impl for<'a, 'py> FnOnce(
+            Python<'py>,
+            [Option<&'a Bound<'py, PyAny>>; N],
+        ) -> PyResult<Bound<'py, PyAny>>,
+    ) -> *mut ffi::PyObject {
+        // SAFETY: CPython is running the call `args` came with, so the thread is attached
+        // (`FastArgs::new`).
+        let py = unsafe { Python::assume_attached() };
+        run(py, |py| body(py, self.parse(py, args)?))
+    }
+
     /// The name of parameter `i`.
     fn param(&self, i: usize) -> &'static str {
         self.params.entries[i].0
@@ -205,35 +267,26 @@ impl<const N: usize> Signature<N> {
 
     /// The arguments of one call, by parameter (`None`: not given; an explicit `None` argument is
     /// `Some` of Python's `None`, which the callers treat as not given where the signature's
-    /// default is `None`).
-    ///
-    /// # Safety
-    /// `args`, `nargsf` and `kwnames` are what CPython passed to a `METH_FASTCALL |
-    /// METH_KEYWORDS` function, and the returned references are used only during that call.
+    /// default is `None`). The references are used only during the call (`FastArgs::new`).
     #[inline(always)]
-    pub(crate) unsafe fn parse<'a, 'py>(
+    fn parse<'a, 'py>(
         &self,
         py: Python<'py>,
-        args: *const *mut ffi::PyObject,
-        nargsf: ffi::Py_ssize_t,
-        kwnames: *mut ffi::PyObject,
+        args: FastArgs,
     ) -> PyResult<[Option<&'a Bound<'py, PyAny>>; N]> {
-        // The offset flag is the top bit of `nargsf` (`PY_VECTORCALL_ARGUMENTS_OFFSET`); the
-        // count is the rest.
-        let nargs = nargsf as usize & !VECTORCALL_ARGUMENTS_OFFSET;
+        let nargs = args.nargs();
         if nargs > self.positional {
             return Err(self.too_many_positional(nargs));
         }
         let mut out: [Option<&'a Bound<'py, PyAny>>; N] = [None; N];
-        // SAFETY: CPython's vector starts with `nargs` positional values, live for the call.
-        let positional = unsafe { vector(args, nargs) };
+        // SAFETY: CPython's vector starts with the `nargs` positional values.
+        let positional = unsafe { args.values(nargs) };
         for (slot, value) in out.iter_mut().zip(positional) {
             // SAFETY: a live object borrowed for the call.
             *slot = Some(unsafe { Bound::ref_from_ptr(py, value) });
         }
-        if !kwnames.is_null() {
-            // SAFETY: forwarded: the call's vector and its tuple of keyword names.
-            unsafe { self.parse_keywords(py, args, nargs, kwnames, &mut out)? };
+        if !args.kwnames.is_null() {
+            self.parse_keywords(py, args, &mut out)?;
         }
         if let Some(missing) = out[..self.required].iter().position(Option::is_none) {
             return Err(self.missing(missing));
@@ -241,25 +294,21 @@ impl<const N: usize> Signature<N> {
         Ok(out)
     }
 
-    /// The keyword part of [`Signature::parse`]: the values after the `nargs` positional ones in
-    /// `args`, named by the tuple `kwnames`, into `out`.
-    ///
-    /// # Safety
-    /// As [`Signature::parse`], with `kwnames` not NULL.
-    unsafe fn parse_keywords<'py>(
+    /// The keyword part of [`Signature::parse`] (`args` has keyword names): the values after the
+    /// positional ones, by the names in `kwnames`, into `out`.
+    fn parse_keywords<'py>(
         &self,
         py: Python<'py>,
-        args: *const *mut ffi::PyObject,
-        nargs: usize,
-        kwnames: *mut ffi::PyObject,
+        args: FastArgs,
         out: &mut [Option<&Bound<'py, PyAny>>; N],
     ) -> PyResult<()> {
+        let nargs = args.nargs();
         // SAFETY: CPython passes a live object, borrowed for the call ...
-        let kwnames = unsafe { Bound::ref_from_ptr(py, &kwnames) };
+        let kwnames = unsafe { Bound::ref_from_ptr(py, &args.kwnames) };
         // SAFETY: ... and it is a tuple of str.
         let kwnames = unsafe { kwnames.cast_unchecked::<PyTuple>() };
-        // SAFETY: the keyword values follow the positional ones in CPython's vector.
-        let values = unsafe { vector(args, nargs + kwnames.len()) };
+        // SAFETY: a value follows the positional ones for every keyword name.
+        let values = unsafe { args.values(nargs + kwnames.len()) };
         for k in 0..kwnames.len() {
             let name = kwnames.get_borrowed_item(k)?;
             let name = name.cast::<PyString>()?;

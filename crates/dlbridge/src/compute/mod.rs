@@ -280,15 +280,11 @@ impl<'a> MapRequest<'a> {
             .zip(copies)
             .map(|(o, c)| c.as_ref().map_or(*o, Operand::Tensor))
             .collect();
-        let tensors: Vec<&Tensor> = inputs
-            .iter()
-            .filter_map(|o| match *o {
-                Operand::Tensor(t) => Some(t),
-                Operand::Scalar(_) => None,
-            })
-            .collect();
         let mut strides: Vec<&[isize]> = vec![self.out.strides()];
-        strides.extend(tensors.iter().map(|t| t.strides()));
+        strides.extend(inputs.iter().filter_map(|o| match *o {
+            Operand::Tensor(t) => Some(t.strides()),
+            Operand::Scalar(_) => None,
+        }));
         let plan = MapPlan::new(self.out.shape(), &strides);
         MapRequest {
             op: self.op,

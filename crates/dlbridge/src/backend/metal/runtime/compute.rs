@@ -318,25 +318,23 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     // more axes on a side than they walk) is copied on the GPU with its reduced axes last, after
     // which each side is one axis.
     let too_many = req.plan.kept.shape.len() > MAX_DIMS || req.plan.reduced.shape.len() > MAX_DIMS;
-    let (compact, plan) = if too_many || !is_aligned(req.input) {
-        let (input, plan) = req.staged_input()?;
-        (Some(input), Some(plan))
-    } else {
-        (None, None)
-    };
+    let staged = (too_many || !is_aligned(req.input))
+        .then(|| req.staged_input())
+        .transpose()?;
     let replanned;
-    let req = match (&compact, plan) {
-        (Some(input), Some(plan)) => {
-            replanned = req.with_input(input, plan);
+    let req = match &staged {
+        // The plan is cloned on this path only, next to a copy of the whole input.
+        Some((input, plan)) => {
+            replanned = req.with_input(input, plan.clone());
             &replanned
         }
-        _ => req,
+        None => req,
     };
     let launch = dispatch::plan_reduce(req)?;
     let out = resolve(req.out.buffer())?;
     let context = out.context;
     let (input, _) = buffer_on(context, req.input)?;
-    let mut keep: Vec<Buffer> = compact.iter().map(|t| t.buffer().clone()).collect();
+    let mut keep: Vec<Buffer> = staged.iter().map(|(t, _)| t.buffer().clone()).collect();
     let scratch = if launch.scratch_bytes > 0 {
         let buffer = crate::backend::metal::allocate(
             context.info().device,

@@ -14,7 +14,7 @@ use crate::device::{self, PyDevice};
 use crate::dtype::PyDType;
 use crate::errors::IntoPyResult;
 use crate::exchange::{self, ExportRequest};
-use crate::fastcall::{self, FastArgs, MethodDef, Signature};
+use crate::fastcall::{self, Attach, FastArgs, MethodDef, Signature};
 use crate::ops;
 use dlbridge::compute::{BinaryOp, ReduceOp, UnaryOp};
 
@@ -286,20 +286,24 @@ unsafe extern "C" fn dlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython is calling this function with these arguments.
     let args = unsafe { FastArgs::new(args, nargsf, kwnames) };
-    // The body releases no last reference (`Signature::run`): the array keeps its buffer, and any
-    // producer behind it, alive.
-    DLPACK_SIGNATURE.run(args, |py, [stream, max_version, dl_device, copy]| {
-        // SAFETY: the method descriptor passes a live object as `self` (an instance of `Array`,
-        // which `cast` checks again).
-        let slf = unsafe { Bound::ref_from_ptr(py, &slf) }.cast::<PyArray>()?;
-        slf.get().dlpack(
-            py,
-            fastcall::opt(stream),
-            fastcall::opt_version(max_version, "max_version")?,
-            fastcall::opt(dl_device),
-            fastcall::opt_bool(copy, "copy")?,
-        )
-    })
+    // The body releases no last reference (`Attach::Assumed`): the array keeps its buffer, and
+    // any producer behind it, alive.
+    DLPACK_SIGNATURE.call(
+        args,
+        Attach::Assumed,
+        |py, [stream, max_version, dl_device, copy]| {
+            // SAFETY: the method descriptor passes a live object as `self` (an instance of `Array`,
+            // which `cast` checks again).
+            let slf = unsafe { Bound::ref_from_ptr(py, &slf) }.cast::<PyArray>()?;
+            slf.get().dlpack(
+                py,
+                fastcall::opt(stream),
+                fastcall::opt_version(max_version, "max_version")?,
+                fastcall::opt(dl_device),
+                fastcall::opt_bool(copy, "copy")?,
+            )
+        },
+    )
 }
 
 /// An integer index from an `int` or any object with `__index__`.

@@ -11,7 +11,7 @@ use crate::array::PyArray;
 use crate::convert::{self, ScalarKind};
 use crate::errors::IntoPyResult;
 use crate::exchange;
-use crate::fastcall::{self, FastArgs, MethodDef, Signature};
+use crate::fastcall::{self, Attach, FastArgs, MethodDef, Signature};
 
 /// A parsed shape (inline up to eight axes: parsing allocates nothing on the common path).
 pub(crate) type Shape = SmallVec<[usize; 8]>;
@@ -161,19 +161,23 @@ unsafe extern "C" fn empty_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython is calling this function with these arguments.
     let args = unsafe { FastArgs::new(args, nargsf, kwnames) };
-    // The body releases only objects it made (`Signature::run`).
-    EMPTY_SIGNATURE.run(args, |py, [shape, dtype, device, storage]| {
-        let shape = shape.expect("`shape` is required, so parse checked it was given");
-        let storage = fastcall::opt_str(storage, "storage")?;
-        let t = allocate(
-            shape,
-            dtype,
-            fastcall::opt(device),
-            storage.as_deref(),
-            false,
-        )?;
-        Ok(Bound::new(py, PyArray::new(t))?.into_any())
-    })
+    // The body releases only objects it made (`Attach::Assumed`).
+    EMPTY_SIGNATURE.call(
+        args,
+        Attach::Assumed,
+        |py, [shape, dtype, device, storage]| {
+            let shape = shape.expect("`shape` is required, so parse checked it was given");
+            let storage = fastcall::opt_str(storage, "storage")?;
+            let t = allocate(
+                shape,
+                dtype,
+                fastcall::opt(device),
+                storage.as_deref(),
+                false,
+            )?;
+            Ok(Bound::new(py, PyArray::new(t))?.into_any())
+        },
+    )
 }
 
 /// A new zero-filled array. The default dtype is float32.
@@ -445,7 +449,8 @@ unsafe extern "C" fn from_dlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython is calling this function with these arguments.
     let args = unsafe { FastArgs::new(args, nargsf, kwnames) };
-    FROM_DLPACK_SIGNATURE.call(args, |py, [x, device, copy]| {
+    // The body may release a foreign producer, whose deleter must run at once.
+    FROM_DLPACK_SIGNATURE.call(args, Attach::Counted, |py, [x, device, copy]| {
         let x = x.expect("`x` is required, so parse checked it was given");
         let device = parse_opt_device(device)?;
         let copy = fastcall::opt_bool(copy, "copy")?;

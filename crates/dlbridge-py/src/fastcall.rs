@@ -106,25 +106,23 @@ impl MethodDef {
     }
 }
 
-/// Runs an entry point's body as a Python call, attached to the interpreter in PyO3's count of
-/// attachments, with a Rust panic turned into `PanicException` and an error raised (never
-/// unwound into CPython). For bodies that may drop the last reference to a Python object: PyO3
-/// releases a `Py<T>` dropped while its count is zero only at its next attachment, which for a
-/// foreign producer means its deleter would run late.
-fn call(
-    body: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyAny>>,
-) -> *mut ffi::PyObject {
-    Python::attach(|py| run(py, body))
+/// How an entry point's body runs with respect to PyO3's count of attachments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Attach {
+    /// Inside the count ([`Python::attach`]). For bodies that may drop the last reference to a
+    /// Python object: PyO3 releases a `Py<T>` dropped while its count is zero only at its next
+    /// attachment, which for a foreign producer means its deleter would run late.
+    Counted,
+    /// Outside it, with a token from `Python::assume_attached`: from a bare C entry point the
+    /// count costs a `PyGILState_Ensure`/`Release` pair (about 40 ns, a third of an export). Only
+    /// for bodies that release no Python object whose deletion matters now: a `Py<T>` dropped
+    /// outside the count (an error object, at worst) is released at PyO3's next attachment
+    /// instead of at once.
+    Assumed,
 }
 
 /// Runs an entry point's body with a Rust panic turned into `PanicException` and an error raised
 /// (never unwound into CPython).
-///
-/// Called with a token from `Python::assume_attached`, it skips PyO3's count of attachments,
-/// which from a bare C entry point costs a `PyGILState_Ensure`/`Release` pair (about 40 ns, a
-/// third of an export). That is only for bodies that release no Python object whose deletion
-/// matters now: a `Py<T>` dropped outside the count (an error object, at worst) is released at
-/// PyO3's next attachment instead of at once. Other bodies go through [`call`].
 fn run<'py>(
     py: Python<'py>,
     body: impl FnOnce(Python<'py>) -> PyResult<Bound<'py, PyAny>>,
@@ -231,33 +229,26 @@ impl<const N: usize> Signature<N> {
         }
     }
 
-    /// An entry point's whole body: `body` over the call's arguments ([`Signature::parse`]), run
-    /// by [`call`], attached in PyO3's count of attachments.
+    /// An entry point's whole body: `body` over the call's arguments ([`Signature::parse`]),
+    /// attached as `attach` says, with a panic raised as `PanicException` ([`run`]).
     pub(crate) fn call(
         &self,
         args: FastArgs,
+        attach: Attach,
         body: impl for<'a, 'py> FnOnce(
             Python<'py>,
             [Option<&'a Bound<'py, PyAny>>; N],
         ) -> PyResult<Bound<'py, PyAny>>,
     ) -> *mut ffi::PyObject {
-        call(|py| body(py, self.parse(py, args)?))
-    }
-
-    /// As [`Signature::call`], outside PyO3's count of attachments ([`run`] says which bodies
-    /// that suits).
-    pub(crate) fn run(
-        &self,
-        args: FastArgs,
-        body: impl for<'a, 'py> FnOnce(
-            Python<'py>,
-            [Option<&'a Bound<'py, PyAny>>; N],
-        ) -> PyResult<Bound<'py, PyAny>>,
-    ) -> *mut ffi::PyObject {
-        // SAFETY: CPython is running the call `args` came with, so the thread is attached
-        // (`FastArgs::new`).
-        let py = unsafe { Python::assume_attached() };
-        run(py, |py| body(py, self.parse(py, args)?))
+        match attach {
+            Attach::Counted => Python::attach(|py| run(py, |py| body(py, self.parse(py, args)?))),
+            Attach::Assumed => {
+                // SAFETY: CPython is running the call `args` came with, so the thread is attached
+                // (`FastArgs::new`).
+                let py = unsafe { Python::assume_attached() };
+                run(py, |py| body(py, self.parse(py, args)?))
+            }
+        }
     }
 
     /// The name of parameter `i`.

@@ -1,7 +1,7 @@
 //! Creation functions and conversion of arbitrary Python objects to tensors.
 
 use dlbridge::{DType, Device, StorageMode, Tensor};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PySequence, PyTuple};
@@ -246,21 +246,26 @@ pub(crate) fn arange(
     });
     let dtype = parse_opt_dtype(dtype)?.unwrap_or(if all_int { DType::I64 } else { DType::F32 });
     let (device, storage) = placement(device, storage)?;
-    let values: Vec<f64>;
-    let ints: Vec<i128>;
-    let count;
     if all_int {
         let (a, b, s): (i128, i128, i128) = (start.extract()?, stop.extract()?, step.extract()?);
         if s == 0 {
             return Err(PyValueError::new_err("arange step cannot be zero"));
         }
-        count = if (s > 0 && b > a) || (s < 0 && b < a) {
-            ((b - a).abs() + s.abs() - 1) / s.abs()
+        let span = b
+            .checked_sub(a)
+            .ok_or_else(|| PyOverflowError::new_err("arange bounds are too far apart"))?;
+        // Values between the bounds fit in `i128`, so no step below overflows.
+        let count = if span != 0 && (span > 0) == (s > 0) {
+            (span.unsigned_abs() - 1) / s.unsigned_abs() + 1
         } else {
             0
         };
-        ints = (0..count).map(|i| a + i * s).collect();
-        values = vec![];
+        let count = arange_length(count, dtype)?;
+        let t = build_compact(&[count], dtype, device, storage, |i, out| {
+            let v = (a + i as i128 * s).into_pyobject(py)?;
+            convert::write_element(dtype, v.as_any(), out)
+        })?;
+        Ok(PyArray::new(t))
     } else {
         let (a, b, s): (f64, f64, f64) = (start.extract()?, stop.extract()?, step.extract()?);
         if s == 0.0 || !s.is_finite() || !a.is_finite() || !b.is_finite() {
@@ -269,41 +274,56 @@ pub(crate) fn arange(
             ));
         }
         let n = ((b - a) / s).ceil();
-        count = if n > 0.0 { n as i128 } else { 0 };
-        values = (0..count).map(|i| a + i as f64 * s).collect();
-        ints = vec![];
+        // `as` saturates: a length beyond `u128` is refused below like any other too-long one.
+        let count = arange_length(if n > 0.0 { n as u128 } else { 0 }, dtype)?;
+        let t = build_compact(&[count], dtype, device, storage, |i, out| {
+            let v = (a + i as f64 * s).into_pyobject(py)?;
+            convert::write_element(dtype, v.as_any(), out)
+        })?;
+        Ok(PyArray::new(t))
     }
-    let count = usize::try_from(count).map_err(|_| PyValueError::new_err("arange is too long"))?;
-    let mut bytes = Vec::with_capacity(count * dtype.itemsize());
-    for i in 0..count {
-        let v = if all_int {
-            ints[i].into_pyobject(py)?.into_any()
-        } else {
-            values[i].into_pyobject(py)?.into_any()
-        };
-        convert::write_element(dtype, &v, &mut bytes)?;
-    }
-    Ok(PyArray::new(from_bytes(
-        &[count],
-        dtype,
-        &bytes,
-        device,
-        storage,
-    )?))
 }
 
-/// A compact tensor on `device` (in `storage`) holding `bytes` (native order).
-fn from_bytes(
+/// The length of an `arange` as an extent, or the `MemoryError` of an array that long.
+fn arange_length(count: u128, dtype: DType) -> PyResult<usize> {
+    usize::try_from(count).map_err(|_| {
+        PyMemoryError::new_err(format!(
+            "cannot allocate an arange of {count} {dtype} elements: more bytes than an address \
+             space holds"
+        ))
+    })
+}
+
+/// A compact tensor of `shape` and `dtype` on `device` (in `storage`), its elements written one by
+/// one in row-major order by `element(index, out)`, which appends one element's native-order
+/// bytes to `out`. The elements are written into dlbridge memory on the host (taken from the pool,
+/// so an impossible size is a `MemoryError` naming the size, never an abort) and then copied to
+/// `device` when that is not the host.
+fn build_compact(
     shape: &[usize],
     dtype: DType,
-    bytes: &[u8],
     device: Device,
     storage: Option<StorageMode>,
+    mut element: impl FnMut(usize, &mut Vec<u8>) -> PyResult<()>,
 ) -> PyResult<Tensor> {
-    let mut host = Tensor::empty(&[bytes.len()], DType::U8, Device::CPU).py()?;
+    let count = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let itemsize = dtype.itemsize();
+    let Some(nbytes) = count.and_then(|n| n.checked_mul(itemsize)) else {
+        return Err(PyMemoryError::new_err(format!(
+            "cannot allocate a {dtype} array of shape {shape:?} on {device}: more bytes than an \
+             address space holds"
+        )));
+    };
+    let mut host = Tensor::empty(&[nbytes], DType::U8, Device::CPU).py()?;
     // SAFETY: creation functions run inside Python calls, with the GIL held.
     crate::memory::warn_env_once(unsafe { Python::assume_attached() })?;
-    host.as_mut_slice::<u8>().py()?.copy_from_slice(bytes);
+    let bytes = host.as_mut_slice::<u8>().py()?;
+    let mut scratch = Vec::with_capacity(16);
+    for (i, slot) in bytes.chunks_exact_mut(itemsize).enumerate() {
+        scratch.clear();
+        element(i, &mut scratch)?;
+        slot.copy_from_slice(&scratch);
+    }
     let typed = Tensor::new(
         host.buffer().clone(),
         dtype,
@@ -356,6 +376,7 @@ pub(crate) fn tensor_from(
         && !obj.is_instance_of::<PyTuple>()
         && exchange::has_buffer(obj)
     {
+        exchange::refuse_inexpressible(obj, crate::exchange_api::type_info(obj))?;
         let t = exchange::from_buffer(obj)?;
         Some(exchange::finish_import(
             exchange::Taken {
@@ -391,16 +412,12 @@ pub(crate) fn tensor_from(
     }
     let nested = convert::flatten(obj)?;
     let dtype = dtype.unwrap_or(nested.kind.default_dtype());
-    let mut bytes = Vec::with_capacity(nested.leaves.len() * dtype.itemsize());
-    for leaf in &nested.leaves {
-        convert::write_element(dtype, leaf, &mut bytes)?;
-    }
-    from_bytes(
+    build_compact(
         &nested.shape,
         dtype,
-        &bytes,
         device.unwrap_or(Device::CPU),
         storage,
+        |i, out| convert::write_element(dtype, &nested.leaves[i], out),
     )
 }
 

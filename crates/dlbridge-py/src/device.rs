@@ -122,6 +122,12 @@ pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
         return parse_str(s);
     }
     if let Ok((device_type, device_id)) = obj.extract::<(i32, i32)>() {
+        if device_type == dlbridge::dlpack::ffi::K_DL_CPU && device_id != 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "({device_type}, {device_id}) names CPU device {device_id}, but DLPack's CPU is \
+                 always device 0"
+            )));
+        }
         return Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
             device_type,
             device_id,

@@ -264,11 +264,15 @@ pub(crate) fn from_dlpack(
     } else {
         let taken = if x.is_instance_of::<PyCapsule>() {
             take_capsule(x)?
-        } else if let Some(taken) = crate::exchange_api::take_via_table(x) {
-            taken?
         } else {
-            let capsule = call_dlpack(py, x, device, copy)?;
-            take_capsule(&capsule)?
+            let info = crate::exchange_api::type_info(x);
+            refuse_inexpressible(x, info)?;
+            if let Some(taken) = crate::exchange_api::take_via_table(x, info) {
+                taken?
+            } else {
+                let capsule = call_dlpack(py, x, device, copy)?;
+                take_capsule(&capsule)?
+            }
         };
         // Another device is reached by a copy below, which needs no resolution first.
         if device.is_some_and(|d| d != taken.tensor.device()) {
@@ -278,6 +282,60 @@ pub(crate) fn from_dlpack(
         }
     };
     finish_import(taken, device, None, copy)
+}
+
+/// Refuses, with the `BufferError` the array API standard calls for, a producer's tensor whose
+/// values are not what its memory holds, or that must not be shared behind its framework's back:
+/// one that requires grad (a write through DLPack would bypass autograd), has a lazy conjugate or
+/// negative bit, or a zero tensor's lazy storage, or is sparse, quantized, nested, MKL-DNN or on
+/// the meta device (no addressable strided memory). PyTorch's C exchange table hands out the
+/// first kinds without complaint, and its `__dlpack__` exports negated views as plain memory, so
+/// every import path (the table, `__dlpack__`, the buffer protocol) asks here first. Only types
+/// with PyTorch's tensor-state API are asked ([`crate::exchange_api::TypeInfo`]).
+pub(crate) fn refuse_inexpressible(
+    x: &Bound<'_, PyAny>,
+    info: crate::exchange_api::TypeInfo,
+) -> PyResult<()> {
+    if !info.has_tensor_state {
+        return Ok(());
+    }
+    let py = x.py();
+    // A state the running version does not have (an attribute it lacks) is not set.
+    let flag = |name: &Bound<'_, pyo3::types::PyString>| {
+        x.getattr(name).and_then(|v| v.is_truthy()).unwrap_or(false)
+    };
+    let method = |name: &Bound<'_, pyo3::types::PyString>| {
+        x.call_method0(name)
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(false)
+    };
+    let refusal = if flag(intern!(py, "requires_grad")) {
+        "it requires grad, and a DLPack consumer could write to it behind autograd's back; \
+         export x.detach()"
+    } else if method(intern!(py, "is_conj")) {
+        "its conjugate bit is set, so its memory does not hold its values; export \
+         x.resolve_conj()"
+    } else if method(intern!(py, "is_neg")) {
+        "its negative bit is set, so its memory does not hold its values; export x.resolve_neg()"
+    } else if flag(intern!(py, "is_sparse")) || flag(intern!(py, "is_sparse_csr")) {
+        "it is sparse, and DLPack describes only strided memory; export x.to_dense()"
+    } else if flag(intern!(py, "is_quantized")) {
+        "it is quantized, which DLPack cannot describe; export x.dequantize()"
+    } else if flag(intern!(py, "is_nested")) {
+        "it is a nested tensor, which DLPack cannot describe"
+    } else if flag(intern!(py, "is_mkldnn")) {
+        "it is in MKL-DNN layout, which DLPack cannot describe; export x.to_dense()"
+    } else if flag(intern!(py, "is_meta")) {
+        "it is on the meta device and has no memory"
+    } else if method(intern!(py, "_is_zerotensor")) {
+        "it is a lazy zero tensor with no memory of its own; export x.clone()"
+    } else {
+        return Ok(());
+    };
+    Err(PyBufferError::new_err(format!(
+        "cannot import this {} through DLPack: {refusal}",
+        x.get_type().name()?
+    )))
 }
 
 /// Errors of a DLPack exchange: a device dlbridge cannot reach is, in the array API standard's

@@ -26,9 +26,20 @@ const API_NAME: &CStr = c"dlpack_exchange_api";
 // ---------------------------------------------------------------------------------------------
 // Consumer side.
 
-/// Types seen by `from_dlpack`, with their exchange table (or none). The type objects are held,
-/// so an address in the cache can never be reused by a different type.
-static TABLES: Mutex<Vec<(Py<PyType>, Option<TableRef>)>> = Mutex::new(Vec::new());
+/// What `from_dlpack` knows of a producer's type: its exchange table (if any) and whether its
+/// instances can be in states a DLPack descriptor cannot express.
+#[derive(Clone, Copy)]
+pub(crate) struct TypeInfo {
+    table: Option<TableRef>,
+    /// The type has PyTorch's tensor-state API (`requires_grad`, `is_conj`, `is_neg`), so its
+    /// instances can require grad or carry lazy bits: [`crate::exchange::refuse_inexpressible`]
+    /// asks each one.
+    pub(crate) has_tensor_state: bool,
+}
+
+/// Types seen by `from_dlpack`, with what is known of them. The type objects are held, so an
+/// address in the cache can never be reused by a different type.
+static TYPES: Mutex<Vec<(Py<PyType>, TypeInfo)>> = Mutex::new(Vec::new());
 
 /// A producer's exchange table, which the protocol requires to be immutable and alive for the
 /// whole process.
@@ -44,21 +55,28 @@ unsafe impl Sync for TableRef {}
 /// At most this many types are remembered; more are looked up each time.
 const CACHE_LIMIT: usize = 32;
 
-/// The exchange table `type(x)` publishes, if any, with major version 1.
-fn table_of(x: &Bound<'_, PyAny>) -> Option<&'static DLPackExchangeAPI> {
+/// What is known of `type(x)`, looked up once per type.
+pub(crate) fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
     let ty = x.get_type();
     {
-        let cache = TABLES.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, table)) = cache.iter().find(|(t, _)| t.as_ptr() == ty.as_ptr()) {
-            return table.map(|t| t.0);
+        let cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, info)) = cache.iter().find(|(t, _)| t.as_ptr() == ty.as_ptr()) {
+            return *info;
         }
     }
-    let table = lookup(&ty);
-    let mut cache = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    let py = ty.py();
+    let has = |name| ty.hasattr(name).unwrap_or(false);
+    let info = TypeInfo {
+        table: lookup(&ty).map(TableRef),
+        has_tensor_state: has(intern!(py, "requires_grad"))
+            && has(intern!(py, "is_conj"))
+            && has(intern!(py, "is_neg")),
+    };
+    let mut cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
     if cache.len() < CACHE_LIMIT {
-        cache.push((ty.unbind(), table.map(TableRef)));
+        cache.push((ty.unbind(), info));
     }
-    table
+    info
 }
 
 fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
@@ -70,34 +88,21 @@ fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
         return None;
     }
     // SAFETY: the name matched, so this returns the stored pointer without raising.
-    let mut header = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), API_NAME.as_ptr()) }
+    let header = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), API_NAME.as_ptr()) }
         .cast::<DLPackExchangeAPIHeader>();
-    // Walk the chain to a table of major version 1.
-    while !header.is_null() {
-        // SAFETY: the DLPack 1.3 protocol requires the table (and its chain) to live for the whole
-        // process; `header` is non-NULL.
-        let h = unsafe { &*header };
-        if h.version.major == dlbridge::dlpack::ffi::DLPACK_MAJOR_VERSION {
-            // SAFETY: a major-1 header starts a full `DLPackExchangeAPI`, alive for the process.
-            let api = unsafe { &*header.cast::<DLPackExchangeAPI>() };
-            let complete = api.managed_tensor_from_py_object_no_sync.is_some();
-            return complete.then_some(api);
-        }
-        header = h.prev_api;
-    }
-    None
+    // SAFETY: the DLPack 1.3 protocol requires the table and its chain to live, unchanged, for the
+    // whole process.
+    unsafe { dlbridge::dlpack::exchange_table_v1(header) }
 }
 
 /// Takes `x`'s tensor through its type's exchange table; `None` when the type has none.
-pub(crate) fn take_via_table(x: &Bound<'_, PyAny>) -> Option<PyResult<Taken>> {
-    let api = table_of(x)?;
+///
+/// The caller has refused tensors in states DLPack cannot express
+/// ([`crate::exchange::refuse_inexpressible`]): PyTorch's table hands out a conjugated or negated
+/// view's raw memory without its lazy bit, and a tensor that requires grad without complaint.
+pub(crate) fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<Taken>> {
+    let api = info.table?.0;
     let export = api.managed_tensor_from_py_object_no_sync?;
-    if has_lazy_bits(x) {
-        // PyTorch's exchange table hands out a conjugated or negated view's raw memory without
-        // its lazy bit (its `__dlpack__` refuses such tensors): take the `__dlpack__` path, which
-        // raises the BufferError DLPack calls for.
-        return None;
-    }
     let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
     // SAFETY: `x` is an object of the type the table was found on, as the protocol requires; the
     // GIL is held; `out` is a valid place for the result.
@@ -169,19 +174,6 @@ fn order_after_producer(
         }
         _ => Err(None),
     }
-}
-
-/// Whether `x` is a PyTorch tensor with a lazy conjugate or negative bit set (values that differ
-/// from its memory). Only types with `is_conj` are asked.
-fn has_lazy_bits(x: &Bound<'_, PyAny>) -> bool {
-    let py = x.py();
-    let bit = |name: &Bound<'_, pyo3::types::PyString>| {
-        x.call_method0(name)
-            .and_then(|v| v.is_truthy())
-            .unwrap_or(false)
-    };
-    x.hasattr(intern!(py, "is_conj")).unwrap_or(false)
-        && (bit(intern!(py, "is_conj")) || bit(intern!(py, "is_neg")))
 }
 
 // ---------------------------------------------------------------------------------------------

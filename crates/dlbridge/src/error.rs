@@ -162,3 +162,16 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub(crate) fn overflow(what: impl std::fmt::Display) -> Error {
     Error::Overflow(what.to_string())
 }
+
+/// An empty vector with room for `len` values of `T`, or the [`Error::OutOfMemory`] of a host
+/// allocation that large: the one way the crate sizes host memory by a number a caller controls
+/// (an infallible `Vec` allocation of an impossible size aborts the process).
+pub(crate) fn host_vec<T>(len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
+        bytes: len.saturating_mul(size_of::<T>()),
+        device: Device::CPU,
+        detail: String::new(),
+    })?;
+    Ok(v)
+}

@@ -43,6 +43,7 @@ pub mod device;
 pub mod dlpack;
 pub mod dtype;
 pub mod error;
+mod fork;
 pub mod layout;
 pub mod pool;
 pub mod storage;

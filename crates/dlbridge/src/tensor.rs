@@ -342,7 +342,10 @@ impl Tensor {
             )));
         }
         let compact = self.copy_to(Device::CPU)?;
-        Ok(compact.as_slice::<T>()?.to_vec())
+        let elements = compact.as_slice::<T>()?;
+        let mut v = crate::error::host_vec(elements.len())?;
+        v.extend_from_slice(elements);
+        Ok(v)
     }
 
     /// A compact copy of this view on `device`, in new memory.

@@ -12,7 +12,7 @@ use dlbridge::dlpack::ffi::{
     DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, DLPACK_FLAG_BITMASK_READ_ONLY, K_DL_FLOAT4_E2M1FN,
     K_DL_METAL,
 };
-use dlbridge::{DType, Device, DeviceKind, Error, SliceArg};
+use dlbridge::{DType, Device, DeviceKind, Error, SliceArg, Tensor};
 
 fn iota(n: usize) -> Vec<f32> {
     (0..n).map(|i| i as f32).collect()
@@ -460,23 +460,40 @@ fn opaque_metal_handle_round_trips_untouched() {
 /// handles, handed back unchanged. CUDA host memory is host-accessible. No fake pointer is read.
 #[test]
 fn addressable_and_opaque_devices() {
-    let fake = |device_type: i32| {
+    // Where a CUDA driver and device exist, the importer asks the driver about CUDA pointers, so
+    // the CUDA case uses real device memory there (on device 0); elsewhere nothing can check the
+    // pointer, and a made-up one on device 1 is held as it came. Either way the same rules hold.
+    let real = Tensor::empty(&[32], DType::F32, Device::cuda(0)).ok();
+    let (cuda_base, cuda_id) = match &real {
+        Some(t) => (t.buffer().handle().expose_provenance(), 0),
+        None => (0x10_0000, 1),
+    };
+    let fake = |device_type: i32, base: usize, id: i32| {
         Spec::f32(&[], &[2, 2])
-            .data(Data::Fake(0x10_0000))
-            .device(device_type, 1)
+            .data(Data::Fake(base))
+            .device(device_type, id)
             .byte_offset(64)
     };
-    for (device_type, kind, data, byte_offset) in [
-        (ffi::K_DL_CUDA, DeviceKind::Cuda, 0x10_0040, 0),
+    for (device_type, kind, base, id, data, byte_offset) in [
+        (
+            ffi::K_DL_CUDA,
+            DeviceKind::Cuda,
+            cuda_base,
+            cuda_id,
+            cuda_base + 64,
+            0,
+        ),
         (
             ffi::K_DL_VULKAN,
             DeviceKind::Other(ffi::K_DL_VULKAN),
             0x10_0000,
+            1,
+            0x10_0000,
             64,
         ),
     ] {
-        let (t, probe) = fake(device_type).import().tensor();
-        assert_eq!(t.device(), Device::new(kind, 1));
+        let (t, probe) = fake(device_type, base, id).import().tensor();
+        assert_eq!(t.device(), Device::new(kind, id as u32));
         assert!(t.buffer().host_ptr().is_none());
         assert!(matches!(
             t.as_slice::<f32>(),
@@ -486,7 +503,7 @@ fn addressable_and_opaque_devices() {
         assert_eq!(e.dl().data as usize, data, "device type {device_type}");
         assert_eq!(e.dl().byte_offset, byte_offset, "device type {device_type}");
         assert_eq!(e.dl().device.device_type, device_type);
-        assert_eq!(e.dl().device.device_id, 1);
+        assert_eq!(e.dl().device.device_id, id);
         drop(e);
         drop(t);
         assert_eq!(probe.deletes(), 1);

@@ -113,6 +113,41 @@ pub unsafe fn release_legacy(managed: NonNull<DLManagedTensor>) {
     unsafe { DLManagedTensor::delete(managed) }
 }
 
+/// How many tables an exchange-table chain ([`ffi::DLPackExchangeAPIHeader::prev_api`]) is followed
+/// through before the walk gives up: a producer publishes one table per DLPack major version, so
+/// a longer chain is a broken (or looping) one.
+pub const EXCHANGE_CHAIN_LIMIT: usize = 16;
+
+/// The first table of DLPack major version 1 in the exchange-table chain starting at `header`, if
+/// it is complete enough to import through (`managed_tensor_from_py_object_no_sync` set). The walk
+/// follows at most [`EXCHANGE_CHAIN_LIMIT`] links, so a chain that loops (or is absurdly long)
+/// ends it with `None` rather than spinning.
+///
+/// # Safety
+/// `header` is NULL or points to a readable `DLPackExchangeAPIHeader`, each `prev_api` link of
+/// which is NULL or points to another, for the first [`EXCHANGE_CHAIN_LIMIT`] links; a header of
+/// major version 1 starts a whole [`ffi::DLPackExchangeAPI`]. All of them stay alive and unchanged
+/// for `'a` (DLPack 1.3 asks producers to keep their tables for the whole process).
+pub unsafe fn exchange_table_v1<'a>(
+    header: *const ffi::DLPackExchangeAPIHeader,
+) -> Option<&'a ffi::DLPackExchangeAPI> {
+    let mut header = header;
+    for _ in 0..EXCHANGE_CHAIN_LIMIT {
+        // SAFETY: NULL or a live header, by the caller's contract.
+        let h = unsafe { header.as_ref() }?;
+        if h.version.major == ffi::DLPACK_MAJOR_VERSION {
+            // SAFETY: a major-1 header starts a whole table, alive for `'a`.
+            let api = unsafe { &*header.cast::<ffi::DLPackExchangeAPI>() };
+            return api
+                .managed_tensor_from_py_object_no_sync
+                .is_some()
+                .then_some(api);
+        }
+        header = h.prev_api;
+    }
+    None
+}
+
 /// Keeps a foreign producer's tensor alive; its drop is the one place the deleter runs.
 struct ForeignTensor<M: Managed> {
     managed: NonNull<M>,
@@ -257,10 +292,12 @@ unsafe fn import<M: Managed + 'static>(
         // Rebase onto the lowest addressed byte, so the buffer is exactly the addressed range.
         let base = dl.data as usize as i128 + first + lo;
         let end = dl.data as usize as i128 + first + hi;
-        if numel > 0 && (base <= 0 || end > usize::MAX as i128) {
+        // User-space pointers (host and CUDA alike) lie in the lower half of the address space;
+        // a range reaching past `isize::MAX` wrapped or names kernel addresses.
+        if numel > 0 && (base <= 0 || end > isize::MAX as i128) {
             return Err(Error::MalformedTensor(format!(
                 "data {:p} with byte_offset {offset} and strides {:?} addresses memory outside \
-                 the address space",
+                 the user address space",
                 dl.data,
                 layout.strides()
             )));

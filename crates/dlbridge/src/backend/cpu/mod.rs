@@ -15,6 +15,7 @@
 
 pub mod cast;
 pub(crate) mod compute;
+pub(crate) mod workers;
 
 use std::alloc::Layout as AllocLayout;
 use std::ffi::c_void;

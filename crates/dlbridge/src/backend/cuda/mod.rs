@@ -77,14 +77,32 @@ unsafe impl Send for DeviceContext {}
 unsafe impl Sync for DeviceContext {}
 
 fn driver() -> Result<&'static Driver> {
-    static DRIVER: OnceLock<std::result::Result<Driver, String>> = OnceLock::new();
-    DRIVER
-        .get_or_init(load_driver)
+    /// The driver, and the fork generation of the process that initialised it.
+    static DRIVER: OnceLock<(u64, std::result::Result<Driver, String>)> = OnceLock::new();
+    let (born, driver) = DRIVER.get_or_init(|| (crate::fork::generation(), load_driver()));
+    let driver = driver
         .as_ref()
         .map_err(|reason| Error::BackendUnavailable {
             backend: BACKEND,
             reason: reason.clone(),
-        })
+        })?;
+    if *born != crate::fork::generation() {
+        // The driver's state does not survive fork(): calling it here can fail or hang.
+        return Err(forked());
+    }
+    Ok(driver)
+}
+
+#[cold]
+fn forked() -> Error {
+    Error::BackendUnavailable {
+        backend: BACKEND,
+        reason:
+            "CUDA was initialised in the parent process, and the CUDA driver cannot be used in \
+                 a child made by fork(): start child processes with multiprocessing's 'spawn' or \
+                 'forkserver' method (multiprocessing.get_context(\"spawn\"))"
+                .into(),
+    }
 }
 
 fn load_driver() -> std::result::Result<Driver, String> {

@@ -150,16 +150,25 @@ unsafe fn product<T: Gemm>(a: Operand<T>, b: Operand<T>, out: *mut T, req: &Matm
             )
         };
     };
-    if req.batch > 1 && m.saturating_mul(n).saturating_mul(k) < SMALL {
-        use rayon::prelude::*;
-        (0..req.batch)
-            .into_par_iter()
-            .for_each(|i| one(i, gemm::Parallelism::None));
-    } else {
-        for i in 0..req.batch {
-            one(i, gemm::Parallelism::Rayon(0));
-        }
+    let small = m.saturating_mul(n).saturating_mul(k) < SMALL;
+    if req.batch == 1 && small {
+        // Too little work to share: no hop onto the workers.
+        one(0, gemm::Parallelism::None);
+        return;
     }
+    // gemm's rayon parallelism, like the batch loop, runs on the CPU workers.
+    crate::backend::cpu::workers::install(|| {
+        if req.batch > 1 && small {
+            use rayon::prelude::*;
+            (0..req.batch)
+                .into_par_iter()
+                .for_each(|i| one(i, gemm::Parallelism::None));
+        } else {
+            for i in 0..req.batch {
+                one(i, gemm::Parallelism::Rayon(0));
+            }
+        }
+    });
 }
 
 /// A compact `f32` copy of an operand's matrices (one when the batch stride is 0), and its
@@ -173,7 +182,11 @@ fn widened(
     let first = host.ptr::<bf16>();
     let count = if layout.batch_stride == 0 { 1 } else { batch };
     let (rows, cols) = (layout.rows, layout.cols);
-    let mut dst = Vec::with_capacity(count * rows * cols);
+    let len = count
+        .checked_mul(rows)
+        .and_then(|n| n.checked_mul(cols))
+        .ok_or_else(|| crate::error::overflow("the size of a widened matmul operand"))?;
+    let mut dst = crate::error::host_vec(len)?;
     for i in 0..count as isize {
         for r in 0..rows as isize {
             for c in 0..cols as isize {
@@ -201,8 +214,10 @@ fn widened(
 fn through_f32(req: &MatmulRequest<'_>) -> Result<()> {
     let (a, a_layout) = widened(req.a, req.a_layout, req.batch)?;
     let (b, b_layout) = widened(req.b, req.b_layout, req.batch)?;
+    // The output's element count, which its allocation already checked.
     let len = req.batch * req.m * req.n;
-    let mut product_f32 = vec![0f32; len];
+    let mut product_f32 = crate::error::host_vec(len)?;
+    product_f32.resize(len, 0f32);
     // SAFETY: `a` and `b` are compact copies described by their layouts; `product_f32` holds
     // `batch × m × n` elements and is borrowed by nothing else.
     unsafe {

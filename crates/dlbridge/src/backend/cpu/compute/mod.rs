@@ -369,9 +369,9 @@ unsafe impl<T: Sync> Sync for SharedPtr<T> {}
 
 /// Splits `0..len` into chunks of at least `min_chunk` items (a multiple of 64 when that many, so
 /// that chunks of `out` do not share cache lines) and calls `f(start, end)` for each: on the calling thread when
-/// there is one chunk, else on rayon's pool.
+/// there is one chunk, else on the CPU workers ([`super::workers`]).
 pub(super) fn for_chunks(len: usize, min_chunk: usize, f: impl Fn(usize, usize) + Sync) {
-    let threads = rayon::current_num_threads();
+    let threads = super::workers::threads();
     if len <= min_chunk || threads <= 1 {
         f(0, len);
         return;
@@ -385,10 +385,12 @@ pub(super) fn for_chunks(len: usize, min_chunk: usize, f: impl Fn(usize, usize) 
         chunk
     };
     let count = len.div_ceil(chunk);
-    use rayon::prelude::*;
-    (0..count)
-        .into_par_iter()
-        .for_each(|c| f(c * chunk, ((c + 1) * chunk).min(len)));
+    super::workers::install(|| {
+        use rayon::prelude::*;
+        (0..count)
+            .into_par_iter()
+            .for_each(|c| f(c * chunk, ((c + 1) * chunk).min(len)));
+    });
 }
 
 /// Walks items `start..end` of the row-major index space of `shape` as runs along its innermost

@@ -520,7 +520,7 @@ fn per_output<S, F, O>(
     let (kept, red, count) = (&plan.kept, &plan.reduced, plan.count);
     let kn = kept.shape.len();
     let (out_step, in_step) = (kept.strides[0][kn - 1], kept.strides[1][kn - 1]);
-    let threads = rayon::current_num_threads();
+    let threads = crate::backend::cpu::workers::threads();
     let pieces = count.div_ceil(SPLIT);
     let split_pieces = pieces > 1 && plan.outputs() < 2 * threads;
     let one = |base: *const S| -> F::Total {
@@ -534,7 +534,9 @@ fn per_output<S, F, O>(
         if split_pieces {
             use rayon::prelude::*;
             // Collected, then merged in order: the result does not depend on the thread count.
-            let parts: Vec<F::Total> = (0..pieces).into_par_iter().map(piece).collect();
+            let parts: Vec<F::Total> = crate::backend::cpu::workers::install(|| {
+                (0..pieces).into_par_iter().map(piece).collect()
+            });
             parts.into_iter().reduce(F::merge).unwrap_or_else(F::zero)
         } else {
             (0..pieces)
@@ -581,7 +583,7 @@ fn by_rows<S, F, O>(
     let rows_of_outputs = plan.outputs() / width;
     // Whole rows where there are enough of them for every thread; else rows split so that each
     // thread gets a tile. Tiles never change what a column computes, only who computes it.
-    let threads = rayon::current_num_threads();
+    let threads = crate::backend::cpu::workers::threads();
     let tile = if rows_of_outputs >= threads || width <= MIN_TILE {
         width.min(MAX_TILE)
     } else {

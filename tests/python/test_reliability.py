@@ -169,7 +169,7 @@ def test_memory_errors_name_the_size_and_the_device():
 
 def test_nothing_is_left_allocated_after_memory_errors():
     gc.collect()
-    before = dlbridge.memory_stats("cpu")["allocated_bytes"]
+    before = dlbridge.memory_stats("cpu")["active_bytes"]
     for make in (
         lambda: dlbridge.arange(2**42),
         lambda: huge_view().copy(),
@@ -178,13 +178,11 @@ def test_nothing_is_left_allocated_after_memory_errors():
         with pytest.raises(MemoryError):
             make()
     gc.collect()
-    assert dlbridge.memory_stats("cpu")["allocated_bytes"] == before
+    assert dlbridge.memory_stats("cpu")["active_bytes"] == before
 
 
 # ---------------------------------------------------------------------------------------------
 # Tensor states DLPack cannot express: one BufferError on every import path.
-
-torch = None
 
 
 def _torch():
@@ -388,7 +386,7 @@ def test_a_cpu_device_index_other_than_zero_is_refused_on_export():
     assert dlbridge.from_dlpack(a.__dlpack__(dl_device=(1, 0))).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("byte_offset", [2**63 - 1, 2**63 - 4096, 2**62 + 2**61])
+@pytest.mark.parametrize("byte_offset", [2**63 - 1, 2**63 - 4096])
 def test_a_descriptor_reaching_past_user_space_is_refused(byte_offset):
     host = np.zeros(4, dtype=np.float32)
     # `data` is a real address; `data + byte_offset` lies in the kernel's half of the address

@@ -1,7 +1,7 @@
 //! Creation functions and conversion of arbitrary Python objects to tensors.
 
 use dlbridge::{DType, Device, StorageMode, Tensor};
-use pyo3::exceptions::{PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PySequence, PyTuple};
@@ -284,20 +284,19 @@ pub(crate) fn arange(
     }
 }
 
-/// The length of an `arange` as an extent, or the `MemoryError` of an array that long.
+/// The length of an `arange` as an extent; longer than an address space holds is the `ValueError`
+/// `empty` gives for such sizes.
 fn arange_length(count: u128, dtype: DType) -> PyResult<usize> {
-    usize::try_from(count).map_err(|_| {
-        PyMemoryError::new_err(format!(
-            "cannot allocate an arange of {count} {dtype} elements: more bytes than an address \
-             space holds"
-        ))
-    })
+    usize::try_from(count)
+        .map_err(|_| dlbridge::Error::Overflow(format!("size of an arange of {count} {dtype}")))
+        .py()
 }
 
 /// A compact tensor of `shape` and `dtype` on `device` (in `storage`), its elements written one by
 /// one in row-major order by `element(index, out)`, which appends one element's native-order
 /// bytes to `out`. The elements are written into dlbridge memory on the host (taken from the pool,
-/// so an impossible size is a `MemoryError` naming the size, never an abort) and then copied to
+/// so an impossible size is a `MemoryError` naming the size, never an abort; a size beyond the
+/// address space is the `ValueError` of `empty`) and then copied to
 /// `device` when that is not the host.
 fn build_compact(
     shape: &[usize],
@@ -308,12 +307,10 @@ fn build_compact(
 ) -> PyResult<Tensor> {
     let count = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
     let itemsize = dtype.itemsize();
-    let Some(nbytes) = count.and_then(|n| n.checked_mul(itemsize)) else {
-        return Err(PyMemoryError::new_err(format!(
-            "cannot allocate a {dtype} array of shape {shape:?} on {device}: more bytes than an \
-             address space holds"
-        )));
-    };
+    let nbytes = count
+        .and_then(|n| n.checked_mul(itemsize))
+        .ok_or_else(|| dlbridge::Error::Overflow(format!("size of {shape:?} {dtype}")))
+        .py()?;
     let mut host = Tensor::empty(&[nbytes], DType::U8, Device::CPU).py()?;
     // SAFETY: creation functions run inside Python calls, with the GIL held.
     crate::memory::warn_env_once(unsafe { Python::assume_attached() })?;

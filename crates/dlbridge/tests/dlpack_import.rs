@@ -293,6 +293,92 @@ fn rejects_overflowing_offsets_and_extents() {
     });
 }
 
+/// `data + byte_offset` past `isize::MAX` lies in the kernel's half of the address space (or wraps
+/// around it), where no user-space pointer can be, though the offset alone fits.
+#[test]
+fn rejects_addresses_past_user_space() {
+    let good = Spec::f32(&iota(2), &[2]);
+    for byte_offset in [isize::MAX as u64, isize::MAX as u64 - 4095] {
+        assert_rejected(
+            good.clone().byte_offset(byte_offset),
+            &format!("real data with byte_offset {byte_offset}"),
+            |e| matches!(e, Error::MalformedTensor(m) if m.contains("user address space")),
+        );
+    }
+}
+
+/// The C exchange table's chain is followed a bounded number of links: a loop ends the walk.
+#[test]
+fn exchange_table_chains_are_walked_a_bounded_number_of_links() {
+    use dlbridge::dlpack::{EXCHANGE_CHAIN_LIMIT, exchange_table_v1};
+    use ffi::{DLPackExchangeAPI, DLPackExchangeAPIHeader};
+    unsafe extern "C" fn from_py(
+        _: *mut std::ffi::c_void,
+        _: *mut *mut ffi::DLManagedTensorVersioned,
+    ) -> i32 {
+        -1
+    }
+    let table = |major: u32, complete: bool| DLPackExchangeAPI {
+        header: DLPackExchangeAPIHeader {
+            version: ffi::DLPackVersion { major, minor: 0 },
+            prev_api: std::ptr::null_mut(),
+        },
+        managed_tensor_allocator: None,
+        managed_tensor_from_py_object_no_sync: complete.then_some(from_py as _),
+        managed_tensor_to_py_object_no_sync: None,
+        dltensor_from_py_object_no_sync: None,
+        current_work_stream: None,
+    };
+    // tables[i] links to tables[i + 1]; the last links back to the first when `looped`.
+    let chain = |majors: &[(u32, bool)], looped: bool| {
+        let mut tables: Vec<Box<DLPackExchangeAPI>> =
+            majors.iter().map(|&(m, c)| Box::new(table(m, c))).collect();
+        let ptrs: Vec<*mut DLPackExchangeAPIHeader> = tables
+            .iter_mut()
+            .map(|t| (&raw mut **t).cast::<DLPackExchangeAPIHeader>())
+            .collect();
+        for (i, t) in tables.iter_mut().enumerate() {
+            t.header.prev_api = match ptrs.get(i + 1) {
+                Some(&p) => p,
+                None if looped => ptrs[0],
+                None => std::ptr::null_mut(),
+            };
+        }
+        (tables, ptrs[0])
+    };
+    let find = |majors: &[(u32, bool)], looped: bool| {
+        let (tables, first) = chain(majors, looped);
+        // SAFETY: every link is NULL or one of `tables`, alive until the end of this closure.
+        let found = unsafe { exchange_table_v1(first) };
+        found.map(|api| {
+            tables
+                .iter()
+                .position(|t| std::ptr::eq(&**t, api))
+                .expect("one of the chain's tables")
+        })
+    };
+    assert_eq!(find(&[(1, true)], false), Some(0));
+    assert_eq!(find(&[(2, true), (1, true)], false), Some(1));
+    assert_eq!(
+        find(&[(1, false), (1, true)], false),
+        None,
+        "an incomplete v1 table"
+    );
+    assert_eq!(find(&[(2, true), (0, true)], false), None);
+    // Loops of every length, with no major-1 table: the walk ends (before the fix, it spun).
+    for len in 1..=EXCHANGE_CHAIN_LIMIT + 2 {
+        assert_eq!(find(&vec![(0, true); len], true), None, "loop of {len}");
+    }
+    // A major-1 table behind more links than the limit is not reached.
+    let mut far = vec![(2, true); EXCHANGE_CHAIN_LIMIT];
+    far.push((1, true));
+    assert_eq!(find(&far, false), None);
+    far.remove(0);
+    assert_eq!(find(&far, false), Some(EXCHANGE_CHAIN_LIMIT - 1));
+    // SAFETY: NULL is an empty chain.
+    assert!(unsafe { exchange_table_v1::<'static>(std::ptr::null()) }.is_none());
+}
+
 /// An opaque handle (Metal) cannot be offset backwards: negative strides that reach before the
 /// handle are out of bounds. Reaching exactly to the handle is fine. The fake handle is never read.
 #[test]

@@ -611,7 +611,22 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             "buffers with suboffsets (PIL-style) are not supported",
         ));
     }
-    let ndim = usize::try_from(v.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
+    // The exporter's counts are trusted for nothing: bounded before anything is sized by them.
+    let ndim = usize::try_from(v.ndim)
+        .ok()
+        .filter(|&n| n <= dlbridge::MAX_NDIM)
+        .ok_or_else(|| {
+            PyBufferError::new_err(format!(
+                "the buffer's ndim {} is outside 0..={}",
+                v.ndim,
+                dlbridge::MAX_NDIM
+            ))
+        })?;
+    if ndim > 0 && (v.shape.is_null() || v.strides.is_null()) {
+        return Err(PyBufferError::new_err(
+            "the buffer exporter gave no shape or strides although they were asked for",
+        ));
+    }
     let (mut shape, mut strides) = (Vec::with_capacity(ndim), Vec::with_capacity(ndim));
     for i in 0..ndim {
         // SAFETY: with PYBUF_STRIDES the exporter fills `ndim` extents and byte strides.
@@ -624,7 +639,10 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
                 v.itemsize
             )));
         }
-        shape.push(d as usize);
+        let d = usize::try_from(d).map_err(|_| {
+            PyBufferError::new_err(format!("the buffer's extent {d} of axis {i} is negative"))
+        })?;
+        shape.push(d);
         strides.push(s / v.itemsize);
     }
     let layout = Layout::new(&shape, &strides, 0).py()?;

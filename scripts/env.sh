@@ -25,7 +25,7 @@ if [ ! -x "$PY" ]; then
 fi
 
 # The peers dlbridge is tested against. Versions are floors: a fresh machine gets the newest.
-DEMO_PACKAGES=(pip "maturin>=1.7,<2" "numpy>=2" "torch>=2.5")
+DEMO_PACKAGES=(pip "maturin>=1.9,<2" "numpy>=2" "torch>=2.5")
 TEST_PACKAGES=("pytest>=8" "mypy>=1.11" "jax[cpu]>=0.4.30" "mlx[cpu]>=0.29" "apache-tvm-ffi>=0.1.10")
 
 packages=("${DEMO_PACKAGES[@]}")

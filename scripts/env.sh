@@ -25,8 +25,8 @@ if [ ! -x "$PY" ]; then
 fi
 
 # The peers dlbridge is tested against. Versions are floors: a fresh machine gets the newest.
-DEMO_PACKAGES=(pip "maturin>=1.7,<2" "numpy>=2" "torch>=2.5")
-TEST_PACKAGES=("pytest>=8" "jax[cpu]>=0.4.30" "mlx[cpu]>=0.29" "apache-tvm-ffi>=0.1.10")
+DEMO_PACKAGES=(pip "maturin>=1.9,<2" "numpy>=2" "torch>=2.5")
+TEST_PACKAGES=("pytest>=8" "mypy>=1.11" "jax[cpu]>=0.4.30" "mlx[cpu]>=0.29" "apache-tvm-ffi>=0.1.10")
 
 packages=("${DEMO_PACKAGES[@]}")
 if [ "${DLBRIDGE_EXTRAS:-}" = "test" ]; then
@@ -39,8 +39,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "${packages[*]}" ]; then
     printf '%s' "${packages[*]}" > "$stamp"
 fi
 
-step "building the dlbridge wheel (abi3, release)"
+step "building the dlbridge wheel (abi3, release: about 3 minutes on 2 cores the first time; cargo prints its progress)"
 rm -rf "$ROOT/dist"
-(cd "$ROOT" && "$VENV/bin/maturin" build --release --quiet --interpreter "$PY" --out dist \
+(cd "$ROOT" && "$VENV/bin/maturin" build --release --interpreter "$PY" --out dist \
     ${DLBRIDGE_FEATURES:+--features "$DLBRIDGE_FEATURES"})
 "$PY" -m pip install --quiet --force-reinstall --no-deps "$ROOT"/dist/dlbridge-*.whl

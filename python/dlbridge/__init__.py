@@ -17,7 +17,6 @@ from ._dlbridge import (
     arange,
     asarray,
     bfloat16,
-    bool,
     build_info,
     complex64,
     complex128,
@@ -55,6 +54,10 @@ from ._dlbridge import (
     uint64,
     zeros,
 )
+# `dlbridge.bool` is the element type, as `numpy.bool` is; like NumPy, `from dlbridge import *`
+# leaves it out (it would shadow the built-in `bool`). The `as` form re-exports it for type
+# checkers.
+from ._dlbridge import bool as bool
 from . import cuda, metal, ops
 from ._dlbridge import Kernel
 from .backend import (
@@ -97,7 +100,6 @@ __all__ = [
     "set_memory_limit",
     "set_cache_limit",
     "storage_mode",
-    "bool",
     "int8",
     "int16",
     "int32",

@@ -30,6 +30,7 @@ __all__ = [
     "current_stream",
     "device_count",
     "device_name",
+    "driver_version",
     "is_available",
     "mem_get_info",
     "stream",
@@ -41,6 +42,12 @@ __all__ = [
 def unavailable_reason() -> str:
     """Why CUDA cannot be used here (an empty string when it can)."""
     return _dlbridge._cuda_unavailable_reason()
+
+
+def driver_version() -> "tuple[int, int]":
+    """The CUDA version of the installed driver, e.g. ``(12, 4)``; ``RuntimeError`` where no
+    driver loads."""
+    return _dlbridge._cuda_driver_version()
 
 
 def synchronize(device: Any = None) -> None:

@@ -106,7 +106,7 @@ class UnifiedBuffer:
         return dict(self._transfers)
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple[int, ...]:
         return self._device_array.shape
 
     @property

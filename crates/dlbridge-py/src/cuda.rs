@@ -49,14 +49,26 @@ pub(crate) fn _cuda_is_available() -> bool {
     cuda::is_available()
 }
 
-/// Why CUDA is unavailable (empty when it is available).
+/// Why CUDA is unavailable (empty when it is available): the driver library missing, its
+/// initialization failing (with the driver's error), or a driver with no devices.
 #[pyfunction]
 pub(crate) fn _cuda_unavailable_reason() -> String {
     match cuda::device_count() {
-        Ok(0) => "the CUDA driver found no devices".into(),
+        Ok(0) => match cuda::driver_version() {
+            Ok((major, minor)) => {
+                format!("the CUDA driver (CUDA {major}.{minor}) loaded but found no devices")
+            }
+            Err(_) => "the CUDA driver loaded but found no devices".into(),
+        },
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
     }
+}
+
+/// The driver's CUDA version as `(major, minor)`; `RuntimeError` where the driver does not load.
+#[pyfunction]
+pub(crate) fn _cuda_driver_version() -> PyResult<(i32, i32)> {
+    cuda::driver_version().py()
 }
 
 /// The number of CUDA devices (0 without a driver).
@@ -270,6 +282,7 @@ impl PyEvent {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_cuda_is_available, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_unavailable_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_driver_version, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_device_name, m)?)?;

@@ -36,6 +36,13 @@
 //!
 //! [DLPack]: https://dmlc.github.io/dlpack/latest/
 
+/// The README (`crates/dlbridge/README.md` links to the repository's), whose Rust example is
+/// compiled and run with the other doctests; its other blocks are tagged `bash`, `python` or
+/// `text`, which rustdoc leaves alone.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 pub mod backend;
 pub mod buffer;
 pub mod compute;

@@ -2,8 +2,8 @@
 //! checked against references computed here on the host from the same data: integers exactly in
 //! `i128` (wrapped to the result's width), floats in `f64` (rounded once to the result's dtype).
 //!
-//! Every test skips, saying why, where no CUDA device is present (or the `cuda` feature is off);
-//! on a GPU machine they run for real.
+//! Every test is ignored unless asked for (`-- --include-ignored`), since each needs a CUDA device;
+//! on a GPU machine `scripts/test.sh` asks, and they run for real.
 
 mod common;
 
@@ -14,28 +14,21 @@ use dlbridge::{DType, Device, Error, SliceArg, Tensor};
 use half::{bf16, f16};
 
 // ---------------------------------------------------------------------------------------------
-// The device, or a reason to skip.
+// The device. Every test here is `#[ignore = "needs a CUDA device"]`: `cargo test` lists them as
+// ignored, and `cargo test --features cuda -- --include-ignored` runs them on a GPU machine
+// (scripts/test.sh does when `nvidia-smi -L` finds a device or `DLBRIDGE_GPU_TESTS=1`).
 
-fn gpu() -> Option<Device> {
+/// CUDA device 0; panics, saying why, where there is none (a test asked to run without a device
+/// fails rather than passing without having run).
+fn gpu() -> Device {
     #[cfg(feature = "cuda")]
-    let found = dlbridge::backend::cuda::is_available().then_some(Device::cuda(0));
-    #[cfg(not(feature = "cuda"))]
-    let found = None;
-    if found.is_none() {
-        eprintln!(
-            "skipped: no CUDA device (dlbridge built without `cuda`, or no driver / GPU here)"
-        );
+    match dlbridge::backend::cuda::device_count() {
+        Ok(n) if n > 0 => Device::cuda(0),
+        Ok(_) => panic!("this test needs a CUDA device: the CUDA driver found no devices"),
+        Err(e) => panic!("this test needs a CUDA device: {e}"),
     }
-    found
-}
-
-macro_rules! gpu_or_skip {
-    () => {
-        match gpu() {
-            Some(device) => device,
-            None => return,
-        }
-    };
+    #[cfg(not(feature = "cuda"))]
+    panic!("this test needs a CUDA device: dlbridge was built without feature `cuda`")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -391,8 +384,9 @@ fn broadcast_index(shape: &[usize], target: &[usize], idx: &[usize]) -> usize {
 // Element-wise operations.
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn unary_ops_match_the_host_on_every_dtype() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(1);
     for dtype in DTYPES {
         for op in UnaryOp::ALL {
@@ -424,8 +418,9 @@ fn unary_ops_match_the_host_on_every_dtype() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn binary_ops_broadcast_on_every_dtype() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(2);
     // (a's shape, b's shape): flat, odd sizes, and broadcasting both ways.
     let shapes: [(&[usize], &[usize]); 4] = [
@@ -462,8 +457,9 @@ fn binary_ops_broadcast_on_every_dtype() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn scalar_operands_are_weak_on_both_sides() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(3);
     let n = 1001;
     for dtype in DTYPES {
@@ -503,8 +499,9 @@ fn scalar_operands_are_weak_on_both_sides() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn mixed_dtypes_promote_through_casts() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(4);
     let pairs = [
         (DType::I8, DType::U8, DType::I16),
@@ -538,8 +535,9 @@ fn mixed_dtypes_promote_through_casts() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn casts_match_the_host_converter_for_every_pair() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(5);
     let all: Vec<DType> = DTYPES.iter().copied().chain([DType::BOOL]).collect();
     for &from in &all {
@@ -615,8 +613,9 @@ fn casts_match_the_host_converter_for_every_pair() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn views_are_read_in_place() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(6);
     for dtype in [DType::F32, DType::BF16, DType::I64, DType::U8] {
         let va = rng.values(dtype, 37 * 53, -9.0, 9.0);
@@ -684,8 +683,9 @@ fn views_are_read_in_place() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn many_axes_and_odd_sizes() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(7);
     // Seven axes that do not collapse (a permuted compact array) go through compact copies.
     let shape = [2, 3, 2, 3, 2, 3, 2];
@@ -848,8 +848,9 @@ fn check_reduce(what: &str, op: ReduceOp, dtype: DType, got: &Tensor, want: &[V]
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn reductions_over_all_and_some_axes_on_every_dtype() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(8);
     let shape = [5, 7, 301];
     let n: usize = shape.iter().product();
@@ -887,8 +888,9 @@ fn reductions_over_all_and_some_axes_on_every_dtype() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn reductions_of_views_large_rows_and_columns() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(9);
     for dtype in [DType::F32, DType::F16, DType::I32, DType::F64] {
         // Few long rows (split over blocks), and few long columns (thread per output, split).
@@ -952,8 +954,9 @@ fn reductions_of_views_large_rows_and_columns() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn reductions_over_many_axes_nan_and_empty() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(10);
     // Nine axes, five reduced, alternating: compacted with kept axes first.
     let shape = [2, 3, 2, 3, 2, 3, 2, 3, 2];
@@ -1047,8 +1050,9 @@ fn relative_error(got: &[V], want: &[f64]) -> f64 {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn matmul_matches_the_host_for_layouts_and_batches() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(11);
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let tol = match dtype {
@@ -1158,8 +1162,9 @@ fn config(grid: u32, block: u32, shared_mem: u32) -> LaunchConfig {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn user_kernels_compile_launch_and_time() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(12);
     let n = 100_003usize;
     let va = rng.values(DType::F32, n, -1.0, 1.0);
@@ -1225,8 +1230,9 @@ fn user_kernels_compile_launch_and_time() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn user_kernel_errors_are_reported_and_leave_the_backend_working() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     // A syntax error: NVRTC's log comes back.
     let bad = "extern \"C\" __global__ void broken(float* x) { x[0] = ; }";
     match kernel::compile(device, bad, "broken", &[]) {
@@ -1281,9 +1287,10 @@ fn user_kernel_errors_are_reported_and_leave_the_backend_working() {
 
 #[cfg(feature = "cuda")]
 #[test]
+#[ignore = "needs a CUDA device"]
 fn work_follows_the_current_stream() {
     use dlbridge::backend::cuda::{Stream, current_stream, set_current_stream};
-    let device = gpu_or_skip!();
+    let device = gpu();
     let stream = Stream::new(0, true).unwrap();
     let previous = set_current_stream(0, stream.handle());
     assert_eq!(current_stream(0), stream.handle());

@@ -1,6 +1,7 @@
 //! The Metal backend against a real GPU. Compiled only for Apple targets with feature `metal`
-//! (`cargo test -p dlbridge --features metal` on a Mac); every test skips, saying why, when the
-//! machine has no Metal device.
+//! (`cargo test -p dlbridge --features metal` on a Mac); every GPU test is
+//! `#[ignore = "needs a Metal device"]`, so run them with `-- --include-ignored` (as
+//! `scripts/test.sh` does on macOS).
 //!
 //! Foreign producers are played by dlbridge's own DLPack export of real `id<MTLBuffer>`s: the
 //! importer sees exactly what it sees from PyTorch MPS or MLX (an `id<MTLBuffer>`, an offset in
@@ -18,17 +19,18 @@ use dlbridge::backend::metal::{
 use dlbridge::dlpack::VERSION;
 use dlbridge::{DType, Device, Error, SliceArg, StorageMode, Tensor};
 
-/// The first Metal device, or `None` (after saying why the test is skipped), with a lock that
-/// runs the GPU tests one at a time: the residency test counts the members of the device's set,
-/// which other tests' allocations would change under it.
-fn gpu() -> Option<(Device, MutexGuard<'static, ()>)> {
+/// The first Metal device, with a lock that runs the GPU tests one at a time: the residency test
+/// counts the members of the device's set, which other tests' allocations would change under it.
+/// Panics where there is none: an ignored test asked to run without a device fails rather than
+/// passing.
+fn gpu() -> (Device, MutexGuard<'static, ()>) {
     static SERIAL: Mutex<()> = Mutex::new(());
-    if !metal::is_available() {
-        eprintln!("skipped: this machine has no Metal device");
-        return None;
-    }
+    assert!(
+        metal::is_available(),
+        "this test needs a Metal device, and this machine has none"
+    );
     let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    Some((Device::metal(0), guard))
+    (Device::metal(0), guard)
 }
 
 fn modes() -> Vec<StorageMode> {
@@ -78,10 +80,9 @@ fn through_dlpack(t: &Tensor) -> Tensor {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn devices_are_discovered() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let all = metal::devices().unwrap();
     assert_eq!(all.len(), metal::device_count());
     let info = metal::device_info(device).unwrap();
@@ -116,10 +117,9 @@ fn devices_are_discovered() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn allocation_in_each_mode() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     for mode in modes() {
         for bytes in [0usize, 1, 4099, 1 << 20] {
             let b = metal::allocate(device, bytes, Some(mode), true).unwrap();
@@ -162,10 +162,9 @@ fn allocation_in_each_mode() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn host_access_follows_the_storage_mode() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     // Shared: the host writes in place; the GPU sees it.
     let mut shared =
         Tensor::allocate(&[8], DType::F32, device, Some(StorageMode::Shared), false).unwrap();
@@ -211,10 +210,9 @@ fn host_access_follows_the_storage_mode() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn blit_round_trip_private_and_shared() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let data = iota_f32(3 * 1024 + 5);
     let private = on_metal(device, &data, &[data.len()], StorageMode::Private);
     let shared = metal::copy_to(&private, device, Some(StorageMode::Shared)).unwrap();
@@ -237,10 +235,9 @@ fn blit_round_trip_private_and_shared() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn strided_copy_kernel_matches_the_cpu() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let shape = [5usize, 6, 7];
     let n: usize = shape.iter().product();
     let host_f32 = Tensor::from_slice(&iota_f32(n), &shape).unwrap();
@@ -330,10 +327,9 @@ fn strided_copy_kernel_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn overlapping_copy_within_one_buffer() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let t = on_metal(device, &iota_f32(64), &[64], StorageMode::Private);
     let src = t.slice(0, SliceArg::range(0, 48)).unwrap();
     let dst = t.slice(0, SliceArg::range(8, 56)).unwrap();
@@ -351,10 +347,9 @@ fn overlapping_copy_within_one_buffer() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn residency_follows_our_allocations() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let info = metal::device_info(device).unwrap();
     let count = || metal::residency_allocation_count(device).unwrap();
     match info.residency {
@@ -418,10 +413,9 @@ fn residency_follows_our_allocations() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn allocations_come_from_the_pool_and_are_rezeroed() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     for mode in modes() {
         let pool = metal::pool(device, Some(mode)).unwrap();
         assert_eq!((pool.device(), pool.storage_mode()), (device, mode));
@@ -479,10 +473,9 @@ fn allocations_come_from_the_pool_and_are_rezeroed() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn host_visible_blocks_wait_for_their_gpu_work() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let src = on_metal(device, &iota_f32(1024), &[1024], StorageMode::Private);
     for mode in modes() {
         metal::synchronize(device).unwrap();
@@ -518,10 +511,9 @@ fn host_visible_blocks_wait_for_their_gpu_work() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn host_views_of_shared_memory() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let t = on_metal(device, &iota_f32(12), &[3, 4], StorageMode::Shared);
     let row = t.index(0, 1).unwrap();
     let view = metal::host_view(&row).unwrap();
@@ -550,10 +542,9 @@ fn host_views_of_shared_memory() {
 /// The status agrees with the environment; run once as is and once (by the next test) in a child
 /// process with `DLBRIDGE_METAL_RESIDENCY=0`.
 #[test]
+#[ignore = "needs a Metal device"]
 fn residency_status_matches_the_environment() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let info = metal::device_info(device).unwrap();
     let off = std::env::var(RESIDENCY_ENV)
         .is_ok_and(|v| metal::residency::parse_env(Some(&v)) == Ok(false));
@@ -568,13 +559,13 @@ fn residency_status_matches_the_environment() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn residency_can_be_turned_off() {
-    if gpu().is_none() {
-        return;
-    }
+    drop(gpu());
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new(exe)
         .args([
+            "--include-ignored",
             "--exact",
             "residency_status_matches_the_environment",
             "--nocapture",
@@ -612,10 +603,9 @@ impl Drop for Mapping {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn no_copy_wrapping_of_an_mmapped_region() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let page = metal::device_info(device).unwrap().page_size;
     // A file of 3 pages plus a bit, holding float32 values.
     let n = (3 * page + 400) / 4;
@@ -711,10 +701,9 @@ fn no_copy_wrapping_of_an_mmapped_region() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn import_shares_host_visible_buffers() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     for mode in modes().into_iter().filter(|&m| m != StorageMode::Private) {
         let producer = on_metal(device, &iota_f32(24), &[4, 6], mode);
         let view = producer.slice(1, SliceArg::range(2, 5)).unwrap();
@@ -773,10 +762,9 @@ fn import_shares_host_visible_buffers() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn import_copies_private_buffers() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let producer = on_metal(device, &iota_f32(24), &[4, 6], StorageMode::Private);
     let view = producer.transpose().unwrap();
     let imported = metal::import_foreign(through_dlpack(&view), ImportOptions::default()).unwrap();
@@ -816,10 +804,9 @@ fn import_copies_private_buffers() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn import_checks_the_real_buffer() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let producer = on_metal(device, &iota_f32(16), &[16], StorageMode::Shared);
     metal::synchronize(device).unwrap();
     let exported = producer.to_dlpack_versioned(VERSION, false);
@@ -844,10 +831,9 @@ fn import_checks_the_real_buffer() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn export_hands_out_the_buffer_and_offset() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let t = on_metal(device, &iota_f32(12), &[3, 4], StorageMode::Private);
     let row = t.index(0, 2).unwrap();
     metal::synchronize(device).unwrap();

@@ -1,7 +1,8 @@
 //! The built-in kernels and run-time MSL kernels against a real Metal GPU, checked against CPU
 //! references computed here. Compiled only for Apple targets with feature `metal`
-//! (`cargo test -p dlbridge --features metal` on a Mac); every test skips, saying why, when the
-//! machine has no Metal device.
+//! (`cargo test -p dlbridge --features metal` on a Mac); every GPU test is
+//! `#[ignore = "needs a Metal device"]`, so run them with `-- --include-ignored` (as
+//! `scripts/test.sh` does on macOS).
 
 #![cfg(all(target_vendor = "apple", feature = "metal"))]
 
@@ -13,16 +14,16 @@ use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp};
 use dlbridge::{DType, Device, Element, Error, SliceArg, StorageMode, Tensor};
 use half::{bf16, f16};
 
-/// The first Metal device, or `None` after saying why the test is skipped; GPU tests run one at
-/// a time.
-fn gpu() -> Option<(Device, MutexGuard<'static, ()>)> {
+/// The first Metal device (panics where there is none: an ignored test asked to run without a
+/// device fails rather than passing); GPU tests run one at a time.
+fn gpu() -> (Device, MutexGuard<'static, ()>) {
     static SERIAL: Mutex<()> = Mutex::new(());
-    if !metal::is_available() {
-        eprintln!("skipped: this machine has no Metal device");
-        return None;
-    }
+    assert!(
+        metal::is_available(),
+        "this test needs a Metal device, and this machine has none"
+    );
     let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    Some((Device::metal(0), guard))
+    (Device::metal(0), guard)
 }
 
 /// A Metal tensor holding `data` in `shape` (in `storage`, default when `None`).
@@ -110,10 +111,9 @@ fn binary_ref(op: BinaryOp, a: f32, b: f32) -> f32 {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn unary_ops_match_the_cpu() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let mut data = noise(1000, 1, 4.0);
     data.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
     let n = data.len();
@@ -188,10 +188,9 @@ fn unary_ops_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn binary_ops_broadcast_and_take_scalars() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let (a_data, b_data) = (noise(12, 2, 3.0), noise(20, 3, 3.0));
     let a = upload(device, &a_data, &[3, 1, 4], None);
     let b = upload(device, &b_data, &[5, 4], None);
@@ -262,10 +261,9 @@ fn binary_ops_broadcast_and_take_scalars() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn strided_views_and_storage_modes() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let data = noise(6 * 7 * 5, 4, 10.0);
     let mut modes = vec![StorageMode::Shared, StorageMode::Private];
     if metal::storage::MANAGED_AVAILABLE {
@@ -320,10 +318,9 @@ fn strided_views_and_storage_modes() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn casts_follow_astype() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let data = [
         0.0f32,
         -0.0,
@@ -401,10 +398,9 @@ fn casts_follow_astype() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn reductions_match_the_cpu() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let (d0, d1, d2) = (4usize, 37, 50);
     let data = noise(d0 * d1 * d2, 5, 2.0);
     let x = upload(device, &data, &[d0, d1, d2], None);
@@ -548,10 +544,9 @@ fn matmul_ref(a: &[f32], b: &[f32], batch: usize, m: usize, k: usize, n: usize) 
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn matmul_matches_the_cpu() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let (batch, m, k, n) = (2usize, 67, 45, 130);
     let a_data = noise(batch * m * k, 7, 1.0);
     let b_data = noise(k * n, 8, 1.0);
@@ -620,10 +615,9 @@ fn matmul_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn float64_is_refused() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let x = upload(device, &[1.0f64, 2.0], &[2], None);
     for result in [
         compute::unary(UnaryOp::Exp, &x).map(|_| ()),
@@ -671,10 +665,9 @@ kernel void reverse_blocks(device float* x [[buffer(0)]],
 "#;
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn user_kernels_compile_and_launch() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let n = 1000usize;
     let (a_data, b_data) = (noise(n, 9, 1.0), noise(n, 10, 1.0));
     let a = upload(device, &a_data, &[n], None);
@@ -751,10 +744,9 @@ fn user_kernels_compile_and_launch() {
 }
 
 #[test]
+#[ignore = "needs a Metal device"]
 fn compile_errors_carry_the_log() {
-    let Some((device, _serial)) = gpu() else {
-        return;
-    };
+    let (device, _serial) = gpu();
     let broken = "#include <metal_stdlib>\nkernel void broken(device float* x [[buffer(0)]]) {\n    x[0] = undefined_name;\n}\n";
     match kernel::compile(device, broken, "broken", &[]).unwrap_err() {
         Error::Compile { backend, name, log } => {

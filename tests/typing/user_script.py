@@ -1,0 +1,85 @@
+"""What a typed user script does with dlbridge; `mypy --strict` must accept it as it is.
+
+tests/python/test_typing.py checks it (with rejected.py) against the stubs of this checkout, and
+also runs it: the types it asserts are the ones the module gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from typing_extensions import assert_type
+
+import dlbridge
+from dlbridge import Array, Device, DType
+
+
+def shared_with_numpy() -> Array:
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    a = dlbridge.from_dlpack(host, copy=False)
+    assert_type(a, Array)
+    assert_type(a.readonly, bool)
+    assert_type(a.is_contiguous, bool)
+    assert_type(a.shape, tuple[int, ...])
+    assert_type(a.data_ptr, int)
+    assert a.data_ptr == host.ctypes.data
+    column = a[:, 1]
+    back = np.from_dlpack(column)
+    assert back.tolist() == [1.0, 5.0, 9.0]
+    return a
+
+
+def created_here() -> None:
+    z = dlbridge.zeros((2, 3), dtype=dlbridge.float64)
+    e = dlbridge.empty(4, dtype="int32", device="cpu")
+    f = dlbridge.full((2,), 1.5)
+    r = dlbridge.arange(0, 10, 2, dtype=dlbridge.int64)
+    flags = dlbridge.asarray([True, False], dtype=dlbridge.bool)
+    assert_type(dlbridge.bool, DType)
+    assert flags.dtype == dlbridge.bool
+    assert f.dtype == "float32"  # dlbridge's default float dtype
+    total = (z + 1.0).sum()
+    assert_type(total, Array)
+    assert float(total) == 6.0
+    assert e.device == Device("cpu") and e.size == 4
+    assert r.tolist() == [0, 2, 4, 6, 8]
+    assert_type(r.device.type, str)
+    assert_type(r.dtype.itemsize, int)
+
+
+def memory() -> None:
+    stats: dict[str, int | None] = dlbridge.memory_stats("cpu")
+    assert isinstance(stats["active_bytes"], int)
+    mode, source = dlbridge.storage_mode("cpu")
+    assert_type(mode, str)
+    assert source in ("default", "environment", "explicit")
+    dlbridge.empty_cache()
+
+
+def devices() -> list[str]:
+    info: dict[str, Any] = dlbridge.build_info()
+    names: list[str] = list(info["devices"])
+    if dlbridge.cuda.is_available():
+        names.append(dlbridge.cuda.device_name(0))
+    else:
+        assert_type(dlbridge.cuda.unavailable_reason(), str)
+    if not dlbridge.metal.is_available():
+        assert dlbridge.metal.unavailable_reason()
+    return names
+
+
+def ops() -> None:
+    x = dlbridge.arange(6, dtype="float32").reshape(2, 3)
+    y = dlbridge.ops.exp(x) * 2 - x.T.T
+    m = x @ x.T
+    assert_type(m, Array)
+    assert y.shape == (2, 3) and m.shape == (2, 2)
+
+
+if __name__ == "__main__":
+    shared_with_numpy()
+    created_here()
+    memory()
+    print(devices())
+    ops()

@@ -373,7 +373,8 @@ pub(crate) fn tensor_from(
         && !obj.is_instance_of::<PyTuple>()
         && exchange::has_buffer(obj)
     {
-        exchange::refuse_inexpressible(obj, crate::exchange_api::type_info(obj))?;
+        let info = crate::exchange_api::type_info(obj);
+        exchange::refuse_inexpressible(obj, info, exchange::States::All)?;
         let t = exchange::from_buffer(obj)?;
         Some(exchange::finish_import(
             exchange::Taken {

@@ -266,12 +266,17 @@ pub(crate) fn from_dlpack(
             take_capsule(x)?
         } else {
             let info = crate::exchange_api::type_info(x);
-            refuse_inexpressible(x, info)?;
-            if let Some(taken) = crate::exchange_api::take_via_table(x, info) {
-                taken?
-            } else {
-                let capsule = call_dlpack(py, x, device, copy)?;
-                take_capsule(&capsule)?
+            refuse_inexpressible(x, info, States::Values)?;
+            match crate::exchange_api::take_via_table(x, info) {
+                Some(Ok(taken)) => taken,
+                Some(Err(err)) => {
+                    refuse_inexpressible(x, info, States::Storage)?;
+                    return Err(err);
+                }
+                None => {
+                    refuse_inexpressible(x, info, States::Storage)?;
+                    take_capsule(&call_dlpack(py, x, device, copy)?)?
+                }
             }
         };
         // Another device is reached by a copy below, which needs no resolution first.
@@ -284,17 +289,32 @@ pub(crate) fn from_dlpack(
     finish_import(taken, device, None, copy)
 }
 
-/// Refuses, with the `BufferError` the array API standard calls for, a producer's tensor whose
-/// values are not what its memory holds, or that must not be shared behind its framework's back:
-/// one that requires grad (a write through DLPack would bypass autograd), has a lazy conjugate or
-/// negative bit, or a zero tensor's lazy storage, or is sparse, quantized, nested, MKL-DNN or on
-/// the meta device (no addressable strided memory). PyTorch's C exchange table hands out the
-/// first kinds without complaint, and its `__dlpack__` exports negated views as plain memory, so
-/// every import path (the table, `__dlpack__`, the buffer protocol) asks here first. Only types
-/// with PyTorch's tensor-state API are asked ([`crate::exchange_api::TypeInfo`]).
+/// Which tensor states [`refuse_inexpressible`] asks about.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum States {
+    /// States in which the memory does not hold the tensor's values, or must not be written
+    /// behind its framework's back: requires grad, a lazy conjugate or negative bit. A producer's
+    /// exporter may hand such a tensor out without complaint (PyTorch's C exchange table does, and
+    /// its `__dlpack__` does for negated views), so these are asked before every import.
+    Values,
+    /// States with no strided memory at all: sparse, quantized, nested, MKL-DNN, meta, lazy zero
+    /// tensors. No exporter can hand those out as a descriptor (PyTorch's table fails for them),
+    /// so these are asked where an import would otherwise go on without the table: before
+    /// `__dlpack__` and the buffer protocol, and to explain a failed table export.
+    Storage,
+    /// Both.
+    All,
+}
+
+/// Refuses, with the `BufferError` the array API standard calls for, a producer's tensor in a
+/// state a DLPack descriptor cannot express ([`States`]); the one check every import path (the C
+/// exchange table, `__dlpack__`, the buffer protocol) makes. Only types with PyTorch's
+/// tensor-state API are asked ([`crate::exchange_api::TypeInfo`]), and each question is one
+/// attribute read or method call, in the order of how common the state is.
 pub(crate) fn refuse_inexpressible(
     x: &Bound<'_, PyAny>,
     info: crate::exchange_api::TypeInfo,
+    states: States,
 ) -> PyResult<()> {
     if !info.has_tensor_state {
         return Ok(());
@@ -309,25 +329,27 @@ pub(crate) fn refuse_inexpressible(
             .and_then(|v| v.is_truthy())
             .unwrap_or(false)
     };
-    let refusal = if flag(intern!(py, "requires_grad")) {
+    let values = states != States::Storage;
+    let storage = states != States::Values;
+    let refusal = if values && flag(intern!(py, "requires_grad")) {
         "it requires grad, and a DLPack consumer could write to it behind autograd's back; \
          export x.detach()"
-    } else if method(intern!(py, "is_conj")) {
+    } else if values && method(intern!(py, "is_conj")) {
         "its conjugate bit is set, so its memory does not hold its values; export \
          x.resolve_conj()"
-    } else if method(intern!(py, "is_neg")) {
+    } else if values && method(intern!(py, "is_neg")) {
         "its negative bit is set, so its memory does not hold its values; export x.resolve_neg()"
-    } else if flag(intern!(py, "is_sparse")) || flag(intern!(py, "is_sparse_csr")) {
+    } else if storage && (flag(intern!(py, "is_sparse")) || flag(intern!(py, "is_sparse_csr"))) {
         "it is sparse, and DLPack describes only strided memory; export x.to_dense()"
-    } else if flag(intern!(py, "is_quantized")) {
+    } else if storage && flag(intern!(py, "is_quantized")) {
         "it is quantized, which DLPack cannot describe; export x.dequantize()"
-    } else if flag(intern!(py, "is_nested")) {
+    } else if storage && flag(intern!(py, "is_nested")) {
         "it is a nested tensor, which DLPack cannot describe"
-    } else if flag(intern!(py, "is_mkldnn")) {
+    } else if storage && flag(intern!(py, "is_mkldnn")) {
         "it is in MKL-DNN layout, which DLPack cannot describe; export x.to_dense()"
-    } else if flag(intern!(py, "is_meta")) {
+    } else if storage && flag(intern!(py, "is_meta")) {
         "it is on the meta device and has no memory"
-    } else if method(intern!(py, "_is_zerotensor")) {
+    } else if storage && method(intern!(py, "_is_zerotensor")) {
         "it is a lazy zero tensor with no memory of its own; export x.clone()"
     } else {
         return Ok(());

@@ -97,9 +97,9 @@ fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
 
 /// Takes `x`'s tensor through its type's exchange table; `None` when the type has none.
 ///
-/// The caller has refused tensors in states DLPack cannot express
-/// ([`crate::exchange::refuse_inexpressible`]): PyTorch's table hands out a conjugated or negated
-/// view's raw memory without its lazy bit, and a tensor that requires grad without complaint.
+/// The caller has refused tensors whose memory does not hold their values
+/// ([`crate::exchange::States::Values`]): PyTorch's table hands out a conjugated or negated view's
+/// raw memory without its lazy bit, and a tensor that requires grad without complaint.
 pub(crate) fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<Taken>> {
     let api = info.table?.0;
     let export = api.managed_tensor_from_py_object_no_sync?;

@@ -46,9 +46,10 @@ class BackendUnavailableError(RuntimeError):
 class KernelExecutionResult:
     """What :meth:`Backend.execute_kernel` reports.
 
-    ``success`` is False when the launch or the kernel failed; ``error`` then says why (for a
-    CUDA fault the driver keeps for the rest of the process, it says that the process must be
-    restarted). ``execution_time_ms`` is the device time between events recorded around the
+    ``success`` is False when the launch or the kernel failed on the device; ``error`` then says
+    why (for a CUDA fault the driver keeps for the rest of the process, it says that the process
+    must be restarted). An exception a Python callable raises is not a result: it propagates to
+    the caller of :meth:`Backend.execute_kernel` unchanged, with its traceback. ``execution_time_ms`` is the device time between events recorded around the
     kernel (host time for Python callables on the CPU). ``output`` is a Python callable's return
     value (None for compiled kernels).
     """
@@ -257,7 +258,9 @@ class Backend:
         can work on a PyTorch tensor in place) and numbers (a Python ``int`` fills a 4- or
         8-byte integer parameter, a ``float`` a ``float`` or ``double``; NumPy scalars pass their
         exact type). Bad arguments (a zero grid, an array on another device, a freed array, the
-        wrong count) raise; a launch or kernel failure is reported with ``success=False``.
+        wrong count) raise, and so does any exception a Python callable raises (the original,
+        with its traceback); a launch or kernel failure on the device is reported with
+        ``success=False``.
         """
         grid, block = _dims(grid, "grid"), _dims(block, "block")
         if isinstance(kernel, Kernel):
@@ -287,10 +290,8 @@ class Backend:
 
             views = [view(a) for a in args]
             start = time.perf_counter()
-            try:
-                out = fn(*views)
-            except Exception as e:  # the kernel's own failure is a result, not an exception
-                return KernelExecutionResult(False, (time.perf_counter() - start) * 1e3, repr(e))
+            # An exception the callable raises propagates as it is, with its traceback.
+            out = fn(*views)
             return KernelExecutionResult(True, (time.perf_counter() - start) * 1e3, None, out)
         arrays = [
             _dlbridge.from_dlpack(a) if hasattr(a, "__dlpack__") and not isinstance(a, Array) else a
@@ -301,20 +302,20 @@ class Backend:
             begin = cuda.Event(index, enable_timing=True)
             end = cuda.Event(index, enable_timing=True)
             begin.record()  # the current stream, where dlbridge's kernels run
+            out = fn(*arrays)  # its own exceptions propagate, with their tracebacks
             try:
-                out = fn(*arrays)
                 end.record()
                 end.synchronize()  # a fault in the callable's GPU work surfaces here
                 elapsed = float(begin.elapsed_time(end))
-            except Exception as e:
-                return KernelExecutionResult(False, 0.0, repr(e))
+            except RuntimeError as e:
+                return KernelExecutionResult(False, 0.0, str(e))
             return KernelExecutionResult(True, elapsed, None, out)
         start = time.perf_counter()
+        out = fn(*arrays)  # its own exceptions propagate, with their tracebacks
         try:
-            out = fn(*arrays)
             self.synchronize()
-        except Exception as e:
-            return KernelExecutionResult(False, (time.perf_counter() - start) * 1e3, repr(e))
+        except RuntimeError as e:  # a fault in the callable's GPU work
+            return KernelExecutionResult(False, (time.perf_counter() - start) * 1e3, str(e))
         return KernelExecutionResult(True, (time.perf_counter() - start) * 1e3, None, out)
 
 

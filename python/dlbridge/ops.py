@@ -11,6 +11,11 @@ array's type (an ``int`` array with a ``float`` gives ``float64``); ``div`` of i
 ``sqrt exp log sin cos`` of integers give floats as NumPy does; ``bool`` and complex arrays are
 refused. ``float16`` and ``bfloat16`` are computed in ``float32``.
 
+Comparisons (``equal not_equal less less_equal greater greater_equal``, and the operators
+``== != < <= > >=`` of :class:`dlbridge.Array`) return ``bool`` arrays, compare ``bool`` arrays
+too, and follow NumPy: NaN is unequal to everything, itself included; an integer outside the
+array's dtype compares by its value (every ``int8`` is ``< 1000``).
+
 >>> import dlbridge
 >>> a = dlbridge.asarray([[1.0, 2.0], [3.0, 4.0]])
 >>> dlbridge.ops.add(a, 1).tolist()
@@ -33,13 +38,19 @@ Axis = Optional[Union[int, Tuple[int, ...]]]
 __all__ = [
     "UNARY",
     "BINARY",
+    "COMPARISONS",
     "REDUCTIONS",
     "abs",
     "add",
     "cos",
     "div",
     "divide",
+    "equal",
     "exp",
+    "greater",
+    "greater_equal",
+    "less",
+    "less_equal",
     "log",
     "matmul",
     "max",
@@ -48,6 +59,7 @@ __all__ = [
     "mul",
     "multiply",
     "negative",
+    "not_equal",
     "sin",
     "sqrt",
     "square",
@@ -60,6 +72,8 @@ __all__ = [
 UNARY = ("sqrt", "exp", "log", "sin", "cos", "abs", "square", "negative")
 #: Element-wise functions of two operands.
 BINARY = ("add", "sub", "mul", "div")
+#: Element-wise comparisons (``bool`` results).
+COMPARISONS = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
 #: Reductions.
 REDUCTIONS = ("sum", "mean", "max", "min")
 
@@ -79,6 +93,18 @@ def _binary(name: str) -> Callable[[Any, Any], Array]:
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"``{name}(a, b)`` element-wise with NumPy broadcasting."
+    return op
+
+
+def _comparison(name: str, symbol: str) -> Callable[[Any, Any], Array]:
+    def op(a: Any, b: Any) -> Array:
+        return _dlbridge._compare(name, a, b)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = (
+        f"``a {symbol} b`` element-wise with NumPy broadcasting, a ``bool`` array (NaN compares "
+        "unequal to everything)."
+    )
     return op
 
 
@@ -110,6 +136,13 @@ div = _binary("div")
 subtract = sub
 multiply = mul
 divide = div
+
+equal = _comparison("equal", "==")
+not_equal = _comparison("not_equal", "!=")
+less = _comparison("less", "<")
+less_equal = _comparison("less_equal", "<=")
+greater = _comparison("greater", ">")
+greater_equal = _comparison("greater_equal", ">=")
 
 sum = _reduction("sum")
 mean = _reduction("mean")

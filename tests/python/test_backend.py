@@ -168,8 +168,15 @@ def test_cpu_callable_kernels_get_numpy_views_of_the_same_memory():
     assert res.success and res.error is None and res.execution_time_ms > 0
     assert seen["ptr"] == a.data_ptr  # zero-copy
     assert a.tolist() == [2.0] * 6 and float(res.output) == 12.0
-    failing = be.execute_kernel(lambda x: 1 / 0, 1, 1, a)
-    assert not failing.success and "ZeroDivisionError" in failing.error
+
+    def failing(x):
+        return 1 / 0  # the line the traceback must reach
+
+    with pytest.raises(ZeroDivisionError) as raised:
+        be.execute_kernel(failing, 1, 1, a)
+    # The callable's own frame is in the traceback (it was not swallowed into a result).
+    assert raised.traceback[-1].name == "failing"
+    assert "1 / 0" in str(raised.traceback[-1].statement)
     with pytest.raises(ValueError, match="positive"):
         be.execute_kernel(kernel, (0,), (1,), a, 1.0)
     with pytest.raises(TypeError):

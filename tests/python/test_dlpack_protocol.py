@@ -147,11 +147,14 @@ def test_consumer_passes_max_version_and_copy_to_producer():
             return (1, 0)
 
     dlbridge.from_dlpack(Recorder())
-    dlbridge.from_dlpack(Recorder(), copy=True)
+    copied = dlbridge.from_dlpack(Recorder(), copy=True)
     dlbridge.from_dlpack(Recorder(), copy=False, device="cpu")
     assert [tuple(k["max_version"]) for k in seen] == [(1, 3)] * 3
     assert seen[0].get("copy") is None
-    assert seen[1]["copy"] is True
+    # copy=True: dlbridge imports without a copy and makes the copy itself, into its own memory
+    # (a copy the producer made would be the producer's, which Backend.free must refuse).
+    assert seen[1].get("copy") is None
+    assert not copied.is_foreign and copied.data_ptr != n.ctypes.data
     assert seen[2]["copy"] is False
     assert all(k.get("dl_device") is None for k in seen), "same-device requests are not sent"
 

@@ -16,7 +16,7 @@ use crate::errors::IntoPyResult;
 use crate::exchange::{self, ExportRequest};
 use crate::fastcall::{self, Attach, FastArgs, MethodDef, Signature};
 use crate::ops;
-use dlbridge::compute::{BinaryOp, ReduceOp, UnaryOp};
+use dlbridge::compute::{BinaryOp, CompareOp, ReduceOp, UnaryOp};
 
 /// A strided array on the CPU, a CUDA device or a Metal device, exchanged with other libraries
 /// through DLPack without copies.
@@ -115,42 +115,26 @@ impl PyArray {
             )));
         }
         let mut t = self.tensor()?.clone();
+        // `axis` counts the view's axes as it is built; `source` counts this array's, which
+        // messages name (an integer index removes an axis from the view, not from the source).
         let mut axis = 0usize;
+        let mut source = 0usize;
         for item in &items {
             if item.is_instance_of::<PyEllipsis>() {
                 axis += ndim - consuming;
+                source += ndim - consuming;
             } else if item.is_none() {
                 t = t.expand_dims(axis).py()?;
                 axis += 1;
             } else if let Ok(slice) = item.cast::<PySlice>() {
-                let py = item.py();
-                let part = |name: &Bound<'_, pyo3::types::PyString>| -> PyResult<Option<isize>> {
-                    let v = slice.getattr(name)?;
-                    if v.is_none() {
-                        Ok(None)
-                    } else {
-                        Ok(Some(index_value(&v)?))
-                    }
-                };
-                let step = part(intern!(py, "step"))?.unwrap_or(1);
-                let arg = SliceArg {
-                    start: part(intern!(py, "start"))?,
-                    stop: part(intern!(py, "stop"))?,
-                    step,
-                };
+                let arg = slice_arg(slice, t.shape()[axis])?;
                 t = t.slice(axis as isize, arg).py()?;
                 axis += 1;
+                source += 1;
             } else {
-                let i = index_value(item).map_err(|_| {
-                    PyIndexError::new_err(format!(
-                        "only integers, slices, '...' and None are valid indices (got {})",
-                        item.get_type()
-                            .name()
-                            .map(|n| n.to_string())
-                            .unwrap_or_default()
-                    ))
-                })?;
+                let i = int_index(item, source, t.shape()[axis])?;
                 t = t.index(axis as isize, i).py()?;
+                source += 1;
             }
         }
         Ok(t)
@@ -306,12 +290,71 @@ unsafe extern "C" fn dlpack_fastcall(
     )
 }
 
-/// An integer index from an `int` or any object with `__index__`.
-fn index_value(obj: &Bound<'_, PyAny>) -> PyResult<isize> {
+/// An integer index from an `int` or any object with `__index__`, checked against an axis of
+/// `len` elements (`axis` as the user counts it): `IndexError` as NumPy words it, also for
+/// integers too large for 64 bits.
+fn int_index(obj: &Bound<'_, PyAny>, axis: usize, len: usize) -> PyResult<isize> {
+    let not_an_index = || {
+        PyIndexError::new_err(format!(
+            "only integers, slices, '...' and None are valid indices (got {})",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    };
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(PyIndexError::new_err("booleans are not valid indices"));
     }
-    obj.extract::<isize>()
+    let value = match obj.extract::<isize>() {
+        Ok(i) => Some(i),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => None,
+        Err(_) => return Err(not_an_index()),
+    };
+    let len_i = len as isize;
+    match value {
+        Some(i) if (-len_i..len_i).contains(&i) => Ok(i),
+        _ => Err(PyIndexError::new_err(format!(
+            "index {} is out of bounds for axis {axis} with size {len}",
+            obj.str()?
+        ))),
+    }
+}
+
+/// One bound or step of a slice: `None`, or an integer (through `__index__`) saturated to
+/// `isize` (a bound past either end of the axis selects as the end itself, as in Python).
+fn slice_part(v: &Bound<'_, PyAny>) -> PyResult<Option<isize>> {
+    if v.is_none() {
+        return Ok(None);
+    }
+    match v.extract::<isize>() {
+        Ok(i) => Ok(Some(i)),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(v.py()) => {
+            Ok(Some(if v.lt(0)? { isize::MIN } else { isize::MAX }))
+        }
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "slice indices must be integers or None or have an __index__ method (got {})",
+            v.get_type().name()?
+        ))),
+    }
+}
+
+/// A Python slice over an axis of `len` elements, clamped as Python and NumPy clamp: any bound
+/// (even past 64 bits) selects, and a step as long as the axis or longer picks one element.
+fn slice_arg(slice: &Bound<'_, PySlice>, len: usize) -> PyResult<SliceArg> {
+    let py = slice.py();
+    let step = slice_part(&slice.getattr(intern!(py, "step"))?)?.unwrap_or(1);
+    if step == 0 {
+        return Err(PyValueError::new_err("slice step cannot be zero"));
+    }
+    // A step past the axis's length selects what a step of the length selects (the start
+    // alone), and keeps the new stride far from overflow.
+    let longest = len.max(1).min(isize::MAX as usize) as isize;
+    Ok(SliceArg {
+        start: slice_part(&slice.getattr(intern!(py, "start"))?)?,
+        stop: slice_part(&slice.getattr(intern!(py, "stop"))?)?,
+        step: step.clamp(-longest, longest),
+    })
 }
 
 #[pymethods]
@@ -614,7 +657,15 @@ impl PyArray {
             copied = true;
             Bound::new(py, PyArray::new(tensor.copy_to(Device::CPU).py()?))?.into_any()
         };
-        let out = np.call_method1(intern!(py, "from_dlpack"), (source,))?;
+        // bfloat16 and the float8 types: through ml_dtypes (NumPy's DLPack import refuses them).
+        let minifloat = {
+            let t = source.cast::<PyArray>()?.get().tensor()?.clone();
+            crate::ml_dtypes::to_numpy(py, &t)?
+        };
+        let out = match minifloat {
+            Some(view) => view,
+            None => np.call_method1(intern!(py, "from_dlpack"), (source,))?,
+        };
         let wanted = match dtype.filter(|d| !d.is_none()) {
             Some(d) => Some(np.call_method1(intern!(py, "dtype"), (d,))?),
             None => None,
@@ -712,48 +763,86 @@ impl PyArray {
         ops::unary_tensor(py, UnaryOp::Abs, &*self.tensor()?)
     }
 
-    /// The sum over `axis` (None: all elements).
-    #[pyo3(signature = (axis=None, keepdims=false))]
+    /// The sum over `axis` (None: all elements). `dtype` computes in and returns that dtype;
+    /// `out` (a writable array of the result's shape) receives the result and is returned, as
+    /// NumPy's `np.sum(a, ...)` asks.
+    #[pyo3(signature = (axis=None, dtype=None, out=None, keepdims=false))]
     fn sum(
         &self,
         py: Python<'_>,
         axis: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
         keepdims: bool,
-    ) -> PyResult<PyArray> {
-        ops::reduce_tensor(py, ReduceOp::Sum, &*self.tensor()?, axis, keepdims)
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, ReduceOp::Sum, x, axis, keepdims, dtype, out)
     }
 
-    /// The mean over `axis` (None: all elements).
-    #[pyo3(signature = (axis=None, keepdims=false))]
+    /// The mean over `axis` (None: all elements); `dtype` and `out` as for [`sum`].
+    #[pyo3(signature = (axis=None, dtype=None, out=None, keepdims=false))]
     fn mean(
         &self,
         py: Python<'_>,
         axis: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
         keepdims: bool,
-    ) -> PyResult<PyArray> {
-        ops::reduce_tensor(py, ReduceOp::Mean, &*self.tensor()?, axis, keepdims)
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, ReduceOp::Mean, x, axis, keepdims, dtype, out)
     }
 
-    /// The largest element over `axis` (None: all elements); NaN if any is NaN.
-    #[pyo3(signature = (axis=None, keepdims=false))]
+    /// The largest element over `axis` (None: all elements); NaN if any is NaN. `out` as for
+    /// `sum`.
+    #[pyo3(signature = (axis=None, out=None, keepdims=false))]
     fn max(
         &self,
         py: Python<'_>,
         axis: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
         keepdims: bool,
-    ) -> PyResult<PyArray> {
-        ops::reduce_tensor(py, ReduceOp::Max, &*self.tensor()?, axis, keepdims)
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, ReduceOp::Max, x, axis, keepdims, None, out)
     }
 
-    /// The smallest element over `axis` (None: all elements); NaN if any is NaN.
-    #[pyo3(signature = (axis=None, keepdims=false))]
+    /// The smallest element over `axis` (None: all elements); NaN if any is NaN. `out` as for
+    /// `sum`.
+    #[pyo3(signature = (axis=None, out=None, keepdims=false))]
     fn min(
         &self,
         py: Python<'_>,
         axis: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
         keepdims: bool,
-    ) -> PyResult<PyArray> {
-        ops::reduce_tensor(py, ReduceOp::Min, &*self.tensor()?, axis, keepdims)
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, ReduceOp::Min, x, axis, keepdims, None, out)
+    }
+
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::compare_operator(py, CompareOp::Eq, &*self.tensor()?, other)
+    }
+
+    fn __ne__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::compare_operator(py, CompareOp::Ne, &*self.tensor()?, other)
+    }
+
+    fn __lt__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::compare_operator(py, CompareOp::Lt, &*self.tensor()?, other)
+    }
+
+    fn __le__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::compare_operator(py, CompareOp::Le, &*self.tensor()?, other)
+    }
+
+    fn __gt__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::compare_operator(py, CompareOp::Gt, &*self.tensor()?, other)
+    }
+
+    fn __ge__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::compare_operator(py, CompareOp::Ge, &*self.tensor()?, other)
     }
 
     fn __iter__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {

@@ -148,8 +148,8 @@ static EMPTY_SIGNATURE: Signature<4> =
 pub(crate) static EMPTY: MethodDef = MethodDef::new(
     c"empty",
     c"empty(shape, dtype=None, *, device=None, storage=None)\n--\n\n\
-      A new array with undefined contents. The default dtype is float32, the default device the \
-      CPU, the default storage the device's (or DLBRIDGE_STORAGE_MODE's).",
+      A new array with undefined contents. The default dtype is float32 (NumPy's is float64), \
+      the default device the CPU, the default storage the device's (or DLBRIDGE_STORAGE_MODE's).",
     empty_fastcall,
 );
 
@@ -180,7 +180,8 @@ unsafe extern "C" fn empty_fastcall(
     )
 }
 
-/// A new zero-filled array. The default dtype is float32.
+/// A new zero-filled array. The default dtype is float32 (NumPy's is float64); the default device
+/// is the CPU.
 #[pyfunction]
 #[pyo3(signature = (shape, dtype=None, *, device=None, storage=None))]
 pub(crate) fn zeros(
@@ -192,8 +193,8 @@ pub(crate) fn zeros(
     allocate(shape, dtype, device, storage, true).map(PyArray::new)
 }
 
-/// A new array filled with `fill_value`; the dtype defaults to the value's kind (bool, int64,
-/// float32, complex64).
+/// A new array filled with `fill_value`; the dtype defaults to the value's kind: bool, int64,
+/// float32 for a float (NumPy gives float64) and complex64.
 #[pyfunction]
 #[pyo3(signature = (shape, fill_value, dtype=None, *, device=None, storage=None))]
 pub(crate) fn full(
@@ -217,7 +218,7 @@ pub(crate) fn full(
 }
 
 /// Evenly spaced values in `[start, stop)`. Integers give int64 unless `dtype` says otherwise;
-/// any float gives float32.
+/// any float gives float32 (NumPy gives float64).
 #[pyfunction]
 #[pyo3(signature = (start, stop=None, step=None, *, dtype=None, device=None, storage=None))]
 #[allow(clippy::too_many_arguments)]
@@ -334,6 +335,49 @@ fn build_compact(
     }
 }
 
+/// Imports a DLPack producer or capsule, then applies `device`, `storage` and `copy`.
+///
+/// A copy asked for of a producer is made here, by dlbridge, after a zero-copy import: a copy the
+/// producer made (`__dlpack__(copy=True)`) would be the producer's memory, marked foreign, which
+/// `Backend.free` refuses although the caller asked for new memory. (A capsule handed over
+/// already marked `IS_COPIED` is trusted and not copied again.) NumPy arrays of `ml_dtypes` types
+/// (`bfloat16`, the 8-bit floats), which NumPy cannot export, are imported through their bytes.
+fn import_dlpack(
+    obj: &Bound<'_, PyAny>,
+    device: Option<Device>,
+    storage: Option<StorageMode>,
+    copy: Option<bool>,
+) -> PyResult<Tensor> {
+    let producer = !obj.is_instance_of::<pyo3::types::PyCapsule>();
+    let imported = if copy == Some(true) && producer {
+        exchange::from_dlpack(obj, None, None)
+    } else {
+        exchange::from_dlpack(obj, device, copy)
+    };
+    let tensor = match imported {
+        Ok(t) => t,
+        Err(err) => match crate::ml_dtypes::from_numpy(obj)? {
+            Some(t) => t,
+            None => return Err(err),
+        },
+    };
+    // A capsule's `copy=True` was applied by `from_dlpack` (which trusts `IS_COPIED`).
+    let copy = if producer || copy != Some(true) {
+        copy
+    } else {
+        None
+    };
+    exchange::finish_import(
+        exchange::Taken {
+            tensor,
+            is_copied: false,
+        },
+        device,
+        storage,
+        copy,
+    )
+}
+
 /// Converts any supported object to a tensor: a dlbridge array, a DLPack capsule or producer
 /// (zero-copy), a buffer-protocol object (zero-copy), or nested sequences of scalars (copied).
 /// A `dtype` other than the source's converts (a copy); so does a Metal `storage` mode other than
@@ -359,16 +403,7 @@ pub(crate) fn tensor_from(
     } else if obj.is_instance_of::<pyo3::types::PyCapsule>()
         || obj.hasattr(intern!(py, "__dlpack__"))?
     {
-        let t = exchange::from_dlpack(obj, device, copy)?;
-        Some(exchange::finish_import(
-            exchange::Taken {
-                tensor: t,
-                is_copied: copy == Some(true),
-            },
-            None,
-            storage,
-            copy,
-        )?)
+        Some(import_dlpack(obj, device, storage, copy)?)
     } else if !obj.is_instance_of::<PyList>()
         && !obj.is_instance_of::<PyTuple>()
         && exchange::has_buffer(obj)
@@ -420,6 +455,8 @@ pub(crate) fn tensor_from(
 }
 
 /// Converts `obj` to a dlbridge array, without copying where possible (array API `asarray`).
+/// Arrays keep their dtype; nested sequences of Python numbers default to bool, int64, float32
+/// (NumPy gives float64) or complex64 by their kind.
 #[pyfunction]
 #[pyo3(signature = (obj, /, dtype=None, *, device=None, copy=None, storage=None))]
 pub(crate) fn asarray(
@@ -469,7 +506,7 @@ unsafe extern "C" fn from_dlpack_fastcall(
         let x = x.expect("`x` is required, so parse checked it was given");
         let device = parse_opt_device(device)?;
         let copy = fastcall::opt_bool(copy, "copy")?;
-        let t = exchange::from_dlpack(x, device, copy)?;
+        let t = import_dlpack(x, device, None, copy)?;
         Ok(Bound::new(py, PyArray::new(t))?.into_any())
     })
 }

@@ -61,6 +61,8 @@ pub(crate) fn _cuda_unavailable_reason() -> String {
             Err(_) => "the CUDA driver loaded but found no devices".into(),
         },
         Ok(_) => String::new(),
+        // The reason alone: callers put it after their own "CUDA backend not available: ".
+        Err(dlbridge::Error::BackendUnavailable { reason, .. }) => reason,
         Err(e) => e.to_string(),
     }
 }

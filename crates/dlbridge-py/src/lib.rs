@@ -20,6 +20,7 @@ mod fastcall;
 mod kernel;
 mod memory;
 mod metal;
+mod ml_dtypes;
 mod ops;
 
 use pyo3::prelude::*;

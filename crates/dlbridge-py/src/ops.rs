@@ -6,7 +6,7 @@
 //! GIL released.
 
 use dlbridge::Tensor;
-use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp};
+use dlbridge::compute::{self, BinaryOp, CompareOp, ReduceOp, Scalar, UnaryOp};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyTuple};
@@ -49,6 +49,21 @@ pub(crate) fn arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
     Ok(None)
 }
 
+/// Reads an operand of a comparison: as [`arg`], and Python `bool`s are the integers 0 and 1
+/// (`mask == True`); an integer too large for 64 bits is compared as a float (it lies outside
+/// every integer dtype, so the answer is the same).
+pub(crate) fn compare_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(Some(Arg::Scalar(Scalar::Int(i64::from(
+            obj.extract::<bool>()?,
+        )))));
+    }
+    if obj.is_instance_of::<PyInt>() && obj.extract::<i64>().is_err() {
+        return Ok(Some(Arg::Scalar(Scalar::Float(obj.extract()?))));
+    }
+    arg(obj)
+}
+
 fn required(obj: &Bound<'_, PyAny>) -> PyResult<Arg> {
     arg(obj)?.ok_or_else(|| {
         PyTypeError::new_err(format!(
@@ -82,6 +97,13 @@ fn binary_op(name: &str) -> PyResult<BinaryOp> {
         .into_iter()
         .find(|op| op.name() == name)
         .ok_or_else(|| PyValueError::new_err(format!("unknown binary function {name:?}")))
+}
+
+fn compare_op(name: &str) -> PyResult<CompareOp> {
+    CompareOp::ALL
+        .into_iter()
+        .find(|op| op.name() == name)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown comparison {name:?}")))
 }
 
 fn reduce_op(name: &str) -> PyResult<ReduceOp> {
@@ -127,6 +149,37 @@ pub(crate) fn operator(
     binary_args(py, op, a, b)?.into_py_any(py)
 }
 
+/// `op(a, b)` on read operands, a `bool` array.
+pub(crate) fn compare_args(py: Python<'_>, op: CompareOp, a: Arg, b: Arg) -> PyResult<PyArray> {
+    let out = match (a, b) {
+        (Arg::Tensor(a), Arg::Tensor(b)) => py.detach(|| compute::compare(op, &a, &b)),
+        (Arg::Tensor(a), Arg::Scalar(s)) => py.detach(|| compute::compare_scalar(op, &a, s, false)),
+        (Arg::Scalar(s), Arg::Tensor(b)) => py.detach(|| compute::compare_scalar(op, &b, s, true)),
+        (Arg::Scalar(_), Arg::Scalar(_)) => {
+            return Err(PyTypeError::new_err(format!(
+                "{} of two Python numbers: at least one operand must be an array",
+                op.name()
+            )));
+        }
+    };
+    out.py().map(PyArray::new)
+}
+
+/// A comparison operator's body (`a == b`, ...): `NotImplemented` for operands it does not know,
+/// so that Python tries the other operand and, for `==` and `!=`, falls back to identity.
+/// Python itself swaps the operands of reflected comparisons (`1 < a` calls `a > 1`).
+pub(crate) fn compare_operator(
+    py: Python<'_>,
+    op: CompareOp,
+    this: &Tensor,
+    other: &Bound<'_, PyAny>,
+) -> PyResult<Py<PyAny>> {
+    let Some(other) = compare_arg(other)? else {
+        return Ok(py.NotImplemented());
+    };
+    compare_args(py, op, Arg::Tensor(this.clone()), other)?.into_py_any(py)
+}
+
 /// `op(x)` element-wise.
 pub(crate) fn unary_tensor(py: Python<'_>, op: UnaryOp, x: &Tensor) -> PyResult<PyArray> {
     py.detach(|| compute::unary(op, x)).py().map(PyArray::new)
@@ -167,6 +220,90 @@ pub(crate) fn reduce_tensor(
         .map(PyArray::new)
 }
 
+/// A reduction as NumPy's functions call the method (`np.sum(a)` calls
+/// `a.sum(axis=None, out=None)`): `dtype` converts the input first and the result to it (NumPy's
+/// `dtype=` of `sum` and `mean`); `out` (a writable dlbridge or DLPack array of the result's
+/// shape) receives the result, converted to its dtype, and is returned.
+pub(crate) fn reduce_method(
+    py: Python<'_>,
+    op: ReduceOp,
+    x: &Tensor,
+    axis: Option<&Bound<'_, PyAny>>,
+    keepdims: bool,
+    dtype: Option<&Bound<'_, PyAny>>,
+    out: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let dtype = match dtype.filter(|d| !d.is_none()) {
+        Some(d) => Some(crate::dtype::parse(d)?),
+        None => None,
+    };
+    let axes = parse_axes(axis)?;
+    let x = x.clone();
+    let result = py
+        .detach(|| {
+            let x = match dtype {
+                Some(d) if d != x.dtype() => compute::cast(&x, d)?,
+                _ => x,
+            };
+            let r = compute::reduce(op, &x, axes.as_deref(), keepdims)?;
+            match dtype {
+                Some(d) if d != r.dtype() => compute::cast(&r, d),
+                _ => Ok(r),
+            }
+        })
+        .py()?;
+    match out.filter(|o| !o.is_none()) {
+        None => PyArray::new(result).into_py_any(py),
+        Some(target) => {
+            write_out(py, target, &result, op.name())?;
+            Ok(target.clone().unbind())
+        }
+    }
+}
+
+/// Writes `result` into the `out=` array `target`, converted to its dtype.
+fn write_out(
+    py: Python<'_>,
+    target: &Bound<'_, PyAny>,
+    result: &Tensor,
+    what: &str,
+) -> PyResult<()> {
+    let Some(Arg::Tensor(dst)) = arg(target)? else {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: out must be a dlbridge array or a writable DLPack array (a NumPy array, a \
+             PyTorch tensor), not {}",
+            target.get_type().name()?
+        )));
+    };
+    if dst.shape() != result.shape() {
+        // Shapes as Python writes them: `(3,)`, `(2, 3)`.
+        let tuple = |s: &[usize]| match s {
+            [n] => format!("({n},)"),
+            _ => format!(
+                "({})",
+                s.iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        return Err(PyValueError::new_err(format!(
+            "{what}: out has shape {} but the result has shape {}",
+            tuple(dst.shape()),
+            tuple(result.shape())
+        )));
+    }
+    let value = if dst.dtype() == result.dtype() {
+        result.clone()
+    } else {
+        let d = dst.dtype();
+        py.detach(|| compute::cast(result, d)).py()?
+    };
+    // SAFETY: no Rust reference into `dst`'s memory outlives a Python call, and the GIL is held
+    // for the whole write (as for `Array.__setitem__`).
+    unsafe { dst.copy_from_unchecked(&value) }.py()
+}
+
 /// `dlbridge.ops` element-wise function of one operand, by name.
 #[pyfunction]
 pub(crate) fn _unary(py: Python<'_>, op: &str, x: &Bound<'_, PyAny>) -> PyResult<PyArray> {
@@ -185,6 +322,24 @@ pub(crate) fn _binary(
 ) -> PyResult<PyArray> {
     let op = binary_op(op)?;
     binary_args(py, op, required(a)?, required(b)?)
+}
+
+/// `dlbridge.ops` comparison, by name.
+#[pyfunction]
+pub(crate) fn _compare(
+    py: Python<'_>,
+    op: &str,
+    a: &Bound<'_, PyAny>,
+    b: &Bound<'_, PyAny>,
+) -> PyResult<PyArray> {
+    let op = compare_op(op)?;
+    let operand = |obj: &Bound<'_, PyAny>| {
+        compare_arg(obj)?.ok_or_else(|| match required(obj) {
+            Err(e) => e,
+            Ok(_) => PyTypeError::new_err("unreadable operand"),
+        })
+    };
+    compare_args(py, op, operand(a)?, operand(b)?)
 }
 
 /// `dlbridge.ops` reduction, by name.
@@ -218,6 +373,7 @@ pub(crate) fn _matmul(
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_unary, m)?)?;
     m.add_function(wrap_pyfunction!(_binary, m)?)?;
+    m.add_function(wrap_pyfunction!(_compare, m)?)?;
     m.add_function(wrap_pyfunction!(_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(_matmul, m)?)?;
     Ok(())

@@ -204,7 +204,12 @@ impl FromStr for Device {
         let (name, index) = match lower.split_once(':') {
             Some((name, index)) => {
                 let index = index.parse::<u32>().map_err(|_| {
-                    Error::InvalidArgument(format!("device {s:?}: index is not a number"))
+                    let why = match index.trim().parse::<i128>() {
+                        Ok(i) if i < 0 => "a device index cannot be negative",
+                        Ok(_) => "the device index is too large",
+                        Err(_) => "the device index is not a number",
+                    };
+                    Error::InvalidArgument(format!("device {s:?}: {why}"))
                 })?;
                 (name, index)
             }
@@ -251,6 +256,10 @@ mod tests {
         assert!("tpu".parse::<Device>().is_err());
         assert!("cuda:x".parse::<Device>().is_err());
         assert!("cpu:1".parse::<Device>().is_err());
+        let why = |text: &str| text.parse::<Device>().unwrap_err().to_string();
+        assert!(why("cuda:-1").contains("a device index cannot be negative"));
+        assert!(why("cuda:x").contains("the device index is not a number"));
+        assert!(why("cuda:99999999999").contains("the device index is too large"));
     }
 
     #[test]

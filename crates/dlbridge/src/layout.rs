@@ -520,19 +520,32 @@ fn infer_shape(new_shape: &[Option<usize>], numel: usize) -> Result<Vec<usize>> 
         return Err(Error::Shape("only one extent can be inferred".into()));
     }
     let known: Vec<usize> = new_shape.iter().map(|d| d.unwrap_or(1)).collect();
-    let known_numel = checked_numel(&known)?;
+    // The shape as the caller wrote it: `(-1, 5)`, `(3,)`.
+    let written = || {
+        let dims: Vec<String> = new_shape
+            .iter()
+            .map(|d| d.map_or("-1".to_string(), |d| d.to_string()))
+            .collect();
+        match dims.len() {
+            1 => format!("({},)", dims[0]),
+            _ => format!("({})", dims.join(", ")),
+        }
+    };
+    let cannot = || {
+        Error::Shape(format!(
+            "cannot reshape {numel} elements into shape {}",
+            written()
+        ))
+    };
+    let known_numel = checked_numel(&known).map_err(|_| cannot())?;
     let mut shape = known;
     if let Some(&i) = unknown.first() {
         if known_numel == 0 || numel % known_numel != 0 {
-            return Err(Error::Shape(format!(
-                "cannot infer an extent: {numel} elements into {new_shape:?}"
-            )));
+            return Err(cannot());
         }
         shape[i] = numel / known_numel;
     } else if known_numel != numel {
-        return Err(Error::Shape(format!(
-            "cannot reshape {numel} elements into shape {shape:?}"
-        )));
+        return Err(cannot());
     }
     Ok(shape)
 }
@@ -665,6 +678,23 @@ mod tests {
         // Element [0, 0] of rr is element [3, 4] of l: byte 4 * (3 * 5 + 4).
         assert_eq!(rr.byte_offset(), 4 * 19);
         assert_eq!(rr.byte_range(4).unwrap(), 4 * 5..80);
+    }
+
+    #[test]
+    fn reshape_refusals_name_the_shape_as_written() {
+        let l = Layout::contiguous(&[12]).unwrap();
+        let err = l.reshape(&[None, Some(5)]).unwrap_err().to_string();
+        assert!(
+            err.contains("cannot reshape 12 elements into shape (-1, 5)"),
+            "{err}"
+        );
+        let err = l.reshape(&[Some(5)]).unwrap_err().to_string();
+        assert!(
+            err.contains("cannot reshape 12 elements into shape (5,)"),
+            "{err}"
+        );
+        let err = l.reshape(&[Some(0), None]).unwrap_err().to_string();
+        assert!(err.contains("into shape (0, -1)"), "{err}");
     }
 
     #[test]

@@ -9,7 +9,7 @@
 mod common;
 
 use common::Rng;
-use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp};
+use dlbridge::compute::{self, BinaryOp, CompareOp, ReduceOp, Scalar, UnaryOp};
 use dlbridge::{DType, Error, Layout, SliceArg, Tensor};
 
 // ---------------------------------------------------------------------------------------------
@@ -627,6 +627,209 @@ fn strided_transposed_and_reversed_views() {
         )
         .unwrap();
     check_unary(UnaryOp::Exp, &every3, "step 3");
+}
+
+/// Asserts two bool vectors are equal, naming the first difference (not the whole vectors).
+fn same_bools(got: &[bool], want: &[bool], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let bad = (0..got.len()).filter(|&i| got[i] != want[i]).count();
+        panic!(
+            "{what}: {bad} elements differ, first at {i}: got {}",
+            got[i]
+        );
+    }
+}
+
+/// The bool elements of a comparison's result.
+fn bools(t: &Tensor) -> Vec<bool> {
+    assert_eq!(t.dtype(), DType::BOOL);
+    t.cast(DType::U8)
+        .unwrap()
+        .to_vec::<u8>()
+        .unwrap()
+        .into_iter()
+        .map(|b| b != 0)
+        .collect()
+}
+
+#[test]
+fn comparisons_on_every_dtype_follow_ieee_and_exact_integers() {
+    let mut rng = Rng::new(31);
+    let (sa, sb): (&[usize], &[usize]) = (&[3, 1, 700], &[4, 700]);
+    let shape = compute::broadcast_shapes(sa, sb).unwrap();
+    let (na, nb): (usize, usize) = (sa.iter().product(), sb.iter().product());
+    for dtype in INTS {
+        // As stored (the generator's small values are negative for unsigned types too).
+        let stored =
+            |v: Vec<i128>| -> Vec<i128> { v.into_iter().map(|x| wrap(x, dtype)).collect() };
+        let va = stored(int_values(&mut rng, na, dtype));
+        let mut vb = stored(int_values(&mut rng, nb, dtype));
+        for i in (0..nb).step_by(3) {
+            vb[i] = va[i % na];
+        }
+        let (a, b) = (int_tensor(&va, sa, dtype), int_tensor(&vb, sb, dtype));
+        for op in CompareOp::ALL {
+            let got = bools(&compute::compare(op, &a, &b).unwrap());
+            let want: Vec<bool> = (0..got.len())
+                .map(|i| {
+                    let (r, c) = (i / 700, i % 700);
+                    let (x, y) = (va[(r / 4) * 700 + c], vb[(r % 4) * 700 + c]);
+                    op.holds(x, y)
+                })
+                .collect();
+            same_bools(&got, &want, &format!("{} of {dtype}", op.name()));
+        }
+    }
+    for dtype in FLOATS {
+        let mut va: Vec<f64> = (0..na)
+            .map(|_| rounded(rng.uniform(-3.0, 3.0), dtype))
+            .collect();
+        let mut vb: Vec<f64> = (0..nb)
+            .map(|_| rounded(rng.uniform(-3.0, 3.0), dtype))
+            .collect();
+        for i in (0..nb).step_by(3) {
+            vb[i] = va[i % na];
+        }
+        va[1] = f64::NAN;
+        vb[1] = f64::NAN;
+        vb[2] = f64::NAN;
+        va[5] = f64::INFINITY;
+        vb[5] = f64::INFINITY;
+        va[6] = -0.0;
+        vb[6] = 0.0;
+        let (a, b) = (tensor(&va, sa, dtype), tensor(&vb, sb, dtype));
+        for op in CompareOp::ALL {
+            let y = compute::compare(op, &a, &b).unwrap();
+            assert_eq!(y.shape(), &shape[..]);
+            let got = bools(&y);
+            let want: Vec<bool> = (0..got.len())
+                .map(|i| {
+                    let (r, c) = (i / 700, i % 700);
+                    op.holds(va[(r / 4) * 700 + c], vb[(r % 4) * 700 + c])
+                })
+                .collect();
+            same_bools(&got, &want, &format!("{} of {dtype}", op.name()));
+        }
+        // NaN: only `!=` holds, also against itself.
+        let nan = tensor(&[f64::NAN], &[1], dtype);
+        for op in CompareOp::ALL {
+            let got = bools(&compute::compare(op, &nan, &nan).unwrap());
+            assert_eq!(got, [op == CompareOp::Ne], "{} of NaN {dtype}", op.name());
+        }
+    }
+}
+
+#[test]
+fn comparisons_with_scalars_mixed_dtypes_and_bool() {
+    let x = int_tensor(&[-128, -1, 0, 5, 127], &[5], DType::I8);
+    let cmp = |op, s, first| bools(&compute::compare_scalar(op, &x, s, first).unwrap());
+    use CompareOp::*;
+    assert_eq!(
+        cmp(Lt, Scalar::Int(5), false),
+        [true, true, true, false, false]
+    );
+    assert_eq!(
+        cmp(Lt, Scalar::Int(5), true),
+        [false, false, false, false, true]
+    );
+    assert_eq!(
+        cmp(Eq, Scalar::Int(5), true),
+        [false, false, false, true, false]
+    );
+    // Outside int8: compared by value, never wrapped (1000 wraps to -24, 256 + 5 to 5).
+    assert_eq!(cmp(Eq, Scalar::Int(261), false), [false; 5]);
+    assert_eq!(cmp(Ne, Scalar::Int(261), false), [true; 5]);
+    assert_eq!(cmp(Lt, Scalar::Int(1000), false), [true; 5]);
+    assert_eq!(cmp(Ge, Scalar::Int(1000), false), [false; 5]);
+    assert_eq!(cmp(Gt, Scalar::Int(-1000), false), [true; 5]);
+    assert_eq!(cmp(Gt, Scalar::Int(-1000), true), [false; 5]);
+    assert_eq!(cmp(Le, Scalar::Int(1000), true), [false; 5]);
+    // A float scalar compares an integer array in float64.
+    assert_eq!(
+        cmp(Gt, Scalar::Float(-0.5), false),
+        [false, false, true, true, true]
+    );
+    let u = int_tensor(&[0, 7, u64::MAX as i128], &[3], DType::U64);
+    let got = bools(&compute::compare_scalar(Gt, &u, Scalar::Int(-1), false).unwrap());
+    assert_eq!(got, [true; 3]);
+    // float32: the weak scalar is rounded to float32 first (NumPy 2's rule).
+    let f = tensor(&[0.1, f64::NAN], &[2], DType::F32);
+    let got = bools(&compute::compare_scalar(Eq, &f, Scalar::Float(0.1), false).unwrap());
+    assert_eq!(got, [true, false]);
+    let got = bools(&compute::compare_scalar(Ne, &f, Scalar::Float(0.1), true).unwrap());
+    assert_eq!(got, [false, true]);
+    // Mixed dtypes promote; bool compares as bool, or in the other operand's type.
+    let a = int_tensor(&[-1, 3, 100], &[3], DType::I8);
+    let b = int_tensor(&[255, 3, 99], &[3], DType::U8);
+    assert_eq!(
+        bools(&compute::compare(Lt, &a, &b).unwrap()),
+        [true, false, false]
+    );
+    let m = tensor(&[1.0, 0.0, 1.0], &[3], DType::BOOL);
+    let n = tensor(&[1.0, 1.0, 0.0], &[3], DType::BOOL);
+    assert_eq!(
+        bools(&compute::compare(Eq, &m, &n).unwrap()),
+        [true, false, false]
+    );
+    assert_eq!(
+        bools(&compute::compare(Gt, &m, &n).unwrap()),
+        [false, false, true]
+    );
+    let h = tensor(&[1.0, 0.5, 2.0], &[3], DType::F16);
+    assert_eq!(
+        bools(&compute::compare(Eq, &m, &h).unwrap()),
+        [true, false, false]
+    );
+    let got = bools(&compute::compare_scalar(Eq, &m, Scalar::Int(1), false).unwrap());
+    assert_eq!(got, [true, false, true]);
+    let got = bools(&compute::compare_scalar(Lt, &m, Scalar::Int(2), false).unwrap());
+    assert_eq!(got, [true; 3]);
+    let got = bools(&compute::compare_scalar(Lt, &m, Scalar::Float(0.5), false).unwrap());
+    assert_eq!(got, [false, true, false]);
+    // Views are read in place; 0-d and empty operands.
+    let t = tensor(
+        &(0..12).map(f64::from).collect::<Vec<_>>(),
+        &[3, 4],
+        DType::F32,
+    );
+    let r = t.slice(1, rev()).unwrap().transpose().unwrap();
+    let got = bools(&compute::compare_scalar(Ge, &r, Scalar::Int(6), false).unwrap());
+    assert_eq!(
+        got,
+        values(&r).iter().map(|&v| v >= 6.0).collect::<Vec<_>>()
+    );
+    let zero_d = tensor(&[2.0], &[], DType::F64);
+    let y = compute::compare(Le, &zero_d, &t).unwrap();
+    assert_eq!(y.shape(), &[3, 4]);
+    assert_eq!(bools(&y).iter().filter(|&&b| b).count(), 10);
+    let empty = tensor(&[], &[0, 4], DType::I32);
+    assert_eq!(
+        compute::compare(
+            Eq,
+            &empty,
+            &t.cast(DType::I32)
+                .unwrap()
+                .slice(
+                    0,
+                    SliceArg {
+                        start: Some(0),
+                        stop: Some(0),
+                        step: 1
+                    }
+                )
+                .unwrap()
+        )
+        .unwrap()
+        .shape(),
+        &[0, 4]
+    );
+    // Complex operands are refused with a typed error.
+    let c = tensor(&[1.0], &[1], DType::C64);
+    assert!(matches!(
+        compute::compare(Eq, &c, &c),
+        Err(Error::UnsupportedOperand(_))
+    ));
 }
 
 #[test]

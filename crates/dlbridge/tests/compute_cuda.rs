@@ -9,7 +9,7 @@ mod common;
 
 use common::Rng;
 use dlbridge::compute::kernel::{self, KernelArg, LaunchConfig};
-use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp, promote};
+use dlbridge::compute::{self, BinaryOp, CompareOp, ReduceOp, Scalar, UnaryOp, promote};
 use dlbridge::{DType, Device, Error, SliceArg, Tensor};
 use half::{bf16, f16};
 
@@ -496,6 +496,138 @@ fn scalar_operands_are_weak_on_both_sides() {
             }
         }
     }
+}
+
+/// `op(a, b)` as a `bool` element (0 or 1): integers exactly, floats by IEEE 754.
+fn compare_ref(op: CompareOp, a: V, b: V) -> V {
+    let holds = match (a, b) {
+        (V::I(x), V::I(y)) => op.holds(x, y),
+        _ => op.holds(a.f(), b.f()),
+    };
+    V::I(i128::from(holds))
+}
+
+#[test]
+fn comparisons_broadcast_with_nan_and_bool_results_on_every_dtype() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(21);
+    let shapes: [(&[usize], &[usize]); 4] = [
+        (&[10_007], &[10_007]),
+        (&[3], &[3]),
+        (&[37, 1, 5], &[4, 5]),
+        (&[1], &[33, 65]),
+    ];
+    for dtype in DTYPES.into_iter().chain([DType::BOOL]) {
+        for (sa, sb) in shapes {
+            let (na, nb): (usize, usize) = (sa.iter().product(), sb.iter().product());
+            let draw = |rng: &mut Rng, n: usize| -> Vec<V> {
+                match dtype {
+                    DType::BOOL => (0..n).map(|_| V::I((rng.next() % 2) as i128)).collect(),
+                    _ => rng.values(dtype, n, -4.0, 4.0),
+                }
+            };
+            let mut va: Vec<V> = draw(&mut rng, na);
+            let mut vb: Vec<V> = draw(&mut rng, nb);
+            // Equal pairs (every third element) and NaN on either side.
+            for i in (0..nb).step_by(3) {
+                vb[i] = va[i % na];
+            }
+            if dtype.is_floating() && na > 2 && nb > 2 {
+                va[1] = V::F(f64::NAN);
+                vb[1] = V::F(f64::NAN);
+                vb[2] = V::F(f64::NAN);
+            }
+            let (a, b) = (on(device, dtype, &va, sa), on(device, dtype, &vb, sb));
+            let shape = compute::broadcast_shapes(sa, sb).unwrap();
+            for op in CompareOp::ALL {
+                let y = compute::compare(op, &a, &b).unwrap();
+                assert_eq!((y.dtype(), y.device()), (DType::BOOL, device));
+                assert_eq!(y.shape(), &shape[..]);
+                let want: Vec<V> = indices(&shape)
+                    .map(|idx| {
+                        let x = va[broadcast_index(sa, &shape, &idx)];
+                        let z = vb[broadcast_index(sb, &shape, &idx)];
+                        compare_ref(op, x, z)
+                    })
+                    .collect();
+                let what = format!("{} of {dtype} {sa:?} {sb:?}", op.name());
+                check(&what, &read(&y), &want, 0.0, 0.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn comparisons_with_scalars_and_mixed_dtypes() {
+    let device = gpu_or_skip!();
+    let mut rng = Rng::new(22);
+    let n = 1001;
+    for dtype in DTYPES {
+        let mut vals = rng.values(dtype, n, -3.0, 3.0);
+        vals[0] = value_of(dtype, 2.0);
+        if dtype.is_floating() {
+            vals[1] = V::F(f64::NAN);
+        }
+        let x = on(device, dtype, &vals, &[n]);
+        // In range, outside every integer dtype (compared by value, not wrapped), and a float.
+        for scalar in [
+            Scalar::Int(2),
+            Scalar::Int(1 << 40),
+            Scalar::Int(-(1 << 40)),
+            Scalar::Float(0.5),
+        ] {
+            for first in [false, true] {
+                for op in CompareOp::ALL {
+                    let y = compute::compare_scalar(op, &x, scalar, first).unwrap();
+                    assert_eq!((y.dtype(), y.device()), (DType::BOOL, device));
+                    let common = promote::compare_scalar_type(dtype, scalar).unwrap();
+                    let s = match scalar {
+                        Scalar::Int(i) if is_int(common) => V::I(i128::from(i)),
+                        _ => V::F(round_to(common, scalar.as_f64())),
+                    };
+                    let want: Vec<V> = vals
+                        .iter()
+                        .map(|&v| {
+                            let v = if is_int(common) { v } else { V::F(v.f()) };
+                            if first {
+                                compare_ref(op, s, v)
+                            } else {
+                                compare_ref(op, v, s)
+                            }
+                        })
+                        .collect();
+                    let what = format!("{} of {dtype} and {scalar:?} (first {first})", op.name());
+                    check(&what, &read(&y), &want, 0.0, 0.0);
+                }
+            }
+        }
+    }
+    // Mixed dtypes compare in their common type; a bool array with a numeric one in the numeric.
+    let a = on(device, DType::I8, &[V::I(-1), V::I(3), V::I(100)], &[3]);
+    let b = on(device, DType::U8, &[V::I(255), V::I(3), V::I(99)], &[3]);
+    let y = compute::compare(CompareOp::Lt, &a, &b).unwrap();
+    assert_eq!(read(&y), [V::I(1), V::I(0), V::I(0)]);
+    let m = on(device, DType::BOOL, &[V::I(1), V::I(0), V::I(1)], &[3]);
+    let f = on(device, DType::F32, &[V::F(1.0), V::F(0.5), V::F(2.0)], &[3]);
+    let y = compute::compare(CompareOp::Eq, &m, &f).unwrap();
+    assert_eq!(read(&y), [V::I(1), V::I(0), V::I(0)]);
+    // A strided, reversed view is read in place.
+    let vals = rng.values(DType::F32, 64, -1.0, 1.0);
+    let t = on(device, DType::F32, &vals, &[8, 8]);
+    let view = t
+        .slice(
+            1,
+            SliceArg {
+                start: None,
+                stop: None,
+                step: -2,
+            },
+        )
+        .unwrap()
+        .transpose()
+        .unwrap();
+    let y = compute::compare(CompareOp::Ge, &view, &view.copy().unwrap()).unwrap();
+    assert!(read(&y).iter().all(|&v| v == V::I(1)));
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use dlbridge::backend::metal;
 use dlbridge::compute::kernel::{self, KernelArg, LaunchConfig};
-use dlbridge::compute::{self, BinaryOp, ReduceOp, Scalar, UnaryOp};
+use dlbridge::compute::{self, BinaryOp, CompareOp, ReduceOp, Scalar, UnaryOp};
 use dlbridge::{DType, Device, Element, Error, SliceArg, StorageMode, Tensor};
 use half::{bf16, f16};
 
@@ -258,6 +258,77 @@ fn binary_ops_broadcast_and_take_scalars() {
     let y = compute::binary(BinaryOp::Mul, &halves, &floats).unwrap();
     assert_eq!(y.dtype(), DType::F32);
     assert_eq!(read::<f32>(&y), vec![0.125, -16.0]);
+}
+
+/// The elements of a `bool` Metal array.
+fn read_bools(t: &Tensor) -> Vec<bool> {
+    assert_eq!(t.dtype(), DType::BOOL);
+    let host = metal::copy_to(t, Device::CPU, None).unwrap();
+    let bytes = host.cast(DType::U8).unwrap().to_vec::<u8>().unwrap();
+    bytes.into_iter().map(|b| b != 0).collect()
+}
+
+#[test]
+fn comparisons_give_bool_with_nan_scalars_and_broadcasting() {
+    let Some((device, _serial)) = gpu() else {
+        return;
+    };
+    let mut a_data = noise(12, 5, 3.0);
+    let mut b_data = noise(20, 6, 3.0);
+    a_data[1] = f32::NAN;
+    b_data[2] = f32::NAN;
+    b_data[4] = a_data[0];
+    let a = upload(device, &a_data, &[3, 1, 4], None);
+    let b = upload(device, &b_data, &[5, 4], None);
+    for op in CompareOp::ALL {
+        let y = compute::compare(op, &a, &b).unwrap();
+        assert_eq!((y.shape(), y.dtype()), (&[3, 5, 4][..], DType::BOOL));
+        let mut want = Vec::new();
+        for i in 0..3 {
+            for j in 0..5 {
+                for k in 0..4 {
+                    want.push(op.holds(a_data[i * 4 + k], b_data[j * 4 + k]));
+                }
+            }
+        }
+        assert_eq!(read_bools(&y), want, "{}", op.name());
+        // Scalars on either side; NaN compares false but for `!=`.
+        let s = 0.5f32;
+        let right = compute::compare_scalar(op, &b, Scalar::Float(s.into()), false).unwrap();
+        let left = compute::compare_scalar(op, &b, Scalar::Float(s.into()), true).unwrap();
+        let want_r: Vec<bool> = b_data.iter().map(|&v| op.holds(v, s)).collect();
+        let want_l: Vec<bool> = b_data.iter().map(|&v| op.holds(s, v)).collect();
+        assert_eq!(read_bools(&right), want_r, "{}", op.name());
+        assert_eq!(read_bools(&left), want_l, "{}", op.name());
+    }
+    // Every Metal dtype: integers exactly, bfloat16 and float16 through float, bool as bytes.
+    let ints = upload(device, &[-5i64, 0, 7, i64::MAX], &[4], None);
+    let y = compute::compare_scalar(CompareOp::Ge, &ints, Scalar::Int(7), false).unwrap();
+    assert_eq!(read_bools(&y), [false, false, true, true]);
+    let bytes = upload(device, &[0u8, 10, 250], &[3], None);
+    let y = compute::compare_scalar(CompareOp::Lt, &bytes, Scalar::Int(300), false).unwrap();
+    assert_eq!(read_bools(&y), [true; 3]);
+    let y = compute::compare_scalar(CompareOp::Eq, &bytes, Scalar::Int(10), true).unwrap();
+    assert_eq!(read_bools(&y), [false, true, false]);
+    let shorts = upload(device, &[-300i16, 5, 1000], &[3], None);
+    let y = compute::compare(CompareOp::Gt, &shorts, &bytes).unwrap();
+    assert_eq!(read_bools(&y), [false, false, true]);
+    let halves = upload(device, &[f16::from_f32(0.5), f16::NAN], &[2], None);
+    let brains = upload(
+        device,
+        &[bf16::from_f32(0.5), bf16::from_f32(1.0)],
+        &[2],
+        None,
+    );
+    let y = compute::compare(CompareOp::Eq, &halves, &brains).unwrap();
+    assert_eq!(read_bools(&y), [true, false]);
+    let y = compute::compare(CompareOp::Ne, &halves, &halves).unwrap();
+    assert_eq!(read_bools(&y), [false, true]);
+    let mask = compute::compare_scalar(CompareOp::Gt, &bytes, Scalar::Int(5), false).unwrap();
+    let y = compute::compare(CompareOp::Eq, &mask, &mask).unwrap();
+    assert_eq!(read_bools(&y), [true; 3]);
+    let y = compute::compare_scalar(CompareOp::Lt, &mask, Scalar::Int(1), false).unwrap();
+    assert_eq!(read_bools(&y), [true, false, false]);
 }
 
 #[test]

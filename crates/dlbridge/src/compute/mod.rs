@@ -5,7 +5,7 @@
 //! | layer | here | what it decides |
 //! | --- | --- | --- |
 //! | device | [`Backend`] | one device's allocation, copies, synchronization, memory figures and run-time kernels |
-//! | front | [`unary`], [`binary`], [`binary_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
+//! | front | [`unary`], [`binary`], [`binary_scalar`], [`compare`], [`compare_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
 //! | request | [`MapRequest`], [`ReduceRequest`], [`MatmulRequest`] | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
 //! | backend | `backend::{cpu,cuda,metal}::compute` | how: Rust loops and `gemm` on the CPU; NVRTC kernels and cuBLAS on CUDA; MSL kernels on Metal |
 //!
@@ -17,7 +17,10 @@
 //! `float16` and `bfloat16` are computed in `float32` and rounded once when stored. Integer
 //! arithmetic wraps, as NumPy's does; integer division by zero is not possible (`div` of
 //! integers returns `float64`). `max` and `min` propagate NaN. A `sum` of nothing is 0, a `mean`
-//! of nothing is NaN, and `max` / `min` of nothing are errors.
+//! of nothing is NaN, and `max` / `min` of nothing are errors. Comparisons return `bool` and
+//! follow IEEE 754 as NumPy does: NaN is unequal to everything, itself included, so `!=` is its
+//! only true comparison. An integer scalar outside the array's dtype compares by its value (`int8`
+//! values are all `< 1000`), not wrapped into the dtype.
 
 mod device;
 pub mod kernel;
@@ -118,6 +121,84 @@ impl BinaryOp {
     }
 }
 
+/// Element-wise comparisons; their results are `bool`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CompareOp {
+    /// `a == b`.
+    Eq,
+    /// `a != b`.
+    Ne,
+    /// `a < b`.
+    Lt,
+    /// `a <= b`.
+    Le,
+    /// `a > b`.
+    Gt,
+    /// `a >= b`.
+    Ge,
+}
+
+impl CompareOp {
+    /// Every comparison.
+    pub const ALL: [CompareOp; 6] = [
+        CompareOp::Eq,
+        CompareOp::Ne,
+        CompareOp::Lt,
+        CompareOp::Le,
+        CompareOp::Gt,
+        CompareOp::Ge,
+    ];
+
+    /// The op's name (`"equal"`, ...), as NumPy and the Python API spell it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CompareOp::Eq => "equal",
+            CompareOp::Ne => "not_equal",
+            CompareOp::Lt => "less",
+            CompareOp::Le => "less_equal",
+            CompareOp::Gt => "greater",
+            CompareOp::Ge => "greater_equal",
+        }
+    }
+
+    /// The operator (`"=="`, ...), as C, MSL and Python write it.
+    pub const fn symbol(self) -> &'static str {
+        match self {
+            CompareOp::Eq => "==",
+            CompareOp::Ne => "!=",
+            CompareOp::Lt => "<",
+            CompareOp::Le => "<=",
+            CompareOp::Gt => ">",
+            CompareOp::Ge => ">=",
+        }
+    }
+
+    /// The comparison with its operands swapped: `a < b` is `b > a`.
+    pub const fn swapped(self) -> CompareOp {
+        match self {
+            CompareOp::Lt => CompareOp::Gt,
+            CompareOp::Le => CompareOp::Ge,
+            CompareOp::Gt => CompareOp::Lt,
+            CompareOp::Ge => CompareOp::Le,
+            other => other,
+        }
+    }
+
+    /// The comparison applied to two ordered values (what every kernel computes; on floats,
+    /// `PartialOrd` is IEEE 754's: NaN compares false but for `!=`).
+    #[inline(always)]
+    pub fn holds<T: PartialOrd>(self, a: T, b: T) -> bool {
+        match self {
+            CompareOp::Eq => a == b,
+            CompareOp::Ne => a != b,
+            CompareOp::Lt => a < b,
+            CompareOp::Le => a <= b,
+            CompareOp::Gt => a > b,
+            CompareOp::Ge => a >= b,
+        }
+    }
+}
+
 /// Reductions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
@@ -184,6 +265,9 @@ pub enum MapOp {
     /// `out = in0` converted from the input's dtype to the output's (NumPy's `astype` rules:
     /// floats truncate toward zero into integers, out-of-range values wrap for integers).
     Cast,
+    /// `out = op(in0, in1)`, a `bool` (stored as 0 or 1); both operands in the request's operand
+    /// dtype ([`MapRequest::operand_dtype`]), which may be `bool` too.
+    Compare(CompareOp),
 }
 
 impl MapOp {
@@ -193,6 +277,15 @@ impl MapOp {
             MapOp::Unary(op) => op.name(),
             MapOp::Binary(op) => op.name(),
             MapOp::Cast => "cast",
+            MapOp::Compare(op) => op.name(),
+        }
+    }
+
+    /// How many operands the function takes.
+    pub const fn arity(self) -> usize {
+        match self {
+            MapOp::Binary(_) | MapOp::Compare(_) => 2,
+            MapOp::Unary(_) | MapOp::Cast => 1,
         }
     }
 }
@@ -212,7 +305,8 @@ pub enum Operand<'a> {
 /// Contract: `out` is a new compact array the backend may write; every tensor input has `out`'s
 /// shape and lives on `out`'s device; for [`MapOp::Unary`] and [`MapOp::Binary`] every tensor
 /// input has `out`'s dtype (`dtype`); for [`MapOp::Cast`] the one input may have any numeric
-/// dtype. `plan` is the collapsed loop nest with `out` as operand 0, then the tensor inputs in
+/// dtype; for [`MapOp::Compare`] `out` is `bool` and the tensor inputs share one dtype
+/// ([`MapRequest::operand_dtype`]), with at least one tensor among the inputs. `plan` is the collapsed loop nest with `out` as operand 0, then the tensor inputs in
 /// order (scalars have no entry).
 #[derive(Debug)]
 pub struct MapRequest<'a> {
@@ -230,6 +324,18 @@ impl MapRequest<'_> {
     /// The dtype arithmetic operands have (`out`'s).
     pub fn dtype(&self) -> DType {
         self.out.dtype()
+    }
+
+    /// The dtype the inputs are read in: the first tensor input's for casts and comparisons,
+    /// else `out`'s ([`MapRequest::dtype`]).
+    pub fn operand_dtype(&self) -> DType {
+        match self.op {
+            MapOp::Cast | MapOp::Compare(_) => self
+                .tensor_inputs()
+                .next()
+                .map_or(self.out.dtype(), Tensor::dtype),
+            MapOp::Unary(_) | MapOp::Binary(_) => self.out.dtype(),
+        }
     }
 
     /// The tensor inputs, in order.
@@ -517,6 +623,43 @@ pub fn binary_scalar(op: BinaryOp, a: &Tensor, s: Scalar, scalar_first: bool) ->
         vec![Operand::Tensor(&a), Operand::Scalar(s)]
     };
     run_map(&map_request(MapOp::Binary(op), inputs, &out))?;
+    Ok(out)
+}
+
+/// `op(a, b)` element-wise with NumPy broadcasting, a `bool` array. The operands are compared in
+/// their common dtype ([`promote::compare_type`]).
+pub fn compare(op: CompareOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    common_device(op.name(), [a, b])?;
+    let shape = broadcast_shapes(a.shape(), b.shape())?;
+    let dtype = promote::compare_type(a.dtype(), b.dtype())?;
+    let a = with_dtype(a, dtype)?.broadcast_to(&shape)?;
+    let b = with_dtype(b, dtype)?.broadcast_to(&shape)?;
+    let out = new_on(&a, &shape, DType::BOOL)?;
+    let inputs = vec![Operand::Tensor(&a), Operand::Tensor(&b)];
+    run_map(&map_request(MapOp::Compare(op), inputs, &out))?;
+    Ok(out)
+}
+
+/// `op(a, s)`, or `op(s, a)` when `scalar_first`, a `bool` array. The scalar is weak
+/// ([`promote::compare_scalar_type`]), but an integer outside the array's integer dtype is
+/// compared by its value: every element is then on the same side of it.
+pub fn compare_scalar(op: CompareOp, a: &Tensor, s: Scalar, scalar_first: bool) -> Result<Tensor> {
+    common_device(op.name(), [a])?;
+    // `s < a` is `a > s`: the array always comes first.
+    let op = if scalar_first { op.swapped() } else { op };
+    let dtype = promote::compare_scalar_type(a.dtype(), s)?;
+    if let Some(side) = promote::int_scalar_outside(dtype, s) {
+        // Every element is below (`Less`: the scalar is above the dtype's range) or above it.
+        let out = new_on(a, a.shape(), DType::BOOL)?;
+        let value = op.holds(side, std::cmp::Ordering::Equal);
+        // SAFETY: `out` is new memory no one else references yet.
+        unsafe { out.fill_bytes_unchecked(&[u8::from(value)])? };
+        return Ok(out);
+    }
+    let a = with_dtype(a, dtype)?;
+    let out = new_on(&a, a.shape(), DType::BOOL)?;
+    let inputs = vec![Operand::Tensor(&a), Operand::Scalar(s)];
+    run_map(&map_request(MapOp::Compare(op), inputs, &out))?;
     Ok(out)
 }
 

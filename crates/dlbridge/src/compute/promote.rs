@@ -10,6 +10,7 @@
 //! | `div` of integers | `float64` (NumPy's true division) |
 //! | `sqrt exp log sin cos` of integers | NumPy's choice: 8-bit → `float16`, 16-bit → `float32`, wider → `float64` |
 //! | `bool` and complex operands | refused: no arithmetic rule is defined for them here |
+//! | comparisons | as arithmetic, and `bool` too: two `bool` arrays compare as `bool`, a `bool` array with a numeric one in the numeric type, a `bool` array with a Python `int` as `bool` (0 and 1; others compare by value), with a `float` in `float64` |
 //!
 //! Reductions: `sum` of an integer array accumulates and returns in 64 bits (`int64` / `uint64`);
 //! `mean` of integers returns `float64`; `max` / `min` keep the dtype; floating sums keep the
@@ -120,6 +121,56 @@ pub fn promote_scalar(dtype: DType, scalar: Scalar) -> Result<DType> {
     })
 }
 
+/// The dtype two arrays are compared in: [`promote`]'s, and for `bool` (which has no arithmetic
+/// rule) `bool` with `bool`, or the other operand's numeric type.
+pub fn compare_type(a: DType, b: DType) -> Result<DType> {
+    match (a == DType::BOOL, b == DType::BOOL) {
+        (true, true) => Ok(DType::BOOL),
+        (true, false) => require_numeric(b, "comparison").map(|()| b),
+        (false, true) => require_numeric(a, "comparison").map(|()| a),
+        (false, false) => promote(a, b),
+    }
+}
+
+/// The dtype an array of `dtype` is compared with a Python scalar in: [`promote_scalar`]'s, and
+/// for a `bool` array `bool` with an `int` (see [`int_scalar_outside`]), `float64` with a `float`.
+pub fn compare_scalar_type(dtype: DType, scalar: Scalar) -> Result<DType> {
+    if dtype == DType::BOOL {
+        return Ok(match scalar {
+            Scalar::Int(_) => DType::BOOL,
+            Scalar::Float(_) => DType::F64,
+        });
+    }
+    promote_scalar(dtype, scalar)
+}
+
+/// Where an integer scalar lies when it is outside the range of the integer (or `bool`: 0 and 1)
+/// dtype `dtype`, from the elements' side: `Less` (every element is below it) or `Greater`.
+/// `None` when it is inside, or either is not an integer.
+pub fn int_scalar_outside(dtype: DType, scalar: Scalar) -> Option<std::cmp::Ordering> {
+    let Scalar::Int(v) = scalar else {
+        return None;
+    };
+    let (lo, hi): (i128, i128) = if dtype == DType::BOOL {
+        (0, 1)
+    } else {
+        let bits = u32::from(dtype.bits());
+        match kind(dtype)? {
+            Kind::Signed => (-(1i128 << (bits - 1)), (1i128 << (bits - 1)) - 1),
+            Kind::Unsigned => (0, (1i128 << bits) - 1),
+            Kind::Float => return None,
+        }
+    };
+    let v = i128::from(v);
+    if v > hi {
+        Some(std::cmp::Ordering::Less)
+    } else if v < lo {
+        Some(std::cmp::Ordering::Greater)
+    } else {
+        None
+    }
+}
+
 /// The dtype a binary op returns, given the operands' common dtype.
 pub fn binary_result(op: BinaryOp, common: DType) -> DType {
     match (op, kind(common)) {
@@ -180,6 +231,51 @@ pub fn matmul_type(a: DType, b: DType) -> Result<DType> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn comparisons_take_bool_and_place_outside_scalars() {
+        use std::cmp::Ordering;
+        assert_eq!(compare_type(DType::BOOL, DType::BOOL).unwrap(), DType::BOOL);
+        assert_eq!(compare_type(DType::BOOL, DType::I8).unwrap(), DType::I8);
+        assert_eq!(compare_type(DType::F16, DType::BOOL).unwrap(), DType::F16);
+        assert_eq!(compare_type(DType::I8, DType::U8).unwrap(), DType::I16);
+        assert!(compare_type(DType::BOOL, DType::C64).is_err());
+        assert_eq!(
+            compare_scalar_type(DType::BOOL, Scalar::Int(1)).unwrap(),
+            DType::BOOL
+        );
+        assert_eq!(
+            compare_scalar_type(DType::BOOL, Scalar::Float(0.5)).unwrap(),
+            DType::F64
+        );
+        assert_eq!(
+            compare_scalar_type(DType::I32, Scalar::Float(0.5)).unwrap(),
+            DType::F64
+        );
+        let int = |v| Scalar::Int(v);
+        assert_eq!(int_scalar_outside(DType::I8, int(127)), None);
+        assert_eq!(int_scalar_outside(DType::I8, int(-128)), None);
+        assert_eq!(
+            int_scalar_outside(DType::I8, int(128)),
+            Some(Ordering::Less)
+        );
+        assert_eq!(
+            int_scalar_outside(DType::I8, int(-129)),
+            Some(Ordering::Greater)
+        );
+        assert_eq!(
+            int_scalar_outside(DType::U8, int(-1)),
+            Some(Ordering::Greater)
+        );
+        assert_eq!(int_scalar_outside(DType::U64, int(i64::MAX)), None);
+        assert_eq!(int_scalar_outside(DType::I64, int(i64::MIN)), None);
+        assert_eq!(
+            int_scalar_outside(DType::BOOL, int(2)),
+            Some(Ordering::Less)
+        );
+        assert_eq!(int_scalar_outside(DType::F32, int(1 << 40)), None);
+        assert_eq!(int_scalar_outside(DType::I8, Scalar::Float(1e9)), None);
+    }
 
     #[test]
     fn same_kind_takes_the_wider() {

@@ -254,6 +254,7 @@ pub(crate) fn map_supported(op: MapOp, input: Ty, out: Ty) -> bool {
         MapOp::Binary(b) => {
             input == out && input != Ty::Bool && (input.is_float() || b != BinaryOp::Div)
         }
+        MapOp::Compare(_) => out == Ty::Bool,
     }
 }
 
@@ -377,6 +378,8 @@ pub(crate) fn map_source(key: &MapKey) -> String {
         MapOp::Cast => cast_expr(inp, out, "x0"),
         MapOp::Unary(u) => out.store(&unary_expr(u, inp, "x0")),
         MapOp::Binary(b) => out.store(&binary_expr(b, inp, "x0", "x1")),
+        // C's comparisons on the computed values are IEEE 754's: NaN is unequal to everything.
+        MapOp::Compare(c) => format!("(u8)((x0) {} (x1))", c.symbol()),
     };
     let _ = writeln!(
         s,
@@ -908,6 +911,7 @@ fn finish_body(s: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compute::CompareOp;
 
     const ALL: [Ty; 12] = [
         Ty::I8,
@@ -1028,6 +1032,29 @@ mod tests {
                 }
             }
         }
+        for op in CompareOp::ALL {
+            let op = MapOp::Compare(op);
+            assert!(map_supported(op, t, Ty::Bool));
+            for (shape, modes) in [
+                (
+                    MapShape::Flat {
+                        vec: (16 / t.size()) as u8,
+                    },
+                    [Mode::Vector, Mode::Vector],
+                ),
+                (flat, [Mode::Vector, Mode::Scalar]),
+                (strided, [Mode::Strided, Mode::Uniform]),
+            ] {
+                keys.push(MapKey {
+                    op,
+                    input: t,
+                    out: Ty::Bool,
+                    modes,
+                    arity: 2,
+                    shape,
+                });
+            }
+        }
         for to in ALL.iter().copied().chain([Ty::Bool]) {
             keys.push(MapKey {
                 op: MapOp::Cast,
@@ -1060,6 +1087,18 @@ mod tests {
             (format!("{key:?}"), map_source(&key))
         });
         compiles(from_bool);
+        let bool_compares = CompareOp::ALL.into_iter().map(|op| {
+            let key = MapKey {
+                op: MapOp::Compare(op),
+                input: Ty::Bool,
+                out: Ty::Bool,
+                modes: [Mode::Vector, Mode::Scalar],
+                arity: 2,
+                shape: MapShape::Flat { vec: 16 },
+            };
+            (format!("{key:?}"), map_source(&key))
+        });
+        compiles(bool_compares);
         compiles([Ty::F32, Ty::BF16, Ty::I8].into_iter().flat_map(|t| {
             let m = map_keys(t)
                 .into_iter()
@@ -1095,6 +1134,34 @@ mod tests {
         assert!(cast_expr(Ty::F64, Ty::BF16, "x").starts_with("f64_to_bf16"));
         assert!(cast_expr(Ty::Bool, Ty::BF16, "x").contains("0x3f80"));
         assert_eq!(cast_expr(Ty::I16, Ty::F16, "x"), "f32_to_f16((float)(x))");
+    }
+
+    #[test]
+    fn comparisons_write_bool_from_computed_operands() {
+        let key = MapKey {
+            op: MapOp::Compare(CompareOp::Le),
+            input: Ty::BF16,
+            out: Ty::Bool,
+            modes: [Mode::Vector, Mode::Scalar],
+            arity: 2,
+            shape: MapShape::Flat { vec: 8 },
+        };
+        let src = map_source(&key);
+        assert!(
+            src.contains("u8 op(float x0, float x1) { return (u8)((x0) <= (x1)); }"),
+            "{src}"
+        );
+        assert!(src.contains("bf16_to_f32("), "{src}");
+        assert!(!map_supported(
+            MapOp::Compare(CompareOp::Eq),
+            Ty::F32,
+            Ty::F32
+        ));
+        assert!(map_supported(
+            MapOp::Compare(CompareOp::Eq),
+            Ty::Bool,
+            Ty::Bool
+        ));
     }
 
     #[test]

@@ -28,11 +28,10 @@ use super::nvrtc::{self, Function};
 use super::stream::{current_stream, raw};
 use super::{BACKEND, Bound, check, context, first_address};
 use crate::compute::plan::MapPlan;
-use crate::compute::{MapOp, MapRequest, MatmulRequest, Operand, ReduceRequest, Scalar};
+use crate::compute::{MapRequest, MatmulRequest, Operand, ReduceRequest, Scalar};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
 
 /// Threads that fill one GPU's multiprocessors (2048 resident per SM on every architecture since
 /// Volta but Turing's 1024; a reduction that fills fewer splits its work).
@@ -159,13 +158,7 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
         return Ok(());
     }
     let out = req.out;
-    let input_dtype = match req.op {
-        MapOp::Cast => req
-            .tensor_inputs()
-            .next()
-            .map_or(out.dtype(), Tensor::dtype),
-        _ => out.dtype(),
-    };
+    let input_dtype = req.operand_dtype();
     let what = req.op.name();
     let (inp, outt) = (ty(input_dtype, what)?, ty(out.dtype(), what)?);
     if !codegen::map_supported(req.op, inp, outt) || req.inputs.len() > 2 {

@@ -7,7 +7,8 @@
 //! second time for AVX2). Inputs with other strides are gathered in blocks first.
 //!
 //! `float16` and `bfloat16` runs are widened to `f32` in blocks, computed in `f32` and rounded
-//! once when stored ([`halves`]).
+//! once when stored ([`halves`]). Comparisons write `bool` bytes from operands of any of the
+//! kernels' dtypes ([`compare`]; `bool` operands are read as bytes).
 
 use half::{bf16, f16};
 
@@ -15,7 +16,8 @@ use super::{
     BLOCK, Half, Input, SharedPtr, Storage, for_chunks, math, output, unsupported, walk,
     with_storage,
 };
-use crate::compute::{BinaryOp, MapOp, MapRequest, Operand, UnaryOp};
+use crate::compute::{BinaryOp, CompareOp, MapOp, MapRequest, Operand, UnaryOp};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// Where one input's elements of a run come from.
@@ -27,8 +29,9 @@ pub(super) enum Src<'a, T> {
     Splat(T),
 }
 
-/// A kernel over one run: `out[i] = f(a[i], b[i])` (`b` ignored by unary functions).
-type Kernel<S> = fn(&mut [S], Src<'_, S>, Src<'_, S>);
+/// A kernel over one run: `out[i] = f(a[i], b[i])` (`b` ignored by unary functions); `O` is the
+/// output's element type (`u8` for comparisons, else the operands' `S`).
+type Kernel<S, O = S> = fn(&mut [O], Src<'_, S>, Src<'_, S>);
 
 /// Arithmetic every dtype has (wrapping for integers, as NumPy).
 trait Num: Copy + Default + Send + Sync + 'static {
@@ -334,6 +337,58 @@ fn half_kernel<H: Half>(op: MapOp) -> Option<Kernel<H>> {
     )
 }
 
+/// One comparison, as a type, so that each is its own monomorphised loop.
+trait Cmp: Send + Sync + 'static {
+    const OP: CompareOp;
+}
+
+macro_rules! cmps {
+    ($($name:ident),*) => {$(
+        struct $name;
+        impl Cmp for $name {
+            const OP: CompareOp = CompareOp::$name;
+        }
+    )*};
+}
+
+cmps!(Eq, Ne, Lt, Le, Gt, Ge);
+
+/// The comparison kernel of `F`: `out[i] = a[i] F b[i]` as a `bool` byte (IEEE 754 on floats, the
+/// 16-bit floats included, as `half` compares them).
+fn compare<S: Copy + PartialOrd, F: Cmp>(out: &mut [u8], a: Src<'_, S>, b: Src<'_, S>) {
+    let f = |x: S, y: S| u8::from(F::OP.holds(x, y));
+    match (a, b) {
+        (Src::Slice(a), Src::Slice(b)) => {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                *o = f(x, y);
+            }
+        }
+        (Src::Slice(a), Src::Splat(y)) => {
+            for (o, &x) in out.iter_mut().zip(a) {
+                *o = f(x, y);
+            }
+        }
+        (Src::Splat(x), Src::Slice(b)) => {
+            for (o, &y) in out.iter_mut().zip(b) {
+                *o = f(x, y);
+            }
+        }
+        (Src::Splat(x), Src::Splat(y)) => out.fill(f(x, y)),
+    }
+}
+
+/// The comparison kernel for `op` on storage type `S`.
+fn compare_kernel<S: Copy + PartialOrd>(op: CompareOp) -> Kernel<S, u8> {
+    match op {
+        CompareOp::Eq => compare::<S, Eq>,
+        CompareOp::Ne => compare::<S, Ne>,
+        CompareOp::Lt => compare::<S, Lt>,
+        CompareOp::Le => compare::<S, Le>,
+        CompareOp::Gt => compare::<S, Gt>,
+        CompareOp::Ge => compare::<S, Ge>,
+    }
+}
+
 /// The kernel for `op` on storage type `S`.
 trait Kernels: Storage {
     fn kernel(op: MapOp) -> Option<Kernel<Self>>;
@@ -355,7 +410,7 @@ kernels!(half_kernel: f16, bf16);
 
 /// Runs an element-wise request.
 pub(super) fn run(req: &MapRequest<'_>) -> Result<()> {
-    let dtype = req.dtype();
+    let dtype = req.operand_dtype();
     if let MapOp::Cast = req.op {
         return Err(Error::InvalidArgument(
             "the CPU backend has no cast kernel: CPU casts go through the host converter \
@@ -369,7 +424,27 @@ pub(super) fn run(req: &MapRequest<'_>) -> Result<()> {
             t.dtype()
         )));
     }
-    with_storage!(dtype, S => execute::<S>(req), _ => Err(unsupported("element-wise arithmetic", dtype)))
+    let what = req.op.name();
+    match req.op {
+        MapOp::Compare(op) => {
+            if req.out.dtype() != DType::BOOL {
+                return Err(Error::DTypeMismatch(format!(
+                    "{what} writes bool, not {}",
+                    req.out.dtype()
+                )));
+            }
+            if dtype == DType::BOOL {
+                // `bool` elements are bytes of 0 or 1, ordered as `u8`.
+                return execute::<u8, u8>(req, compare_kernel::<u8>(op));
+            }
+            with_storage!(dtype, S => execute::<S, u8>(req, compare_kernel::<S>(op)),
+                _ => Err(unsupported(what, dtype)))
+        }
+        _ => with_storage!(dtype, S => {
+            let kernel = S::kernel(req.op).ok_or_else(|| unsupported(what, dtype))?;
+            execute::<S, S>(req, kernel)
+        }, _ => Err(unsupported("element-wise arithmetic", dtype))),
+    }
 }
 
 /// How a kernel reaches one input.
@@ -381,13 +456,12 @@ enum Arg<S> {
     Value(S),
 }
 
-fn execute<S: Kernels>(req: &MapRequest<'_>) -> Result<()> {
+fn execute<S: Storage, O: Copy + Send + Sync + 'static>(
+    req: &MapRequest<'_>,
+    kernel: Kernel<S, O>,
+) -> Result<()> {
     let what = req.op.name();
-    let kernel = S::kernel(req.op).ok_or_else(|| unsupported(what, req.dtype()))?;
-    let arity = match req.op {
-        MapOp::Binary(_) => 2,
-        _ => 1,
-    };
+    let arity = req.op.arity();
     if req.inputs.len() != arity {
         return Err(Error::InvalidArgument(format!(
             "{what} takes {arity} operand(s), the request has {}",
@@ -419,7 +493,7 @@ fn execute<S: Kernels>(req: &MapRequest<'_>) -> Result<()> {
             Operand::Scalar(s) => Arg::Value(S::from_scalar(*s)),
         };
     }
-    let out = SharedPtr(output::<S>(req.out)?);
+    let out = SharedPtr(output::<O>(req.out)?);
     let zeros = vec![0isize; nd];
     let strides_of = |arg: &Arg<S>| match arg {
         Arg::Tensor(_, k) => plan.strides[*k].as_slice(),
@@ -476,7 +550,13 @@ enum Ref<S> {
 /// `out` must address `len` consecutive writable elements no one else accesses during the call;
 /// each `Ref::Strided(p, s)` must address `len` readable elements `p.offset(i * s)` that no one
 /// writes during the call.
-unsafe fn run_one<S: Storage>(kernel: Kernel<S>, out: *mut S, a: Ref<S>, b: Ref<S>, len: usize) {
+unsafe fn run_one<S: Storage, O>(
+    kernel: Kernel<S, O>,
+    out: *mut O,
+    a: Ref<S>,
+    b: Ref<S>,
+    len: usize,
+) {
     // SAFETY: by the caller's contract.
     let out = unsafe { std::slice::from_raw_parts_mut(out, len) };
     // A contiguous or broadcast run needs no copy.

@@ -150,7 +150,7 @@ pub(crate) struct MapVariant {
     pub(crate) op: MapOp,
     /// The output's element type.
     pub(crate) out: Elem,
-    /// The inputs' element type (the output's, except for casts).
+    /// The inputs' element type (the output's, except for casts and comparisons).
     pub(crate) input: Elem,
     /// Per input position, whether it is a scalar (in the parameter block) or a tensor.
     pub(crate) scalars: Vec<bool>,
@@ -165,6 +165,7 @@ impl MapVariant {
             MapOp::Unary(u) => u.name().to_string(),
             MapOp::Binary(b) => b.name().to_string(),
             MapOp::Cast => format!("cast_{}", self.input.tag()),
+            MapOp::Compare(c) => format!("{}_{}", c.name(), self.input.tag()),
         };
         let kinds: String = self
             .scalars
@@ -238,6 +239,26 @@ pub(crate) fn map_types(op: MapOp, out: DType, inputs: &[Operand<'_>]) -> Result
         (MapOp::Cast, _) => {
             return Err(Error::InvalidArgument("a cast takes one array".into()));
         }
+        (MapOp::Compare(_), _) => {
+            let first = inputs.iter().find_map(|o| match o {
+                Operand::Tensor(t) => Some(t.dtype()),
+                Operand::Scalar(_) => None,
+            });
+            match first {
+                Some(dtype) if out_elem == Elem::Bool => Elem::of(dtype, what)?,
+                Some(_) => {
+                    return Err(Error::DTypeMismatch(format!(
+                        "{what} writes bool, not {}",
+                        out_elem.tag()
+                    )));
+                }
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{what} needs an array operand"
+                    )));
+                }
+            }
+        }
         _ => out_elem,
     };
     Ok((out_elem, in_elem))
@@ -253,10 +274,7 @@ pub(crate) fn plan_map(
     plan: &MapPlan,
 ) -> Result<MapLaunch> {
     let (out_elem, in_elem) = map_types(op, out.dtype(), inputs)?;
-    let arity = match op {
-        MapOp::Binary(_) => 2,
-        _ => 1,
-    };
+    let arity = op.arity();
     if inputs.len() != arity {
         return Err(Error::InvalidArgument(format!(
             "{op:?} takes {arity} operands, not {}",

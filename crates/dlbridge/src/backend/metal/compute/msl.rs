@@ -331,7 +331,12 @@ fn map_expr(op: MapOp, elem: Elem, args: &[&str]) -> Result<String> {
                 elem.wrapping(x, sym, y)
             }
         }
-        MapOp::Cast => return Err(Error::InvalidArgument("a cast is not arithmetic".into())),
+        MapOp::Cast | MapOp::Compare(_) => {
+            return Err(Error::InvalidArgument(format!(
+                "{} is not arithmetic",
+                op.name()
+            )));
+        }
     })
 }
 
@@ -362,6 +367,8 @@ pub(crate) fn map_source(v: &MapVariant) -> Result<String> {
     let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let value = match v.op {
         MapOp::Cast => cast_expr(v.input, v.out, arg_refs[0]),
+        // IEEE 754 on the loaded (float, for the 16-bit floats) values: NaN is unequal to all.
+        MapOp::Compare(c) => format!("uchar({} {} {})", arg_refs[0], c.symbol(), arg_refs[1]),
         op => v.out.store(&map_expr(op, v.out, &arg_refs)?),
     };
     let mut s = String::from(PRELUDE);
@@ -881,6 +888,30 @@ mod tests {
     }
 
     #[test]
+    fn comparisons_store_bool_from_loaded_operands() {
+        let v = MapVariant {
+            op: MapOp::Compare(crate::compute::CompareOp::Ge),
+            out: Elem::Bool,
+            input: Elem::BF16,
+            scalars: vec![false, true],
+            layout: MapLayout::Flat,
+        };
+        let src = map_source(&v).unwrap();
+        assert!(
+            v.name().starts_with("dlb_map_greater_equal_"),
+            "{}",
+            v.name()
+        );
+        assert!(src.contains("device uchar* out [[buffer(0)]]"), "{src}");
+        assert!(src.contains("device const ushort* in0"), "{src}");
+        assert!(
+            src.contains("const float a0 = dlb_bf16_to_float(in0[i]);"),
+            "{src}"
+        );
+        assert!(src.contains("out[i] = uchar(a0 >= a1);"), "{src}");
+    }
+
+    #[test]
     fn map_sources_name_their_kernel() {
         let v = MapVariant {
             op: MapOp::Binary(BinaryOp::Sub),
@@ -1079,6 +1110,19 @@ mod tests {
                     // have no kernel (the front never asks).
                     if let Ok(src) = map_source(&v) {
                         check(v.name(), src);
+                        count += 1;
+                    }
+                }
+                for c in crate::compute::CompareOp::ALL {
+                    for scalars in [[false, false], [false, true]] {
+                        let v = MapVariant {
+                            op: MapOp::Compare(c),
+                            out: Elem::Bool,
+                            input: e,
+                            scalars: scalars.to_vec(),
+                            layout,
+                        };
+                        check(v.name(), map_source(&v).unwrap());
                         count += 1;
                     }
                 }

@@ -508,8 +508,9 @@ fn compare_ref(op: CompareOp, a: V, b: V) -> V {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn comparisons_broadcast_with_nan_and_bool_results_on_every_dtype() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(21);
     let shapes: [(&[usize], &[usize]); 4] = [
         (&[10_007], &[10_007]),
@@ -558,8 +559,9 @@ fn comparisons_broadcast_with_nan_and_bool_results_on_every_dtype() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn comparisons_with_scalars_and_mixed_dtypes() {
-    let device = gpu_or_skip!();
+    let device = gpu();
     let mut rng = Rng::new(22);
     let n = 1001;
     for dtype in DTYPES {

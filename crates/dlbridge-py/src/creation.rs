@@ -349,23 +349,26 @@ fn import_dlpack(
     copy: Option<bool>,
 ) -> PyResult<Tensor> {
     let producer = !obj.is_instance_of::<pyo3::types::PyCapsule>();
-    let imported = if copy == Some(true) && producer {
+    let copy_here = copy == Some(true) && producer;
+    let imported = if copy_here {
         exchange::from_dlpack(obj, None, None)
     } else {
         exchange::from_dlpack(obj, device, copy)
-    };
-    let tensor = match imported {
-        Ok(t) => t,
-        Err(err) => match crate::ml_dtypes::from_numpy(obj)? {
-            Some(t) => t,
-            None => return Err(err),
-        },
     };
     // A capsule's `copy=True` was applied by `from_dlpack` (which trusts `IS_COPIED`).
     let copy = if producer || copy != Some(true) {
         copy
     } else {
         None
+    };
+    let tensor = match imported {
+        // `from_dlpack` applied `device` and `copy` itself: the common case, done.
+        Ok(t) if !copy_here && storage.is_none() => return Ok(t),
+        Ok(t) => t,
+        Err(err) => match crate::ml_dtypes::from_numpy(obj)? {
+            Some(t) => t,
+            None => return Err(err),
+        },
     };
     exchange::finish_import(
         exchange::Taken {

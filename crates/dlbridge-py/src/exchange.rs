@@ -11,7 +11,7 @@ use dlbridge::dlpack::ffi::{
     DLManagedTensor, DLManagedTensorVersioned, DLPACK_FLAG_BITMASK_IS_COPIED, DLPackVersion,
 };
 use dlbridge::{DType, Device, Layout, StorageMode, Tensor};
-use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
 use pyo3::{ffi, intern};

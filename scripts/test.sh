@@ -29,8 +29,9 @@ if [ -z "$gpu_tests" ]; then
 fi
 rust_args=()
 if [ "$gpu_tests" = 1 ]; then
-    # every_source_compiles is ignored for being slow, not for a device: it stays out.
-    rust_args=(--include-ignored --skip every_source_compiles)
+    # every_source_compiles and math's exhaustive are ignored for being slow, not for a device:
+    # they stay out.
+    rust_args=(--include-ignored --skip every_source_compiles --skip compute::math::tests::exhaustive)
 fi
 step "Rust tests (core crate with feature $backend: unit, integration, doc; ${backend} device tests $([ "$gpu_tests" = 1 ] && echo included || echo ignored))"
 rust_log="$(mktemp)"

@@ -10,9 +10,10 @@ MLX's pointer is read through ``np.from_dlpack(mlx_array)`` (zero-copy, offset i
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
+
+mx = pytest.importorskip("mlx.core", reason="MLX is not installed (scripts/env.sh installs it)")
 
 import dlbridge
 from conftest import capsule_info, collect, ptr_of, random_values

@@ -7,10 +7,11 @@ NumPy view of it (``np.from_dlpack(tvm_tensor)``, itself zero-copy) or through d
 from __future__ import annotations
 
 import ml_dtypes
-import mlx.core as mx
 import numpy as np
 import pytest
-import tvm_ffi
+
+mx = pytest.importorskip("mlx.core", reason="MLX is not installed (scripts/env.sh installs it)")
+tvm_ffi = pytest.importorskip("tvm_ffi", reason="TVM-FFI is not installed (scripts/env.sh installs it)")
 
 import dlbridge
 from conftest import capsule_info, collect, make_capsule, ptr_of, random_values

@@ -595,10 +595,18 @@ fn addressable_and_opaque_devices() {
         assert_eq!(probe.deletes(), 1);
     }
 
-    let (t, probe) = Spec::f32(&iota(4), &[4])
-        .device(ffi::K_DL_CUDA_HOST, 0)
-        .import()
-        .tensor();
+    // Pinned host memory is addressable from the host. Where a CUDA driver exists it is asked
+    // about the pointer, so the memory must really be pinned: dlbridge's own pinned memory there.
+    let pinned = real.as_ref().map(|_| {
+        let mut p = Tensor::empty(&[4], DType::F32, Device::cuda_host(0)).unwrap();
+        p.as_mut_slice::<f32>().unwrap().copy_from_slice(&iota(4));
+        p
+    });
+    let spec = match &pinned {
+        Some(p) => Spec::f32(&[], &[4]).data(Data::Fake(p.buffer().handle().expose_provenance())),
+        None => Spec::f32(&iota(4), &[4]),
+    };
+    let (t, probe) = spec.device(ffi::K_DL_CUDA_HOST, 0).import().tensor();
     assert_eq!(t.device().kind(), DeviceKind::CudaHost);
     assert_eq!(t.as_slice::<f32>().unwrap(), &iota(4)[..]);
     drop(t);

@@ -33,6 +33,45 @@ pub const MIN_ALIGN: usize = 64;
 /// Allocations of at least this many bytes are page-aligned and padded to whole pages.
 pub const PAGE_ALIGN_THRESHOLD: usize = 64 * 1024;
 
+/// The machine's physical memory plus swap in bytes, read once: no single host allocation can be
+/// larger and still be used. `usize::MAX` where it cannot be read.
+pub fn host_memory_bytes() -> usize {
+    static TOTAL: OnceLock<usize> = OnceLock::new();
+    *TOTAL.get_or_init(|| {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: an all-zero `sysinfo` is a valid value of this plain C struct.
+            let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+            // SAFETY: `info` is a valid, writable `sysinfo`.
+            if unsafe { libc::sysinfo(&mut info) } == 0 {
+                let unit = u64::from(info.mem_unit.max(1));
+                let total = (info.totalram as u64)
+                    .saturating_add(info.totalswap as u64)
+                    .saturating_mul(unit);
+                return usize::try_from(total).unwrap_or(usize::MAX);
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            // SAFETY: sysconf has no preconditions; it returns -1 on error, handled below.
+            let (pages, size) = unsafe {
+                (
+                    libc::sysconf(libc::_SC_PHYS_PAGES),
+                    libc::sysconf(libc::_SC_PAGESIZE),
+                )
+            };
+            if pages > 0 && size > 0 {
+                // Physical memory only: swap is not in sysconf; macOS grows its swap as needed,
+                // so this is a bound below what the allocator could hand out, doubled for that.
+                return (pages as usize)
+                    .saturating_mul(size as usize)
+                    .saturating_mul(2);
+            }
+        }
+        usize::MAX
+    })
+}
+
 /// The OS page size in bytes, read once.
 pub fn page_size() -> usize {
     static PAGE: OnceLock<usize> = OnceLock::new();
@@ -86,6 +125,19 @@ impl RawAllocator for HostAllocator {
             return Err(Error::InvalidArgument(
                 "the host allocator has no zero-byte blocks".into(),
             ));
+        }
+        if layout.size() > host_memory_bytes() {
+            // Refused whatever the kernel's overcommit policy: under `vm.overcommit_memory=1`
+            // the system allocator hands out any size, and the first writes then exhaust the
+            // machine (or hang filling it) instead of failing here.
+            return Err(Error::OutOfMemory {
+                bytes,
+                device: Device::CPU,
+                detail: format!(
+                    ": more than this machine's {} bytes of memory and swap",
+                    host_memory_bytes()
+                ),
+            });
         }
         let raw = if zeroed {
             // SAFETY: the layout has a non-zero size.

@@ -140,12 +140,14 @@ fn wrap_axis(axis: isize, ndim: usize) -> Result<usize> {
 
 /// `offset + index * stride * itemsize` in bytes, checked to stay within `0..=isize::MAX`.
 fn moved_offset(offset: usize, index: usize, stride: isize, itemsize: usize) -> Result<usize> {
-    let delta = (index as i128) * (stride as i128) * (itemsize as i128);
-    let moved = offset as i128 + delta;
-    if (0..=isize::MAX as i128).contains(&moved) {
-        Ok(moved as usize)
-    } else {
-        Err(overflow("view byte offset"))
+    // `index * stride` fits in `i128`, but times `itemsize` it may not: checked, not wrapped.
+    let moved = ((index as i128) * (stride as i128))
+        .checked_mul(itemsize as i128)
+        .and_then(|delta| delta.checked_add(offset as i128))
+        .filter(|moved| (0..=isize::MAX as i128).contains(moved));
+    match moved {
+        Some(moved) => Ok(moved as usize),
+        None => Err(overflow("view byte offset")),
     }
 }
 
@@ -288,9 +290,17 @@ impl Layout {
         let Some((lo, hi)) = self.element_extent() else {
             return Ok(self.byte_offset..self.byte_offset);
         };
-        let size = itemsize as i128;
-        let start = self.byte_offset as i128 + lo * size;
-        let end = self.byte_offset as i128 + (hi + 1) * size;
+        let extent_overflow = || {
+            overflow(format!(
+                "extent of shape {:?} with strides {:?}",
+                self.shape, self.strides
+            ))
+        };
+        // The element extent fits in `i128` (at most 2^126 elements either way), but in bytes it
+        // may not: a wrapped product would make a huge reach look small.
+        let (lo, hi) = extent_bytes(lo, hi, itemsize).ok_or_else(extent_overflow)?;
+        let start = self.byte_offset as i128 + lo;
+        let end = self.byte_offset as i128 + hi;
         if start < 0 {
             return Err(Error::OutOfBounds(format!(
                 "strides {:?} reach {} bytes before the start of the buffer",
@@ -298,10 +308,7 @@ impl Layout {
             )));
         }
         if end > isize::MAX as i128 {
-            return Err(overflow(format!(
-                "extent of shape {:?} with strides {:?}",
-                self.shape, self.strides
-            )));
+            return Err(extent_overflow());
         }
         Ok(start as usize..end as usize)
     }
@@ -481,6 +488,14 @@ impl Layout {
             ..self.clone()
         }
     }
+}
+
+/// The byte range `[lo * itemsize, (hi + 1) * itemsize)` of the element extent `(lo, hi)` (see
+/// [`Layout::element_extent`]), relative to the first element; `None` when it does not fit in
+/// `i128`.
+pub(crate) fn extent_bytes(lo: i128, hi: i128, itemsize: usize) -> Option<(i128, i128)> {
+    let size = itemsize as i128;
+    Some((lo.checked_mul(size)?, (hi + 1).checked_mul(size)?))
 }
 
 /// The shape two shapes broadcast to under NumPy's rules.
@@ -732,5 +747,20 @@ mod tests {
         let l = Layout::new(&[2], &[-1], 0).unwrap();
         assert!(matches!(l.byte_range(4), Err(Error::OutOfBounds(_))));
         assert!(Layout::contiguous(&vec![1; MAX_NDIM + 1]).is_err());
+    }
+
+    /// Found by the `layout` fuzz target: an element extent near 2^125 elements times the item
+    /// size overflowed `i128` (a panic with overflow checks, a wrapped and so wrong range
+    /// without).
+    #[test]
+    fn byte_extent_overflow_is_an_error() {
+        let l = Layout::new(&[1 << 62], &[isize::MIN], 0).unwrap();
+        assert!(l.byte_range(8).is_err());
+        let l = Layout::new(&[1 << 62], &[isize::MAX], 0).unwrap();
+        assert!(l.byte_range(8).is_err());
+        // Moving to an index whose byte offset is out of `i128` range.
+        let l = Layout::new(&[1 << 62], &[isize::MIN], 0).unwrap();
+        assert!(l.index(0, -1, 1 << 20).is_err());
+        assert!(l.slice(0, SliceArg::range(-1, 1 << 62), 1 << 20).is_err());
     }
 }

@@ -96,7 +96,8 @@ impl SliceArg {
                 0
             }
         } else if start > stop {
-            (start - stop - 1) / (-self.step) + 1
+            // `unsigned_abs`: `-step` overflows for `isize::MIN`.
+            ((start - stop - 1) as usize / self.step.unsigned_abs() + 1) as isize
         } else {
             0
         };
@@ -747,6 +748,20 @@ mod tests {
         let l = Layout::new(&[2], &[-1], 0).unwrap();
         assert!(matches!(l.byte_range(4), Err(Error::OutOfBounds(_))));
         assert!(Layout::contiguous(&vec![1; MAX_NDIM + 1]).is_err());
+    }
+
+    /// Found by the `layout` fuzz target: a step of `isize::MIN` was negated.
+    #[test]
+    fn most_negative_step() {
+        let arg = SliceArg {
+            start: None,
+            stop: None,
+            step: isize::MIN,
+        };
+        assert_eq!(arg.resolve(5).unwrap(), (4, 1));
+        assert_eq!(arg.resolve(0).unwrap(), (0, 0));
+        let l = Layout::contiguous(&[5]).unwrap().slice(0, arg, 4).unwrap();
+        assert_eq!((l.shape(), l.byte_offset()), (&[1usize][..], 16));
     }
 
     /// Found by the `layout` fuzz target: an element extent near 2^125 elements times the item

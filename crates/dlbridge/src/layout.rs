@@ -15,13 +15,15 @@ pub const MAX_NDIM: usize = 64;
 const INLINE_NDIM: usize = 4;
 
 /// Writes the row-major strides of `shape` (each the product of the extents after its axis) to
-/// `out`. The caller checked that the product of all extents fits, so no stride overflows (a 0
-/// extent counts as 1, which keeps later strides at the product of the extents after them).
+/// `out`. A 0 extent counts as 1, which keeps later strides at the product of the extents after
+/// them; the caller checked that the product of all extents fits, so no stride of a non-empty
+/// shape overflows. An empty shape's other extents may multiply past `isize::MAX` (its strides
+/// address nothing): those strides saturate there rather than wrap to negative values.
 #[inline]
 pub(crate) fn row_major_strides(shape: &[usize], out: &mut [isize]) {
     let mut acc = 1usize;
     for (stride, &dim) in out.iter_mut().zip(shape).rev() {
-        *stride = acc as isize;
+        *stride = acc.min(isize::MAX as usize) as isize;
         acc = acc.saturating_mul(dim.max(1));
     }
 }
@@ -435,7 +437,8 @@ impl Layout {
                 }
             }
             for k in oi..oj - 1 {
-                if old[k].1 != old[k + 1].1 * old[k + 1].0 as isize {
+                // A product that overflows cannot equal a stride: the axes do not merge.
+                if old[k + 1].1.checked_mul(old[k + 1].0 as isize) != Some(old[k].1) {
                     return Err(Error::Shape(format!(
                         "cannot reshape a view of shape {:?} and strides {:?} to {shape:?} \
                          without a copy",
@@ -748,6 +751,17 @@ mod tests {
         let l = Layout::new(&[2], &[-1], 0).unwrap();
         assert!(matches!(l.byte_range(4), Err(Error::OutOfBounds(_))));
         assert!(Layout::contiguous(&vec![1; MAX_NDIM + 1]).is_err());
+    }
+
+    /// Found by the fuzz targets: merging axes multiplied a stride by an extent unchecked, and the
+    /// row-major strides of an empty shape wrapped to negative values.
+    #[test]
+    fn huge_strides_in_reshape_and_empty_shapes() {
+        let l = Layout::new(&[2, 3], &[5, 1 << 62], 0).unwrap();
+        assert!(l.reshape(&[Some(6)]).is_err());
+        let l = Layout::contiguous(&[0, (1 << 32) + 1, 1 << 32]).unwrap();
+        assert!(l.strides().iter().all(|&s| s > 0), "{:?}", l.strides());
+        assert_eq!(l.strides()[0], isize::MAX);
     }
 
     /// Found by the `layout` fuzz target: a step of `isize::MIN` was negated.

@@ -107,11 +107,19 @@ impl SliceArg {
     }
 }
 
+/// The element count of `shape`, checked to fit in `isize`, as every extent must (also in an
+/// empty shape, whose other extents could otherwise be anything).
 #[inline]
 fn checked_numel(shape: &[usize]) -> Result<usize> {
     match shape
         .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .try_fold(1usize, |acc, &d| {
+            if d > isize::MAX as usize {
+                None
+            } else {
+                acc.checked_mul(d)
+            }
+        })
         .filter(|&n| n <= isize::MAX as usize)
     {
         Some(n) => Ok(n),
@@ -762,6 +770,9 @@ mod tests {
         let l = Layout::contiguous(&[0, (1 << 32) + 1, 1 << 32]).unwrap();
         assert!(l.strides().iter().all(|&s| s > 0), "{:?}", l.strides());
         assert_eq!(l.strides()[0], isize::MAX);
+        // An extent past `isize::MAX` is refused even beside a 0 (it broke `index`).
+        assert!(Layout::new(&[0, usize::MAX], &[1, 1], 0).is_err());
+        assert!(Layout::contiguous(&[0, isize::MAX as usize + 1]).is_err());
     }
 
     /// Found by the `layout` fuzz target: a step of `isize::MIN` was negated.

@@ -306,7 +306,16 @@ unsafe fn import<M: Managed + 'static>(
             )));
         }
         let (base, len) = if numel == 0 {
-            (dl.data as usize + offset, 0)
+            let first = (dl.data as usize)
+                .checked_add(offset)
+                .filter(|&a| a <= isize::MAX as usize)
+                .ok_or_else(|| {
+                    Error::MalformedTensor(format!(
+                        "data {:p} with byte_offset {offset} lies outside the user address space",
+                        dl.data
+                    ))
+                })?;
+            (first, 0)
         } else {
             (base as usize, (hi - lo) as usize)
         };
@@ -624,7 +633,7 @@ mod tests {
     /// (a panic with overflow checks; without them the wrapped product passed validation as an
     /// 8-byte range).
     #[test]
-    fn extent_overflowing_i128_bytes_is_refused() {
+    fn address_overflow_is_refused() {
         let mut shape = [1i64 << 62];
         let mut strides = [i64::MIN];
         let mut element = [0f64; 1];
@@ -648,5 +657,18 @@ mod tests {
         let result = unsafe { Tensor::from_dlpack_versioned(NonNull::from(&mut managed)) };
         assert!(matches!(result, Err(Error::Overflow(_))), "{:?}", result.err());
         assert_eq!(DELETED.load(Ordering::SeqCst), 1);
+
+        // Found by the `dlpack_import` fuzz target: `data + byte_offset` of an empty tensor was
+        // added unchecked.
+        let mut shape = [0i64];
+        let mut strides = [1i64];
+        managed.dl_tensor.data = std::ptr::without_provenance_mut(usize::MAX - 8);
+        managed.dl_tensor.shape = shape.as_mut_ptr();
+        managed.dl_tensor.strides = strides.as_mut_ptr();
+        managed.dl_tensor.byte_offset = 64;
+        // SAFETY: as above.
+        let result = unsafe { Tensor::from_dlpack_versioned(NonNull::from(&mut managed)) };
+        assert!(matches!(result, Err(Error::MalformedTensor(_))), "{:?}", result.err());
+        assert_eq!(DELETED.load(Ordering::SeqCst), 2);
     }
 }

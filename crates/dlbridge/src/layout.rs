@@ -241,8 +241,12 @@ impl Layout {
 
     /// Number of elements (1 for a 0-d layout).
     pub fn numel(&self) -> usize {
-        // Checked when the layout was built.
-        self.shape.iter().product()
+        // The product fits (checked when the layout was built), but only in some order when an
+        // extent is 0: reordered axes (transpose, permute) can overflow before reaching the 0.
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(0)
     }
 
     /// Whether elements are laid out compactly in row-major order. Extents of 1 may have any
@@ -770,6 +774,11 @@ mod tests {
         let l = Layout::contiguous(&[0, (1 << 32) + 1, 1 << 32]).unwrap();
         assert!(l.strides().iter().all(|&s| s > 0), "{:?}", l.strides());
         assert_eq!(l.strides()[0], isize::MAX);
+        // Reordered, an empty shape's extents may overflow before the 0 is reached.
+        let l = Layout::contiguous(&[0, 1 << 62, 4]).unwrap().transpose();
+        assert_eq!(l.numel(), 0);
+        assert!(l.is_contiguous());
+        assert_eq!(l.element_extent(), None);
         // An extent past `isize::MAX` is refused even beside a 0 (it broke `index`).
         assert!(Layout::new(&[0, usize::MAX], &[1, 1], 0).is_err());
         assert!(Layout::contiguous(&[0, isize::MAX as usize + 1]).is_err());

@@ -22,8 +22,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dlbridge::dlpack::ffi::{
-    DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLPACK_FLAG_BITMASK_READ_ONLY,
-    DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, DLPackVersion, DLTensor, K_DL_CPU, K_DL_CUDA,
+    DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned,
+    DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, DLPACK_FLAG_BITMASK_READ_ONLY, DLPackVersion,
+    DLTensor, K_DL_CPU, K_DL_CUDA,
 };
 use dlbridge::{DeviceKind, Tensor};
 use fuzz_support::{Input, element_offset, for_each_index, reference_extent};
@@ -247,7 +248,10 @@ fn element_size(dtype: DLDataType, flags: u64, legacy: bool) -> (usize, bool) {
         let padded = !legacy && flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED != 0;
         (1, !padded)
     } else {
-        (usize::from(dtype.bits) * usize::from(dtype.lanes) / 8, false)
+        (
+            usize::from(dtype.bits) * usize::from(dtype.lanes) / 8,
+            false,
+        )
     }
 }
 
@@ -298,10 +302,16 @@ fn check_tensor(plan: &Plan, t: &Tensor, real_base: *const u8) {
     let first = desc_data as i128 + plan.byte_offset as i128;
     let kind = t.device().kind();
     let (start, end) = if kind.is_addressable() {
-        (data as i128 + range.start as i128, data as i128 + range.end as i128)
+        (
+            data as i128 + range.start as i128,
+            data as i128 + range.end as i128,
+        )
     } else {
         assert_eq!(data, desc_data, "an opaque handle is kept as it came");
-        (desc_data as i128 + range.start as i128, desc_data as i128 + range.end as i128)
+        (
+            desc_data as i128 + range.start as i128,
+            desc_data as i128 + range.end as i128,
+        )
     };
     assert_eq!(
         (start, end),
@@ -309,7 +319,11 @@ fn check_tensor(plan: &Plan, t: &Tensor, real_base: *const u8) {
         "addressed bytes (shape {shape:?}, strides {strides:?}, itemsize {itemsize})"
     );
     if kind.is_addressable() {
-        assert_eq!(t.buffer().len() as i128, hi_b - lo_b, "buffer is the addressed range");
+        assert_eq!(
+            t.buffer().len() as i128,
+            hi_b - lo_b,
+            "buffer is the addressed range"
+        );
     }
 
     // Read the elements when they lie inside the real buffer.
@@ -322,15 +336,11 @@ fn check_tensor(plan: &Plan, t: &Tensor, real_base: *const u8) {
         let host = copy.buffer().host_ptr().expect("a CPU copy is host memory");
         // SAFETY: `copy` is a compact host tensor of `numel * itemsize` bytes from its offset.
         let got = unsafe {
-            std::slice::from_raw_parts(
-                host.as_ptr().add(copy.byte_offset()),
-                numel * itemsize,
-            )
+            std::slice::from_raw_parts(host.as_ptr().add(copy.byte_offset()), numel * itemsize)
         };
         let mut k = 0;
         for_each_index(&shape, |idx| {
-            let at = first - real_base as i128
-                + element_offset(idx, &strides) * itemsize as i128;
+            let at = first - real_base as i128 + element_offset(idx, &strides) * itemsize as i128;
             for b in 0..itemsize {
                 let want = pattern((at + b as i128) as usize);
                 assert_eq!(got[k * itemsize + b], want, "element {idx:?} byte {b}");
@@ -362,7 +372,8 @@ fn round_trip(t: &Tensor) {
     }
     if let Ok(legacy) = t.to_dlpack_legacy() {
         // SAFETY: as above.
-        let back = unsafe { Tensor::from_dlpack_legacy(legacy) }.expect("re-importing a legacy export");
+        let back =
+            unsafe { Tensor::from_dlpack_legacy(legacy) }.expect("re-importing a legacy export");
         assert_eq!(back.shape(), t.shape());
         assert_eq!(back.strides(), t.strides());
     }
@@ -389,23 +400,43 @@ fn run<M>(
     let expected_after = usize::from(plan.with_deleter);
     match result {
         Err(_) => {
-            assert_eq!(deletions.load(Ordering::SeqCst), expected_after, "deleter after a failed import");
+            assert_eq!(
+                deletions.load(Ordering::SeqCst),
+                expected_after,
+                "deleter after a failed import"
+            );
         }
         Ok(t) => {
-            assert_eq!(deletions.load(Ordering::SeqCst), 0, "deleter ran while the tensor lives");
+            assert_eq!(
+                deletions.load(Ordering::SeqCst),
+                0,
+                "deleter ran while the tensor lives"
+            );
             check_tensor(plan, &t, real_base);
             round_trip(&t);
             let clone = t.clone();
-            let view = if t.ndim() > 0 { t.index(0, 0).ok() } else { t.expand_dims(0).ok() };
+            let view = if t.ndim() > 0 {
+                t.index(0, 0).ok()
+            } else {
+                t.expand_dims(0).ok()
+            };
             let mut held = vec![Some(t), Some(clone), view];
             for k in 0..held.len() {
                 if held.iter().any(Option::is_some) {
-                    assert_eq!(deletions.load(Ordering::SeqCst), 0, "deleter ran while a view lives");
+                    assert_eq!(
+                        deletions.load(Ordering::SeqCst),
+                        0,
+                        "deleter ran while a view lives"
+                    );
                 }
                 let i = (usize::from(drop_order) + k) % held.len();
                 held[i] = None;
             }
-            assert_eq!(deletions.load(Ordering::SeqCst), expected_after, "deleter after the last drop");
+            assert_eq!(
+                deletions.load(Ordering::SeqCst),
+                expected_after,
+                "deleter after the last drop"
+            );
         }
     }
     // SAFETY: the importer gave everything up (all views dropped); freed once, here.
@@ -417,7 +448,9 @@ fuzz_target!(|data: &[u8]| {
     let plan = plan(&mut input);
     let drop_order = input.u8();
     if plan.legacy {
-        let deleter = plan.with_deleter.then_some(delete_legacy as unsafe extern "C" fn(_));
+        let deleter = plan
+            .with_deleter
+            .then_some(delete_legacy as unsafe extern "C" fn(_));
         run(
             &plan,
             |dl_tensor| DLManagedTensor {
@@ -429,7 +462,9 @@ fuzz_target!(|data: &[u8]| {
             drop_order,
         );
     } else {
-        let deleter = plan.with_deleter.then_some(delete_versioned as unsafe extern "C" fn(_));
+        let deleter = plan
+            .with_deleter
+            .then_some(delete_versioned as unsafe extern "C" fn(_));
         run(
             &plan,
             |dl_tensor| DLManagedTensorVersioned {

@@ -50,10 +50,16 @@ fuzz_target!(|data: &[u8]| {
     let headers: Vec<*mut DLPackExchangeAPIHeader> =
         tables.iter_mut().map(|t| &raw mut t.header).collect();
     for (t, &link) in tables.iter_mut().zip(&links) {
-        t.header.prev_api = headers.get(usize::from(link)).copied().unwrap_or(std::ptr::null_mut());
+        t.header.prev_api = headers
+            .get(usize::from(link))
+            .copied()
+            .unwrap_or(std::ptr::null_mut());
     }
     let start_byte = input.u8();
-    let start = headers.get(usize::from(start_byte)).copied().unwrap_or(std::ptr::null_mut());
+    let start = headers
+        .get(usize::from(start_byte))
+        .copied()
+        .unwrap_or(std::ptr::null_mut());
 
     // The reference walk, by index.
     let mut at = usize::from(start_byte);
@@ -61,7 +67,10 @@ fuzz_target!(|data: &[u8]| {
     for _ in 0..EXCHANGE_CHAIN_LIMIT {
         let Some(t) = tables.get(at) else { break };
         if t.header.version.major == 1 {
-            want = t.managed_tensor_from_py_object_no_sync.is_some().then_some(at);
+            want = t
+                .managed_tensor_from_py_object_no_sync
+                .is_some()
+                .then_some(at);
             break;
         }
         at = usize::from(links[at]);

@@ -40,7 +40,11 @@ fn index(input: &mut Input) -> isize {
 }
 
 fn opt_index(input: &mut Input) -> Option<isize> {
-    if input.u8() < 64 { None } else { Some(index(input)) }
+    if input.u8() < 64 {
+        None
+    } else {
+        Some(index(input))
+    }
 }
 
 /// Python's `range(len)[start:stop:step]`, written out independently of the library.
@@ -83,15 +87,24 @@ fn check(l: &Layout, itemsize: usize) {
     assert_eq!(l.shape().len(), l.strides().len());
     let Some(numel) = small_numel(l.shape(), BRUTE_FORCE_LIMIT) else {
         // Too big to enumerate; still nothing may panic.
-        let _ = (l.element_extent(), l.byte_range(itemsize), l.is_contiguous());
+        let _ = (
+            l.element_extent(),
+            l.byte_range(itemsize),
+            l.is_contiguous(),
+        );
         let _ = l.is_f_contiguous();
         return;
     };
     assert_eq!(l.numel(), numel);
     let mut offsets = Vec::with_capacity(numel);
-    for_each_index(l.shape(), |idx| offsets.push(element_offset(idx, l.strides())));
+    for_each_index(l.shape(), |idx| {
+        offsets.push(element_offset(idx, l.strides()))
+    });
     assert_eq!(offsets.len(), numel);
-    let extent = offsets.iter().min().map(|&lo| (lo, *offsets.iter().max().unwrap()));
+    let extent = offsets
+        .iter()
+        .min()
+        .map(|&lo| (lo, *offsets.iter().max().unwrap()));
     assert_eq!(l.element_extent(), extent, "element_extent of {l:?}");
 
     let size = itemsize as i128;
@@ -119,7 +132,9 @@ fn check(l: &Layout, itemsize: usize) {
     assert_eq!(l.is_contiguous(), c, "is_contiguous of {l:?}");
     let t = l.transpose();
     let mut f_offsets = Vec::with_capacity(numel);
-    for_each_index(t.shape(), |idx| f_offsets.push(element_offset(idx, t.strides())));
+    for_each_index(t.shape(), |idx| {
+        f_offsets.push(element_offset(idx, t.strides()))
+    });
     let f = f_offsets.iter().enumerate().all(|(k, &o)| o == k as i128);
     assert_eq!(l.is_f_contiguous(), f, "is_f_contiguous of {l:?}");
 }
@@ -135,7 +150,10 @@ fn check_view(src: &Layout, out: &Layout, itemsize: usize, map: impl Fn(&[usize]
     for_each_index(out.shape(), |idx| {
         let from = map(idx);
         assert_eq!(from.len(), src.ndim());
-        assert!(from.iter().zip(src.shape()).all(|(&i, &d)| i < d), "{from:?} outside {src:?}");
+        assert!(
+            from.iter().zip(src.shape()).all(|(&i, &d)| i < d),
+            "{from:?} outside {src:?}"
+        );
         assert_eq!(
             byte_at(out, idx, itemsize),
             byte_at(src, &from, itemsize),
@@ -163,7 +181,11 @@ fn step(input: &mut Input, l: &Layout, itemsize: usize) -> Option<Layout> {
                 return Some(out);
             }
             let picked = python_slice(l.shape()[a], arg);
-            assert_eq!(out.shape()[a], picked.len(), "slice {arg:?} of axis {a} of {l:?}");
+            assert_eq!(
+                out.shape()[a],
+                picked.len(),
+                "slice {arg:?} of axis {a} of {l:?}"
+            );
             check_view(l, &out, itemsize, |idx| {
                 let mut from = idx.to_vec();
                 from[a] = picked[idx[a]];

@@ -655,7 +655,11 @@ mod tests {
         // SAFETY: a live descriptor whose pointers are valid for `ndim` entries; its deleter
         // only counts.
         let result = unsafe { Tensor::from_dlpack_versioned(NonNull::from(&mut managed)) };
-        assert!(matches!(result, Err(Error::Overflow(_))), "{:?}", result.err());
+        assert!(
+            matches!(result, Err(Error::Overflow(_))),
+            "{:?}",
+            result.err()
+        );
         assert_eq!(DELETED.load(Ordering::SeqCst), 1);
 
         // Found by the `dlpack_import` fuzz target: `data + byte_offset` of an empty tensor was
@@ -668,7 +672,11 @@ mod tests {
         managed.dl_tensor.byte_offset = 64;
         // SAFETY: as above.
         let result = unsafe { Tensor::from_dlpack_versioned(NonNull::from(&mut managed)) };
-        assert!(matches!(result, Err(Error::MalformedTensor(_))), "{:?}", result.err());
+        assert!(
+            matches!(result, Err(Error::MalformedTensor(_))),
+            "{:?}",
+            result.err()
+        );
         assert_eq!(DELETED.load(Ordering::SeqCst), 2);
     }
 }

@@ -15,13 +15,15 @@ pub const MAX_NDIM: usize = 64;
 const INLINE_NDIM: usize = 4;
 
 /// Writes the row-major strides of `shape` (each the product of the extents after its axis) to
-/// `out`. The caller checked that the product of all extents fits, so no stride overflows (a 0
-/// extent counts as 1, which keeps later strides at the product of the extents after them).
+/// `out`. A 0 extent counts as 1, which keeps later strides at the product of the extents after
+/// them; the caller checked that the product of all extents fits, so no stride of a non-empty
+/// shape overflows. An empty shape's other extents may multiply past `isize::MAX` (its strides
+/// address nothing): those strides saturate there rather than wrap to negative values.
 #[inline]
 pub(crate) fn row_major_strides(shape: &[usize], out: &mut [isize]) {
     let mut acc = 1usize;
     for (stride, &dim) in out.iter_mut().zip(shape).rev() {
-        *stride = acc as isize;
+        *stride = acc.min(isize::MAX as usize) as isize;
         acc = acc.saturating_mul(dim.max(1));
     }
 }
@@ -96,7 +98,8 @@ impl SliceArg {
                 0
             }
         } else if start > stop {
-            (start - stop - 1) / (-self.step) + 1
+            // `unsigned_abs`: `-step` overflows for `isize::MIN`.
+            ((start - stop - 1) as usize / self.step.unsigned_abs() + 1) as isize
         } else {
             0
         };
@@ -104,11 +107,19 @@ impl SliceArg {
     }
 }
 
+/// The element count of `shape`, checked to fit in `isize`, as every extent must (also in an
+/// empty shape, whose other extents could otherwise be anything).
 #[inline]
 fn checked_numel(shape: &[usize]) -> Result<usize> {
     match shape
         .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .try_fold(1usize, |acc, &d| {
+            if d > isize::MAX as usize {
+                None
+            } else {
+                acc.checked_mul(d)
+            }
+        })
         .filter(|&n| n <= isize::MAX as usize)
     {
         Some(n) => Ok(n),
@@ -140,12 +151,14 @@ fn wrap_axis(axis: isize, ndim: usize) -> Result<usize> {
 
 /// `offset + index * stride * itemsize` in bytes, checked to stay within `0..=isize::MAX`.
 fn moved_offset(offset: usize, index: usize, stride: isize, itemsize: usize) -> Result<usize> {
-    let delta = (index as i128) * (stride as i128) * (itemsize as i128);
-    let moved = offset as i128 + delta;
-    if (0..=isize::MAX as i128).contains(&moved) {
-        Ok(moved as usize)
-    } else {
-        Err(overflow("view byte offset"))
+    // `index * stride` fits in `i128`, but times `itemsize` it may not: checked, not wrapped.
+    let moved = ((index as i128) * (stride as i128))
+        .checked_mul(itemsize as i128)
+        .and_then(|delta| delta.checked_add(offset as i128))
+        .filter(|moved| (0..=isize::MAX as i128).contains(moved));
+    match moved {
+        Some(moved) => Ok(moved as usize),
+        None => Err(overflow("view byte offset")),
     }
 }
 
@@ -228,8 +241,12 @@ impl Layout {
 
     /// Number of elements (1 for a 0-d layout).
     pub fn numel(&self) -> usize {
-        // Checked when the layout was built.
-        self.shape.iter().product()
+        // The product fits (checked when the layout was built), but only in some order when an
+        // extent is 0: reordered axes (transpose, permute) can overflow before reaching the 0.
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(0)
     }
 
     /// Whether elements are laid out compactly in row-major order. Extents of 1 may have any
@@ -288,9 +305,17 @@ impl Layout {
         let Some((lo, hi)) = self.element_extent() else {
             return Ok(self.byte_offset..self.byte_offset);
         };
-        let size = itemsize as i128;
-        let start = self.byte_offset as i128 + lo * size;
-        let end = self.byte_offset as i128 + (hi + 1) * size;
+        let extent_overflow = || {
+            overflow(format!(
+                "extent of shape {:?} with strides {:?}",
+                self.shape, self.strides
+            ))
+        };
+        // The element extent fits in `i128` (at most 2^126 elements either way), but in bytes it
+        // may not: a wrapped product would make a huge reach look small.
+        let (lo, hi) = extent_bytes(lo, hi, itemsize).ok_or_else(extent_overflow)?;
+        let start = self.byte_offset as i128 + lo;
+        let end = self.byte_offset as i128 + hi;
         if start < 0 {
             return Err(Error::OutOfBounds(format!(
                 "strides {:?} reach {} bytes before the start of the buffer",
@@ -298,10 +323,7 @@ impl Layout {
             )));
         }
         if end > isize::MAX as i128 {
-            return Err(overflow(format!(
-                "extent of shape {:?} with strides {:?}",
-                self.shape, self.strides
-            )));
+            return Err(extent_overflow());
         }
         Ok(start as usize..end as usize)
     }
@@ -427,7 +449,8 @@ impl Layout {
                 }
             }
             for k in oi..oj - 1 {
-                if old[k].1 != old[k + 1].1 * old[k + 1].0 as isize {
+                // A product that overflows cannot equal a stride: the axes do not merge.
+                if old[k + 1].1.checked_mul(old[k + 1].0 as isize) != Some(old[k].1) {
                     return Err(Error::Shape(format!(
                         "cannot reshape a view of shape {:?} and strides {:?} to {shape:?} \
                          without a copy",
@@ -481,6 +504,14 @@ impl Layout {
             ..self.clone()
         }
     }
+}
+
+/// The byte range `[lo * itemsize, (hi + 1) * itemsize)` of the element extent `(lo, hi)` (see
+/// [`Layout::element_extent`]), relative to the first element; `None` when it does not fit in
+/// `i128`.
+pub(crate) fn extent_bytes(lo: i128, hi: i128, itemsize: usize) -> Option<(i128, i128)> {
+    let size = itemsize as i128;
+    Some((lo.checked_mul(size)?, (hi + 1).checked_mul(size)?))
 }
 
 /// The shape two shapes broadcast to under NumPy's rules.
@@ -762,5 +793,53 @@ mod tests {
         let l = Layout::new(&[2], &[-1], 0).unwrap();
         assert!(matches!(l.byte_range(4), Err(Error::OutOfBounds(_))));
         assert!(Layout::contiguous(&vec![1; MAX_NDIM + 1]).is_err());
+    }
+
+    /// Found by the fuzz targets: merging axes multiplied a stride by an extent unchecked, and the
+    /// row-major strides of an empty shape wrapped to negative values.
+    #[test]
+    fn huge_strides_in_reshape_and_empty_shapes() {
+        let l = Layout::new(&[2, 3], &[5, 1 << 62], 0).unwrap();
+        assert!(l.reshape(&[Some(6)]).is_err());
+        let l = Layout::contiguous(&[0, (1 << 32) + 1, 1 << 32]).unwrap();
+        assert!(l.strides().iter().all(|&s| s > 0), "{:?}", l.strides());
+        assert_eq!(l.strides()[0], isize::MAX);
+        // Reordered, an empty shape's extents may overflow before the 0 is reached.
+        let l = Layout::contiguous(&[0, 1 << 62, 4]).unwrap().transpose();
+        assert_eq!(l.numel(), 0);
+        assert!(l.is_contiguous());
+        assert_eq!(l.element_extent(), None);
+        // An extent past `isize::MAX` is refused even beside a 0 (it broke `index`).
+        assert!(Layout::new(&[0, usize::MAX], &[1, 1], 0).is_err());
+        assert!(Layout::contiguous(&[0, isize::MAX as usize + 1]).is_err());
+    }
+
+    /// Found by the `layout` fuzz target: a step of `isize::MIN` was negated.
+    #[test]
+    fn most_negative_step() {
+        let arg = SliceArg {
+            start: None,
+            stop: None,
+            step: isize::MIN,
+        };
+        assert_eq!(arg.resolve(5).unwrap(), (4, 1));
+        assert_eq!(arg.resolve(0).unwrap(), (0, 0));
+        let l = Layout::contiguous(&[5]).unwrap().slice(0, arg, 4).unwrap();
+        assert_eq!((l.shape(), l.byte_offset()), (&[1usize][..], 16));
+    }
+
+    /// Found by the `layout` fuzz target: an element extent near 2^125 elements times the item
+    /// size overflowed `i128` (a panic with overflow checks, a wrapped and so wrong range
+    /// without).
+    #[test]
+    fn byte_extent_overflow_is_an_error() {
+        let l = Layout::new(&[1 << 62], &[isize::MIN], 0).unwrap();
+        assert!(l.byte_range(8).is_err());
+        let l = Layout::new(&[1 << 62], &[isize::MAX], 0).unwrap();
+        assert!(l.byte_range(8).is_err());
+        // Moving to an index whose byte offset is out of `i128` range.
+        let l = Layout::new(&[1 << 62], &[isize::MIN], 0).unwrap();
+        assert!(l.index(0, -1, 1 << 20).is_err());
+        assert!(l.slice(0, SliceArg::range(-1, 1 << 62), 1 << 20).is_err());
     }
 }

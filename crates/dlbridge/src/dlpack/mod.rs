@@ -269,10 +269,13 @@ unsafe fn import<M: Managed + 'static>(
             }
             (0, (numel as i128 * dtype.bits() as i128 + 7) / 8)
         }
-        Some((lo, hi)) => {
-            let size = dtype.itemsize() as i128;
-            (lo * size, (hi + 1) * size)
-        }
+        Some((lo, hi)) => layout::extent_bytes(lo, hi, dtype.itemsize()).ok_or_else(|| {
+            crate::error::overflow(format!(
+                "extent of shape {:?} with strides {:?}",
+                layout.shape(),
+                layout.strides()
+            ))
+        })?,
     };
     if hi - lo > isize::MAX as i128 {
         return Err(crate::error::overflow(format!(
@@ -303,7 +306,16 @@ unsafe fn import<M: Managed + 'static>(
             )));
         }
         let (base, len) = if numel == 0 {
-            (dl.data as usize + offset, 0)
+            let first = (dl.data as usize)
+                .checked_add(offset)
+                .filter(|&a| a <= isize::MAX as usize)
+                .ok_or_else(|| {
+                    Error::MalformedTensor(format!(
+                        "data {:p} with byte_offset {offset} lies outside the user address space",
+                        dl.data
+                    ))
+                })?;
+            (first, 0)
         } else {
             (base as usize, (hi - lo) as usize)
         };
@@ -603,4 +615,68 @@ unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
         // SAFETY: as in `delete_versioned`, for `ExportedLegacy`.
         drop(unsafe { Box::from_raw(managed.cast::<ExportedLegacy>()) });
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static DELETED: AtomicUsize = AtomicUsize::new(0);
+
+    unsafe extern "C" fn count_deletion(_: *mut DLManagedTensorVersioned) {
+        DELETED.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Found with the `layout` fuzz target (the same product in `Layout::byte_range`): the importer
+    /// multiplied an element extent of about -2^125 by the item size in `i128`, which overflowed
+    /// (a panic with overflow checks; without them the wrapped product passed validation as an
+    /// 8-byte range).
+    #[test]
+    fn address_overflow_is_refused() {
+        let mut shape = [1i64 << 62];
+        let mut strides = [i64::MIN];
+        let mut element = [0f64; 1];
+        let mut managed = DLManagedTensorVersioned {
+            version: VERSION,
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(count_deletion),
+            flags: 0,
+            dl_tensor: DLTensor {
+                data: element.as_mut_ptr().cast(),
+                device: Device::CPU.to_dlpack(),
+                ndim: 1,
+                dtype: DType::F64.to_dlpack(),
+                shape: shape.as_mut_ptr(),
+                strides: strides.as_mut_ptr(),
+                byte_offset: 0,
+            },
+        };
+        // SAFETY: a live descriptor whose pointers are valid for `ndim` entries; its deleter
+        // only counts.
+        let result = unsafe { Tensor::from_dlpack_versioned(NonNull::from(&mut managed)) };
+        assert!(
+            matches!(result, Err(Error::Overflow(_))),
+            "{:?}",
+            result.err()
+        );
+        assert_eq!(DELETED.load(Ordering::SeqCst), 1);
+
+        // Found by the `dlpack_import` fuzz target: `data + byte_offset` of an empty tensor was
+        // added unchecked.
+        let mut shape = [0i64];
+        let mut strides = [1i64];
+        managed.dl_tensor.data = std::ptr::without_provenance_mut(usize::MAX - 8);
+        managed.dl_tensor.shape = shape.as_mut_ptr();
+        managed.dl_tensor.strides = strides.as_mut_ptr();
+        managed.dl_tensor.byte_offset = 64;
+        // SAFETY: as above.
+        let result = unsafe { Tensor::from_dlpack_versioned(NonNull::from(&mut managed)) };
+        assert!(
+            matches!(result, Err(Error::MalformedTensor(_))),
+            "{:?}",
+            result.err()
+        );
+        assert_eq!(DELETED.load(Ordering::SeqCst), 2);
+    }
 }

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Run the core crate's tests under sanitizers.
+#
+# Usage: scripts/sanitize.sh [asan|tsan|all]   (default: all)
+#
+#   asan  `cargo test -p dlbridge --lib --tests` under AddressSanitizer (leak detection on), in
+#         target/asan. Stable rustc with RUSTC_BOOTSTRAP=1 is enough: ASan does not need an
+#         instrumented std. Doctests are not run (rustdoc would need the same flags and gains
+#         little here).
+#   tsan  the pool and stream tests (`--test pool` and the pool unit tests) under
+#         ThreadSanitizer, in target/tsan. TSan needs the standard library instrumented too
+#         (otherwise std's own synchronisation is invisible to it and it reports false races), so
+#         std is rebuilt from source with -Zbuild-std. That needs a rust-src matching the
+#         compiler and the compiler's TSan runtime (librustc-<channel>_rt.tsan.a):
+#           1. DLBRIDGE_TSAN_RUSTC=/path/to/rustc, if set;
+#           2. the rustup toolchain named by DLBRIDGE_TSAN_TOOLCHAIN (default nightly), if it has
+#              the rust-src component.
+#         When neither is available the script says so and exits 2 (nothing was tested).
+#
+# Environment: CARGO (default cargo), SANITIZE_JOBS (cargo -j).
+set -euo pipefail
+
+MODE=${1:-all}
+ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
+cd -- "$ROOT"
+CARGO_BIN=${CARGO:-cargo}
+HOST=$(rustc -vV | sed -n 's/^host: //p')
+JOBS=(${SANITIZE_JOBS:+-j "$SANITIZE_JOBS"})
+
+log() { printf 'sanitize: %s\n' "$*" >&2; }
+
+run_asan() {
+  log "AddressSanitizer: cargo test -p dlbridge --lib --tests (target/asan)"
+  # Leaks made on purpose: tests/pool.rs leaks a pool (`Box::leak`) to get a `&'static` one.
+  local supp
+  supp=$(mktemp)
+  # shellcheck disable=SC2064
+  trap "rm -f -- '$supp'" RETURN
+  printf '%s\n' 'leak:a_static_pool_hands_out_blocks_without_counting_references' >"$supp"
+  # `--target` keeps the flags off build scripts and proc-macros; the std linked is not
+  # instrumented, which ASan tolerates (it misses only bugs inside std itself).
+  RUSTC_BOOTSTRAP=1 \
+    RUSTFLAGS="-Zsanitizer=address -Cdebug-assertions" \
+    ASAN_OPTIONS="detect_leaks=1:${ASAN_OPTIONS:-}" \
+    LSAN_OPTIONS="suppressions=$supp:print_suppressions=0:${LSAN_OPTIONS:-}" \
+    CARGO_TARGET_DIR="$ROOT/target/asan" \
+    "$CARGO_BIN" test -p dlbridge --lib --tests --target "$HOST" "${JOBS[@]}"
+}
+
+# Prints the rustc to use for TSan (with a rust-src matching it), or nothing.
+tsan_rustc() {
+  if [[ -n ${DLBRIDGE_TSAN_RUSTC:-} ]]; then
+    printf '%s\n' "$DLBRIDGE_TSAN_RUSTC"
+    return
+  fi
+  local tc=${DLBRIDGE_TSAN_TOOLCHAIN:-nightly} rustc sysroot
+  rustc=$(rustup which --toolchain "$tc" rustc 2>/dev/null) || return 0
+  sysroot=$("$rustc" --print sysroot)
+  [[ -f $sysroot/lib/rustlib/src/rust/library/std/Cargo.toml ]] || return 0
+  printf '%s\n' "$rustc"
+}
+
+run_tsan() {
+  local rustc
+  rustc=$(tsan_rustc)
+  if [[ -z $rustc ]]; then
+    log "ThreadSanitizer: NOT RUN: no rustc with a matching rust-src for -Zbuild-std (tried" \
+      "DLBRIDGE_TSAN_RUSTC and the rustup toolchain '${DLBRIDGE_TSAN_TOOLCHAIN:-nightly}');" \
+      "install one with 'rustup component add rust-src --toolchain nightly'"
+    return 2
+  fi
+  log "ThreadSanitizer with $("$rustc" -V): --test pool and the pool unit tests (target/tsan)"
+  local common=(-p dlbridge --target "$HOST" -Zbuild-std "${JOBS[@]}")
+  local env=(RUSTC="$rustc" RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$ROOT/target/tsan"
+    RUSTFLAGS="-Zsanitizer=thread -Cdebug-assertions"
+    TSAN_OPTIONS="halt_on_error=1:${TSAN_OPTIONS:-}" RUST_TEST_THREADS=4)
+  env "${env[@]}" "$CARGO_BIN" test "${common[@]}" --test pool
+  env "${env[@]}" "$CARGO_BIN" test "${common[@]}" --lib -- pool
+}
+
+status=0
+case $MODE in
+  asan) run_asan || status=$? ;;
+  tsan) run_tsan || status=$? ;;
+  all)
+    run_asan || status=$?
+    run_tsan || { rc=$?; ((status)) || status=$rc; }
+    ;;
+  *) log "unknown mode '$MODE' (asan, tsan or all)"; exit 64 ;;
+esac
+((status == 0)) && log "OK ($MODE)"
+exit "$status"

@@ -47,6 +47,11 @@ else
 fi
 
 if [ "$backend" = cuda ]; then
+    # Bounded runs of the DLPack importer, layout and exchange-table fuzz targets (the long runs
+    # are in the closing notes; scripts/fuzz.sh says how to repeat them).
+    step "Fuzzing: libFuzzer, ${DLBRIDGE_FUZZ_SECONDS:-20} s per target (scripts/fuzz.sh)"
+    bash "$ROOT/scripts/fuzz.sh" "${DLBRIDGE_FUZZ_SECONDS:-20}"
+
     step "Apple-target check (aarch64-apple-darwin, Metal backend)"
     bash "$ROOT/scripts/apple-check.sh"
     # The Python bindings always ask for the Metal backend: check their Metal paths too.

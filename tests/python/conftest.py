@@ -247,3 +247,34 @@ def collect():
 
 def refcount(obj) -> int:
     return sys.getrefcount(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices.
+
+
+def _devices():
+    """CPU always; CUDA and Metal skipped with the reason where the device is missing."""
+    out = [pytest.param("cpu", id="cpu")]
+    cuda_reason = dlbridge.cuda.unavailable_reason() or "no CUDA device"
+    out.append(
+        pytest.param(
+            "cuda:0",
+            id="cuda",
+            marks=pytest.mark.skipif(not dlbridge.cuda.is_available(), reason=f"no CUDA GPU: {cuda_reason}"),
+        )
+    )
+    metal_ok = "metal:0" in dlbridge.build_info()["devices"]
+    out.append(
+        pytest.param(
+            "metal:0",
+            id="metal",
+            marks=pytest.mark.skipif(not metal_ok, reason="no Metal device (Apple GPU) on this machine"),
+        )
+    )
+    return out
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    return request.param

@@ -16,32 +16,6 @@ import dlbridge
 from dlbridge import ops
 
 
-def _devices():
-    out = [pytest.param("cpu", id="cpu")]
-    cuda_reason = dlbridge.cuda.unavailable_reason() or "no CUDA device"
-    out.append(
-        pytest.param(
-            "cuda:0",
-            id="cuda",
-            marks=pytest.mark.skipif(not dlbridge.cuda.is_available(), reason=f"no CUDA GPU: {cuda_reason}"),
-        )
-    )
-    metal_ok = "metal:0" in dlbridge.build_info()["devices"]
-    out.append(
-        pytest.param(
-            "metal:0",
-            id="metal",
-            marks=pytest.mark.skipif(not metal_ok, reason="no Metal device (Apple GPU) on this machine"),
-        )
-    )
-    return out
-
-
-@pytest.fixture(params=_devices())
-def device(request):
-    return request.param
-
-
 DTYPES = [
     "bool",
     "int8",

@@ -15,32 +15,6 @@ import dlbridge
 from dlbridge import ops
 
 
-def _devices():
-    out = [pytest.param("cpu", id="cpu")]
-    cuda_reason = dlbridge.cuda.unavailable_reason() or "no CUDA device"
-    out.append(
-        pytest.param(
-            "cuda:0",
-            id="cuda",
-            marks=pytest.mark.skipif(not dlbridge.cuda.is_available(), reason=f"no CUDA GPU: {cuda_reason}"),
-        )
-    )
-    metal_ok = "metal:0" in dlbridge.build_info()["devices"]
-    out.append(
-        pytest.param(
-            "metal:0",
-            id="metal",
-            marks=pytest.mark.skipif(not metal_ok, reason="no Metal device (Apple GPU) on this machine"),
-        )
-    )
-    return out
-
-
-@pytest.fixture(params=_devices())
-def device(request):
-    return request.param
-
-
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 # Relative error bounds per dtype (a few units in the last place, after float64 reference).

@@ -232,23 +232,30 @@ impl<C: Float> Func<C> for Cos {
 /// The run loop: one pass per combination of slice and splat inputs.
 #[inline(always)]
 fn zip<C: Copy, F: Func<C>>(out: &mut [C], a: Src<'_, C>, b: Src<'_, C>) {
+    zip_with(out, a, b, F::call)
+}
+
+/// `out[i] = f(a[i], b[i])`, one pass per combination of slice and splat inputs (each a loop the
+/// compiler vectorises on its own).
+#[inline(always)]
+fn zip_with<I: Copy, O: Copy>(out: &mut [O], a: Src<'_, I>, b: Src<'_, I>, f: impl Fn(I, I) -> O) {
     match (a, b) {
         (Src::Slice(a), Src::Slice(b)) => {
             for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-                *o = F::call(x, y);
+                *o = f(x, y);
             }
         }
         (Src::Slice(a), Src::Splat(y)) => {
             for (o, &x) in out.iter_mut().zip(a) {
-                *o = F::call(x, y);
+                *o = f(x, y);
             }
         }
         (Src::Splat(x), Src::Slice(b)) => {
             for (o, &y) in out.iter_mut().zip(b) {
-                *o = F::call(x, y);
+                *o = f(x, y);
             }
         }
-        (Src::Splat(x), Src::Splat(y)) => out.fill(F::call(x, y)),
+        (Src::Splat(x), Src::Splat(y)) => out.fill(f(x, y)),
     }
 }
 
@@ -356,25 +363,7 @@ cmps!(Eq, Ne, Lt, Le, Gt, Ge);
 /// The comparison kernel of `F`: `out[i] = a[i] F b[i]` as a `bool` byte (IEEE 754 on floats, the
 /// 16-bit floats included, as `half` compares them).
 fn compare<S: Copy + PartialOrd, F: Cmp>(out: &mut [u8], a: Src<'_, S>, b: Src<'_, S>) {
-    let f = |x: S, y: S| u8::from(F::OP.holds(x, y));
-    match (a, b) {
-        (Src::Slice(a), Src::Slice(b)) => {
-            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-                *o = f(x, y);
-            }
-        }
-        (Src::Slice(a), Src::Splat(y)) => {
-            for (o, &x) in out.iter_mut().zip(a) {
-                *o = f(x, y);
-            }
-        }
-        (Src::Splat(x), Src::Slice(b)) => {
-            for (o, &y) in out.iter_mut().zip(b) {
-                *o = f(x, y);
-            }
-        }
-        (Src::Splat(x), Src::Splat(y)) => out.fill(f(x, y)),
-    }
+    zip_with(out, a, b, |x, y| u8::from(F::OP.holds(x, y)))
 }
 
 /// The comparison kernel for `op` on storage type `S`.

@@ -192,3 +192,22 @@ def test_comparison_results_feed_the_numpy_protocol():
     assert bool(dlbridge.asarray([3]) == 3) is True
     with pytest.raises(TypeError, match="one element"):
         bool(a == a)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint8", "uint32", "uint64", "bool"])
+@pytest.mark.parametrize(
+    "value", [2**63 - 1, 2**63, 2**63 + 1, 2**64 - 2, 2**64 - 1, 2**64, 2**100, -(2**63), -(2**63) - 1, -(2**100)]
+)
+def test_integers_beyond_int64_compare_exactly(device, dtype, value):
+    info = np.iinfo(dtype) if dtype != "bool" else None
+    values = [0, 1] if dtype == "bool" else [info.min, info.min + 1, 0, info.max - 1, info.max]
+    host = np.array(values, dtype=dtype)
+    a = dlbridge.asarray(host, device=device)
+    for op in (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge):
+        expected = [op(int(v), value) for v in values]
+        assert op(a, value).to("cpu").tolist() == expected, (op.__name__, dtype, value)
+        # Reflected: Python swaps the operands of `value < a` into `a > value`.
+        assert op(value, a).to("cpu").tolist() == [op(value, int(v)) for v in values]
+    # dlbridge.ops takes the scalar on either side too.
+    assert ops.less(a, value).to("cpu").tolist() == [int(v) < value for v in values]
+    assert ops.less(value, a).to("cpu").tolist() == [value < int(v) for v in values]

@@ -50,8 +50,8 @@ pub(crate) fn arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
 }
 
 /// Reads an operand of a comparison: as [`arg`], and Python `bool`s are the integers 0 and 1
-/// (`mask == True`); an integer too large for 64 bits is compared as a float (it lies outside
-/// every integer dtype, so the answer is the same).
+/// (`mask == True`); an integer outside `int64` compared with a float array is compared as a float
+/// (see [`exact_int_operand`] for integer arrays).
 pub(crate) fn compare_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
     if obj.is_instance_of::<PyBool>() {
         return Ok(Some(Arg::Scalar(Scalar::Int(i64::from(
@@ -149,6 +149,45 @@ pub(crate) fn operator(
     binary_args(py, op, a, b)?.into_py_any(py)
 }
 
+/// A Python integer outside `int64` compared with the integer (or bool) array `against`, as an
+/// operand that compares exactly: a 0-d `uint64` array where `against` is `uint64` and the value
+/// fits, else an infinity of the value's sign (the value lies beyond every element, so each
+/// comparison has the answer the infinity gives, with no rounding of the value to a float).
+/// `None` for other operands, or arrays of other dtypes.
+fn exact_int_operand(obj: &Bound<'_, PyAny>, against: &Tensor) -> PyResult<Option<Arg>> {
+    use dlbridge::{DType, DTypeCode};
+    let big_int = obj.is_instance_of::<PyInt>()
+        && !obj.is_instance_of::<PyBool>()
+        && obj.extract::<i64>().is_err();
+    let dtype = against.dtype();
+    if !big_int
+        || !matches!(
+            dtype.code(),
+            DTypeCode::Int | DTypeCode::UInt | DTypeCode::Bool
+        )
+    {
+        return Ok(None);
+    }
+    if dtype == DType::U64 {
+        if let Ok(v) = obj.extract::<u64>() {
+            let mut host = Tensor::empty(&[], DType::U64, dlbridge::Device::CPU).py()?;
+            host.as_mut_slice::<u64>().py()?[0] = v;
+            let t = if against.device().is_cpu() {
+                host
+            } else {
+                host.copy_to(against.device()).py()?
+            };
+            return Ok(Some(Arg::Tensor(t)));
+        }
+    }
+    let infinity = if obj.gt(0)? {
+        f64::INFINITY
+    } else {
+        f64::NEG_INFINITY
+    };
+    Ok(Some(Arg::Scalar(Scalar::Float(infinity))))
+}
+
 /// `op(a, b)` on read operands, a `bool` array.
 pub(crate) fn compare_args(py: Python<'_>, op: CompareOp, a: Arg, b: Arg) -> PyResult<PyArray> {
     let out = match (a, b) {
@@ -174,8 +213,12 @@ pub(crate) fn compare_operator(
     this: &Tensor,
     other: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
-    let Some(other) = compare_arg(other)? else {
-        return Ok(py.NotImplemented());
+    let other = match exact_int_operand(other, this)? {
+        Some(exact) => exact,
+        None => match compare_arg(other)? {
+            Some(other) => other,
+            None => return Ok(py.NotImplemented()),
+        },
     };
     compare_args(py, op, Arg::Tensor(this.clone()), other)?.into_py_any(py)
 }
@@ -339,7 +382,18 @@ pub(crate) fn _compare(
             Ok(_) => PyTypeError::new_err("unreadable operand"),
         })
     };
-    compare_args(py, op, operand(a)?, operand(b)?)
+    let (mut x, mut y) = (operand(a)?, operand(b)?);
+    // An integer beyond int64 beside an integer array compares exactly.
+    if let (Arg::Tensor(t), Arg::Scalar(_)) = (&x, &y) {
+        if let Some(exact) = exact_int_operand(b, t)? {
+            y = exact;
+        }
+    } else if let (Arg::Scalar(_), Arg::Tensor(t)) = (&x, &y) {
+        if let Some(exact) = exact_int_operand(a, t)? {
+            x = exact;
+        }
+    }
+    compare_args(py, op, x, y)
 }
 
 /// `dlbridge.ops` reduction, by name.

@@ -202,8 +202,8 @@ class Backend:
         elif kind == "metal":
             metal.synchronize(self._device.index)
 
-    def get_memory_info(self) -> Dict[str, int]:
-        """The caching pool's figures (:func:`dlbridge.memory_stats`); on CUDA also the device's
+    def get_memory_info(self) -> Dict[str, Optional[int]]:
+        """The caching pool's figures (:func:`dlbridge.memory_stats`: the limits are None where unset); on CUDA also the device's
         ``free_bytes`` and ``total_bytes`` as the driver reports them."""
         info = dict(_dlbridge.memory_stats(self._device))
         if self.backend_type == "cuda":
@@ -333,5 +333,6 @@ def get_elementwise_kernel(operation: str) -> Optional[Callable[..., Array]]:
     """The element-wise kernel ``operation`` (``add sub mul div sqrt exp log sin cos abs square
     negative``), or None for any other name."""
     if operation in ops.UNARY or operation in ops.BINARY:
-        return getattr(ops, operation)
+        kernel: Callable[..., Array] = getattr(ops, operation)
+        return kernel
     return None

@@ -103,11 +103,10 @@ mod tests {
                 break;
             }
             if std::time::Instant::now() > deadline {
-                // SAFETY: kills and reaps our own child.
-                unsafe {
-                    libc::kill(pid, libc::SIGKILL);
-                    libc::waitpid(pid, &mut status, 0);
-                }
+                // SAFETY: signals our own child, which has not been reaped yet.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                // SAFETY: reaps that child; `status` is a valid out-pointer.
+                unsafe { libc::waitpid(pid, &mut status, 0) };
                 panic!("the forked child hung in a parallel loop");
             }
             std::thread::sleep(std::time::Duration::from_millis(10));

@@ -22,6 +22,16 @@ pub(crate) enum Arg {
     Scalar(Scalar),
 }
 
+impl Arg {
+    /// The array, where this operand is one.
+    fn tensor(&self) -> Option<&Tensor> {
+        match self {
+            Arg::Tensor(t) => Some(t),
+            Arg::Scalar(_) => None,
+        }
+    }
+}
+
 /// Reads an operand; `Ok(None)` for objects that are neither arrays, DLPack producers nor
 /// Python numbers (operators answer `NotImplemented` to those).
 pub(crate) fn arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
@@ -49,19 +59,52 @@ pub(crate) fn arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
     Ok(None)
 }
 
-/// Reads an operand of a comparison: as [`arg`], and Python `bool`s are the integers 0 and 1
-/// (`mask == True`); an integer outside `int64` compared with a float array is compared as a float
-/// (see [`exact_int_operand`] for integer arrays).
-pub(crate) fn compare_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
+/// Reads an operand of a comparison with the array `against` (the other operand, where it is one):
+/// as [`arg`], with Python `bool`s as the integers 0 and 1 (`mask == True`), and an integer outside
+/// `int64` read so that it compares exactly: beside a `uint64` array that it fits, a 0-d `uint64`
+/// array; beside any other integer or bool array, an infinity of its sign (it lies beyond every
+/// element, so each comparison has the infinity's answer, with no rounding of the value to a
+/// float); elsewhere, a float.
+pub(crate) fn compare_operand(
+    obj: &Bound<'_, PyAny>,
+    against: Option<&Tensor>,
+) -> PyResult<Option<Arg>> {
+    use dlbridge::{DType, DTypeCode};
     if obj.is_instance_of::<PyBool>() {
         return Ok(Some(Arg::Scalar(Scalar::Int(i64::from(
             obj.extract::<bool>()?,
         )))));
     }
-    if obj.is_instance_of::<PyInt>() && obj.extract::<i64>().is_err() {
-        return Ok(Some(Arg::Scalar(Scalar::Float(obj.extract()?))));
+    if !obj.is_instance_of::<PyInt>() || obj.extract::<i64>().is_ok() {
+        return arg(obj);
     }
-    arg(obj)
+    let integer_array = against.filter(|t| {
+        matches!(
+            t.dtype().code(),
+            DTypeCode::Int | DTypeCode::UInt | DTypeCode::Bool
+        )
+    });
+    let Some(against) = integer_array else {
+        return Ok(Some(Arg::Scalar(Scalar::Float(obj.extract()?))));
+    };
+    if against.dtype() == DType::U64 {
+        if let Ok(v) = obj.extract::<u64>() {
+            let mut host = Tensor::empty(&[], DType::U64, dlbridge::Device::CPU).py()?;
+            host.as_mut_slice::<u64>().py()?[0] = v;
+            let t = if against.device().is_cpu() {
+                host
+            } else {
+                host.copy_to(against.device()).py()?
+            };
+            return Ok(Some(Arg::Tensor(t)));
+        }
+    }
+    let infinity = if obj.gt(0)? {
+        f64::INFINITY
+    } else {
+        f64::NEG_INFINITY
+    };
+    Ok(Some(Arg::Scalar(Scalar::Float(infinity))))
 }
 
 fn required(obj: &Bound<'_, PyAny>) -> PyResult<Arg> {
@@ -149,45 +192,6 @@ pub(crate) fn operator(
     binary_args(py, op, a, b)?.into_py_any(py)
 }
 
-/// A Python integer outside `int64` compared with the integer (or bool) array `against`, as an
-/// operand that compares exactly: a 0-d `uint64` array where `against` is `uint64` and the value
-/// fits, else an infinity of the value's sign (the value lies beyond every element, so each
-/// comparison has the answer the infinity gives, with no rounding of the value to a float).
-/// `None` for other operands, or arrays of other dtypes.
-fn exact_int_operand(obj: &Bound<'_, PyAny>, against: &Tensor) -> PyResult<Option<Arg>> {
-    use dlbridge::{DType, DTypeCode};
-    let big_int = obj.is_instance_of::<PyInt>()
-        && !obj.is_instance_of::<PyBool>()
-        && obj.extract::<i64>().is_err();
-    let dtype = against.dtype();
-    if !big_int
-        || !matches!(
-            dtype.code(),
-            DTypeCode::Int | DTypeCode::UInt | DTypeCode::Bool
-        )
-    {
-        return Ok(None);
-    }
-    if dtype == DType::U64 {
-        if let Ok(v) = obj.extract::<u64>() {
-            let mut host = Tensor::empty(&[], DType::U64, dlbridge::Device::CPU).py()?;
-            host.as_mut_slice::<u64>().py()?[0] = v;
-            let t = if against.device().is_cpu() {
-                host
-            } else {
-                host.copy_to(against.device()).py()?
-            };
-            return Ok(Some(Arg::Tensor(t)));
-        }
-    }
-    let infinity = if obj.gt(0)? {
-        f64::INFINITY
-    } else {
-        f64::NEG_INFINITY
-    };
-    Ok(Some(Arg::Scalar(Scalar::Float(infinity))))
-}
-
 /// `op(a, b)` on read operands, a `bool` array.
 pub(crate) fn compare_args(py: Python<'_>, op: CompareOp, a: Arg, b: Arg) -> PyResult<PyArray> {
     let out = match (a, b) {
@@ -213,12 +217,8 @@ pub(crate) fn compare_operator(
     this: &Tensor,
     other: &Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
-    let other = match exact_int_operand(other, this)? {
-        Some(exact) => exact,
-        None => match compare_arg(other)? {
-            Some(other) => other,
-            None => return Ok(py.NotImplemented()),
-        },
+    let Some(other) = compare_operand(other, Some(this))? else {
+        return Ok(py.NotImplemented());
     };
     compare_args(py, op, Arg::Tensor(this.clone()), other)?.into_py_any(py)
 }
@@ -319,21 +319,10 @@ fn write_out(
         )));
     };
     if dst.shape() != result.shape() {
-        // Shapes as Python writes them: `(3,)`, `(2, 3)`.
-        let tuple = |s: &[usize]| match s {
-            [n] => format!("({n},)"),
-            _ => format!(
-                "({})",
-                s.iter()
-                    .map(usize::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        };
         return Err(PyValueError::new_err(format!(
             "{what}: out has shape {} but the result has shape {}",
-            tuple(dst.shape()),
-            tuple(result.shape())
+            dlbridge::layout::shape_text(dst.shape()),
+            dlbridge::layout::shape_text(result.shape())
         )));
     }
     let value = if dst.dtype() == result.dtype() {
@@ -376,23 +365,20 @@ pub(crate) fn _compare(
     b: &Bound<'_, PyAny>,
 ) -> PyResult<PyArray> {
     let op = compare_op(op)?;
-    let operand = |obj: &Bound<'_, PyAny>| {
-        compare_arg(obj)?.ok_or_else(|| match required(obj) {
+    let operand = |obj: &Bound<'_, PyAny>, against: Option<&Tensor>| {
+        compare_operand(obj, against)?.ok_or_else(|| match required(obj) {
             Err(e) => e,
             Ok(_) => PyTypeError::new_err("unreadable operand"),
         })
     };
-    let (mut x, mut y) = (operand(a)?, operand(b)?);
-    // An integer beyond int64 beside an integer array compares exactly.
-    if let (Arg::Tensor(t), Arg::Scalar(_)) = (&x, &y) {
-        if let Some(exact) = exact_int_operand(b, t)? {
-            y = exact;
-        }
-    } else if let (Arg::Scalar(_), Arg::Tensor(t)) = (&x, &y) {
-        if let Some(exact) = exact_int_operand(a, t)? {
-            x = exact;
-        }
-    }
+    // Each operand is read beside the other where that is an array (a scalar first is read again
+    // once the array is known).
+    let x = operand(a, None)?;
+    let y = operand(b, x.tensor())?;
+    let x = match (&x, y.tensor()) {
+        (Arg::Scalar(_), Some(t)) => operand(a, Some(t))?,
+        _ => x,
+    };
     compare_args(py, op, x, y)
 }
 

@@ -543,6 +543,17 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
     Ok(out)
 }
 
+/// A shape as Python writes a tuple of its extents: `()`, `(3,)`, `(2, 3)`; for messages.
+pub fn shape_text<D: std::fmt::Display>(dims: &[D]) -> String {
+    match dims {
+        [d] => format!("({d},)"),
+        _ => {
+            let dims: Vec<String> = dims.iter().map(D::to_string).collect();
+            format!("({})", dims.join(", "))
+        }
+    }
+}
+
 fn infer_shape(new_shape: &[Option<usize>], numel: usize) -> Result<Vec<usize>> {
     let unknown: Vec<usize> = (0..new_shape.len())
         .filter(|&i| new_shape[i].is_none())
@@ -557,10 +568,7 @@ fn infer_shape(new_shape: &[Option<usize>], numel: usize) -> Result<Vec<usize>> 
             .iter()
             .map(|d| d.map_or("-1".to_string(), |d| d.to_string()))
             .collect();
-        match dims.len() {
-            1 => format!("({},)", dims[0]),
-            _ => format!("({})", dims.join(", ")),
-        }
+        shape_text(&dims)
     };
     let cannot = || {
         Error::Shape(format!(

@@ -35,7 +35,7 @@ pub const PAGE_ALIGN_THRESHOLD: usize = 64 * 1024;
 
 /// The machine's physical memory plus swap in bytes, read once: no single host allocation can be
 /// larger and still be used. `usize::MAX` where it cannot be read.
-pub fn host_memory_bytes() -> usize {
+pub(crate) fn host_memory_bytes() -> usize {
     static TOTAL: OnceLock<usize> = OnceLock::new();
     *TOTAL.get_or_init(|| {
         #[cfg(target_os = "linux")]

@@ -13,7 +13,6 @@ use crate::convert;
 use crate::device::{self, PyDevice};
 use crate::dtype::PyDType;
 use crate::errors::IntoPyResult;
-use crate::exchange::{self, ExportRequest};
 use crate::fastcall::{self, Attach, FastArgs, MethodDef, Signature};
 use crate::ops;
 use dlbridge::compute::{BinaryOp, CompareOp, ReduceOp, UnaryOp};
@@ -217,29 +216,7 @@ impl PyArray {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tensor = self.tensor()?;
-        let device = tensor.device();
-        if device.kind().is_cuda() {
-            // Make our pending work visible on the consumer's stream (array API semantics).
-            crate::cuda::export_handoff(device, stream)?;
-        } else if let Some(stream) = stream {
-            // Streams order work on CUDA and ROCm devices; everywhere else there is none to name.
-            return Err(PyValueError::new_err(format!(
-                "stream must be None for arrays on {device} (got {})",
-                stream.repr()?
-            )));
-        }
-        // Metal: our pending GPU work completes before the consumer sees the buffer.
-        crate::metal::export_handoff(py, device)?;
-        let dl_device = dl_device.map(device::parse).transpose()?;
-        exchange::export(
-            py,
-            &tensor,
-            ExportRequest {
-                max_version,
-                dl_device,
-                copy,
-            },
-        )
+        crate::dlpack::producer::export(py, &tensor, stream, max_version, dl_device, copy)
     }
 }
 
@@ -363,7 +340,7 @@ impl PyArray {
     /// consumers that exchange tensors without Python calls.
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        crate::exchange_api::capsule(py)
+        crate::dlpack::c_api::capsule(py)
     }
 
     /// The DLPack `(device_type, device_id)` of the array.
@@ -516,9 +493,7 @@ impl PyArray {
     /// A compact copy in new memory on the same device (in the same storage mode).
     fn copy(&self) -> PyResult<PyArray> {
         let t = &*self.tensor()?;
-        Ok(PyArray::new(
-            crate::creation::copy_to(t, t.device(), None).py()?,
-        ))
+        Ok(PyArray::new(t.copy_to_storage(t.device(), None).py()?))
     }
 
     /// A compact copy on `device`, in `storage` for Metal (the array itself when it is already
@@ -539,9 +514,7 @@ impl PyArray {
         if target == t.device() && same_storage && copy != Some(true) {
             return Ok(PyArray::new(t.clone()));
         }
-        Ok(PyArray::new(
-            crate::creation::copy_to(t, target, storage).py()?,
-        ))
+        Ok(PyArray::new(t.copy_to_storage(target, storage).py()?))
     }
 
     /// A copy with elements converted to `dtype` (NumPy's `astype` rules).

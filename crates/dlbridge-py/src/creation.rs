@@ -1,5 +1,6 @@
 //! Creation functions and conversion of arbitrary Python objects to tensors.
 
+use dlbridge::dlpack::{ImportRequest, Imported};
 use dlbridge::{DType, Device, StorageMode, Tensor};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
@@ -9,8 +10,8 @@ use smallvec::SmallVec;
 
 use crate::array::PyArray;
 use crate::convert::{self, ScalarKind};
+use crate::dlpack::{buffer, c_api, consumer};
 use crate::errors::IntoPyResult;
-use crate::exchange;
 use crate::fastcall::{self, Attach, FastArgs, MethodDef, Signature};
 
 /// A parsed shape (inline up to eight axes: parsing allocates nothing on the common path).
@@ -95,25 +96,6 @@ pub(crate) fn placement(
     let device = parse_opt_device(device)?.unwrap_or(Device::CPU);
     let storage = parse_storage(storage)?;
     Ok((dlbridge::backend::placement(device, storage).py()?, storage))
-}
-
-/// A compact copy of `t` on `device` in `storage` (`None`: the device's default; for a copy within
-/// one Metal device, the source's mode).
-pub(crate) fn copy_to(
-    t: &Tensor,
-    device: Device,
-    storage: Option<StorageMode>,
-) -> dlbridge::Result<Tensor> {
-    let storage = match storage {
-        None if device == t.device() && device.kind() == dlbridge::DeviceKind::Metal => {
-            Some(t.buffer().storage_mode())
-        }
-        storage => storage,
-    };
-    let out = Tensor::allocate(t.shape(), t.dtype(), device, storage, false)?;
-    // SAFETY: `out` is new memory that nothing else references.
-    unsafe { out.copy_from_unchecked(t)? };
-    Ok(out)
 }
 
 /// A new compact array; the dtype defaults to float32 and the device to the CPU. Unless `zeroed`,
@@ -331,7 +313,7 @@ fn build_compact(
     if device.is_cpu() {
         Ok(typed)
     } else {
-        copy_to(&typed, device, storage).py()
+        typed.copy_to_storage(device, storage).py()
     }
 }
 
@@ -348,37 +330,33 @@ fn import_dlpack(
     storage: Option<StorageMode>,
     copy: Option<bool>,
 ) -> PyResult<Tensor> {
-    let producer = !obj.is_instance_of::<pyo3::types::PyCapsule>();
-    let copy_here = copy == Some(true) && producer;
-    let imported = if copy_here {
-        exchange::from_dlpack(obj, None, None)
-    } else {
-        exchange::from_dlpack(obj, device, copy)
-    };
-    // A capsule's `copy=True` was applied by `from_dlpack` (which trusts `IS_COPIED`).
-    let copy = if producer || copy != Some(true) {
-        copy
-    } else {
-        None
-    };
-    let tensor = match imported {
-        // `from_dlpack` applied `device` and `copy` itself: the common case, done.
-        Ok(t) if !copy_here && storage.is_none() => return Ok(t),
-        Ok(t) => t,
-        Err(err) => match crate::ml_dtypes::from_numpy(obj)? {
-            Some(t) => t,
-            None => return Err(err),
-        },
-    };
-    exchange::finish_import(
-        exchange::Taken {
-            tensor,
-            is_copied: false,
-        },
+    let request = ImportRequest {
         device,
         storage,
         copy,
-    )
+    };
+    let producer = !obj.is_instance_of::<pyo3::types::PyCapsule>();
+    let copy_here = copy == Some(true) && producer;
+    let imported = if copy_here {
+        consumer::from_dlpack(obj, None, None, None)
+    } else {
+        consumer::from_dlpack(obj, device, storage, copy)
+    };
+    match imported {
+        Ok(imported) if !copy_here => Ok(imported.tensor),
+        // The producer's memory, shared: the copy asked for is made here.
+        Ok(imported) => request
+            .finish(Imported {
+                tensor: imported.tensor,
+                copied: false,
+            })
+            .py()
+            .map(|i| i.tensor),
+        Err(err) => match crate::ml_dtypes::from_numpy(obj)? {
+            Some(t) => consumer::finish(&request, t).map(|i| i.tensor),
+            None => Err(err),
+        },
+    }
 }
 
 /// Converts any supported object to a tensor: a dlbridge array, a DLPack capsule or producer
@@ -393,36 +371,25 @@ pub(crate) fn tensor_from(
     copy: Option<bool>,
 ) -> PyResult<Tensor> {
     let py = obj.py();
+    let request = ImportRequest {
+        device,
+        storage,
+        copy,
+    };
     let zero_copy_source = if let Ok(a) = obj.cast::<PyArray>() {
-        Some(exchange::finish_import(
-            exchange::Taken {
-                tensor: a.get().tensor()?.clone(),
-                is_copied: false,
-            },
-            device,
-            storage,
-            copy,
-        )?)
+        Some(consumer::finish(&request, a.get().tensor()?.clone())?.tensor)
     } else if obj.is_instance_of::<pyo3::types::PyCapsule>()
         || obj.hasattr(intern!(py, "__dlpack__"))?
     {
         Some(import_dlpack(obj, device, storage, copy)?)
     } else if !obj.is_instance_of::<PyList>()
         && !obj.is_instance_of::<PyTuple>()
-        && exchange::has_buffer(obj)
+        && buffer::has_buffer(obj)
     {
-        let info = crate::exchange_api::type_info(obj);
-        exchange::refuse_inexpressible(obj, info, exchange::States::All)?;
-        let t = exchange::from_buffer(obj)?;
-        Some(exchange::finish_import(
-            exchange::Taken {
-                tensor: t,
-                is_copied: false,
-            },
-            device,
-            storage,
-            copy,
-        )?)
+        let info = c_api::type_info(obj);
+        consumer::refuse_inexpressible(obj, info, consumer::States::All)?;
+        let t = buffer::from_buffer(obj)?;
+        Some(consumer::finish(&request, t)?.tensor)
     } else {
         None
     };
@@ -430,10 +397,11 @@ pub(crate) fn tensor_from(
         return match dtype {
             Some(d) if d != t.dtype() => {
                 if copy == Some(false) {
-                    return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                    return Err(dlbridge::Error::CopyRequired(format!(
                         "converting {} to {d} needs a copy, but copy=False",
                         t.dtype()
-                    )));
+                    )))
+                    .py();
                 }
                 t.cast(d).py()
             }
@@ -441,10 +409,11 @@ pub(crate) fn tensor_from(
         };
     }
     if copy == Some(false) {
-        return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+        return Err(dlbridge::Error::CopyRequired(format!(
             "a {} cannot be shared without a copy, but copy=False",
             obj.get_type().name()?
-        )));
+        )))
+        .py();
     }
     let nested = convert::flatten(obj)?;
     let dtype = dtype.unwrap_or(nested.kind.default_dtype());

@@ -3,45 +3,12 @@
 //! The Python module `dlbridge.cuda` (python/dlbridge/cuda.py) wraps these natives and adds the
 //! `stream(...)` context manager.
 
-use dlbridge::Device;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use dlbridge::backend::cuda;
 
 use crate::errors::IntoPyResult;
-
-/// Reads a DLPack `stream` argument: `None` or an int; anything else is a `TypeError`.
-fn stream_arg(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
-    match stream {
-        None => Ok(None),
-        Some(s) if s.is_none() => Ok(None),
-        Some(s) => s.extract::<i64>().map(Some).map_err(|_| {
-            PyTypeError::new_err(format!(
-                "stream must be None or an int (a CUDA stream handle), got {}",
-                s.get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default()
-            ))
-        }),
-    }
-}
-
-/// As a producer: makes our pending work on `device` visible on the consumer's `stream`.
-pub(crate) fn export_handoff(device: Device, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    let consumer = cuda::stream_from_dlpack(stream_arg(stream)?).py()?;
-    cuda::make_visible(device.index() as i32, consumer).py()
-}
-
-/// As a consumer: the `stream` to pass to a producer on `device`: our current stream, with the
-/// legacy default stream spelled `1` as the array API standard asks.
-pub(crate) fn consumer_stream(device: Device) -> i64 {
-    match cuda::current_stream(device.index() as i32) {
-        0 => 1,
-        s => s as i64,
-    }
-}
 
 /// Whether a CUDA driver and at least one device are present.
 #[pyfunction]

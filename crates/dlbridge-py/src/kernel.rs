@@ -10,7 +10,6 @@ use pyo3::types::{PyBool, PyFloat, PyInt, PyTuple};
 use crate::array::PyArray;
 use crate::device::PyDevice;
 use crate::errors::IntoPyResult;
-use crate::exchange;
 
 /// A kernel compiled for one device (`Backend.compile_kernel`).
 #[pyclass(frozen, module = "dlbridge", name = "Kernel")]
@@ -118,7 +117,9 @@ fn kernel_arg(i: usize, obj: &Bound<'_, PyAny>) -> PyResult<KernelArg> {
         return typed_scalar(i, obj);
     }
     if obj.hasattr(pyo3::intern!(py, "__dlpack__"))? {
-        return Ok(KernelArg::Tensor(exchange::from_dlpack(obj, None, None)?));
+        return Ok(KernelArg::Tensor(
+            crate::dlpack::consumer::from_dlpack(obj, None, None, None)?.tensor,
+        ));
     }
     Err(PyTypeError::new_err(format!(
         "argument {i}: a kernel takes arrays (dlbridge or DLPack) and numbers, not {}",

@@ -6,14 +6,13 @@
 //! raises the core's `BackendUnavailable` error, a `RuntimeError` that starts "Metal backend not
 //! available: ".
 
-use dlbridge::backend::metal::{self, DeviceInfo, ImportOptions, ResidencyStatus};
+use dlbridge::backend::metal::{self, DeviceInfo, ResidencyStatus};
 use dlbridge::{Device, DeviceKind, StorageMode, Tensor};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::IntoPyResult;
-use crate::exchange::Taken;
 
 /// Reads a Metal device argument: `None` is `metal:0`, an int `N` is `metal:N`, and any other
 /// device form must name a Metal device.
@@ -133,36 +132,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// DLPack exchange.
-
-/// Before a Metal array leaves for another framework: commits and waits for dlbridge's pending GPU
-/// work, since DLPack has no stream for Metal. A no-op on other devices, and where the backend is
-/// not available (a foreign Metal tensor, held opaquely, is handed on as it came).
-pub(crate) fn export_handoff(py: Python<'_>, device: Device) -> PyResult<()> {
-    if device.kind() != DeviceKind::Metal || !metal::is_available() {
-        return Ok(());
-    }
-    py.detach(|| metal::synchronize(device)).py()
-}
-
-/// Resolves a `kDLMetal` tensor just taken from a producer against its `id<MTLBuffer>`: shares a
-/// shared or managed buffer, copies a private one (or raises `BufferError` for `copy=False`), or
-/// copies when `copy=True` (unless the producer already did). Tensors on other devices pass
-/// through, and so do Metal tensors where the backend is not available (held opaquely).
-pub(crate) fn resolve_import(taken: Taken, copy: Option<bool>) -> PyResult<Taken> {
-    let Taken { tensor, is_copied } = taken;
-    if tensor.device().kind() != DeviceKind::Metal || !metal::is_available() {
-        return Ok(Taken { tensor, is_copied });
-    }
-    let handle = tensor.buffer().handle();
-    let options = ImportOptions {
-        copy: if is_copied { None } else { copy },
-        ..ImportOptions::default()
-    };
-    let tensor = metal::import_foreign(tensor, options).py()?;
-    let is_copied = is_copied || tensor.buffer().handle() != handle;
-    Ok(Taken { tensor, is_copied })
-}
+// NumPy conversion.
 
 /// A CPU view of a Metal array's shared memory (for NumPy), or `None` where there is none to give
 /// (another device, private or managed storage, or memory the host cannot address).
@@ -175,22 +145,4 @@ pub(crate) fn host_view(tensor: &Tensor) -> PyResult<Option<Tensor>> {
         return Ok(None);
     }
     metal::host_view(tensor).py().map(Some)
-}
-
-/// The host side of exporting a Metal array with `dl_device=(kDLCPU, 0)`: a view of shared memory
-/// unless `copy=True` asks for a copy; `None` when the caller should copy instead. With
-/// `copy=False`, memory that cannot be viewed (private, managed) raises `BufferError`, saying why.
-pub(crate) fn export_to_host(
-    tensor: &Tensor,
-    target: Device,
-    copy: Option<bool>,
-) -> PyResult<Option<Tensor>> {
-    if tensor.device().kind() != DeviceKind::Metal || !target.is_cpu() || copy == Some(true) {
-        return Ok(None);
-    }
-    match metal::host_view(tensor) {
-        Ok(view) => Ok(Some(view)),
-        Err(e) if copy == Some(false) => Err(crate::errors::to_py(e)),
-        Err(_) => Ok(None),
-    }
 }

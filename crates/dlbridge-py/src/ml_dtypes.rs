@@ -96,6 +96,6 @@ pub(crate) fn from_numpy(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
         return Ok(None);
     }
     let carried = obj.call_method1(intern!(py, "view"), (bits.name(),))?;
-    let t = crate::exchange::from_dlpack(&carried, None, None)?;
+    let t = crate::dlpack::consumer::from_dlpack(&carried, None, None, None)?.tensor;
     reinterpret(&t, dtype).map(Some)
 }

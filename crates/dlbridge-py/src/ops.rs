@@ -14,7 +14,6 @@ use pyo3::{IntoPyObjectExt, intern};
 
 use crate::array::PyArray;
 use crate::errors::IntoPyResult;
-use crate::exchange;
 
 /// One operand of an element-wise op.
 pub(crate) enum Arg {
@@ -54,7 +53,9 @@ pub(crate) fn arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arg>> {
     }
     let py = obj.py();
     if obj.hasattr(intern!(py, "__dlpack__"))? {
-        return Ok(Some(Arg::Tensor(exchange::from_dlpack(obj, None, None)?)));
+        return Ok(Some(Arg::Tensor(
+            crate::dlpack::consumer::from_dlpack(obj, None, None, None)?.tensor,
+        )));
     }
     Ok(None)
 }

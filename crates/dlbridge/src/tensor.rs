@@ -361,6 +361,16 @@ impl Tensor {
         self.copy_to(self.device())
     }
 
+    /// A compact copy on `device` in `storage` (`None`: the device's default; for a copy within
+    /// one Metal device, this view's mode), as [`crate::dlpack::ImportRequest`] makes when an
+    /// import must move or copy.
+    ///
+    /// # Errors
+    /// As [`Tensor::allocate`] and [`Tensor::copy_to`].
+    pub fn copy_to_storage(&self, device: Device, storage: Option<StorageMode>) -> Result<Tensor> {
+        crate::dlpack::copy_to(self, device, storage)
+    }
+
     /// A compact host copy with sub-byte elements one per byte (DLPack's padded form); for other
     /// dtypes, the same as `copy_to(Device::CPU)`. Packed elements are read in DLPack's order:
     /// little bit-endian, element `i` starting at bit `i * bits`.

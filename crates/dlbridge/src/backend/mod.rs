@@ -17,6 +17,7 @@ use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
 use crate::pool::{MemoryStats, Pool};
 use crate::storage::{self, Resolved};
+use crate::tensor::Tensor;
 
 /// Allocates `bytes` on `device`, zero-filled when `zeroed`. `storage` picks where the memory
 /// lives; `None` takes the environment's or the device's default ([`storage::resolve`]).
@@ -144,6 +145,100 @@ pub(crate) fn validate_foreign(device: Device, addr: usize, len: usize) -> Resul
             let _ = (addr, len);
             Ok(())
         }
+    }
+}
+
+/// Resolves a producer's tensor whose memory is named by an opaque handle (`kDLMetal`: an
+/// `id<MTLBuffer>`) into one dlbridge can use: a view of a shared or managed buffer, a copy of a
+/// private one (refused for `copy=Some(false)`), or a copy for `copy=Some(true)`. Tensors of other
+/// devices, and Metal tensors where the backend is not available (held opaquely), pass through.
+pub(crate) fn resolve_import(tensor: Tensor, copy: Option<bool>) -> Result<Tensor> {
+    if tensor.device().kind() != DeviceKind::Metal || !metal::is_available() {
+        return Ok(tensor);
+    }
+    let options = metal::ImportOptions {
+        copy,
+        ..metal::ImportOptions::default()
+    };
+    metal::import_foreign(tensor, options)
+}
+
+/// Before a tensor on `device` leaves for a consumer: makes dlbridge's pending work visible to it.
+/// CUDA orders it before the consumer's `stream` (as the array API standard spells streams);
+/// Metal, which has no stream in DLPack, waits for it (a no-op where the backend is not
+/// available: a foreign Metal tensor, held opaquely, is handed on as it came). Other devices have
+/// no streams, so a stream there is an error.
+pub fn export_handoff(device: Device, stream: Option<i64>) -> Result<()> {
+    match device.kind() {
+        kind if kind.is_cuda() => {
+            #[cfg(cuda)]
+            return cuda::make_visible(device.index() as i32, cuda::stream_from_dlpack(stream)?);
+            #[cfg(not(cuda))]
+            {
+                let _ = stream;
+                Ok(())
+            }
+        }
+        _ if stream.is_some() => Err(Error::InvalidArgument(format!(
+            "stream must be None for arrays on {device} (got {})",
+            stream.unwrap_or_default()
+        ))),
+        DeviceKind::Metal if metal::is_available() => metal::synchronize(device),
+        _ => Ok(()),
+    }
+}
+
+/// A host view of `tensor`'s memory where its backend has one to give without a copy (shared
+/// Metal buffers); `None` for devices whose memory needs no view or cannot have one; an error
+/// saying why for Metal memory that cannot be viewed (private or managed storage).
+pub(crate) fn host_view(tensor: &Tensor) -> Result<Option<Tensor>> {
+    if tensor.device().kind() != DeviceKind::Metal || !metal::is_available() {
+        return Ok(None);
+    }
+    metal::host_view(tensor).map(Some)
+}
+
+/// The stream a consumer on `device` names to its producer (array API `__dlpack__(stream=)`):
+/// the calling thread's current CUDA stream, with the legacy default stream spelled `1`; `None`
+/// for devices without streams.
+pub fn consumer_stream(device: Device) -> Option<i64> {
+    if !device.kind().is_cuda() {
+        return None;
+    }
+    #[cfg(cuda)]
+    return Some(match cuda::current_stream(device.index() as i32) {
+        0 => 1,
+        s => s as i64,
+    });
+    #[cfg(not(cuda))]
+    Some(1)
+}
+
+/// The calling thread's current stream on a CUDA `device` as a raw handle (`0`: the legacy
+/// default stream); `0` for devices without streams.
+pub fn current_stream(device: Device) -> usize {
+    if !device.kind().is_cuda() {
+        return 0;
+    }
+    #[cfg(cuda)]
+    return cuda::current_stream(device.index() as i32);
+    #[cfg(not(cuda))]
+    0
+}
+
+/// As a consumer of a producer that named its work stream instead of ordering it for us (the C
+/// exchange table's "NoSync" exports): makes our current stream on `device` wait for the
+/// producer's stream `producer`. A no-op for devices without streams.
+pub fn order_after_producer(device: Device, producer: usize) -> Result<()> {
+    if !device.kind().is_cuda() {
+        return Ok(());
+    }
+    #[cfg(cuda)]
+    return cuda::order_streams(device.index() as i32, producer, current_stream(device));
+    #[cfg(not(cuda))]
+    {
+        let _ = producer;
+        Err(unavailable("CUDA"))
     }
 }
 

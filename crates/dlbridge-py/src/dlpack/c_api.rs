@@ -9,6 +9,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
+use dlbridge::dlpack::ManagedTensor;
 use dlbridge::dlpack::ffi::{
     DLDeviceType, DLManagedTensorVersioned, DLPackExchangeAPI, DLPackExchangeAPIHeader, DLTensor,
 };
@@ -19,7 +20,6 @@ use pyo3::types::{PyCapsule, PyType};
 use pyo3::{ffi, intern};
 
 use crate::array::PyArray;
-use crate::exchange::Taken;
 
 const API_NAME: &CStr = c"dlpack_exchange_api";
 
@@ -32,7 +32,7 @@ const API_NAME: &CStr = c"dlpack_exchange_api";
 pub(crate) struct TypeInfo {
     table: Option<TableRef>,
     /// The type has PyTorch's tensor-state API (`requires_grad`, `is_conj`, `is_neg`), so its
-    /// instances can require grad or carry lazy bits: [`crate::exchange::refuse_inexpressible`]
+    /// instances can require grad or carry lazy bits: [`super::consumer::refuse_inexpressible`]
     /// asks each one.
     pub(crate) has_tensor_state: bool,
 }
@@ -98,9 +98,12 @@ fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
 /// Takes `x`'s tensor through its type's exchange table; `None` when the type has none.
 ///
 /// The caller has refused tensors whose memory does not hold their values
-/// ([`crate::exchange::States::Values`]): PyTorch's table hands out a conjugated or negated view's
+/// ([`super::consumer::States::Values`]): PyTorch's table hands out a conjugated or negated view's
 /// raw memory without its lazy bit, and a tensor that requires grad without complaint.
-pub(crate) fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<Taken>> {
+pub(crate) fn take_via_table(
+    x: &Bound<'_, PyAny>,
+    info: TypeInfo,
+) -> Option<PyResult<ManagedTensor>> {
     let api = info.table?.0;
     let export = api.managed_tensor_from_py_object_no_sync?;
     let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
@@ -130,17 +133,7 @@ pub(crate) fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyR
         // `None`: no way to synchronise here; `__dlpack__` (with `stream=`) does it.
         return fallback.map(Err);
     }
-    // SAFETY: as above.
-    let is_copied = unsafe { (*managed.as_ptr()).flags }
-        & dlbridge::dlpack::ffi::DLPACK_FLAG_BITMASK_IS_COPIED
-        != 0;
-    // SAFETY: ownership of the live tensor passes to the importer.
-    let tensor = unsafe { Tensor::from_dlpack_versioned(managed) };
-    Some(
-        tensor
-            .map(|tensor| Taken { tensor, is_copied })
-            .map_err(crate::errors::to_py),
-    )
+    Some(Ok(ManagedTensor::Versioned(managed)))
 }
 
 /// Orders dlbridge's current stream after the producer's current work stream for a tensor on
@@ -167,9 +160,8 @@ fn order_after_producer(
                 drop(PyErr::take(py));
                 return Err(None);
             }
-            let ordinal = device.device_id;
-            let ours = dlbridge::backend::cuda::current_stream(ordinal);
-            dlbridge::backend::cuda::order_streams(ordinal, producer.expose_provenance(), ours)
+            let device = Device::from_dlpack(device).map_err(|e| Some(crate::errors::to_py(e)))?;
+            dlbridge::backend::order_after_producer(device, producer.expose_provenance())
                 .map_err(|e| Some(crate::errors::to_py(e)))
         }
         _ => Err(None),
@@ -245,6 +237,16 @@ unsafe fn array_of<'py>(py: Python<'py>, py_object: *mut c_void) -> PyResult<Bou
     Ok(obj.cast_into::<PyArray>()?)
 }
 
+/// The handoff of the table's "NoSync" exports: no stream is named (the consumer orders itself
+/// after [`current_work_stream`]), but Metal, which has no stream, still waits for our work.
+fn no_sync_handoff(py: Python<'_>, device: Device) -> PyResult<()> {
+    if device.kind() != dlbridge::DeviceKind::Metal {
+        return Ok(());
+    }
+    py.detach(|| dlbridge::backend::export_handoff(device, None))
+        .map_err(crate::errors::to_py)
+}
+
 unsafe extern "C" fn from_py_object(
     py_object: *mut c_void,
     out: *mut *mut DLManagedTensorVersioned,
@@ -254,7 +256,7 @@ unsafe extern "C" fn from_py_object(
     // SAFETY: the GIL is held and the caller passes a live object.
     match unsafe { array_of(py, py_object) }.and_then(|a| {
         let device = a.get().tensor()?.device();
-        crate::metal::export_handoff(py, device).map(|()| a)
+        no_sync_handoff(py, device).map(|()| a)
     }) {
         Ok(array) => match array.get().tensor() {
             Ok(t) => {
@@ -275,7 +277,7 @@ unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut D
     // SAFETY: the GIL is held and the caller passes a live object.
     match unsafe { array_of(py, py_object) }.and_then(|a| {
         let device = a.get().tensor()?.device();
-        crate::metal::export_handoff(py, device).map(|()| a)
+        no_sync_handoff(py, device).map(|()| a)
     }) {
         Ok(array) => match array.get().tensor() {
             // The array is alive while the caller holds `py_object`, and its view never changes
@@ -323,14 +325,11 @@ unsafe extern "C" fn current_work_stream(
 ) -> c_int {
     // The calling thread's current dlbridge stream on a CUDA device (NULL is the legacy default
     // stream); devices without streams have none.
-    let stream = match device_type {
-        dlbridge::dlpack::ffi::K_DL_CUDA
-        | dlbridge::dlpack::ffi::K_DL_CUDA_HOST
-        | dlbridge::dlpack::ffi::K_DL_CUDA_MANAGED => {
-            dlbridge::backend::cuda::current_stream(device_id)
-        }
-        _ => 0,
-    };
+    let stream = Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
+        device_type,
+        device_id,
+    })
+    .map_or(0, dlbridge::backend::current_stream);
     // SAFETY: `out` is a valid place for the result.
     unsafe { *out = std::ptr::with_exposed_provenance_mut(stream) };
     0

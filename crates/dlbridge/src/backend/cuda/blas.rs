@@ -23,11 +23,12 @@ use std::ffi::{CStr, c_void};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::cublas::sys as cublas;
-use cudarc::driver::sys;
+use cudarc::driver::result;
 
+use super::driver::Named;
 use super::first_address;
 use super::stream::{current_stream, raw};
-use super::{BACKEND, check, context};
+use super::{BACKEND, context};
 use crate::compute::{MatmulRequest, MatrixLayout};
 use crate::device::Device;
 use crate::dtype::DType;
@@ -209,15 +210,15 @@ pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {
         // Sums of nothing.
         // SAFETY: `out` is a new compact array of `nbytes` bytes the request lets us write; the
         // fill is ordered on the current stream.
-        let rc = unsafe {
-            sys::cuMemsetD8Async(
+        let filled = unsafe {
+            result::memset_d8_async(
                 first_address(req.out) as u64,
                 0,
                 req.out.nbytes(),
                 raw(stream),
             )
         };
-        return check(rc, "cuMemsetD8Async");
+        return filled.named("cuMemsetD8Async");
     }
     library()?;
     // Alpha and beta in the compute type, on the host.

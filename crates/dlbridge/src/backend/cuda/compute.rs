@@ -18,15 +18,16 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Mutex, OnceLock};
 
-use cudarc::driver::sys;
+use cudarc::driver::result::{self, occupancy};
 
 use super::codegen::{
     self, MAX_MAP_DIMS, MAX_REDUCE_DIMS, MapArgs, MapKey, MapShape, Mode, ReduceArgs, ReduceKey,
     ReduceKind, THREADS, Ty, UNROLL,
 };
+use super::driver::Named;
 use super::nvrtc::{self, Function};
 use super::stream::{current_stream, raw};
-use super::{BACKEND, Bound, check, context, first_address};
+use super::{BACKEND, Bound, context, first_address};
 use crate::compute::plan::MapPlan;
 use crate::compute::{MapRequest, MatmulRequest, Operand, ReduceRequest, Scalar};
 use crate::device::Device;
@@ -85,12 +86,10 @@ fn kernel(ctx: &Bound, ordinal: i32, key: Key) -> Result<Loaded> {
         backend: BACKEND,
         message: "a built-in kernel lost its entry point".into(),
     })?;
-    let mut blocks: i32 = 0;
-    // SAFETY: a loaded kernel and a valid out-pointer; the device's context is current.
-    let rc = unsafe {
-        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function.0, THREADS as i32, 0)
-    };
-    check(rc, "cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+    // SAFETY: a loaded kernel; the device's context is current.
+    let blocks =
+        unsafe { occupancy::max_active_block_per_multiprocessor(function.0, THREADS as i32, 0) }
+            .named("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
     let loaded = Loaded {
         function,
         blocks_per_sm: blocks.max(1) as u32,
@@ -116,22 +115,17 @@ fn launch<A>(f: Function, blocks: u64, stream: usize, args: &A) -> Result<()> {
     // `#[repr(C)]` struct `A` mirrors (see `codegen`); the driver copies it during the call. The
     // addresses inside point at live views the request holds; the kernel touches only the
     // elements the plan gives it.
-    let rc = unsafe {
-        sys::cuLaunchKernel(
+    let launched = unsafe {
+        result::launch_kernel(
             f.0,
-            blocks,
-            1,
-            1,
-            THREADS,
-            1,
-            1,
+            (blocks, 1, 1),
+            (THREADS, 1, 1),
             0,
             raw(stream),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
+            &mut params,
         )
     };
-    check(rc, "cuLaunchKernel (built-in kernel)")
+    launched.named("cuLaunchKernel (built-in kernel)")
 }
 
 /// The blocks a grid-stride kernel gets: enough for `work` threads, at most what stays resident.

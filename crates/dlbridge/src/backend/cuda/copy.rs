@@ -10,10 +10,12 @@
 
 use std::ffi::{CString, c_void};
 
+use cudarc::driver::result::{self, module};
 use cudarc::driver::sys;
 
+use super::driver::{self, Named, describe};
 use super::stream::{current_stream, order_across, raw as raw_stream, record_use_on};
-use super::{BACKEND, DeviceContext, check, context, first_address};
+use super::{BACKEND, DeviceContext, context, first_address};
 use crate::backend::plan::{Axis, CopyPlan, plan_copy};
 use crate::device::DeviceKind;
 use crate::error::{Error, Result};
@@ -49,29 +51,22 @@ fn kernels(ctx: &'static DeviceContext) -> Result<&'static Kernels> {
 }
 
 fn load_kernels() -> Result<Kernels> {
-    let mut module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: `PTX` is NUL-terminated PTX text; the device's context is current (the caller bound
     // it). The module stays loaded for the life of the process.
-    let rc = unsafe { sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast()) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::Driver {
-            backend: BACKEND,
-            message: format!(
-                "loading dlbridge's copy kernels failed: {} (they are PTX 9.0 for compute_75 and \
-                 need a CUDA 13 driver)",
-                super::describe(rc)
-            ),
-        });
-    }
+    let loaded = unsafe { module::load_data(PTX.as_ptr().cast()) };
+    let module = loaded.map_err(|e| Error::Driver {
+        backend: BACKEND,
+        message: format!(
+            "loading dlbridge's copy kernels failed: {} (they are PTX 9.0 for compute_75 and \
+             need a CUDA 13 driver)",
+            describe(e)
+        ),
+    })?;
     let get = |name: String| -> Result<sys::CUfunction> {
         let cname = CString::new(name.clone()).expect("kernel names have no NUL");
-        let mut f: sys::CUfunction = std::ptr::null_mut();
-        check(
-            // SAFETY: `module` is loaded; `cname` is NUL-terminated; `f` is a valid out-pointer.
-            unsafe { sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()) },
-            &format!("cuModuleGetFunction({name})"),
-        )?;
-        Ok(f)
+        // SAFETY: `module` is loaded and never unloaded.
+        unsafe { module::get_function(module, cname) }
+            .named(&format!("cuModuleGetFunction({name})"))
     };
     let mut strided = [std::ptr::null_mut(); 5];
     let mut tiled = [std::ptr::null_mut(); 5];
@@ -164,43 +159,35 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
         let ordinal = dst.device().index() as i32;
         let _ctx = context(ordinal)?;
         let stream = raw_stream(current_stream(ordinal));
-        let enqueued = check(
-            // SAFETY: `bytes` compact bytes at both addresses, inside live allocations; pageable
-            // sources are staged by the driver before the call returns, so `src` may go right
-            // after.
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    first_address(dst) as u64,
-                    std::ptr::with_exposed_provenance(first_address(src)),
-                    bytes,
-                    stream,
-                )
-            },
-            "cuMemcpyHtoDAsync",
-        );
+        // SAFETY: `bytes` compact bytes at both addresses, inside live allocations; pageable
+        // sources are staged by the driver before the call returns, so `src` may go right after.
+        let enqueued = unsafe {
+            driver::memcpy_htod_async(
+                first_address(dst) as u64,
+                std::ptr::with_exposed_provenance(first_address(src)),
+                bytes,
+                stream,
+            )
+        }
+        .named("cuMemcpyHtoDAsync");
         recorded(ordinal, [dst], enqueued)
     } else {
         let ordinal = src.device().index() as i32;
         let _ctx = context(ordinal)?;
         let stream = raw_stream(current_stream(ordinal));
-        check(
-            // SAFETY: as above; the host buffer is written by the copy, which the synchronize below
-            // waits for before anyone reads it.
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    std::ptr::with_exposed_provenance_mut(first_address(dst)),
-                    first_address(src) as u64,
-                    bytes,
-                    stream,
-                )
-            },
-            "cuMemcpyDtoHAsync",
-        )?;
+        // SAFETY: as above; the host buffer is written by the copy, which the synchronize below
+        // waits for before anyone reads it.
+        unsafe {
+            driver::memcpy_dtoh_async(
+                std::ptr::with_exposed_provenance_mut(first_address(dst)),
+                first_address(src) as u64,
+                bytes,
+                stream,
+            )
+        }
+        .named("cuMemcpyDtoHAsync")?;
         // SAFETY: a valid stream of the current context.
-        check(
-            unsafe { sys::cuStreamSynchronize(stream) },
-            "cuStreamSynchronize",
-        )
+        unsafe { result::stream::synchronize(stream) }.named("cuStreamSynchronize")
     }
 }
 
@@ -228,19 +215,17 @@ fn peer_copy(dst: &Tensor, src: &Tensor) -> Result<()> {
     order_across(s_ord, current_stream(s_ord), d_ord, stream)?;
     // SAFETY: compact byte ranges inside live allocations on two devices; both contexts are
     // primary contexts retained for the process; the stream belongs to the destination device.
-    check(
-        unsafe {
-            sys::cuMemcpyPeerAsync(
-                first_address(dst) as u64,
-                d_ctx.ctx,
-                first_address(src) as u64,
-                s_ctx_raw,
-                dst.nbytes(),
-                raw_stream(stream),
-            )
-        },
-        "cuMemcpyPeerAsync",
-    )
+    unsafe {
+        result::memcpy_peer_async(
+            d_ctx.ctx,
+            first_address(dst) as u64,
+            s_ctx_raw,
+            first_address(src) as u64,
+            dst.nbytes(),
+            raw_stream(stream),
+        )
+    }
+    .named("cuMemcpyPeerAsync")
 }
 
 /// A copy both of whose sides device `ordinal` can address, on its current stream.
@@ -262,8 +247,8 @@ fn run_plan(ordinal: i32, dst: &Tensor, src: &Tensor) -> Result<()> {
             // SAFETY: the planned bytes lie inside the two live views, which the caller guarantees
             // do not overlap and are not used by anything else meanwhile; unified addressing lets
             // the driver find each side's memory from its address.
-            let rc = unsafe { sys::cuMemcpyAsync(dst_addr as u64, src_addr as u64, bytes, stream) };
-            check(rc, "cuMemcpyAsync")
+            unsafe { driver::memcpy_async(dst_addr as u64, src_addr as u64, bytes, stream) }
+                .named("cuMemcpyAsync")
         }
         CopyPlan::Pitched {
             width,
@@ -290,10 +275,7 @@ fn run_plan(ordinal: i32, dst: &Tensor, src: &Tensor) -> Result<()> {
                 Height: height,
             };
             // SAFETY: as for the linear copy above.
-            check(
-                unsafe { sys::cuMemcpy2DAsync_v2(&p, stream) },
-                "cuMemcpy2DAsync",
-            )
+            unsafe { driver::memcpy_2d_async(&p, stream) }.named("cuMemcpy2DAsync")
         }
         CopyPlan::Kernel {
             word,
@@ -422,22 +404,5 @@ fn launch<A>(
     // SAFETY: `f` is a kernel of the current context taking (pointer, pointer, struct by value)
     // exactly as laid out in `params`; the grid stays within the driver's limits; the kernel only
     // touches the planned words of the two views.
-    check(
-        unsafe {
-            sys::cuLaunchKernel(
-                f,
-                grid.0,
-                grid.1,
-                grid.2,
-                block.0,
-                block.1,
-                block.2,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        "cuLaunchKernel",
-    )
+    unsafe { result::launch_kernel(f, grid, block, 0, stream, &mut params) }.named("cuLaunchKernel")
 }

@@ -9,12 +9,14 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use cudarc::driver::result::{self, DriverError, event, function};
 use cudarc::driver::sys;
 
+use super::driver::{self, describe};
 use super::first_address;
 use super::nvrtc::{self, Function};
 use super::stream::{Event, current_stream, raw};
-use super::{BACKEND, context, describe, driver_version};
+use super::{BACKEND, context, driver_version};
 use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -112,14 +114,12 @@ fn param_sizes(f: Function) -> Option<Vec<usize>> {
     }
     let mut sizes = Vec::new();
     loop {
-        let (mut offset, mut size) = (0usize, 0usize);
-        // SAFETY: a loaded kernel and valid out-pointers; the driver has the entry point (12.4+,
-        // checked above) and answers CUDA_ERROR_INVALID_VALUE past the last parameter.
-        let rc = unsafe { sys::cuFuncGetParamInfo(f.0, sizes.len(), &mut offset, &mut size) };
-        match rc {
-            sys::CUresult::CUDA_SUCCESS => sizes.push(size),
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(sizes),
-            _ => return None,
+        // SAFETY: a loaded kernel; the driver has the entry point (12.4+, checked above) and
+        // answers CUDA_ERROR_INVALID_VALUE past the last parameter.
+        match unsafe { driver::func_param_info(f.0, sizes.len()) } {
+            Ok((_, size)) => sizes.push(size),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE)) => return Some(sizes),
+            Err(_) => return None,
         }
     }
 }
@@ -142,16 +142,16 @@ fn is_sticky(rc: sys::CUresult) -> bool {
     )
 }
 
-fn launch_error(kernel: &Kernel, config: &LaunchConfig, what: &str, rc: sys::CUresult) -> Error {
+fn launch_error(kernel: &Kernel, config: &LaunchConfig, what: &str, e: DriverError) -> Error {
     let mut message = format!(
         "{what} kernel `{}` (grid {:?}, block {:?}, {} bytes of dynamic shared memory) failed: {}",
         kernel.name(),
         config.grid,
         config.block,
         config.shared_mem,
-        describe(rc)
+        describe(e)
     );
-    if is_sticky(rc) {
+    if is_sticky(e.0) {
         message.push_str(
             "; this error is sticky: the CUDA context of this device is unusable for the rest of \
              the process (every later CUDA call in it fails), and the process must be restarted",
@@ -209,21 +209,16 @@ pub(crate) fn launch(
     let f = inner.function;
     if config.shared_mem > DEFAULT_SHARED_LIMIT {
         // SAFETY: a loaded kernel of the current context; the driver checks the value.
-        let rc = unsafe {
-            sys::cuFuncSetAttribute(
+        let allowed = unsafe {
+            function::set_function_attribute(
                 f.0,
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 config.shared_mem as i32,
             )
         };
-        if rc != sys::CUresult::CUDA_SUCCESS {
-            return Err(launch_error(
-                kernel,
-                &config,
-                "allowing the dynamic shared memory of",
-                rc,
-            ));
-        }
+        allowed.map_err(|e| {
+            launch_error(kernel, &config, "allowing the dynamic shared memory of", e)
+        })?;
     }
     let start = Event::new(ordinal, true)?;
     let end = Event::new(ordinal, true)?;
@@ -233,31 +228,21 @@ pub(crate) fn launch(
     // (parameter count and sizes were checked against the kernel where the driver reports them).
     // Arrays passed stay alive until the kernel has finished: `args` is borrowed until this
     // function returns, after the end event has completed.
-    let rc = unsafe {
-        sys::cuLaunchKernel(
+    let launched = unsafe {
+        result::launch_kernel(
             f.0,
-            config.grid[0],
-            config.grid[1],
-            config.grid[2],
-            config.block[0],
-            config.block[1],
-            config.block[2],
+            config.grid.into(),
+            config.block.into(),
             config.shared_mem,
             raw(stream),
-            pointers.as_mut_ptr(),
-            std::ptr::null_mut(),
+            &mut pointers,
         )
     };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(launch_error(kernel, &config, "launching", rc));
-    }
+    launched.map_err(|e| launch_error(kernel, &config, "launching", e))?;
     end.record(stream)?;
     // SAFETY: a live event of this device, just recorded.
-    let rc =
-        unsafe { sys::cuEventSynchronize(std::ptr::with_exposed_provenance_mut(end.handle())) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(launch_error(kernel, &config, "running", rc));
-    }
+    let ran = unsafe { event::synchronize(std::ptr::with_exposed_provenance_mut(end.handle())) };
+    ran.map_err(|e| launch_error(kernel, &config, "running", e))?;
     let elapsed_ms = start.elapsed_ms(&end)? as f64;
     Ok(LaunchTiming { elapsed_ms })
 }

@@ -4,13 +4,15 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
+use super::driver::{self, Named, describe};
 use super::stream::{
-    Event, LEGACY_STREAM, current_stream, handle_of_key, order_streams, pool_key, stream_idle,
-    synchronize_stream,
+    Event, LEGACY_STREAM, WAIT_DEFAULT, current_stream, handle_of_key, order_streams, pool_key,
+    stream_idle, synchronize_stream,
 };
-use super::{BACKEND, check, context, describe};
+use super::{BACKEND, context};
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
@@ -42,48 +44,51 @@ fn raw_stream(key: StreamKey) -> sys::CUstream {
 impl RawAllocator for CudaAllocator {
     fn allocate(&self, bytes: usize, zeroed: bool) -> Result<NonNull<c_void>> {
         let _ctx = context(self.ordinal)?;
-        let mut ptr: u64 = 0;
-        let rc = match self.kind {
-            // SAFETY: valid out-pointer; the device's context is current.
-            Kind::Device => unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
+        let allocated = match self.kind {
+            // SAFETY: the new block is only ever used as raw bytes, which may be uninitialised; the
+            // device's context is current.
+            Kind::Device => unsafe { result::malloc_sync(bytes) },
             Kind::Pinned => {
-                let mut host: *mut c_void = std::ptr::null_mut();
                 let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-                // SAFETY: valid out-pointer; the context is current.
-                let rc = unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) };
-                ptr = host.expose_provenance() as u64;
-                rc
+                // SAFETY: as above.
+                let host = unsafe { result::malloc_host(bytes, flags) };
+                host.map(|host| host.expose_provenance() as u64)
             }
             Kind::Managed => {
-                let flags = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
-                // SAFETY: valid out-pointer; the context is current.
-                unsafe { sys::cuMemAllocManaged(&mut ptr, bytes, flags) }
+                let flags = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL;
+                // SAFETY: as above.
+                unsafe { result::malloc_managed(bytes, flags) }
             }
         };
-        match rc {
-            sys::CUresult::CUDA_SUCCESS => {}
-            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+        let ptr = match allocated {
+            Ok(ptr) => ptr,
+            Err(
+                e @ DriverError(
+                    sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+                    | sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+                ),
+            ) => {
                 let (free, total) = super::mem_info(self.ordinal).unwrap_or((0, 0));
                 return Err(Error::OutOfMemory {
                     bytes,
                     device: self.device,
                     detail: format!(
                         " ({}; the device has {free} of {total} bytes free)",
-                        describe(rc)
+                        describe(e)
                     ),
                 });
             }
-            rc => {
+            Err(e) => {
                 return Err(Error::Driver {
                     backend: BACKEND,
                     message: format!(
                         "allocating {bytes} bytes on {}: {}",
                         self.device,
-                        describe(rc)
+                        describe(e)
                     ),
                 });
             }
-        }
+        };
         let ptr = NonNull::new(std::ptr::with_exposed_provenance_mut::<c_void>(
             ptr as usize,
         ))
@@ -113,10 +118,10 @@ impl RawAllocator for CudaAllocator {
             // SAFETY: `ptr` came from cuMemAlloc / cuMemAllocManaged and is freed once, by the
             // pool; the free waits for work still using the memory.
             Kind::Device | Kind::Managed => unsafe {
-                sys::cuMemFree_v2(ptr.as_ptr().expose_provenance() as u64)
+                result::memory_free(ptr.as_ptr().expose_provenance() as u64)
             },
             // SAFETY: `ptr` came from cuMemHostAlloc and is freed once, by the pool.
-            Kind::Pinned => unsafe { sys::cuMemFreeHost(ptr.as_ptr()) },
+            Kind::Pinned => unsafe { result::free_host(ptr.as_ptr()) },
         };
     }
 
@@ -130,15 +135,15 @@ impl RawAllocator for CudaAllocator {
         let stream = stream.unwrap_or_else(|| pool_key(current_stream(self.ordinal)));
         // SAFETY: the caller guarantees `bytes` bytes of a live block nobody else uses; the fill
         // is ordered on `stream` before later work there.
-        let rc = unsafe {
-            sys::cuMemsetD8Async(
+        unsafe {
+            result::memset_d8_async(
                 ptr.as_ptr().expose_provenance() as u64,
                 0,
                 bytes,
                 raw_stream(stream),
             )
-        };
-        check(rc, "cuMemsetD8Async")
+        }
+        .named("cuMemsetD8Async")
     }
 
     fn fence(&self, stream: StreamKey) -> Result<Option<Box<dyn Fence>>> {
@@ -218,14 +223,14 @@ impl Fence for CudaFence {
         }
         let _ctx = context(self.event().device())?;
         // SAFETY: a live event and a stream of the device whose context is current.
-        let rc = unsafe {
-            sys::cuStreamWaitEvent(
+        unsafe {
+            result::stream::wait_event(
                 raw_stream(stream),
                 std::ptr::with_exposed_provenance_mut(self.event().handle()),
-                0,
+                WAIT_DEFAULT,
             )
-        };
-        check(rc, "cuStreamWaitEvent")
+        }
+        .named("cuStreamWaitEvent")
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -346,39 +351,20 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
 pub fn validate_foreign(device: Device, addr: usize, len: usize) -> Result<()> {
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
-    let mut memory_type: u32 = 0;
-    let mut ordinal_found: i32 = -1;
-    let mut start: u64 = 0;
-    let mut size: usize = 0;
-    let mut attrs = [
-        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-    ];
-    let mut data: [*mut c_void; 4] = [
-        (&raw mut memory_type).cast(),
-        (&raw mut ordinal_found).cast(),
-        (&raw mut start).cast(),
-        (&raw mut size).cast(),
-    ];
-    // SAFETY: four attributes, each with an out-pointer of the size the driver writes for it.
-    let rc = unsafe {
-        sys::cuPointerGetAttributes(
-            attrs.len() as u32,
-            attrs.as_mut_ptr(),
-            data.as_mut_ptr(),
-            addr as u64,
-        )
-    };
     let unknown = || {
         Error::MalformedTensor(format!(
             "{addr:#x} is not memory the CUDA driver knows, but the producer said it is on {device}"
         ))
     };
-    if rc != sys::CUresult::CUDA_SUCCESS || memory_type == 0 {
-        return Err(unknown());
-    }
+    let driver::PointerInfo {
+        memory_type,
+        ordinal: ordinal_found,
+        start,
+        size,
+    } = driver::pointer_info(addr as u64)
+        .ok()
+        .filter(|info| info.memory_type != 0)
+        .ok_or_else(unknown)?;
     let expect_device = device.kind() == DeviceKind::Cuda;
     let is_device = memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
     if device.kind() != DeviceKind::CudaHost && ordinal_found >= 0 && ordinal_found != ordinal {

@@ -29,14 +29,15 @@ mod blas;
 mod codegen;
 pub(crate) mod compute;
 mod copy;
+mod driver;
 pub(crate) mod launch;
 mod memory;
 mod nvrtc;
 mod stream;
 
-use std::ffi::{CStr, c_int};
 use std::sync::{Mutex, OnceLock};
 
+use cudarc::driver::result::{self, ctx, device, event, primary_ctx};
 use cudarc::driver::sys;
 
 pub(crate) use copy::copy;
@@ -47,6 +48,7 @@ pub use stream::{
     set_current_stream, stream_from_dlpack,
 };
 
+use self::driver::{Named, failed};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -106,28 +108,16 @@ fn forked() -> Error {
 }
 
 fn load_driver() -> std::result::Result<Driver, String> {
-    // SAFETY: only tries to open the library by name; no symbol is called.
-    if !unsafe { sys::is_culib_present() } {
+    if !driver::is_present() {
         return Err(
             "the CUDA driver library (libcuda) was not found; install an NVIDIA driver \
                     or add its folder to LD_LIBRARY_PATH"
                 .into(),
         );
     }
-    // SAFETY: cuInit takes flags 0 and may be called any number of times.
-    let rc = unsafe { sys::cuInit(0) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("cuInit failed: {}", describe(rc)));
-    }
-    let mut count: c_int = 0;
-    // SAFETY: `count` is a valid out-pointer.
-    let rc = unsafe { sys::cuDeviceGetCount(&mut count) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("cuDeviceGetCount failed: {}", describe(rc)));
-    }
-    let mut version: c_int = 0;
-    // SAFETY: `version` is a valid out-pointer.
-    let _ = unsafe { sys::cuDriverGetVersion(&mut version) };
+    result::init().map_err(|e| failed("cuInit", e))?;
+    let count = device::get_count().map_err(|e| failed("cuDeviceGetCount", e))?;
+    let version = driver::version().unwrap_or(0);
     Ok(Driver {
         devices: (0..count.max(0)).map(|_| OnceLock::new()).collect(),
         version,
@@ -207,70 +197,41 @@ impl Drop for Bound {
             // SAFETY: `previous` was the thread's current context (or NULL) when the guard was
             // made; re-binding it is what its owner expects. A failure leaves ours bound, which
             // is harmless, and Drop cannot report it.
-            let _ = unsafe { sys::cuCtxSetCurrent(previous) };
+            let _ = unsafe { ctx::set_current(previous) };
         }
     }
 }
 
 fn open_device(ordinal: i32) -> std::result::Result<&'static DeviceContext, String> {
-    let mut dev: sys::CUdevice = 0;
-    check(
-        // SAFETY: `dev` is a valid out-pointer; the ordinal was range-checked by the caller.
-        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
-        "cuDeviceGet",
-    )
-    .map_err(|e| e.to_string())?;
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    check(
-        // SAFETY: `ctx` is a valid out-pointer; the primary context is retained for the process's life
-        // (never released: other libraries share it and it lives as long as the process).
-        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
-        "cuDevicePrimaryCtxRetain",
-    )
-    .map_err(|e| e.to_string())?;
-    let mut previous: sys::CUcontext = std::ptr::null_mut();
-    check(
-        // SAFETY: `previous` is a valid out-pointer.
-        unsafe { sys::cuCtxGetCurrent(&mut previous) },
-        "cuCtxGetCurrent",
-    )
-    .map_err(|e| e.to_string())?;
+    let text = |e: Error| e.to_string();
+    let dev = device::get(ordinal).named("cuDeviceGet").map_err(text)?;
+    // SAFETY: `dev` came from `cuDeviceGet`. The primary context is retained for the process's
+    // life (never released: other libraries share it and it lives as long as the process).
+    let ctx = unsafe { primary_ctx::retain(dev) }
+        .named("cuDevicePrimaryCtxRetain")
+        .map_err(text)?;
+    let previous = current_context().map_err(text)?;
     // SAFETY: `ctx` is the live primary context just retained.
-    check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent").map_err(|e| e.to_string())?;
-    let mut event: sys::CUevent = std::ptr::null_mut();
-    // SAFETY: `event` is a valid out-pointer; the context is current.
-    let created = check(
-        unsafe {
-            sys::cuEventCreate(
-                &mut event,
-                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-            )
-        },
-        "cuEventCreate",
-    );
+    unsafe { ctx::set_current(ctx) }
+        .named("cuCtxSetCurrent")
+        .map_err(text)?;
+    let created = event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
     // SAFETY: re-binds what the thread had before (possibly NULL).
-    let _ = unsafe { sys::cuCtxSetCurrent(previous) };
-    created.map_err(|e| e.to_string())?;
-    let mut sms: c_int = 0;
-    // SAFETY: `sms` is a valid out-pointer and `dev` a valid device.
-    let _ = unsafe {
-        sys::cuDeviceGetAttribute(
-            &mut sms,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            dev,
-        )
-    };
+    let _ = unsafe { ctx::set_current(previous) };
+    let event = created.named("cuEventCreate").map_err(text)?;
     let attribute = |which: sys::CUdevice_attribute| {
-        let mut value: c_int = 0;
-        // SAFETY: `value` is a valid out-pointer and `dev` a valid device.
-        let rc = unsafe { sys::cuDeviceGetAttribute(&mut value, which, dev) };
-        check(rc, "cuDeviceGetAttribute").map(|()| value)
+        // SAFETY: `dev` came from `cuDeviceGet`.
+        unsafe { device::get_attribute(dev, which) }
     };
+    let sms =
+        attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(0);
     let arch = (
         attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-            .map_err(|e| e.to_string())?,
+            .named("cuDeviceGetAttribute")
+            .map_err(text)?,
         attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-            .map_err(|e| e.to_string())?,
+            .named("cuDeviceGetAttribute")
+            .map_err(text)?,
     );
     Ok(Box::leak(Box::new(DeviceContext {
         ctx,
@@ -281,15 +242,16 @@ fn open_device(ordinal: i32) -> std::result::Result<&'static DeviceContext, Stri
     })))
 }
 
+/// The context current on the calling thread, NULL where none is.
+fn current_context() -> Result<sys::CUcontext> {
+    let current = ctx::get_current().named("cuCtxGetCurrent")?;
+    Ok(current.unwrap_or(std::ptr::null_mut()))
+}
+
 impl DeviceContext {
     /// Makes this context current on the calling thread until the guard drops.
     pub(crate) fn bind(&'static self) -> Result<Bound> {
-        let mut current: sys::CUcontext = std::ptr::null_mut();
-        check(
-            // SAFETY: `current` is a valid out-pointer.
-            unsafe { sys::cuCtxGetCurrent(&mut current) },
-            "cuCtxGetCurrent",
-        )?;
+        let current = current_context()?;
         if current == self.ctx {
             return Ok(Bound {
                 inner: self,
@@ -297,7 +259,7 @@ impl DeviceContext {
             });
         }
         // SAFETY: `ctx` is a primary context retained for the life of the process.
-        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
+        unsafe { ctx::set_current(self.ctx) }.named("cuCtxSetCurrent")?;
         Ok(Bound {
             inner: self,
             previous: Some(current),
@@ -308,41 +270,20 @@ impl DeviceContext {
 /// The name of device `ordinal`, e.g. `NVIDIA H200`.
 pub fn device_name(ordinal: i32) -> Result<String> {
     let _ctx = context(ordinal)?;
-    let mut dev: sys::CUdevice = 0;
-    check(
-        // SAFETY: valid out-pointer; the ordinal was checked by `context`.
-        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
-        "cuDeviceGet",
-    )?;
-    let mut name = [0 as std::ffi::c_char; 256];
-    check(
-        // SAFETY: the buffer holds `len` bytes; the driver writes a NUL-terminated name into it.
-        unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, dev) },
-        "cuDeviceGetName",
-    )?;
-    // SAFETY: the driver NUL-terminated the name inside the buffer.
-    Ok(unsafe { CStr::from_ptr(name.as_ptr()) }
-        .to_string_lossy()
-        .into_owned())
+    let dev = device::get(ordinal).named("cuDeviceGet")?;
+    driver::device_name(dev).named("cuDeviceGetName")
 }
 
 /// `(free, total)` bytes of device memory on `ordinal`, as the driver reports them.
 pub fn mem_info(ordinal: i32) -> Result<(usize, usize)> {
     let _ctx = context(ordinal)?;
-    let (mut free, mut total) = (0usize, 0usize);
-    check(
-        // SAFETY: valid out-pointers; the device's context is current.
-        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
-        "cuMemGetInfo",
-    )?;
-    Ok((free, total))
+    result::mem_get_info().named("cuMemGetInfo")
 }
 
 /// Waits for all work on device `ordinal` to finish.
 pub fn synchronize(ordinal: i32) -> Result<()> {
     let _ctx = context(ordinal)?;
-    // SAFETY: the device's context is current.
-    check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+    ctx::synchronize().named("cuCtxSynchronize")
 }
 
 /// Makes host access to `device`'s memory safe: for the host-visible CUDA kinds (pinned and
@@ -355,40 +296,5 @@ pub fn host_barrier(device: Device) -> Result<()> {
             synchronize(device.index() as i32)
         }
         _ => Ok(()),
-    }
-}
-
-/// The driver's name and description of a result code.
-pub(crate) fn describe(rc: sys::CUresult) -> String {
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    let mut text: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: valid out-pointers; the driver returns static strings or leaves them NULL.
-    let _ = unsafe { sys::cuGetErrorName(rc, &mut name) };
-    // SAFETY: as above.
-    let _ = unsafe { sys::cuGetErrorString(rc, &mut text) };
-    let show = |p: *const std::ffi::c_char| {
-        if p.is_null() {
-            None
-        } else {
-            // SAFETY: non-NULL strings from the driver are static and NUL-terminated.
-            Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-        }
-    };
-    match (show(name), show(text)) {
-        (Some(n), Some(t)) => format!("{n} ({t})"),
-        (Some(n), None) => n,
-        _ => format!("CUDA error {}", rc as i32),
-    }
-}
-
-/// Turns a driver result into this crate's error, naming the call.
-pub(crate) fn check(rc: sys::CUresult, call: &str) -> Result<()> {
-    if rc == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Driver {
-            backend: BACKEND,
-            message: format!("{call} failed: {}", describe(rc)),
-        })
     }
 }

@@ -12,10 +12,12 @@
 use std::ffi::{CStr, CString, c_char, c_int};
 use std::sync::OnceLock;
 
+use cudarc::driver::result::{DriverError, module};
 use cudarc::driver::sys as driver;
 use cudarc::nvrtc::sys;
 
-use super::{BACKEND, check, describe};
+use super::BACKEND;
+use super::driver::Named;
 use crate::error::{Error, Result};
 
 /// What NVRTC offers on this machine: its version and the real architectures it can build for.
@@ -333,12 +335,10 @@ unsafe impl Sync for Function {}
 /// Loads `image` into the context current on the calling thread (the caller holds its
 /// [`Bound`](super::Bound) guard).
 pub(crate) fn load(image: &Image) -> Result<Module> {
-    let mut module: driver::CUmodule = std::ptr::null_mut();
     // SAFETY: `image.bytes` is CUBIN or NUL-terminated PTX as NVRTC made it, alive during the
     // call (the driver copies it); a context is current (the caller's guard).
-    let rc = unsafe { driver::cuModuleLoadData(&mut module, image.bytes.as_ptr().cast()) };
-    check(rc, "cuModuleLoadData")?;
-    Ok(Module(module))
+    let loaded = unsafe { module::load_data(image.bytes.as_ptr().cast()) };
+    Ok(Module(loaded.named("cuModuleLoadData")?))
 }
 
 impl Module {
@@ -347,16 +347,11 @@ impl Module {
         let cname = CString::new(name).map_err(|_| {
             Error::InvalidArgument(format!("the kernel name {name:?} contains a NUL byte"))
         })?;
-        let mut f: driver::CUfunction = std::ptr::null_mut();
-        // SAFETY: a loaded module, a NUL-terminated name and a valid out-pointer.
-        let rc = unsafe { driver::cuModuleGetFunction(&mut f, self.0, cname.as_ptr()) };
-        match rc {
-            driver::CUresult::CUDA_SUCCESS => Ok(Some(Function(f))),
-            driver::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
-            rc => Err(Error::Driver {
-                backend: BACKEND,
-                message: format!("cuModuleGetFunction({name}) failed: {}", describe(rc)),
-            }),
+        // SAFETY: a loaded module, never unloaded.
+        match unsafe { module::get_function(self.0, cname) } {
+            Ok(f) => Ok(Some(Function(f))),
+            Err(DriverError(driver::CUresult::CUDA_ERROR_NOT_FOUND)) => Ok(None),
+            Err(e) => Err(e).named(&format!("cuModuleGetFunction({name})")),
         }
     }
 }

@@ -3,9 +3,11 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use cudarc::driver::result::{DriverError, event, stream};
 use cudarc::driver::sys;
 
-use super::{BACKEND, check, context, describe, driver};
+use super::driver::Named;
+use super::{BACKEND, context, driver};
 use crate::error::{Error, Result};
 use crate::pool::StreamKey;
 
@@ -100,6 +102,10 @@ fn same_stream(a: usize, b: usize) -> bool {
     norm(a) == norm(b)
 }
 
+/// The flags of a stream's wait for an event: none (the wait is enqueued on the stream).
+pub(super) const WAIT_DEFAULT: sys::CUevent_wait_flags =
+    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+
 /// The driver's `CUstream` for a raw handle (`0` is the legacy default stream).
 pub(super) fn raw(handle: usize) -> sys::CUstream {
     std::ptr::with_exposed_provenance_mut(handle)
@@ -126,12 +132,10 @@ pub(super) fn order_across(from: i32, producer: usize, to: i32, consumer: usize)
     // SAFETY: the event belongs to this device's context, which is current; the stream handle is
     // the producer's, whose validity the caller vouches for (a bad handle is reported by the
     // driver).
-    let rc = unsafe { sys::cuEventRecord(*event, raw(producer)) };
-    check(rc, "cuEventRecord")?;
+    unsafe { event::record(*event, raw(producer)) }.named("cuEventRecord")?;
     let _to = (to != from).then(|| context(to)).transpose()?;
     // SAFETY: a live event and the consumer's stream, of the context now current.
-    let rc = unsafe { sys::cuStreamWaitEvent(raw(consumer), *event, 0) };
-    check(rc, "cuStreamWaitEvent")
+    unsafe { stream::wait_event(raw(consumer), *event, WAIT_DEFAULT) }.named("cuStreamWaitEvent")
 }
 
 /// As a DLPack producer: makes dlbridge's pending work on device `ordinal` (its current stream)
@@ -178,17 +182,12 @@ impl Stream {
                 });
             }
         }
-        let mut handle: sys::CUstream = std::ptr::null_mut();
-        let flags = if non_blocking {
-            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
+        let kind = if non_blocking {
+            stream::StreamKind::NonBlocking
         } else {
-            0
+            stream::StreamKind::Default
         };
-        check(
-            // SAFETY: `handle` is a valid out-pointer; the device's context is current.
-            unsafe { sys::cuStreamCreate(&mut handle, flags) },
-            "cuStreamCreate",
-        )?;
+        let handle = stream::create(kind).named("cuStreamCreate")?;
         Ok(Stream {
             handle: handle.expose_provenance(),
             ordinal,
@@ -242,10 +241,8 @@ impl Stream {
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         let _ctx = context(self.ordinal)?;
         // SAFETY: a valid stream and event; the context is current.
-        check(
-            unsafe { sys::cuStreamWaitEvent(raw(self.handle), event.handle, 0) },
-            "cuStreamWaitEvent",
-        )
+        unsafe { stream::wait_event(raw(self.handle), event.handle, WAIT_DEFAULT) }
+            .named("cuStreamWaitEvent")
     }
 }
 
@@ -278,17 +275,12 @@ impl Event {
     /// A new event on device `ordinal`; `timing` enables [`Event::elapsed_ms`].
     pub fn new(ordinal: i32, timing: bool) -> Result<Event> {
         let _ctx = context(ordinal)?;
-        let mut handle: sys::CUevent = std::ptr::null_mut();
         let flags = if timing {
-            0
+            sys::CUevent_flags::CU_EVENT_DEFAULT
         } else {
-            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
         };
-        check(
-            // SAFETY: `handle` is a valid out-pointer; the device's context is current.
-            unsafe { sys::cuEventCreate(&mut handle, flags) },
-            "cuEventCreate",
-        )?;
+        let handle = event::create(flags).named("cuEventCreate")?;
         Ok(Event {
             handle,
             ordinal,
@@ -301,27 +293,21 @@ impl Event {
         let _ctx = context(self.ordinal)?;
         // SAFETY: a valid event of the current context; the stream handle's validity is the
         // caller's (the driver reports a bad one).
-        check(
-            unsafe { sys::cuEventRecord(self.handle, raw(stream)) },
-            "cuEventRecord",
-        )
+        unsafe { event::record(self.handle, raw(stream)) }.named("cuEventRecord")
     }
 
     /// Waits until the work captured by the last record has finished.
     pub fn synchronize(&self) -> Result<()> {
         let _ctx = context(self.ordinal)?;
         // SAFETY: a valid event.
-        check(
-            unsafe { sys::cuEventSynchronize(self.handle) },
-            "cuEventSynchronize",
-        )
+        unsafe { event::synchronize(self.handle) }.named("cuEventSynchronize")
     }
 
     /// Whether the work captured by the last record has finished.
     pub fn query(&self) -> Result<bool> {
         let _ctx = context(self.ordinal)?;
         // SAFETY: a valid event.
-        ready(unsafe { sys::cuEventQuery(self.handle) }, "cuEventQuery")
+        ready(unsafe { event::query(self.handle) }, "cuEventQuery")
     }
 
     /// Milliseconds between this event and `end`, both recorded and completed.
@@ -338,13 +324,8 @@ impl Event {
             });
         }
         let _ctx = context(self.ordinal)?;
-        let mut ms = 0f32;
-        check(
-            // SAFETY: valid out-pointer and events; the driver has the entry point (checked above).
-            unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.handle, end.handle) },
-            "cuEventElapsedTime",
-        )?;
-        Ok(ms)
+        // SAFETY: two live events of this device; the driver has the entry point (checked above).
+        unsafe { event::elapsed(self.handle, end.handle) }.named("cuEventElapsedTime")
     }
 
     /// The raw handle.
@@ -362,20 +343,16 @@ impl Drop for Event {
     fn drop(&mut self) {
         if let Ok(_ctx) = context(self.ordinal) {
             // SAFETY: the event was created by `Event::new` and is destroyed only here.
-            let _ = unsafe { sys::cuEventDestroy_v2(self.handle) };
+            let _ = unsafe { event::destroy(self.handle) };
         }
     }
 }
 
 /// `Ok(true)` for success, `Ok(false)` for "not ready", an error otherwise.
-fn ready(rc: sys::CUresult, call: &str) -> Result<bool> {
-    match rc {
-        sys::CUresult::CUDA_SUCCESS => Ok(true),
-        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        rc => Err(Error::Driver {
-            backend: BACKEND,
-            message: format!("{call} failed: {}", describe(rc)),
-        }),
+fn ready(result: std::result::Result<(), DriverError>, call: &str) -> Result<bool> {
+    match result {
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+        result => result.named(call).map(|()| true),
     }
 }
 
@@ -385,7 +362,10 @@ fn ready(rc: sys::CUresult, call: &str) -> Result<bool> {
 pub(crate) fn stream_idle(ordinal: i32, handle: usize) -> Result<bool> {
     let _ctx = context(ordinal)?;
     // SAFETY: a stream of the device (see above) whose context is current.
-    ready(unsafe { sys::cuStreamQuery(raw(handle)) }, "cuStreamQuery")
+    ready(
+        unsafe { driver::stream_query(raw(handle)) },
+        "cuStreamQuery",
+    )
 }
 
 /// Waits until every piece of work enqueued so far on stream `handle` of device `ordinal` has
@@ -393,10 +373,7 @@ pub(crate) fn stream_idle(ordinal: i32, handle: usize) -> Result<bool> {
 pub(crate) fn synchronize_stream(ordinal: i32, handle: usize) -> Result<()> {
     let _ctx = context(ordinal)?;
     // SAFETY: as in `stream_idle`.
-    check(
-        unsafe { sys::cuStreamSynchronize(raw(handle)) },
-        "cuStreamSynchronize",
-    )
+    unsafe { stream::synchronize(raw(handle)) }.named("cuStreamSynchronize")
 }
 
 /// Makes work just enqueued on the calling thread's current stream that reads or writes

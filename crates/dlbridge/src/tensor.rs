@@ -405,28 +405,11 @@ impl Tensor {
     /// toward zero into integers, complex drops the imaginary part into reals). A same-dtype cast
     /// is a plain copy.
     pub fn cast(&self, dtype: DType) -> Result<Tensor> {
-        if dtype == self.dtype {
-            return self.copy();
-        }
-        // A compact host view is read in place; anything else is made compact on the host first.
-        let compact = if self.device().is_cpu() && self.is_contiguous() && !self.packed {
-            self.clone()
-        } else {
-            self.copy_to(Device::CPU)?
-        };
-        let mut out = Tensor::empty(self.shape(), dtype, Device::CPU)?;
-        let src = compact.host_bytes()?;
-        let dst = out.host_bytes_mut()?;
-        backend::cpu::cast::cast_bytes(src, self.dtype, dst, dtype)?;
-        if self.device().is_cpu() {
-            Ok(out)
-        } else {
-            out.copy_to(self.device())
-        }
+        crate::compute::cast(self, dtype)
     }
 
     /// The bytes of a compact host view.
-    fn host_bytes(&self) -> Result<&[u8]> {
+    pub(crate) fn host_bytes(&self) -> Result<&[u8]> {
         if self.packed || !self.is_contiguous() {
             return Err(Error::Shape("raw bytes of a non-compact view".into()));
         }
@@ -441,7 +424,7 @@ impl Tensor {
     }
 
     /// The bytes of a compact host view this handle alone owns.
-    fn host_bytes_mut(&mut self) -> Result<&mut [u8]> {
+    pub(crate) fn host_bytes_mut(&mut self) -> Result<&mut [u8]> {
         let count = self.buffer.ref_count();
         if count != 1 {
             return Err(Error::Aliased { count });
@@ -509,30 +492,8 @@ impl Tensor {
                 return unsafe { self.copy_from_unchecked(&staged) };
             }
         }
-        if !self.device().is_cpu() || !src.device().is_cpu() {
-            // SAFETY: forwarded contract; the views do not overlap (checked above).
-            return unsafe { backend::copy_device(self, &src) };
-        }
-        let dst_base = self.buffer.require_host("copying into it")?;
-        let src_base = src.buffer.require_host("copying from it")?;
-        let itemsize = self.dtype.itemsize();
-        // Inside each live allocation: both views were bounds-checked when they were built.
-        let src_first = src_base.as_ptr().wrapping_add(src.byte_offset());
-        let dst_first = dst_base.as_ptr().wrapping_add(self.byte_offset());
-        // SAFETY: every element address of each layout lies inside its live allocation; the byte
-        // ranges are disjoint (checked above for a shared allocation; distinct allocations never
-        // overlap); the caller guarantees no reference into the destination bytes is alive.
-        unsafe {
-            backend::cpu::copy_strided(
-                src_first,
-                src.strides(),
-                dst_first,
-                self.strides(),
-                self.shape(),
-                itemsize,
-            )
-        };
-        Ok(())
+        // SAFETY: forwarded contract; the views do not overlap (checked above).
+        unsafe { backend::copy(self, &src) }
     }
 
     /// Fills the view with copies of one element given as raw bytes (`itemsize` of them).

@@ -1,11 +1,17 @@
 //! The seam between device-independent code and the backends.
 //!
-//! Each backend is a folder; the rest of the crate reaches them only through the functions here,
-//! which dispatch on [`DeviceKind`]. A backend that is not compiled in, or that cannot start on this
-//! machine, answers with [`Error::BackendUnavailable`], never a panic.
+//! Each backend is a folder that implements [`Backend`], the operations every backend has; the
+//! rest of the crate reaches them only through the functions here, which pick the backend of a
+//! device ([`of`]) and call it. A backend that is not compiled in keeps its module's shape through
+//! a stub (`cuda/unavailable.rs`, `metal/unavailable.rs`) whose operations answer
+//! [`Error::BackendUnavailable`], never a panic; the build script's `cfg(cuda)` / `cfg(metal)` is
+//! tested only where a backend's module is chosen.
 
 pub mod cpu;
 #[cfg(cuda)]
+pub mod cuda;
+#[cfg(not(cuda))]
+#[path = "cuda/unavailable.rs"]
 pub mod cuda;
 pub mod metal;
 pub mod plan;
@@ -13,11 +19,102 @@ pub mod plan;
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, StorageMode};
+use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
 use crate::device::{Device, DeviceKind};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pool::{MemoryStats, Pool};
 use crate::storage::{self, Resolved};
 use crate::tensor::Tensor;
+
+/// The operations every backend has. One unit type per backend implements it (`cpu::Cpu`,
+/// `cuda::Cuda`, `metal::Metal`); [`of`] picks the one for a device.
+pub(crate) trait Backend: Sync {
+    /// Allocates `bytes` on `device` (zero-filled when `zeroed`) in `storage` (`None`: the
+    /// environment's or the device's default, [`storage::resolve`]).
+    fn allocate(
+        &self,
+        device: Device,
+        bytes: usize,
+        storage: Option<StorageMode>,
+        zeroed: bool,
+    ) -> Result<Buffer>;
+
+    /// The pool that serves allocations on `device` in `storage` (`None`: the one the device
+    /// names).
+    fn pool(&self, device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>>;
+
+    /// The storage mode an allocation on `device` asking for `requested` gets.
+    fn resolve_storage(&self, device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
+        self.pool(device, None)?;
+        storage::resolve(device.kind(), requested)
+    }
+
+    /// Waits until dlbridge's pending work on `device` has finished.
+    fn synchronize(&self, device: Device) -> Result<()>;
+
+    /// Waits until the host may read or write `device`'s memory.
+    fn host_barrier(&self, _device: Device) -> Result<()> {
+        Ok(())
+    }
+
+    /// Checks `len` bytes at `addr` that a DLPack producer says live on `device`, where the
+    /// backend can.
+    fn validate_foreign(&self, _device: Device, _addr: usize, _len: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// Copies between two views of one shape and dtype, one of which is on this backend's device
+    /// (the other on it too, or on the CPU).
+    ///
+    /// # Safety
+    /// As [`Tensor::copy_from_unchecked`].
+    unsafe fn copy(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
+
+    /// Before a tensor on `device` leaves for a DLPack consumer: makes dlbridge's pending work
+    /// visible to it, on the consumer's `stream` where the device has streams.
+    fn export_handoff(&self, device: Device, stream: Option<i64>) -> Result<()>;
+
+    /// Resolves a producer's tensor whose memory is an opaque handle into one dlbridge can use.
+    fn resolve_import(&self, tensor: Tensor, _copy: Option<bool>) -> Result<Tensor> {
+        Ok(tensor)
+    }
+
+    /// A host view of `tensor`'s memory, where the backend has one to give without a copy.
+    fn host_view(&self, _tensor: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+
+    /// The calling thread's current stream on `device` (`0`: the default, or none).
+    fn current_stream(&self, _device: Device) -> usize {
+        0
+    }
+
+    /// Makes our current stream on `device` wait for a producer's stream.
+    fn order_after_producer(&self, _device: Device, _producer: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs an element-wise kernel ([`crate::compute`]).
+    fn map(&self, req: &MapRequest<'_>) -> Result<()>;
+
+    /// Runs a reduction ([`crate::compute`]).
+    fn reduce(&self, req: &ReduceRequest<'_>) -> Result<()>;
+
+    /// Runs a batched matrix product ([`crate::compute`]).
+    fn matmul(&self, req: &MatmulRequest<'_>) -> Result<()>;
+}
+
+/// The backend that serves `device`, or `None` for devices dlbridge holds only opaquely.
+#[inline]
+pub(crate) fn of(device: Device) -> Option<&'static dyn Backend> {
+    match device.kind() {
+        DeviceKind::Cpu => Some(&cpu::Cpu),
+        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => Some(&cuda::Cuda),
+        DeviceKind::Metal => Some(&metal::Metal),
+        DeviceKind::Other(_) => None,
+    }
+}
 
 /// Allocates `bytes` on `device`, zero-filled when `zeroed`. `storage` picks where the memory
 /// lives; `None` takes the environment's or the device's default ([`storage::resolve`]).
@@ -28,32 +125,9 @@ pub fn allocate(
     storage: Option<StorageMode>,
     zeroed: bool,
 ) -> Result<Buffer> {
-    match device.kind() {
-        DeviceKind::Cpu => {
-            // Resolving reads `DLBRIDGE_STORAGE_MODE` on first use (and warns once if it is
-            // invalid); host memory is shared memory whatever the answer (see `StorageMode`).
-            storage::resolve(DeviceKind::Cpu, storage)?;
-            cpu::allocate(bytes, zeroed)
-        }
-        // The storage mode (explicit, else `DLBRIDGE_STORAGE_MODE`, else private) picks the pool
-        // and the device kind: private → `cuda:N`, shared → `cuda_host:N`, managed →
-        // `cuda_managed:N`. Blocks are keyed by the calling thread's current stream.
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
-            let storage = match (device.kind(), storage) {
-                (DeviceKind::Cuda, None) => Some(storage::resolve(DeviceKind::Cuda, None)?.mode),
-                (_, explicit) => explicit,
-            };
-            let device = cuda_kind_for(device, storage)?;
-            #[cfg(cuda)]
-            return cuda::allocate(device, bytes, zeroed);
-            #[cfg(not(cuda))]
-            {
-                let _ = (device, bytes, zeroed);
-                Err(unavailable("CUDA"))
-            }
-        }
-        DeviceKind::Metal => metal::allocate(device, bytes, storage, zeroed),
-        DeviceKind::Other(_) => Err(no_memory_of_ours(device)),
+    match of(device) {
+        Some(backend) => backend.allocate(device, bytes, storage, zeroed),
+        None => Err(no_memory_of_ours(device)),
     }
 }
 
@@ -70,7 +144,7 @@ pub fn placement(device: Device, storage: Option<StorageMode>) -> Result<Device>
     }
 }
 
-fn cuda_kind_for(device: Device, storage: Option<StorageMode>) -> Result<Device> {
+pub(crate) fn cuda_kind_for(device: Device, storage: Option<StorageMode>) -> Result<Device> {
     let index = device.index();
     let wanted = match storage {
         None => return Ok(device),
@@ -92,16 +166,7 @@ fn cuda_kind_for(device: Device, storage: Option<StorageMode>) -> Result<Device>
 /// CUDA kinds (pinned and managed memory) and Metal devices (shared and managed buffers), whose
 /// pending device work is waited for.
 pub fn host_barrier(device: Device) -> Result<()> {
-    if device.kind() == DeviceKind::Metal {
-        return metal::synchronize(device);
-    }
-    #[cfg(cuda)]
-    return cuda::host_barrier(device);
-    #[cfg(not(cuda))]
-    {
-        let _ = device;
-        Ok(())
-    }
+    of(device).map_or(Ok(()), |b| b.host_barrier(device))
 }
 
 /// Waits until dlbridge's pending work on `device` has finished: the CUDA device's work (all its
@@ -113,16 +178,9 @@ pub fn host_barrier(device: Device) -> Result<()> {
 /// driver's error (for Metal, GPU errors recorded since the last synchronization);
 /// [`Error::UnsupportedDevice`] for devices dlbridge has no backend for.
 pub fn synchronize(device: Device) -> Result<()> {
-    match device.kind() {
-        DeviceKind::Cpu => Ok(()),
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
-            #[cfg(cuda)]
-            return cuda::synchronize(device.index() as i32);
-            #[cfg(not(cuda))]
-            return Err(unavailable("CUDA"));
-        }
-        DeviceKind::Metal => metal::synchronize(device),
-        DeviceKind::Other(_) => Err(Error::UnsupportedDevice(format!(
+    match of(device) {
+        Some(backend) => backend.synchronize(device),
+        None => Err(Error::UnsupportedDevice(format!(
             "dlbridge has no work on {device} to wait for"
         ))),
     }
@@ -130,22 +188,10 @@ pub fn synchronize(device: Device) -> Result<()> {
 
 /// Checks memory a DLPack producer handed over, where the backend can: a CUDA pointer must be
 /// one the driver knows, on the claimed device, with the whole addressed range inside one
-/// allocation. Backends that are not compiled in (or have no driver) accept the producer's word.
+/// allocation. Backends that are not compiled in (or have no driver) accept the producer's word:
+/// nothing here will touch the memory either, the tensor is held and handed on as it came.
 pub(crate) fn validate_foreign(device: Device, addr: usize, len: usize) -> Result<()> {
-    match device.kind() {
-        // Without a driver nothing can be checked, and nothing here will touch the memory either:
-        // the tensor is held and handed on as it came.
-        #[cfg(cuda)]
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged
-            if cuda::device_count().is_ok() =>
-        {
-            cuda::validate_foreign(device, addr, len)
-        }
-        _ => {
-            let _ = (addr, len);
-            Ok(())
-        }
-    }
+    of(device).map_or(Ok(()), |b| b.validate_foreign(device, addr, len))
 }
 
 /// Resolves a producer's tensor whose memory is named by an opaque handle (`kDLMetal`: an
@@ -153,14 +199,10 @@ pub(crate) fn validate_foreign(device: Device, addr: usize, len: usize) -> Resul
 /// private one (refused for `copy=Some(false)`), or a copy for `copy=Some(true)`. Tensors of other
 /// devices, and Metal tensors where the backend is not available (held opaquely), pass through.
 pub(crate) fn resolve_import(tensor: Tensor, copy: Option<bool>) -> Result<Tensor> {
-    if tensor.device().kind() != DeviceKind::Metal || !metal::is_available() {
-        return Ok(tensor);
+    match of(tensor.device()) {
+        Some(backend) => backend.resolve_import(tensor, copy),
+        None => Ok(tensor),
     }
-    let options = metal::ImportOptions {
-        copy,
-        ..metal::ImportOptions::default()
-    };
-    metal::import_foreign(tensor, options)
 }
 
 /// Before a tensor on `device` leaves for a consumer: makes dlbridge's pending work visible to it.
@@ -168,23 +210,24 @@ pub(crate) fn resolve_import(tensor: Tensor, copy: Option<bool>) -> Result<Tenso
 /// Metal, which has no stream in DLPack, waits for it (a no-op where the backend is not
 /// available: a foreign Metal tensor, held opaquely, is handed on as it came). Other devices have
 /// no streams, so a stream there is an error.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a stream value the standard forbids, or any stream on a device
+/// without streams; the backend's error from waiting.
 pub fn export_handoff(device: Device, stream: Option<i64>) -> Result<()> {
-    match device.kind() {
-        kind if kind.is_cuda() => {
-            #[cfg(cuda)]
-            return cuda::make_visible(device.index() as i32, cuda::stream_from_dlpack(stream)?);
-            #[cfg(not(cuda))]
-            {
-                let _ = stream;
-                Ok(())
-            }
-        }
-        _ if stream.is_some() => Err(Error::InvalidArgument(format!(
-            "stream must be None for arrays on {device} (got {})",
-            stream.unwrap_or_default()
+    match of(device) {
+        Some(backend) => backend.export_handoff(device, stream),
+        None => no_stream_here(device, stream),
+    }
+}
+
+/// The handoff of a device without streams: nothing to order, and no stream to name.
+pub(crate) fn no_stream_here(device: Device, stream: Option<i64>) -> Result<()> {
+    match stream {
+        None => Ok(()),
+        Some(s) => Err(Error::InvalidArgument(format!(
+            "stream must be None for arrays on {device} (got {s})"
         ))),
-        DeviceKind::Metal if metal::is_available() => metal::synchronize(device),
-        _ => Ok(()),
     }
 }
 
@@ -192,10 +235,7 @@ pub fn export_handoff(device: Device, stream: Option<i64>) -> Result<()> {
 /// Metal buffers); `None` for devices whose memory needs no view or cannot have one; an error
 /// saying why for Metal memory that cannot be viewed (private or managed storage).
 pub(crate) fn host_view(tensor: &Tensor) -> Result<Option<Tensor>> {
-    if tensor.device().kind() != DeviceKind::Metal || !metal::is_available() {
-        return Ok(None);
-    }
-    metal::host_view(tensor).map(Some)
+    of(tensor.device()).map_or(Ok(None), |b| b.host_view(tensor))
 }
 
 /// The stream a consumer on `device` names to its producer (array API `__dlpack__(stream=)`):
@@ -205,67 +245,48 @@ pub fn consumer_stream(device: Device) -> Option<i64> {
     if !device.kind().is_cuda() {
         return None;
     }
-    #[cfg(cuda)]
-    return Some(match cuda::current_stream(device.index() as i32) {
+    Some(match current_stream(device) {
         0 => 1,
         s => s as i64,
-    });
-    #[cfg(not(cuda))]
-    Some(1)
+    })
 }
 
 /// The calling thread's current stream on a CUDA `device` as a raw handle (`0`: the legacy
 /// default stream); `0` for devices without streams.
 pub fn current_stream(device: Device) -> usize {
-    if !device.kind().is_cuda() {
-        return 0;
-    }
-    #[cfg(cuda)]
-    return cuda::current_stream(device.index() as i32);
-    #[cfg(not(cuda))]
-    0
+    of(device).map_or(0, |b| b.current_stream(device))
 }
 
 /// As a consumer of a producer that named its work stream instead of ordering it for us (the C
 /// exchange table's "NoSync" exports): makes our current stream on `device` wait for the
 /// producer's stream `producer`. A no-op for devices without streams.
+///
+/// # Errors
+/// The backend's error recording or waiting for the event.
 pub fn order_after_producer(device: Device, producer: usize) -> Result<()> {
-    if !device.kind().is_cuda() {
-        return Ok(());
-    }
-    #[cfg(cuda)]
-    return cuda::order_streams(device.index() as i32, producer, current_stream(device));
-    #[cfg(not(cuda))]
-    {
-        let _ = producer;
-        Err(unavailable("CUDA"))
-    }
+    of(device).map_or(Ok(()), |b| b.order_after_producer(device, producer))
 }
 
-/// Copies between two views of one shape and dtype where at least one is not CPU memory.
+/// Copies between two views of one shape and dtype: by the backend of the side that is not CPU
+/// memory (the CPU's when both are), which refuses a partner it cannot reach.
 ///
 /// # Safety
 /// As [`Tensor::copy_from_unchecked`](crate::Tensor::copy_from_unchecked).
-pub(crate) unsafe fn copy_device(dst: &crate::Tensor, src: &crate::Tensor) -> Result<()> {
-    let (sk, dk) = (src.device().kind(), dst.device().kind());
-    let cuda_ok =
-        (sk.is_cuda() || sk == DeviceKind::Cpu) && (dk.is_cuda() || dk == DeviceKind::Cpu);
-    if cuda_ok && (sk.is_cuda() || dk.is_cuda()) {
-        #[cfg(cuda)]
+pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
+    let side = if src.device().is_cpu() {
+        dst.device()
+    } else {
+        src.device()
+    };
+    match of(side) {
         // SAFETY: forwarded contract.
-        return unsafe { cuda::copy(dst, src) };
-        #[cfg(not(cuda))]
-        return Err(unavailable("CUDA"));
+        Some(backend) => unsafe { backend.copy(dst, src) },
+        None => Err(unreachable_copy(dst, src)),
     }
-    #[cfg(metal)]
-    if (sk == DeviceKind::Metal || dk == DeviceKind::Metal)
-        && matches!(sk, DeviceKind::Metal | DeviceKind::Cpu)
-        && matches!(dk, DeviceKind::Metal | DeviceKind::Cpu)
-    {
-        // SAFETY: forwarded contract.
-        return unsafe { metal::copy_unchecked(src, dst) };
-    }
-    // No backend here reaches the memory: name the side the host cannot address.
+}
+
+/// The error of a copy no backend here can make: names the side the host cannot address.
+pub(crate) fn unreachable_copy(dst: &Tensor, src: &Tensor) -> Error {
     let (device, what) = if !src.device().kind().is_host_accessible() {
         (src.device(), format!("copying from it to {}", dst.device()))
     } else {
@@ -274,50 +295,34 @@ pub(crate) unsafe fn copy_device(dst: &crate::Tensor, src: &crate::Tensor) -> Re
             format!("copying into it from {}", src.device()),
         )
     };
-    Err(Error::NotHostAccessible { device, what })
+    Error::NotHostAccessible { device, what }
 }
 
 /// Runs an element-wise kernel on the request's device ([`crate::compute`]).
-pub(crate) fn map(req: &crate::compute::MapRequest<'_>) -> Result<()> {
-    match req.out.device().kind() {
-        DeviceKind::Cpu => cpu::compute::map(req),
-        #[cfg(cuda)]
-        kind if kind.is_cuda() => {
-            // Recorded also after a failure part-way: what was enqueued may still run.
-            let enqueued = cuda::compute::map(req);
-            enqueued.and(cuda::record_use(req.tensor_inputs().chain([req.out])))
-        }
-        DeviceKind::Metal => metal::compute::map(req),
-        _ => Err(no_compute(req.out.device())),
-    }
+pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
+    compute_on(req.out.device())?.map(req)
 }
 
 /// Runs a reduction on the request's device ([`crate::compute`]).
-pub(crate) fn reduce(req: &crate::compute::ReduceRequest<'_>) -> Result<()> {
-    match req.out.device().kind() {
-        DeviceKind::Cpu => cpu::compute::reduce(req),
-        #[cfg(cuda)]
-        kind if kind.is_cuda() => {
-            let enqueued = cuda::compute::reduce(req);
-            enqueued.and(cuda::record_use([req.input, req.out]))
-        }
-        DeviceKind::Metal => metal::compute::reduce(req),
-        _ => Err(no_compute(req.out.device())),
-    }
+pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
+    compute_on(req.out.device())?.reduce(req)
 }
 
 /// Runs a batched matrix product on the request's device ([`crate::compute`]).
-pub(crate) fn matmul(req: &crate::compute::MatmulRequest<'_>) -> Result<()> {
-    match req.out.device().kind() {
-        DeviceKind::Cpu => cpu::compute::matmul(req),
-        #[cfg(cuda)]
-        kind if kind.is_cuda() => {
-            let enqueued = cuda::compute::matmul(req);
-            enqueued.and(cuda::record_use([req.a, req.b, req.out]))
-        }
-        DeviceKind::Metal => metal::compute::matmul(req),
-        _ => Err(no_compute(req.out.device())),
-    }
+pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {
+    compute_on(req.out.device())?.matmul(req)
+}
+
+fn compute_on(device: Device) -> Result<&'static dyn Backend> {
+    of(device)
+        .ok_or_else(|| Error::UnsupportedDevice(format!("dlbridge does not compute on {device}")))
+}
+
+/// `x` converted to `dtype` by the host converter, which covers every dtype (complex and the
+/// minifloats included): the CPU's cast, and every backend's fallback for the dtypes its kernels
+/// do not convert.
+pub(crate) fn cast_on_host(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    cpu::cast::cast_tensor(x, dtype)
 }
 
 /// Compiles a CUDA C kernel with NVRTC ([`crate::compute::kernel::compile`]).
@@ -327,13 +332,7 @@ pub(crate) fn compile_cuda_kernel(
     name: &str,
     options: &[String],
 ) -> Result<crate::compute::kernel::Kernel> {
-    #[cfg(cuda)]
-    return cuda::launch::compile(device, source, name, options);
-    #[cfg(not(cuda))]
-    {
-        let _ = (device, source, name, options);
-        Err(unavailable("CUDA"))
-    }
+    cuda::launch::compile(device, source, name, options)
 }
 
 /// Launches a compiled CUDA kernel ([`crate::compute::kernel::launch`]).
@@ -342,41 +341,16 @@ pub(crate) fn launch_cuda_kernel(
     config: crate::compute::kernel::LaunchConfig,
     args: &[crate::compute::kernel::KernelArg],
 ) -> Result<crate::compute::kernel::LaunchTiming> {
-    #[cfg(cuda)]
-    return cuda::launch::launch(kernel, config, args);
-    #[cfg(not(cuda))]
-    {
-        let _ = (kernel, config, args);
-        Err(unavailable("CUDA"))
-    }
-}
-
-fn no_compute(device: Device) -> Error {
-    #[cfg(not(cuda))]
-    if device.kind().is_cuda() {
-        return unavailable("CUDA");
-    }
-    Error::UnsupportedDevice(format!("dlbridge does not compute on {device}"))
+    cuda::launch::launch(kernel, config, args)
 }
 
 /// The pool that serves allocations on `device` when nothing asks for a storage mode. CUDA device
-/// kinds name a mode each, so `cuda:N`, `cuda_host:N` and `cuda_managed:N` will name the private,
-/// shared and managed pools of device `N`; `metal:N` names the pool of the device's default mode
-/// ([`metal::resolve_storage`]).
+/// kinds name a mode each, so `cuda:N`, `cuda_host:N` and `cuda_managed:N` name the private,
+/// shared and managed pools of device `N`; `metal:N` names the pool of the device's default mode.
 fn pool(device: Device) -> Result<&'static Arc<Pool>> {
-    match device.kind() {
-        DeviceKind::Cpu => Ok(cpu::pool()),
-        // One pool per (device index, storage mode): `Cuda` → private, `CudaHost` → shared
-        // (pinned), `CudaManaged` → managed.
-        #[cfg(cuda)]
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => cuda::pool(device),
-        #[cfg(not(cuda))]
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
-            Err(unavailable("CUDA"))
-        }
-        // One pool per (device index, storage mode), as for CUDA; the device names no mode.
-        DeviceKind::Metal => metal::pool(device, None),
-        DeviceKind::Other(_) => Err(no_memory_of_ours(device)),
+    match of(device) {
+        Some(backend) => backend.pool(device, None),
+        None => Err(no_memory_of_ours(device)),
     }
 }
 
@@ -390,14 +364,10 @@ fn pool(device: Device) -> Result<&'static Arc<Pool>> {
 /// As [`memory_stats`], and [`Error::InvalidArgument`] for a mode that conflicts with the device
 /// or that the OS lacks (managed Metal storage outside macOS).
 pub fn pool_for(device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>> {
-    match (device.kind(), storage) {
+    match (of(device), storage) {
         (_, None) => pool(device),
-        (DeviceKind::Metal, storage) => metal::pool(device, storage),
-        (DeviceKind::Cpu, storage) => {
-            storage::resolve(DeviceKind::Cpu, storage)?;
-            pool(device)
-        }
-        (_, storage) => pool(placement(device, storage)?),
+        (Some(backend), storage) => backend.pool(device, storage),
+        (None, _) => Err(no_memory_of_ours(device)),
     }
 }
 
@@ -467,19 +437,9 @@ pub fn storage_mode(device: Device) -> Result<Resolved> {
 /// # Errors
 /// As [`memory_stats`], and as [`storage::resolve`].
 pub fn resolve_storage(device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
-    if device.kind() == DeviceKind::Metal {
-        // The default depends on the device (unified memory or not) and on its own variable.
-        return metal::resolve_storage(device, requested);
-    }
-    pool(device)?;
-    storage::resolve(device.kind(), requested)
-}
-
-#[cfg(not(cuda))]
-pub(crate) fn unavailable(backend: &'static str) -> Error {
-    Error::BackendUnavailable {
-        backend,
-        reason: "this build of dlbridge does not include it".into(),
+    match of(device) {
+        Some(backend) => backend.resolve_storage(device, requested),
+        None => Err(no_memory_of_ours(device)),
     }
 }
 

@@ -576,7 +576,7 @@ pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     let supported = |d: DType| promote::is_numeric(d) || d == DType::BOOL;
     if !supported(x.dtype()) || !supported(dtype) || device.is_cpu() {
         // The host converter covers every dtype (complex and the minifloats included).
-        return x.cast(dtype);
+        return backend::cast_on_host(x, dtype);
     }
     let out = new_on(x, x.shape(), dtype)?;
     run_map(&map_request(MapOp::Cast, vec![Operand::Tensor(x)], &out))?;

@@ -2,8 +2,35 @@
 //! floats to integers truncate toward zero (saturating at the integer's range, NaN to 0), complex
 //! to real drops the imaginary part, anything to bool is "non-zero".
 
+use crate::device::Device;
 use crate::dtype::{DType, DTypeCode, f64_to_minifloat, minifloat_to_f64};
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// A compact copy of `x` with elements converted to `dtype`, made on the host and placed back on
+/// `x`'s device: the converter for every dtype (complex and the minifloats included), used for
+/// CPU tensors and for the conversions a device's kernels do not make. A same-dtype cast is a
+/// plain copy.
+pub(crate) fn cast_tensor(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    if dtype == x.dtype() {
+        return x.copy();
+    }
+    // A compact host view is read in place; anything else is made compact on the host first.
+    let compact = if x.device().is_cpu() && x.is_contiguous() && !x.is_packed() {
+        x.clone()
+    } else {
+        x.copy_to(Device::CPU)?
+    };
+    let mut out = Tensor::empty(x.shape(), dtype, Device::CPU)?;
+    let src = compact.host_bytes()?;
+    let dst = out.host_bytes_mut()?;
+    cast_bytes(src, x.dtype(), dst, dtype)?;
+    if x.device().is_cpu() {
+        Ok(out)
+    } else {
+        out.copy_to(x.device())
+    }
+}
 
 /// One element, widened.
 #[derive(Clone, Copy, Debug, PartialEq)]

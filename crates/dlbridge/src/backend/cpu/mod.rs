@@ -15,6 +15,7 @@
 
 pub mod cast;
 pub(crate) mod compute;
+mod hooks;
 pub(crate) mod workers;
 
 use std::alloc::Layout as AllocLayout;
@@ -26,6 +27,8 @@ use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::pool::{Pool, RawAllocator, StreamKey};
+
+pub(crate) use hooks::Cpu;
 
 /// The smallest alignment of any CPU allocation, in bytes.
 pub const MIN_ALIGN: usize = 64;

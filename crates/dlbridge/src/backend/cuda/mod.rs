@@ -30,6 +30,7 @@ mod codegen;
 pub(crate) mod compute;
 mod copy;
 mod driver;
+mod hooks;
 pub(crate) mod launch;
 mod memory;
 mod nvrtc;
@@ -41,6 +42,7 @@ use cudarc::driver::result::{self, ctx, device, event, primary_ctx};
 use cudarc::driver::sys;
 
 pub(crate) use copy::copy;
+pub(crate) use hooks::Cuda;
 pub use memory::{allocate, pool, validate_foreign};
 pub(crate) use stream::record_use;
 pub use stream::{

@@ -57,6 +57,7 @@
 pub mod batch;
 pub(crate) mod compute;
 pub mod fence;
+mod hooks;
 pub mod import;
 pub mod kernel;
 pub mod pages;
@@ -85,6 +86,8 @@ use crate::layout::Layout;
 use crate::pool::Pool;
 use crate::storage::Resolved;
 use crate::tensor::Tensor;
+
+pub(crate) use hooks::Metal;
 
 /// What dlbridge found out about one Metal device.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,0 +1,84 @@
+//! The CPU's side of the backend seam ([`Backend`]).
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, no_stream_here, unreachable_copy};
+use crate::buffer::{Buffer, StorageMode};
+use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
+use crate::device::{Device, DeviceKind};
+use crate::error::Result;
+use crate::pool::Pool;
+use crate::storage;
+use crate::tensor::Tensor;
+
+/// The CPU backend.
+pub(crate) struct Cpu;
+
+impl Backend for Cpu {
+    #[inline]
+    fn allocate(
+        &self,
+        _device: Device,
+        bytes: usize,
+        storage: Option<StorageMode>,
+        zeroed: bool,
+    ) -> Result<Buffer> {
+        // Resolving reads `DLBRIDGE_STORAGE_MODE` on first use (and warns once if it is invalid);
+        // host memory is shared memory whatever the answer (see `StorageMode`).
+        storage::resolve(DeviceKind::Cpu, storage)?;
+        super::allocate(bytes, zeroed)
+    }
+
+    fn pool(&self, _device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>> {
+        // One pool, whatever the mode; a mode asked for must still be one the CPU has.
+        if storage.is_some() {
+            storage::resolve(DeviceKind::Cpu, storage)?;
+        }
+        Ok(super::pool())
+    }
+
+    fn synchronize(&self, _device: Device) -> Result<()> {
+        Ok(())
+    }
+
+    unsafe fn copy(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        if !dst.device().is_cpu() || !src.device().is_cpu() {
+            return Err(unreachable_copy(dst, src));
+        }
+        let dst_base = dst.buffer().require_host("copying into it")?;
+        let src_base = src.buffer().require_host("copying from it")?;
+        // Inside each live allocation: both views were bounds-checked when they were built.
+        let src_first = src_base.as_ptr().wrapping_add(src.byte_offset());
+        let dst_first = dst_base.as_ptr().wrapping_add(dst.byte_offset());
+        // SAFETY: every element address of each layout lies inside its live allocation; the
+        // caller guarantees the byte ranges are disjoint and that no reference into the
+        // destination bytes is alive.
+        unsafe {
+            super::copy_strided(
+                src_first,
+                src.strides(),
+                dst_first,
+                dst.strides(),
+                dst.shape(),
+                dst.dtype().itemsize(),
+            )
+        };
+        Ok(())
+    }
+
+    fn export_handoff(&self, device: Device, stream: Option<i64>) -> Result<()> {
+        no_stream_here(device, stream)
+    }
+
+    fn map(&self, req: &MapRequest<'_>) -> Result<()> {
+        super::compute::map(req)
+    }
+
+    fn reduce(&self, req: &ReduceRequest<'_>) -> Result<()> {
+        super::compute::reduce(req)
+    }
+
+    fn matmul(&self, req: &MatmulRequest<'_>) -> Result<()> {
+        super::compute::matmul(req)
+    }
+}

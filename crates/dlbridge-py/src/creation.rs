@@ -435,7 +435,8 @@ pub(crate) fn tensor_from(
                         t.dtype()
                     )));
                 }
-                t.cast(d).py()
+                // The one cast, `Array.astype`'s: on the array's own device.
+                obj.py().detach(|| dlbridge::compute::cast(&t, d)).py()
             }
             _ => Ok(t),
         };

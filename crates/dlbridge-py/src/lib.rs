@@ -5,10 +5,12 @@
 //! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
 //! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`exchange`] (capsules are renamed there) |
 //! | exceptions | [`errors`] (the one mapping) |
+//! | `dlbridge.Backend` | [`backend::PyBackend`] over [`dlbridge::compute::Backend`] |
 //! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
 //! | `dlbridge.cuda`, `dlbridge.metal` | [`cuda`], [`metal`] (natives the Python modules wrap) |
 
 mod array;
+mod backend;
 mod convert;
 mod creation;
 mod cuda;
@@ -83,6 +85,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     metal::register(m)?;
     ops::register(m)?;
     kernel::register(m)?;
+    m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dtype::set_all(m)?;
     Ok(())

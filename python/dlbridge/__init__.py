@@ -16,44 +16,27 @@ from ._dlbridge import (
     __version__,
     arange,
     asarray,
-    bfloat16,
     build_info,
-    complex64,
-    complex128,
     empty,
     empty_cache,
-    float4_e2m1fn,
-    float6_e2m3fn,
-    float6_e3m2fn,
-    float8_e3m4,
-    float8_e4m3,
-    float8_e4m3b11fnuz,
-    float8_e4m3fn,
-    float8_e4m3fnuz,
-    float8_e5m2,
-    float8_e5m2fnuz,
-    float8_e8m0fnu,
-    float16,
-    float32,
-    float64,
     from_dlpack,
     full,
-    int8,
-    int16,
-    int32,
-    int64,
     memory_stats,
     reset_peak_memory,
     set_cache_limit,
     set_memory_limit,
     storage_mode,
     synchronize,
-    uint8,
-    uint16,
-    uint32,
-    uint64,
     zeros,
 )
+# The element types (`dlbridge.float32`, ...): the extension's `__all__` names them, from its one
+# list of them, and starts this module's `__all__` (type checkers, which cannot run that list,
+# read the same names from the stub through this import of `__all__`; the copy leaves the
+# extension's own list as it is).
+from ._dlbridge import *  # noqa: F403
+from ._dlbridge import __all__ as __all__
+
+__all__ = list(__all__)
 # `dlbridge.bool` is the element type, as `numpy.bool` is; like NumPy, `from dlbridge import *`
 # leaves it out (it would shadow the built-in `bool`). The `as` form re-exports it for type
 # checkers.
@@ -70,7 +53,7 @@ from .backend import (
 )
 from .unified import UnifiedBuffer
 
-__all__ = [
+__all__ += [
     "Array",
     "Backend",
     "BackendUnavailableError",
@@ -100,29 +83,4 @@ __all__ = [
     "set_memory_limit",
     "set_cache_limit",
     "storage_mode",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-    "float8_e3m4",
-    "float8_e4m3",
-    "float8_e4m3b11fnuz",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float6_e2m3fn",
-    "float6_e3m2fn",
-    "float4_e2m1fn",
 ]

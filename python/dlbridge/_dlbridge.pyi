@@ -7,7 +7,7 @@ from builtins import bool as _bool
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, SupportsIndex, TypeVar, Union, final, overload
 
-from typing_extensions import CapsuleType
+from typing_extensions import CapsuleType, Self, disjoint_base
 
 _Axis = int | tuple[int, ...] | None
 _Out = TypeVar("_Out")
@@ -165,6 +165,35 @@ class Kernel:
     @property
     def param_sizes(self) -> list[int] | None: ...
 
+# The native base of `dlbridge.Backend` (python/dlbridge/backend.py subclasses it).
+@disjoint_base
+class _Backend:
+    def __new__(cls, device: _DeviceLike | None = None) -> Self: ...
+    @property
+    def device(self) -> Device: ...
+    @property
+    def backend_type(self) -> str: ...
+    @property
+    def is_available(self) -> _bool: ...
+    @property
+    def device_count(self) -> int: ...
+    @property
+    def device_id(self) -> int: ...
+    def allocate(self, shape: _Shape, dtype: _DTypeLike | None = "float32") -> Array: ...
+    def allocate_zeros(self, shape: _Shape, dtype: _DTypeLike | None = "float32") -> Array: ...
+    def free(self, array: Array) -> None: ...
+    def copy_to_device(self, host_array: Any) -> Array: ...
+    def copy_to_host(self, array: Any) -> Any: ...
+    def synchronize(self) -> None: ...
+    def get_memory_info(self) -> dict[str, int | None]: ...
+    def clear_cache(self) -> None: ...
+    def compile_kernel(
+        self, source: str, name: str | None = None, options: Sequence[str] | None = None
+    ) -> Kernel: ...
+    def _launch(
+        self, kernel: Any, grid: Any, block: Any, args: tuple[Any, ...], shared_mem: int
+    ) -> float | None: ...
+
 # `dlbridge.cuda` (python/dlbridge/cuda.py wraps these; the classes are dlbridge.cuda.Stream/Event).
 @final
 class Stream:
@@ -219,10 +248,6 @@ def _reduce(op: str, x: Any, axis: int | tuple[int, ...] | None = None, keepdims
 def _compare(op: str, a: Any, b: Any) -> Array: ...
 def _matmul(a: Any, b: Any) -> Array: ...
 def _free(array: Array) -> None: ...
-def _compile_kernel(device: _DeviceLike, source: str, name: str, options: list[str] | None = None) -> Kernel: ...
-def _launch_kernel(
-    kernel: Kernel, grid: Any, block: Any, args: tuple[Any, ...], shared_mem: int = 0
-) -> float: ...
 
 def from_dlpack(x: Any, /, *, device: _DeviceLike | None = None, copy: _bool | None = None) -> Array: ...
 def asarray(
@@ -280,6 +305,36 @@ def storage_mode(
 ) -> tuple[str, str]:
     """`(mode, source)`, e.g. `("shared", "default")`; source is default, environment or explicit."""
     ...
+
+# The element types (crates/dlbridge-py/src/dtype.rs `NAMES`); `__all__`, which dlbridge re-exports
+# wholesale, names all but `bool`. stubtest checks both lists against the built module.
+__all__ = [
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+    "float4_e2m1fn",
+]
 
 bool: DType
 int8: DType

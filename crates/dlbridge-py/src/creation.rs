@@ -403,7 +403,8 @@ pub(crate) fn tensor_from(
                     )))
                     .py();
                 }
-                t.cast(d).py()
+                // The one cast, `Array.astype`'s: on the array's own device.
+                obj.py().detach(|| dlbridge::compute::cast(&t, d)).py()
             }
             _ => Ok(t),
         };

@@ -1,20 +1,31 @@
-//! Run-time user kernels from Python (`Backend.compile_kernel` / `Backend.execute_kernel`):
-//! [`dlbridge::compute::kernel`].
+//! Run-time user kernels from Python (`Backend.compile_kernel` / `Backend.execute_kernel`, bound
+//! in [`crate::backend`]): the `Kernel` class and the readers of entry points, launch dimensions
+//! and arguments for [`dlbridge::compute::kernel`].
 
 use dlbridge::DType;
-use dlbridge::compute::kernel::{self, Kernel, KernelArg, LaunchConfig};
+use dlbridge::compute::kernel::{Kernel, KernelArg};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyTuple};
 
 use crate::array::PyArray;
 use crate::device::PyDevice;
-use crate::errors::IntoPyResult;
 
 /// A kernel compiled for one device (`Backend.compile_kernel`).
 #[pyclass(frozen, module = "dlbridge", name = "Kernel")]
 pub(crate) struct PyKernel {
     inner: Kernel,
+}
+
+impl PyKernel {
+    pub(crate) fn new(inner: Kernel) -> Self {
+        PyKernel { inner }
+    }
+
+    /// The compiled kernel.
+    pub(crate) fn kernel(&self) -> &Kernel {
+        &self.inner
+    }
 }
 
 #[pymethods]
@@ -46,48 +57,110 @@ impl PyKernel {
     }
 }
 
-/// Compiles `source` for `device` (cached by device, source, name and options).
-#[pyfunction]
-#[pyo3(signature = (device, source, name, options=None))]
-fn _compile_kernel(
-    py: Python<'_>,
-    device: &Bound<'_, PyAny>,
-    source: &str,
-    name: &str,
-    options: Option<Vec<String>>,
-) -> PyResult<PyKernel> {
-    let device = crate::device::parse(device)?;
-    let options = options.unwrap_or_default();
-    let inner = py
-        .detach(|| kernel::compile(device, source, name, &options))
-        .py()?;
-    Ok(PyKernel { inner })
+/// The entry point of kernel source that defines exactly one: the name after `__global__ void`
+/// (CUDA C, `__launch_bounds__(...)` allowed between) or `kernel void` (MSL).
+pub(crate) fn entry_name(source: &str) -> PyResult<String> {
+    let words = tokens(source);
+    let mut names = Vec::new();
+    for (i, &word) in words.iter().enumerate() {
+        let mut rest = match word {
+            "__global__" | "kernel" => &words[i + 1..],
+            _ => continue,
+        };
+        if word == "__global__" && rest.first() == Some(&"__launch_bounds__") {
+            if rest.get(1) != Some(&"(") {
+                continue;
+            }
+            match rest.iter().position(|&t| t == ")") {
+                Some(close) => rest = &rest[close + 1..],
+                None => continue,
+            }
+        }
+        if let [void, name, "(", ..] = rest {
+            let starts_like_name = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_');
+            if *void == "void" && starts_like_name {
+                names.push(name.to_string());
+            }
+        }
+    }
+    match names.as_slice() {
+        [one] => Ok(one.clone()),
+        _ => Err(PyValueError::new_err(format!(
+            "name the kernel's entry point: the source defines {} kernels ({})",
+            names.len(),
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(", ")
+            }
+        ))),
+    }
+}
+
+/// The words (runs of letters, digits and `_`) and other non-space characters of `source`.
+fn tokens(source: &str) -> Vec<&str> {
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = Vec::new();
+    let mut rest = source;
+    while let Some(c) = rest.chars().next() {
+        let len = if is_word(c) {
+            rest.find(|c: char| !is_word(c)).unwrap_or(rest.len())
+        } else {
+            c.len_utf8()
+        };
+        if !c.is_whitespace() {
+            out.push(&rest[..len]);
+        }
+        rest = &rest[len..];
+    }
+    out
 }
 
 /// Reads a grid or block: an int or a tuple of 1 to 3 positive ints.
-fn dims(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<[u32; 3]> {
-    let values: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
-        vec![n]
-    } else {
-        obj.extract().map_err(|_| {
-            PyTypeError::new_err(format!("{what} must be an int or a tuple of up to 3 ints"))
-        })?
+pub(crate) fn dims(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<[u32; 3]> {
+    let invalid = || -> PyResult<PyErr> {
+        Ok(PyTypeError::new_err(format!(
+            "{what} must be an int or a tuple of 1 to 3 ints, got {}",
+            obj.repr()?
+        )))
     };
-    if values.is_empty() || values.len() > 3 {
-        return Err(PyValueError::new_err(format!(
-            "{what} must have 1 to 3 dimensions, got {}",
-            values.len()
-        )));
+    let items: Vec<Bound<'_, PyAny>> = if obj.is_instance_of::<PyInt>() {
+        vec![obj.clone()]
+    } else {
+        obj.try_iter()?.collect::<PyResult<_>>()?
+    };
+    if items.is_empty() || items.len() > 3 || !items.iter().all(|d| d.is_instance_of::<PyInt>()) {
+        return Err(invalid()?);
     }
+    let values = PyTuple::new(obj.py(), &items)?;
     let mut out = [1u32; 3];
-    for (slot, v) in out.iter_mut().zip(&values) {
-        *slot = u32::try_from(*v).ok().filter(|&v| v > 0).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "{what} {values:?} must be positive in every dimension (and fit 32 bits)"
-            ))
-        })?;
+    for (slot, item) in out.iter_mut().zip(&items) {
+        let positive = item.extract::<i64>().is_ok_and(|v| v > 0);
+        *slot = match item.extract::<u32>() {
+            Ok(v) if positive => v,
+            _ if !positive => {
+                return Err(PyValueError::new_err(format!(
+                    "{what} {} must be positive in every dimension",
+                    values.repr()?
+                )));
+            }
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "{what} {} must fit 32 bits in every dimension",
+                    values.repr()?
+                )));
+            }
+        };
     }
     Ok(out)
+}
+
+/// Reads the launch arguments.
+pub(crate) fn kernel_args(args: &Bound<'_, PyTuple>) -> PyResult<Vec<KernelArg>> {
+    args.iter()
+        .enumerate()
+        .map(|(i, a)| kernel_arg(i, &a))
+        .collect()
 }
 
 /// Reads one launch argument.
@@ -153,36 +226,8 @@ fn typed_scalar(i: usize, obj: &Bound<'_, PyAny>) -> PyResult<KernelArg> {
     Ok(KernelArg::Typed { dtype, bytes })
 }
 
-/// Launches `kernel` and waits for it; returns its device time in milliseconds.
-#[pyfunction]
-#[pyo3(signature = (kernel, grid, block, args, shared_mem=0))]
-fn _launch_kernel(
-    py: Python<'_>,
-    kernel: &Bound<'_, PyKernel>,
-    grid: &Bound<'_, PyAny>,
-    block: &Bound<'_, PyAny>,
-    args: &Bound<'_, PyTuple>,
-    shared_mem: u32,
-) -> PyResult<f64> {
-    let config = LaunchConfig {
-        grid: dims(grid, "grid")?,
-        block: dims(block, "block")?,
-        shared_mem,
-    };
-    let args: Vec<KernelArg> = args
-        .iter()
-        .enumerate()
-        .map(|(i, a)| kernel_arg(i, &a))
-        .collect::<PyResult<_>>()?;
-    let kernel = kernel.get().inner.clone();
-    let timing = py.detach(|| kernel::launch(&kernel, config, &args)).py()?;
-    Ok(timing.elapsed_ms)
-}
-
-/// Registers the class and functions.
+/// Registers the class.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKernel>()?;
-    m.add_function(wrap_pyfunction!(_compile_kernel, m)?)?;
-    m.add_function(wrap_pyfunction!(_launch_kernel, m)?)?;
     Ok(())
 }

@@ -5,9 +5,12 @@
 //! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
 //! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`exchange`] (capsules are renamed there) |
 //! | exceptions | [`errors`] (the one mapping) |
+//! | `dlbridge.Backend` | [`backend::PyBackend`] over [`dlbridge::compute::Backend`] |
+//! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
 //! | `dlbridge.cuda`, `dlbridge.metal` | [`cuda`], [`metal`] (natives the Python modules wrap) |
 
 mod array;
+mod backend;
 mod convert;
 mod creation;
 mod cuda;
@@ -65,7 +68,7 @@ fn synchronize(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
 fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<array::PyArray>()?;
     array::DLPACK.add_to_class::<array::PyArray>(m.py())?;
-    m.add_class::<dtype::PyDType>()?;
+    dtype::register(m)?;
     m.add_class::<device::PyDevice>()?;
     creation::FROM_DLPACK.add_to_module(m)?;
     m.add_function(wrap_pyfunction!(creation::asarray, m)?)?;
@@ -81,37 +84,8 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     metal::register(m)?;
     ops::register(m)?;
     kernel::register(m)?;
-    for name in [
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "float8_e3m4",
-        "float8_e4m3",
-        "float8_e4m3b11fnuz",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float6_e2m3fn",
-        "float6_e3m2fn",
-        "float4_e2m1fn",
-    ] {
-        let dtype: dlbridge::DType = name.parse().expect("a built-in dtype name");
-        m.add(name, dtype::PyDType(dtype))?;
-    }
+    m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    dtype::set_all(m)?;
     Ok(())
 }

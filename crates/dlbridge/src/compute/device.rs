@@ -48,19 +48,23 @@ impl Backend {
     ///
     /// # Errors
     /// [`Error::BackendUnavailable`] when the backend cannot run here or the device does not
-    /// exist; [`Error::UnsupportedDevice`] for other device kinds.
+    /// exist; [`Error::InvalidArgument`] for other device kinds.
     pub fn new(device: Device) -> Result<Backend> {
         let count = match device.kind() {
             DeviceKind::Cpu => 1,
             DeviceKind::Cuda => cuda_count()?,
             DeviceKind::Metal => backend::metal::device_count(),
             _ => {
-                return Err(Error::UnsupportedDevice(format!(
-                    "a Backend runs on cpu, cuda:N or metal:N devices, not {device}"
+                return Err(Error::InvalidArgument(format!(
+                    "a Backend runs on 'cpu', 'cuda[:N]' or 'metal[:N]', not '{device}'"
                 )));
             }
         };
         if device.index() as usize >= count {
+            if count == 0 && device.kind() == DeviceKind::Metal {
+                // Why there is none (not compiled in, no Apple GPU) says more than a count.
+                backend::metal::devices()?;
+            }
             return Err(Error::BackendUnavailable {
                 backend: backend_name(device.kind()),
                 reason: format!("{device} does not exist ({count} devices found)"),

@@ -35,6 +35,7 @@ pub const METADATA_KEY: &str = "__metadata__";
 pub struct TensorInfo {
     dtype: DType,
     shape: Vec<usize>,
+    numel: usize,
     data_offsets: Range<u64>,
     data_start: u64,
 }
@@ -50,9 +51,9 @@ impl TensorInfo {
         &self.shape
     }
 
-    /// Number of elements (1 for a 0-d tensor); validated to fit when the header was parsed.
+    /// Number of elements (1 for a 0-d tensor).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.numel
     }
 
     /// Whether elements are narrower than a byte and stored densely packed (`F4`, `F6_*`).
@@ -203,12 +204,12 @@ impl Header {
 
 /// The JSON header's length N from the prefix, checked against the cap and the file length.
 fn header_len(bytes: &[u8], file_len: u64, path: &Path) -> Result<u64> {
-    let Some(prefix) = bytes.first_chunk::<{ PREFIX_LEN as usize }>() else {
-        return Err(too_short(path, bytes.len() as u64));
-    };
     if file_len < PREFIX_LEN {
         return Err(too_short(path, file_len));
     }
+    let Some(prefix) = bytes.first_chunk::<{ PREFIX_LEN as usize }>() else {
+        return Err(too_short(path, bytes.len() as u64));
+    };
     let header_len = u64::from_le_bytes(*prefix);
     if header_len > MAX_HEADER_LEN {
         return Err(invalid_file(
@@ -296,12 +297,15 @@ fn parse_tensor(
             "data_offsets [{begin}, {end}] lie outside the data section of {data_len} bytes"
         ));
     }
-    let expected = shape
+    // The running product must fit in isize at every step, as a `Layout` requires.
+    let numel = shape
         .iter()
-        .try_fold(1u128, |acc, &d| acc.checked_mul(d as u128))
-        .and_then(|numel| numel.checked_mul(dtype.bits() as u128))
-        .filter(|&bits| bits / 8 <= isize::MAX as u128)
-        .ok_or_else(|| format!("shape {shape:?} of {dtype_name} overflows"))?;
+        .try_fold(1usize, |acc, &d| {
+            acc.checked_mul(d)
+                .filter(|&n| d <= isize::MAX as usize && n <= isize::MAX as usize)
+        })
+        .ok_or_else(|| format!("the element count of shape {shape:?} overflows"))?;
+    let expected = numel as u128 * u128::from(dtype.bits());
     if expected % 8 != 0 {
         return Err(format!(
             "shape {shape:?} of {dtype_name} does not fill whole bytes ({expected} bits)"
@@ -318,6 +322,7 @@ fn parse_tensor(
     Ok(TensorInfo {
         dtype,
         shape,
+        numel,
         data_offsets: begin..end,
         data_start,
     })

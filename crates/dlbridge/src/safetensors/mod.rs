@@ -8,7 +8,7 @@
 //! | shards | [`Checkpoint::open_index`], [`Checkpoint::open_files`] | one name → one shard, from `model.safetensors.index.json` or a list |
 //! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order, for any loader |
 //! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only), or private copies |
-//! | save | [`save_file`], [`write`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
+//! | save | [`save_file`], [`write()`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
 //!
 //! ```
 //! use dlbridge::Tensor;

@@ -39,7 +39,7 @@ pub fn write(
     write_to(tensors, metadata, writer, sink)
 }
 
-/// [`write`] into a new `Vec`.
+/// [`write()`] into a new `Vec`.
 pub fn serialize(
     tensors: &[(&str, &Tensor)],
     metadata: Option<&BTreeMap<String, String>>,
@@ -49,7 +49,7 @@ pub fn serialize(
     Ok(out)
 }
 
-/// [`write`] to the file at `path`, atomically: the bytes go to a temporary file in the same
+/// [`write()`] to the file at `path`, atomically: the bytes go to a temporary file in the same
 /// folder, which is synced and then renamed over `path`, so a failed save leaves no partial file.
 pub fn save_file(
     tensors: &[(&str, &Tensor)],

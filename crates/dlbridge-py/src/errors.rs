@@ -8,6 +8,15 @@ use pyo3::exceptions::{
 
 /// Maps a core error to the exception type its [`ErrorKind`] calls for.
 pub(crate) fn to_py(err: Error) -> PyErr {
+    if let Error::Io { path, source } = err {
+        // The OSError subclass the system's error calls for (FileNotFoundError,
+        // IsADirectoryError, PermissionError, ...), with the file named.
+        let kind = source.kind();
+        return PyErr::from(std::io::Error::new(
+            kind,
+            format!("{}: {source}", path.display()),
+        ));
+    }
     let msg = err.to_string();
     match err.kind() {
         ErrorKind::Buffer => PyBufferError::new_err(msg),

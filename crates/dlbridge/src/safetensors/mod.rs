@@ -8,6 +8,7 @@
 //! | shards | [`Checkpoint::open_index`], [`Checkpoint::open_files`] | one name → one shard, from `model.safetensors.index.json` or a list |
 //! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order, for any loader |
 //! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only), or private copies |
+//! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | any device: CUDA through pinned staging buffers and asynchronous copies, with progress |
 //! | save | [`save_file`], [`write()`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
 //!
 //! ```
@@ -32,9 +33,11 @@
 mod dtype;
 mod file;
 mod header;
+mod load;
 mod save;
 
 pub use dtype::{dtype_from_name, dtype_name, dtype_names};
 pub use file::{Checkpoint, SafeTensors, TensorLocation};
 pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
+pub use load::{DEFAULT_CHUNK, LoadOptions, default_threads};
 pub use save::{save_file, serialize, write};

@@ -405,10 +405,13 @@ impl Checkpoint {
         self.names.keys().map(String::as_str)
     }
 
-    /// The index's metadata (empty for a list of files; each shard's own header metadata is in
-    /// [`Checkpoint::shards`]).
+    /// The checkpoint's metadata: the index's, or a single file's own header metadata (empty for
+    /// a list of several files; each shard's own header metadata is in [`Checkpoint::shards`]).
     pub fn metadata(&self) -> &BTreeMap<String, String> {
-        &self.metadata
+        match self.shards.as_slice() {
+            [only] if self.metadata.is_empty() => only.metadata(),
+            _ => &self.metadata,
+        }
     }
 
     /// The shard holding `name`, and the tensor's entry there.

@@ -647,7 +647,13 @@ mod tests {
 
     #[test]
     fn merged_axes_address_what_the_shape_did() {
-        let cases: &[(&[usize], &[&[isize]], &[usize])] = &[
+        // (shape, each operand's strides, the merged extents)
+        type Case = (
+            &'static [usize],
+            &'static [&'static [isize]],
+            &'static [usize],
+        );
+        let cases: &[Case] = &[
             // Compact on both sides: one axis.
             (&[2, 3, 4], &[&[12, 4, 1], &[12, 4, 1]], &[24]),
             // Size-1 axes drop whatever their strides; a 0-d shape has no axes.

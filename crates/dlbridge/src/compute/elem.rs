@@ -36,27 +36,49 @@ pub(crate) enum Elem {
 }
 
 impl Elem {
+    /// Every element type, in declaration order.
+    #[cfg(test)]
+    pub(crate) const ALL: [Elem; 13] = [
+        Elem::Bool,
+        Elem::I8,
+        Elem::I16,
+        Elem::I32,
+        Elem::I64,
+        Elem::U8,
+        Elem::U16,
+        Elem::U32,
+        Elem::U64,
+        Elem::F16,
+        Elem::BF16,
+        Elem::F32,
+        Elem::F64,
+    ];
+
     /// The element type of `dtype`, if the kernels have one (no complex types, no vectors).
     pub(crate) fn from_dtype(dtype: DType) -> Option<Elem> {
         if dtype.lanes() != 1 {
             return None;
         }
-        Some(match (dtype.code(), dtype.bits()) {
-            (DTypeCode::Bool, 8) => Elem::Bool,
-            (DTypeCode::Int, 8) => Elem::I8,
-            (DTypeCode::Int, 16) => Elem::I16,
-            (DTypeCode::Int, 32) => Elem::I32,
-            (DTypeCode::Int, 64) => Elem::I64,
-            (DTypeCode::UInt, 8) => Elem::U8,
-            (DTypeCode::UInt, 16) => Elem::U16,
-            (DTypeCode::UInt, 32) => Elem::U32,
-            (DTypeCode::UInt, 64) => Elem::U64,
-            (DTypeCode::Float, 16) => Elem::F16,
-            (DTypeCode::BFloat, 16) => Elem::BF16,
-            (DTypeCode::Float, 32) => Elem::F32,
-            (DTypeCode::Float, 64) => Elem::F64,
-            _ => return None,
-        })
+        // Which of 8, 16, 32 and 64 bits the dtype has.
+        let width = [8, 16, 32, 64].iter().position(|&b| b == dtype.bits())?;
+        match dtype.code() {
+            DTypeCode::Bool => [Some(Elem::Bool), None, None, None][width],
+            DTypeCode::Int => Some([Elem::I8, Elem::I16, Elem::I32, Elem::I64][width]),
+            DTypeCode::UInt => Some([Elem::U8, Elem::U16, Elem::U32, Elem::U64][width]),
+            DTypeCode::Float => [None, Some(Elem::F16), Some(Elem::F32), Some(Elem::F64)][width],
+            DTypeCode::BFloat => [None, Some(Elem::BF16), None, None][width],
+            _ => None,
+        }
+    }
+
+    /// `e` passed to the conversion function a 16-bit float type needs (`f16` for `float16`,
+    /// `bf16` for `bfloat16`: each backend names its own); `None` for the other types.
+    pub(crate) fn convert_half(self, e: &str, f16: &str, bf16: &str) -> Option<String> {
+        match self {
+            Elem::F16 => Some(format!("{f16}({e})")),
+            Elem::BF16 => Some(format!("{bf16}({e})")),
+            _ => None,
+        }
     }
 
     /// A short name for kernel names (`"f32"`, `"bf16"`, ...).
@@ -105,11 +127,33 @@ mod tests {
 
     #[test]
     fn one_lane_dtypes_map_to_elements() {
-        assert_eq!(Elem::from_dtype(DType::F64), Some(Elem::F64));
-        assert_eq!(Elem::from_dtype(DType::BF16).map(Elem::size), Some(2));
-        assert_eq!(Elem::from_dtype(DType::BOOL), Some(Elem::Bool));
+        let dtypes = [
+            DType::BOOL,
+            DType::I8,
+            DType::I16,
+            DType::I32,
+            DType::I64,
+            DType::U8,
+            DType::U16,
+            DType::U32,
+            DType::U64,
+            DType::F16,
+            DType::BF16,
+            DType::F32,
+            DType::F64,
+        ];
+        for (dtype, elem) in dtypes.into_iter().zip(Elem::ALL) {
+            assert_eq!(Elem::from_dtype(dtype), Some(elem), "{dtype}");
+            assert_eq!(elem.size() * 8, usize::from(dtype.bits()));
+        }
         assert_eq!(Elem::from_dtype(DType::C64), None);
+        assert_eq!(Elem::from_dtype(DType::C128), None);
         assert!(Elem::F16.is_float() && !Elem::I8.is_float());
         assert!(Elem::I64.is_signed() && !Elem::U64.is_signed() && !Elem::F32.is_signed());
+        assert_eq!(
+            Elem::BF16.convert_half("x", "h", "b").as_deref(),
+            Some("b(x)")
+        );
+        assert_eq!(Elem::F32.convert_half("x", "h", "b"), None);
     }
 }

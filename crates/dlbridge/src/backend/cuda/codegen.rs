@@ -72,20 +72,16 @@ impl CudaType for Elem {
     }
 
     fn load(self, e: &str) -> String {
-        match self {
-            Elem::F16 => format!("f16_to_f32({e})"),
-            Elem::BF16 => format!("bf16_to_f32({e})"),
-            _ => e.to_string(),
-        }
+        self.convert_half(e, "f16_to_f32", "bf16_to_f32")
+            .unwrap_or_else(|| e.to_string())
     }
 
     fn store(self, e: &str) -> String {
-        match self {
-            Elem::F16 => format!("f32_to_f16({e})"),
-            Elem::BF16 => format!("f32_to_bf16({e})"),
-            Elem::Bool => format!("(u8)(({e}) != 0)"),
-            other => format!("({})({e})", other.storage()),
-        }
+        self.convert_half(e, "f32_to_f16", "f32_to_bf16")
+            .unwrap_or_else(|| match self {
+                Elem::Bool => format!("(u8)(({e}) != 0)"),
+                other => format!("({})({e})", other.storage()),
+            })
     }
 }
 
@@ -862,20 +858,10 @@ mod tests {
     use super::*;
     use crate::compute::CompareOp;
 
-    const ALL: [Elem; 12] = [
-        Elem::I8,
-        Elem::I16,
-        Elem::I32,
-        Elem::I64,
-        Elem::U8,
-        Elem::U16,
-        Elem::U32,
-        Elem::U64,
-        Elem::F16,
-        Elem::BF16,
-        Elem::F32,
-        Elem::F64,
-    ];
+    /// Every element type the CUDA kernels compute on (`bool` only casts).
+    fn all() -> impl Iterator<Item = Elem> {
+        Elem::ALL.into_iter().filter(|&t| t != Elem::Bool)
+    }
 
     /// Compiles `sources` with NVRTC for sm_90 (no GPU needed); panics, saying why, where NVRTC
     /// is not installed, so the tests that call it are ignored unless asked for.
@@ -1004,7 +990,7 @@ mod tests {
                 });
             }
         }
-        for to in ALL.iter().copied().chain([Elem::Bool]) {
+        for to in all().chain([Elem::Bool]) {
             keys.push(MapKey {
                 op: MapOp::Cast,
                 input: t,
@@ -1022,7 +1008,7 @@ mod tests {
     #[test]
     #[ignore = "needs NVRTC (libnvrtc, as on a CUDA machine)"]
     fn representative_sources_compile() {
-        let from_bool = ALL.into_iter().map(|to| {
+        let from_bool = all().map(|to| {
             let key = MapKey {
                 op: MapOp::Cast,
                 input: Elem::Bool,
@@ -1064,7 +1050,7 @@ mod tests {
     #[test]
     #[ignore = "slow, and needs NVRTC: run with --ignored"]
     fn every_source_compiles() {
-        compiles(ALL.into_iter().flat_map(|t| {
+        compiles(all().flat_map(|t| {
             let m = map_keys(t)
                 .into_iter()
                 .map(|k| (format!("{k:?}"), map_source(&k)));

@@ -1,15 +1,16 @@
-//! How a copy between two layouts of one shape is carried out on a GPU: one linear copy, one
-//! pitched 2-D copy, a tiled transpose kernel, or the general strided kernel.
+//! How a copy between two layouts of one shape is planned: `copy_axes`, the one copy planner
+//! of every backend, and what the CUDA backend makes of its axes ([`plan_copy`]: one linear copy,
+//! one pitched 2-D copy, a tiled transpose kernel, or the general strided kernel).
 //!
 //! Platform-free (it only does arithmetic on shapes and strides), so it is unit-tested on every
-//! machine; the CUDA backend executes the plans.
+//! machine. `copy_axes` treats each element as an inner axis of units, drops axes of extent 1
+//! and merges axes that are contiguous with each other in both layouts; the CPU walks its axes,
+//! Metal's planner (`backend::metal::kernel`) turns them into a blit or kernel dispatches.
 //!
-//! [`copy_axes`] is the one copy planner of every backend (CPU, CUDA, Metal): it treats each
-//! element as an inner axis of units, drops axes of extent 1 and merges axes that are contiguous
-//! with each other in both layouts. [`plan_copy`] works in bytes: it orders the axes by the
-//! destination's strides, plans them with [`copy_axes`], and then
-//! picks the widest word (16, 8, 4, 2 or 1 bytes) that divides every stride, the innermost
-//! extent and both base addresses, so that a copy of float16 rows moves 16 bytes per thread.
+//! [`plan_copy`] works in bytes: it orders the axes by the destination's strides, plans them with
+//! `copy_axes`, and then picks the widest word (16, 8, 4, 2 or 1 bytes) that divides every
+//! stride, the innermost extent and both base addresses, so that a copy of float16 rows moves 16
+//! bytes per thread.
 
 use crate::error::{Error, Result};
 

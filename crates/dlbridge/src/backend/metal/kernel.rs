@@ -8,7 +8,7 @@
 //! less than its size, is moved as several smaller units: the plan adds an innermost axis over the
 //! units of one element. Each thread copies one unit: it decomposes its linear index over the
 //! shape (row-major) and adds the strides of each side. The axes are the shared copy planner's
-//! ([`copy_axes`]: extent-1 axes dropped, axes contiguous with each other on both sides merged), so
+//! (`copy_axes`: extent-1 axes dropped, axes contiguous with each other on both sides merged), so
 //! a compact copy is one axis.
 
 use crate::backend::plan::{check_ranks, copy_axes};

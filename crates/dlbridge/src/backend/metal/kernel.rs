@@ -7,9 +7,11 @@
 //! `uint2`, `uint4`). An element whose size is not a unit size, or whose offsets are aligned to
 //! less than its size, is moved as several smaller units: the plan adds an innermost axis over the
 //! units of one element. Each thread copies one unit: it decomposes its linear index over the
-//! shape (row-major) and adds the strides of each side. Axes of extent 1 are dropped and axes that
-//! are contiguous with each other on both sides are merged first, so a compact copy is one axis.
+//! shape (row-major) and adds the strides of each side. The axes are the shared copy planner's
+//! (`copy_axes`: extent-1 axes dropped, axes contiguous with each other on both sides merged), so
+//! a compact copy is one axis.
 
+use crate::backend::plan::{check_ranks, copy_axes};
 use crate::error::{Error, Result, overflow};
 
 /// The most axes the kernel takes after merging.
@@ -110,52 +112,35 @@ impl StridedCopyPlan {
         dst_offset: usize,
         itemsize: usize,
     ) -> Result<Self> {
-        if shape.len() != src_strides.len() || shape.len() != dst_strides.len() {
-            return Err(Error::Shape(format!(
-                "copy of shape {shape:?} with {} source and {} destination strides",
-                src_strides.len(),
-                dst_strides.len()
-            )));
-        }
+        check_ranks(shape, src_strides, dst_strides)?;
         if itemsize == 0 {
             return Err(Error::UnsupportedDType(
                 "zero-sized elements cannot be copied".into(),
             ));
         }
         let unit = unit_for(itemsize, src_offset, dst_offset);
-        let per = (itemsize / unit) as i64;
-        // (extent, src stride, dst stride) in units; the element's own units innermost.
-        let mut axes: Vec<(u64, i64, i64)> = Vec::with_capacity(shape.len() + 1);
+        let per = itemsize / unit;
+        // Strides in units; the element's own units are the planner's innermost axis.
+        let mut src_units: Vec<isize> = Vec::with_capacity(shape.len());
+        let mut dst_units: Vec<isize> = Vec::with_capacity(shape.len());
         let mut total: u64 = 1;
         for ((&n, &s), &d) in shape.iter().zip(src_strides).zip(dst_strides) {
             total = total
                 .checked_mul(n as u64)
                 .ok_or_else(|| overflow("element count of a Metal copy"))?;
-            let s = (s as i64)
-                .checked_mul(per)
-                .ok_or_else(|| overflow("source stride in units"))?;
-            let d = (d as i64)
-                .checked_mul(per)
-                .ok_or_else(|| overflow("destination stride in units"))?;
-            axes.push((n as u64, s, d));
-        }
-        if per > 1 {
-            axes.push((per as u64, 1, 1));
+            src_units.push(
+                s.checked_mul(per as isize)
+                    .ok_or_else(|| overflow("source stride in units"))?,
+            );
+            dst_units.push(
+                d.checked_mul(per as isize)
+                    .ok_or_else(|| overflow("destination stride in units"))?,
+            );
         }
         total = total
             .checked_mul(per as u64)
             .ok_or_else(|| overflow("unit count of a Metal copy"))?;
-        let mut merged: Vec<(u64, i64, i64)> = Vec::with_capacity(axes.len());
-        for axis in axes.into_iter().filter(|a| a.0 != 1) {
-            if let Some(last) = merged.last_mut() {
-                let n = axis.0 as i64;
-                if last.1 == axis.1 * n && last.2 == axis.2 * n {
-                    *last = (last.0 * axis.0, axis.1, axis.2);
-                    continue;
-                }
-            }
-            merged.push(axis);
-        }
+        let merged = copy_axes(shape, &src_units, &dst_units, per)?;
         if merged.len() > MAX_KERNEL_DIMS {
             return Err(Error::Shape(format!(
                 "the Metal copy kernel takes at most {MAX_KERNEL_DIMS} axes that cannot be \
@@ -174,10 +159,10 @@ impl StridedCopyPlan {
             src_strides: [0; MAX_KERNEL_DIMS],
             dst_strides: [0; MAX_KERNEL_DIMS],
         };
-        for (k, (n, s, d)) in merged.into_iter().enumerate() {
-            params.shape[k] = n;
-            params.src_strides[k] = s;
-            params.dst_strides[k] = d;
+        for (k, axis) in merged.into_iter().enumerate() {
+            params.shape[k] = axis.extent;
+            params.src_strides[k] = axis.src;
+            params.dst_strides[k] = axis.dst;
         }
         Ok(StridedCopyPlan {
             unit,

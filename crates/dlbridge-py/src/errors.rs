@@ -31,6 +31,21 @@ pub(crate) fn to_py(err: Error) -> PyErr {
     }
 }
 
+/// The name of the Python exception type `kind` maps to, for C callers that set errors by name
+/// (the DLPack exchange table's allocator): the same mapping as [`to_py`].
+pub(crate) fn exception_name(kind: ErrorKind) -> &'static std::ffi::CStr {
+    match kind {
+        ErrorKind::Buffer => c"BufferError",
+        ErrorKind::Value => c"ValueError",
+        ErrorKind::Type => c"TypeError",
+        ErrorKind::Index => c"IndexError",
+        ErrorKind::Memory => c"MemoryError",
+        ErrorKind::Runtime => c"RuntimeError",
+        #[allow(unreachable_patterns)]
+        _ => c"RuntimeError",
+    }
+}
+
 /// `?`-friendly conversion of core results.
 pub(crate) trait IntoPyResult<T> {
     fn py(self) -> pyo3::PyResult<T>;

@@ -210,7 +210,8 @@ def main() -> int:
             results[name] = (size / cold / 1e9 if cold else None, size / warm / 1e9, "")
         except Exception as e:  # a peer that is missing or fails is reported, not fatal
             results[name] = (None, None, f"{type(e).__name__}: {str(e)[:90]}")
-        print(f"  {name}: done", flush=True)
+        cold_gbps, warm_gbps, err = results[name]
+        print(f"  {name}: cold {cold_gbps or 0:.2f} GB/s, warm {warm_gbps or 0:.2f} GB/s {err}", flush=True)
 
     raw_warm = []
     for _ in range(2):
@@ -225,7 +226,7 @@ def main() -> int:
     warm_up(files)
     dlbridge.reset_peak_memory("cuda_host:0")
     load_dlbridge(files)
-    peak_pinned = dlbridge.memory_stats("cuda_host:0")["peak_bytes"]
+    peak_pinned = dlbridge.memory_stats("cuda_host:0")["peak_active_bytes"]
     first = sorted(dlbridge._dlbridge._Checkpoint(files).keys())[0]
     s = time.perf_counter(); load_dlbridge(files, keys=[first]); first_s = time.perf_counter() - s
 

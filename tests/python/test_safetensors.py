@@ -273,7 +273,8 @@ def test_cuda_load_equals_safetensors(tmp_path):
                 got = torch.from_dlpack(loaded[name])
                 assert got.device.type == "cuda" and got.dtype == ref.dtype, name
                 assert torch.equal(got, ref), (name, direct, threads)
-                assert got.data_ptr() == loaded[name].data_ptr, "zero-copy into PyTorch"
+                if got.numel():  # PyTorch reports 0 as the address of an empty tensor
+                    assert got.data_ptr() == loaded[name].data_ptr, "zero-copy into PyTorch"
     stats = dlbridge.memory_stats("cuda:0")
     del loaded, got
     assert dlbridge.memory_stats("cuda:0")["active_bytes"] < stats["active_bytes"]

@@ -123,7 +123,9 @@ pub(crate) struct FileRead<'a> {
     pub(crate) path: &'a std::path::Path,
     /// The file, opened for buffered reads.
     pub(crate) file: &'a std::fs::File,
-    /// The file opened with `O_DIRECT`, to read around the page cache.
+    /// The file opened with `O_DIRECT`, to read around the page cache (only the CUDA reader,
+    /// whose staging buffers are page-aligned, uses it).
+    #[cfg_attr(not(cuda), allow(dead_code))]
     pub(crate) direct: Option<&'a std::fs::File>,
     /// Where the range starts in the file.
     pub(crate) offset: u64,

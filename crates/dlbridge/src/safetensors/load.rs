@@ -273,18 +273,37 @@ fn resident_fraction(shard: &SafeTensors) -> f64 {
     let mut vec = vec![0u8; pages];
     // SAFETY: `base` is the page-aligned start of a live mapping of `len` bytes (the shard's
     // buffer); `vec` has one byte per page of it, as mincore writes.
-    let rc = unsafe { libc::mincore(base.as_ptr().cast(), len, vec.as_mut_ptr()) };
+    let rc = unsafe { libc::mincore(base.as_ptr().cast(), len, vec.as_mut_ptr().cast()) };
     if rc != 0 {
         return 1.0;
     }
     vec.iter().filter(|&&b| b & 1 != 0).count() as f64 / pages as f64
 }
 
+/// The file opened for reads around the page cache: `O_DIRECT` on Linux, `F_NOCACHE` on Apple
+/// platforms; `None` where the system or the file system has no such mode.
 fn open_direct(path: &Path) -> Option<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .ok()
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok()
+    }
+    #[cfg(target_vendor = "apple")]
+    {
+        use std::os::fd::AsRawFd;
+        let file = File::open(path).ok()?;
+        // SAFETY: `fcntl(F_NOCACHE)` on a descriptor this function owns changes only how reads
+        // of it use the cache.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) };
+        (rc != -1).then_some(file)
+    }
+    #[cfg(not(any(target_os = "linux", target_vendor = "apple")))]
+    {
+        let _ = path;
+        None
+    }
 }

@@ -53,6 +53,7 @@ pub mod error;
 mod fork;
 pub mod layout;
 pub mod pool;
+pub mod share;
 pub mod storage;
 pub mod tensor;
 

@@ -24,6 +24,7 @@ mod memory;
 mod metal;
 mod ml_dtypes;
 mod ops;
+mod share;
 
 use pyo3::prelude::*;
 
@@ -83,6 +84,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     memory::register(m)?;
     metal::register(m)?;
     ops::register(m)?;
+    share::register(m)?;
     kernel::register(m)?;
     m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

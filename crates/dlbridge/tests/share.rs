@@ -335,3 +335,13 @@ fn cuda_ordinary_memory_goes_through_legacy_ipc_without_a_copy() {
     wait_ack(&s);
     assert!(child_.wait().unwrap().success());
 }
+
+#[test]
+fn an_opened_array_is_shared_on_without_a_copy() {
+    let t = share::to_shareable(&Tensor::from_slice(&[1u8, 2, 3, 4], &[4]).unwrap()).unwrap();
+    let first = share::open(share::share(&t, false).unwrap()).unwrap();
+    let view = first.slice(0, SliceArg::range(1, 3)).unwrap();
+    let mut second = share::open(share::share(&view, false).unwrap()).unwrap();
+    second.as_mut_slice::<u8>().unwrap()[0] = 20;
+    assert_eq!(t.to_vec::<u8>().unwrap(), vec![1, 20, 3, 4]);
+}

@@ -348,31 +348,64 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
     })
 }
 
-/// The file of the shareable block `buffer` lies in, duplicated, and marks the block exported;
-/// `None` when the buffer is not shareable memory of this process.
+/// The files this process mapped with [`map`], by address: a received array can be shared on
+/// (to a third process) without a copy.
+fn mappings() -> std::sync::MutexGuard<'static, BTreeMap<usize, (usize, OwnedFd)>> {
+    static MAPPINGS: OnceLock<Mutex<BTreeMap<usize, (usize, OwnedFd)>>> = OnceLock::new();
+    MAPPINGS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The one lookup of both registries: the `(start, len, fd)` of the file range that holds
+/// `[addr, addr + len)`, if any.
+fn find<'a>(
+    mut map: impl DoubleEndedIterator<Item = (&'a usize, usize, &'a OwnedFd)>,
+    addr: usize,
+    len: usize,
+) -> Option<(usize, usize, &'a OwnedFd)> {
+    let (&start, size, fd) = map.next_back()?;
+    (addr - start).checked_add(len).filter(|&end| end <= size)?;
+    Some((start, size, fd))
+}
+
+/// A new descriptor of the shared file `buffer` lies in (a block of this process's shareable pool,
+/// or a file it mapped from a handle), with the buffer's place in it; the block, if it is one, is
+/// marked exported. `None` when the buffer is not in a shared file.
 pub(crate) fn export(buffer: &Buffer) -> Result<Option<Exported>> {
+    let addr = buffer.handle().expose_provenance();
+    let dup = |fd: &OwnedFd, start: usize, len: usize| -> Result<Exported> {
+        let fd = fd.try_clone().map_err(|e| Error::Driver {
+            backend: "CPU",
+            message: format!("dup of a shared file failed: {e}"),
+        })?;
+        Ok(Exported {
+            fd,
+            len,
+            offset: addr - start,
+        })
+    };
+    {
+        let mapped = mappings();
+        let range = mapped.range(..=addr).map(|(k, (len, fd))| (k, *len, fd));
+        if let Some((start, len, fd)) = find(range, addr, buffer.len()) {
+            return dup(fd, start, len).map(Some);
+        }
+    }
     let Ok(shared) = shareable(buffer.device()) else {
         return Ok(None);
     };
-    let addr = buffer.handle().expose_provenance();
     let mut blocks = shared.files.blocks();
-    let Some((&start, block)) = blocks.range_mut(..=addr).next_back() else {
+    let range = blocks.range(..=addr).map(|(k, b)| (k, b.len, &b.fd));
+    let Some((start, len, fd)) = find(range, addr, buffer.len()) else {
         return Ok(None);
     };
-    let offset = addr - start;
-    if offset.saturating_add(buffer.len()) > block.len {
-        return Ok(None);
+    let exported = dup(fd, start, len)?;
+    if let Some(block) = blocks.get_mut(&start) {
+        block.exported = true;
     }
-    let fd = block.fd.try_clone().map_err(|e| Error::Driver {
-        backend: "CPU",
-        message: format!("dup of a shared file failed: {e}"),
-    })?;
-    block.exported = true;
-    Ok(Some(Exported {
-        fd,
-        len: block.len,
-        offset,
-    }))
+    Ok(Some(exported))
 }
 
 /// A mapping of a received file; unmapping it is this process's release of the memory.
@@ -392,6 +425,7 @@ impl Allocation for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        mappings().remove(&self.ptr.as_ptr().expose_provenance());
         if let Some(ordinal) = self.cuda {
             // SAFETY: registered by `map`; the last buffer handle is gone.
             if let Err(e) = unsafe { ipc::host_unregister(self.ptr, ordinal) } {
@@ -404,7 +438,8 @@ impl Drop for Mapping {
 }
 
 /// Maps `len` bytes of a received shareable file on `device` (`cpu` or `cuda_host:N`). The
-/// descriptor is closed afterwards: the mapping alone keeps the memory.
+/// mapping keeps the memory; the descriptor is kept beside it so that the array can be shared on,
+/// and closed when the mapping goes.
 pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
     let cuda = match device.kind() {
         DeviceKind::Cpu => None,
@@ -432,6 +467,7 @@ pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
         // unregistering memory that was never registered only reports an error.
         unsafe { ipc::host_register(ptr, len, ordinal) }?;
     }
+    mappings().insert(ptr.as_ptr().expose_provenance(), (len, fd));
     let storage = StorageMode::Shared;
     let host = ptr.as_ptr().cast::<u8>();
     // SAFETY: `len` bytes are mapped read-write at `ptr` until `mapping` is dropped with the

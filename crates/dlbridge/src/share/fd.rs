@@ -27,6 +27,23 @@ pub const MAX_FDS: usize = 16;
 /// The largest handle message, in bytes.
 const MAX_MESSAGE: usize = 64 * 1024;
 
+/// Takes ownership of descriptor `raw` after checking that it is open (a closed or negative
+/// descriptor is an [`Error::InvalidArgument`]).
+///
+/// # Safety
+/// If `raw` is open, the caller owns it and hands it over: nothing else may use or close it
+/// afterwards.
+pub unsafe fn adopt_fd(raw: RawFd) -> Result<OwnedFd> {
+    // SAFETY: F_GETFD only reads the descriptor's flags; a closed one makes it fail.
+    if raw < 0 || unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "file descriptor {raw} is not open"
+        )));
+    }
+    // SAFETY: open, and handed over by the caller's contract.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
 /// Sends `data` and `fds` as one message (`sendmsg` with `SCM_RIGHTS`); the receiver gets new
 /// descriptors of the same files.
 pub fn send_fds(socket: &UnixStream, data: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {

@@ -40,7 +40,7 @@ pub mod fd;
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-pub use fd::{recv_fds, recv_handle, send_fds, send_handle};
+pub use fd::{adopt_fd, recv_fds, recv_handle, send_fds, send_handle};
 
 use crate::backend::cuda::ipc;
 use crate::buffer::Buffer;

@@ -23,7 +23,7 @@ use crate::errors::IntoPyResult;
 /// opened; it opens once. Plain `pickle` carries the descriptor as `/proc/<pid>/fd/<n>` of the
 /// producer, which must still hold the handle when the receiver unpickles it; `dlbridge.multiprocessing`
 /// passes the descriptor itself.
-#[pyclass(frozen, module = "dlbridge", name = "SharedHandle")]
+#[pyclass(frozen, module = "dlbridge._dlbridge", name = "SharedHandle")]
 pub(crate) struct PySharedHandle {
     /// The handle; `None` once opened.
     inner: Mutex<Option<SharedHandle>>,
@@ -120,7 +120,10 @@ impl PySharedHandle {
     /// Whether the handle was opened (it opens once).
     #[getter]
     fn opened(&self) -> bool {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
     }
 
     /// Everything but the descriptor, as bytes.
@@ -137,41 +140,29 @@ impl PySharedHandle {
         Ok(Self::new(SharedHandle::from_bytes(state, fd).py()?))
     }
 
-    /// A handle from `_state()` bytes whose descriptor is reopened through the producer's
-    /// `/proc/<pid>/fd/<fd>` (plain `pickle`).
-    #[staticmethod]
-    #[pyo3(signature = (state, pid, fd=None))]
-    fn _from_proc(state: &[u8], pid: u32, fd: Option<i32>) -> PyResult<Self> {
-        let fd = match fd {
-            None => None,
-            Some(fd) => {
-                let path = format!("/proc/{pid}/fd/{fd}");
-                let file = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(&path)
-                    .map_err(|e| {
-                        PyOSError::new_err(format!(
-                            "cannot reopen the shared memory through {path} ({e}): the producer \
-                             must hold the handle until it is unpickled, on this machine"
-                        ))
-                    })?;
-                Some(OwnedFd::from(file))
-            }
-        };
-        Ok(Self::new(SharedHandle::from_bytes(state, fd).py()?))
-    }
-
     /// Plain pickling: the state, the producer's pid and the descriptor's number there.
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let this = slf.get();
-        let (state, pid, fd) = this.with(|h| (h.to_bytes(), std::process::id(), h.fd().map(|f| f.as_raw_fd())))?;
-        let ctor = slf.get_type().getattr("_from_proc")?;
-        PyTuple::new(
+        let (state, pid, fd) = this.with(|h| {
+            (
+                h.to_bytes(),
+                std::process::id(),
+                h.fd().map(|f| f.as_raw_fd()),
+            )
+        })?;
+        let ctor = py
+            .import("dlbridge._dlbridge")?
+            .getattr("_handle_from_proc")?;
+        let args = PyTuple::new(
             py,
-            [ctor, PyBytes::new(py, &state).into_any(), pid.into_pyobject(py)?.into_any(), fd.into_pyobject(py)?.into_any()],
-        )
+            [
+                PyBytes::new(py, &state).into_any(),
+                pid.into_pyobject(py)?.into_any(),
+                fd.into_pyobject(py)?.into_any(),
+            ],
+        )?;
+        PyTuple::new(py, [ctor, args.into_any()])
     }
 
     fn __repr__(&self) -> String {
@@ -190,8 +181,39 @@ impl PySharedHandle {
     }
 }
 
+/// A handle from `_state()` bytes whose descriptor is reopened through the producer's
+/// `/proc/<pid>/fd/<fd>` (plain `pickle`).
+#[pyfunction]
+#[pyo3(signature = (state, pid, fd=None))]
+fn _handle_from_proc(state: &[u8], pid: u32, fd: Option<i32>) -> PyResult<PySharedHandle> {
+    let fd = match fd {
+        None => None,
+        Some(fd) => {
+            let path = format!("/proc/{pid}/fd/{fd}");
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| {
+                    PyOSError::new_err(format!(
+                        "cannot reopen the shared memory through {path} ({e}): the producer \
+                         must hold the handle until it is unpickled, on this machine"
+                    ))
+                })?;
+            Some(OwnedFd::from(file))
+        }
+    };
+    Ok(PySharedHandle::new(
+        SharedHandle::from_bytes(state, fd).py()?,
+    ))
+}
+
 /// `Array.share`: a handle to the array's memory (see `dlbridge::share::share`).
-pub(crate) fn share_array(py: Python<'_>, t: &Tensor, copy: Option<bool>) -> PyResult<PySharedHandle> {
+pub(crate) fn share_array(
+    py: Python<'_>,
+    t: &Tensor,
+    copy: Option<bool>,
+) -> PyResult<PySharedHandle> {
     let t = t.clone();
     let handle = py.detach(|| share::share(&t, copy != Some(false))).py()?;
     Ok(PySharedHandle::new(handle))
@@ -230,6 +252,14 @@ fn _array_from_pickle(
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyArray> {
     let dtype = dtype::parse(dtype)?;
+    // An out-of-band `PickleBuffer` keeps its exporter's format; `raw()` is its bytes, as `B`.
+    let raw;
+    let buffer = if buffer.hasattr("raw")? {
+        raw = buffer.call_method0("raw")?;
+        &raw
+    } else {
+        buffer
+    };
     let bytes = crate::dlpack::buffer::from_buffer(buffer)?;
     let layout = Layout::contiguous_at(&shape, bytes.byte_offset()).py()?;
     let mut t = Tensor::new(bytes.buffer().clone(), dtype, layout).py()?;
@@ -257,8 +287,10 @@ pub(crate) fn reduce_array<'py>(
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = slf.py();
     let t = slf.get().tensor()?.clone();
-    let ctor = py.import("dlbridge._dlbridge")?.getattr("_array_from_pickle")?;
-    let dtype = PyDType(t.dtype()).into_pyobject(py)?.into_any();
+    let ctor = py
+        .import("dlbridge._dlbridge")?
+        .getattr("_array_from_pickle")?;
+    let dtype = t.dtype().name().into_pyobject(py)?.into_any();
     let shape = PyTuple::new(py, t.shape())?.into_any();
     let readonly = t.is_read_only().into_pyobject(py)?.to_owned().into_any();
     let on_host = t.device().is_cpu();
@@ -277,10 +309,14 @@ pub(crate) fn reduce_array<'py>(
         // A ctypes array over the elements, owning a new array of the same memory (so that
         // `Backend.free` of the original refuses while the buffer is out).
         let ctypes = py.import("ctypes")?;
-        let char_array = ctypes.getattr("c_char")?.call_method1("__mul__", (nbytes,))?;
+        let char_array = ctypes
+            .getattr("c_char")?
+            .call_method1("__mul__", (nbytes,))?;
         let view = char_array.call_method1("from_address", (first.expose_provenance(),))?;
         view.setattr("_dlbridge_owner", PyArray::new(compact.clone()))?;
-        py.import("pickle")?.getattr("PickleBuffer")?.call1((view,))?
+        py.import("pickle")?
+            .getattr("PickleBuffer")?
+            .call1((view,))?
     } else {
         // SAFETY: `compact` is a live, contiguous host view of `nbytes` bytes at `first`; no
         // one writes it during this copy (the GIL is held and Python code cannot run).
@@ -289,7 +325,14 @@ pub(crate) fn reduce_array<'py>(
     };
     let mut args = vec![data, dtype, shape, readonly];
     if !on_host {
-        args.push(PyDevice(slf.get().tensor()?.device()).into_pyobject(py)?.into_any());
+        args.push(
+            slf.get()
+                .tensor()?
+                .device()
+                .to_string()
+                .into_pyobject(py)?
+                .into_any(),
+        );
     }
     PyTuple::new(py, [ctor, PyTuple::new(py, args)?.into_any()])
 }
@@ -299,5 +342,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySharedHandle>()?;
     m.add_function(wrap_pyfunction!(open_shared, m)?)?;
     m.add_function(wrap_pyfunction!(_array_from_pickle, m)?)?;
+    m.add_function(wrap_pyfunction!(_handle_from_proc, m)?)?;
     Ok(())
 }

@@ -62,7 +62,8 @@ fn open_fds() -> usize {
 
 #[test]
 fn share_and_open_in_one_process_is_zero_copy() {
-    let t = share::to_shareable(&Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap()).unwrap();
+    let t =
+        share::to_shareable(&Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap()).unwrap();
     let h = share::share(&t, false).unwrap();
     assert_eq!(h.kind(), SharedKind::HostFile);
     assert_eq!(h.dtype(), DType::F32);
@@ -80,7 +81,14 @@ fn views_keep_offset_and_strides() {
     let v = t
         .slice(0, SliceArg::range(1, 4))
         .unwrap()
-        .slice(1, SliceArg { start: Some(1), stop: None, step: 2 })
+        .slice(
+            1,
+            SliceArg {
+                start: Some(1),
+                stop: None,
+                step: 2,
+            },
+        )
         .unwrap()
         .transpose()
         .unwrap();
@@ -113,7 +121,10 @@ fn handles_round_trip_through_bytes_and_reject_garbage() {
     assert!(opened.is_read_only());
     assert_eq!(opened.to_vec::<i64>().unwrap(), vec![1, 2]);
 
-    assert!(matches!(SharedHandle::from_bytes(b"nonsense", None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        SharedHandle::from_bytes(b"nonsense", None),
+        Err(Error::InvalidArgument(_))
+    ));
     // A handle of host memory is nothing without its descriptor.
     assert!(SharedHandle::from_bytes(&bytes, None).is_err());
     // Truncated bytes.
@@ -143,7 +154,10 @@ fn a_handle_of_another_boot_or_another_file_is_refused() {
     let mut other_handle = share::share(&other, false).unwrap();
     let wrong = SharedHandle::from_bytes(&bytes, other_handle.take_fd()).unwrap();
     let err = share::open(wrong).unwrap_err();
-    assert!(err.to_string().contains("not the handle's shared file"), "{err}");
+    assert!(
+        err.to_string().contains("not the handle's shared file"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -159,7 +173,12 @@ fn an_exported_block_is_never_reused_under_a_consumer() {
     // The pool hands the same addresses out again, now backed by a fresh file.
     let again = share::allocate(Device::CPU, n, true).unwrap();
     assert_eq!(again.handle(), addr);
-    let again = Tensor::new(again, DType::U8, dlbridge::Layout::contiguous(&[n]).unwrap()).unwrap();
+    let again = Tensor::new(
+        again,
+        DType::U8,
+        dlbridge::Layout::contiguous(&[n]).unwrap(),
+    )
+    .unwrap();
     // SAFETY: the only handle to the buffer's bytes.
     unsafe { again.fill_bytes_unchecked(&[1]) }.unwrap();
     assert!(opened.to_vec::<u8>().unwrap().iter().all(|&b| b == 7));
@@ -232,7 +251,8 @@ fn a_killed_consumer_leaks_nothing() {
         std::thread::sleep(std::time::Duration::from_secs(60));
         return;
     }
-    let t = share::to_shareable(&Tensor::zeros(&[1 << 20], DType::U8, Device::CPU).unwrap()).unwrap();
+    let t =
+        share::to_shareable(&Tensor::zeros(&[1 << 20], DType::U8, Device::CPU).unwrap()).unwrap();
     let (mut victim, s) = spawn("a_killed_consumer_leaks_nothing", "victim");
     share::send_handle(&s, share::share(&t, false).unwrap()).unwrap();
     wait_ack(&s);
@@ -240,7 +260,11 @@ fn a_killed_consumer_leaks_nothing() {
     victim.wait().unwrap();
     // The consumer's mapping died with it; nothing is named in /dev/shm.
     let named = std::fs::read_dir("/dev/shm")
-        .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains("dlbridge")).count())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().contains("dlbridge"))
+                .count()
+        })
         .unwrap_or(0);
     assert_eq!(named, 0);
 }
@@ -256,7 +280,10 @@ fn descriptors_travel_over_a_socket() {
     let (n, mut fds) = share::recv_fds(&b, &mut buf).unwrap();
     assert_eq!(fds.len(), 1);
     let back = SharedHandle::from_bytes(&buf[..n], fds.pop()).unwrap();
-    assert_eq!(share::open(back).unwrap().to_vec::<i8>().unwrap(), vec![3, 4]);
+    assert_eq!(
+        share::open(back).unwrap().to_vec::<i8>().unwrap(),
+        vec![3, 4]
+    );
     // Too many descriptors for one message.
     let many: Vec<_> = (0..17).map(|_| std::os::fd::AsFd::as_fd(&fd)).collect();
     assert!(share::send_fds(&a, b"x", &many).is_err());
@@ -284,7 +311,10 @@ fn cuda_vmm_write_is_seen_across_processes_and_outlives_the_producer() {
             return;
         }
         let host: Vec<f32> = (0..4096).map(|i| i as f32).collect();
-        let t = Tensor::from_slice(&host, &[64, 64]).unwrap().copy_to(gpu()).unwrap();
+        let t = Tensor::from_slice(&host, &[64, 64])
+            .unwrap()
+            .copy_to(gpu())
+            .unwrap();
         let h = share::share(&t, true).unwrap();
         assert_eq!(h.kind(), SharedKind::CudaVmm);
         share::send_handle(&s, h).unwrap();
@@ -307,7 +337,12 @@ fn cuda_vmm_write_is_seen_across_processes_and_outlives_the_producer() {
 fn cuda_pinned_memory_is_shared() {
     let device = Device::cuda_host(gpu().index());
     let buffer = share::allocate(device, 16, true).unwrap();
-    let t = Tensor::new(buffer, DType::U32, dlbridge::Layout::contiguous(&[4]).unwrap()).unwrap();
+    let t = Tensor::new(
+        buffer,
+        DType::U32,
+        dlbridge::Layout::contiguous(&[4]).unwrap(),
+    )
+    .unwrap();
     let h = share::share(&t, false).unwrap();
     assert_eq!(h.kind(), SharedKind::HostFile);
     let mut opened = share::open(h).unwrap();
@@ -323,14 +358,23 @@ fn cuda_ordinary_memory_goes_through_legacy_ipc_without_a_copy() {
             return;
         }
         let t = share::open(share::recv_handle(&s).unwrap()).unwrap();
-        assert_eq!(t.copy_to(Device::CPU).unwrap().to_vec::<i32>().unwrap(), vec![5, 6, 7]);
+        assert_eq!(
+            t.copy_to(Device::CPU).unwrap().to_vec::<i32>().unwrap(),
+            vec![5, 6, 7]
+        );
         ack(&s);
         return;
     }
-    let t = Tensor::from_slice(&[5i32, 6, 7], &[3]).unwrap().copy_to(gpu()).unwrap();
+    let t = Tensor::from_slice(&[5i32, 6, 7], &[3])
+        .unwrap()
+        .copy_to(gpu())
+        .unwrap();
     let h = share::share(&t, false).unwrap();
     assert_eq!(h.kind(), SharedKind::CudaIpc);
-    let (mut child_, s) = spawn("cuda_ordinary_memory_goes_through_legacy_ipc_without_a_copy", "legacy");
+    let (mut child_, s) = spawn(
+        "cuda_ordinary_memory_goes_through_legacy_ipc_without_a_copy",
+        "legacy",
+    );
     share::send_handle(&s, h).unwrap();
     wait_ack(&s);
     assert!(child_.wait().unwrap().success());

@@ -26,13 +26,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use super::Exported;
 use crate::backend::cpu::page_size;
 use crate::backend::cuda::ipc;
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
-use super::Exported;
 
 /// The error of a failed system call, naming it, with `errno`'s text.
 pub(crate) fn os_error(call: &str) -> Error {
@@ -93,7 +93,11 @@ fn anonymous_file(len: usize) -> Result<OwnedFd> {
 /// # Safety
 /// When `fixed` is given, `[fixed, fixed + len)` must be a mapping this module made that nothing
 /// reads or writes during the call (its old contents are gone afterwards).
-unsafe fn map_file(fd: &OwnedFd, len: usize, fixed: Option<NonNull<c_void>>) -> Result<NonNull<c_void>> {
+unsafe fn map_file(
+    fd: &OwnedFd,
+    len: usize,
+    fixed: Option<NonNull<c_void>>,
+) -> Result<NonNull<c_void>> {
     let (addr, flags) = match fixed {
         Some(p) => (p.as_ptr(), libc::MAP_SHARED | libc::MAP_FIXED),
         None => (std::ptr::null_mut(), libc::MAP_SHARED),
@@ -221,7 +225,9 @@ impl RawAllocator for FileAllocator {
     }
 
     fn allocate(&self, bytes: usize, _zeroed: bool) -> Result<NonNull<c_void>> {
-        let len = self.round_size(bytes).ok_or_else(|| crate::error::overflow("block size"))?;
+        let len = self
+            .round_size(bytes)
+            .ok_or_else(|| crate::error::overflow("block size"))?;
         if len > crate::backend::cpu::host_memory_bytes() {
             return Err(Error::OutOfMemory {
                 bytes,
@@ -243,7 +249,9 @@ impl RawAllocator for FileAllocator {
             len,
             exported: false,
         };
-        self.0.blocks().insert(ptr.as_ptr().expose_provenance(), block);
+        self.0
+            .blocks()
+            .insert(ptr.as_ptr().expose_provenance(), block);
         Ok(ptr)
     }
 
@@ -257,7 +265,12 @@ impl RawAllocator for FileAllocator {
         unsafe { unmap(ptr, block.len) };
     }
 
-    unsafe fn zero(&self, ptr: NonNull<c_void>, bytes: usize, _stream: Option<StreamKey>) -> Result<()> {
+    unsafe fn zero(
+        &self,
+        ptr: NonNull<c_void>,
+        bytes: usize,
+        _stream: Option<StreamKey>,
+    ) -> Result<()> {
         // SAFETY: by the caller's contract `ptr` addresses `bytes` bytes of a live block nobody
         // else touches during the fill.
         unsafe { ptr.cast::<u8>().write_bytes(0, bytes) };
@@ -344,7 +357,14 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
     // until the boxed block is dropped; pinned blocks are registered with the device, so the
     // same address serves both.
     Ok(unsafe {
-        Buffer::from_allocation(ptr, ptr.cast::<u8>(), bytes, device, StorageMode::Shared, boxed)
+        Buffer::from_allocation(
+            ptr,
+            ptr.cast::<u8>(),
+            bytes,
+            device,
+            StorageMode::Shared,
+            boxed,
+        )
     })
 }
 
@@ -472,5 +492,7 @@ pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
     let host = ptr.as_ptr().cast::<u8>();
     // SAFETY: `len` bytes are mapped read-write at `ptr` until `mapping` is dropped with the
     // last buffer handle.
-    Ok(unsafe { Buffer::from_allocation(ptr.as_ptr(), host, len, device, storage, Box::new(mapping)) })
+    Ok(unsafe {
+        Buffer::from_allocation(ptr.as_ptr(), host, len, device, storage, Box::new(mapping))
+    })
 }

@@ -68,21 +68,20 @@ pub fn send_fds(socket: &UnixStream, data: &[u8], fds: &[BorrowedFd<'_>]) -> Res
         // SAFETY: `msg` has a control buffer of CMSG_SPACE(payload) bytes, so the first header
         // exists and is writable.
         let cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-        // SAFETY: `cmsg` points into `control`, aligned by CMSG_FIRSTHDR.
-        unsafe {
-            (*cmsg).cmsg_level = libc::SOL_SOCKET;
-            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(payload) as _;
-        }
+        // SAFETY: CMSG_LEN only computes a size.
+        let len = unsafe { libc::CMSG_LEN(payload) };
+        // SAFETY: an all-zero `cmsghdr` is a valid value of this plain C struct.
+        let mut header: libc::cmsghdr = unsafe { std::mem::zeroed() };
+        header.cmsg_level = libc::SOL_SOCKET;
+        header.cmsg_type = libc::SCM_RIGHTS;
+        header.cmsg_len = len as _;
+        // SAFETY: `cmsg` points into `control` with room for a header, aligned by CMSG_FIRSTHDR.
+        unsafe { cmsg.write(header) };
+        // SAFETY: `cmsg` is the header just written inside `control`.
+        let data = unsafe { libc::CMSG_DATA(cmsg) };
         // SAFETY: CMSG_DATA has room for `payload` bytes (CMSG_SPACE above); the source is the
-        // `raw` vector of exactly that size. Unaligned: CMSG_DATA guarantees no alignment.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                raw.as_ptr().cast::<u8>(),
-                libc::CMSG_DATA(cmsg),
-                payload as usize,
-            )
-        };
+        // `raw` vector of exactly that size. Bytes: CMSG_DATA guarantees no alignment.
+        unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), data, payload as usize) };
     }
     // SAFETY: `msg` points at live buffers for the duration of the call.
     let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
@@ -125,17 +124,18 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
     let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
     while !cmsg.is_null() {
         // SAFETY: `cmsg` is a header inside `control`, as CMSG_FIRSTHDR/CMSG_NXTHDR return.
-        let (level, kind, len) = unsafe { ((*cmsg).cmsg_level, (*cmsg).cmsg_type, (*cmsg).cmsg_len) };
-        if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
+        let header = unsafe { cmsg.read() };
+        if header.cmsg_level == libc::SOL_SOCKET && header.cmsg_type == libc::SCM_RIGHTS {
             // SAFETY: CMSG_LEN(0) only computes a size.
-            let header = unsafe { libc::CMSG_LEN(0) } as usize;
-            let count = (len as usize).saturating_sub(header) / size_of::<RawFd>();
-            // SAFETY: the kernel wrote `count` descriptors at CMSG_DATA.
+            let empty = unsafe { libc::CMSG_LEN(0) } as usize;
+            let count = (header.cmsg_len as usize).saturating_sub(empty) / size_of::<RawFd>();
+            // SAFETY: `cmsg` is a valid header; the kernel wrote `count` descriptors after it.
             let data = unsafe { libc::CMSG_DATA(cmsg) };
             for i in 0..count {
-                // SAFETY: within the `count` descriptors the kernel wrote; unaligned reads
-                // because CMSG_DATA guarantees no alignment.
-                let raw = unsafe { data.add(i * size_of::<RawFd>()).cast::<RawFd>().read_unaligned() };
+                let at = data.wrapping_add(i * size_of::<RawFd>()).cast::<RawFd>();
+                // SAFETY: within the `count` descriptors the kernel wrote; unaligned because
+                // CMSG_DATA guarantees no alignment.
+                let raw = unsafe { at.read_unaligned() };
                 // SAFETY: the kernel installed this descriptor for us; we own it alone.
                 fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
             }
@@ -157,7 +157,9 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
 pub fn send_handle(socket: &UnixStream, handle: SharedHandle) -> Result<()> {
     let data = handle.to_bytes();
     if data.len() > MAX_MESSAGE {
-        return Err(Error::InvalidArgument("the handle is too large to send".into()));
+        return Err(Error::InvalidArgument(
+            "the handle is too large to send".into(),
+        ));
     }
     let fds: Vec<BorrowedFd<'_>> = handle.fd().into_iter().collect();
     send_fds(socket, &data, &fds)

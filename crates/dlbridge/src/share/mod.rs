@@ -223,7 +223,9 @@ impl SharedHandle {
         }
         let format = r.u8()?;
         if format != FORMAT {
-            return Err(malformed(format!("format {format}, this dlbridge reads {FORMAT}")));
+            return Err(malformed(format!(
+                "format {format}, this dlbridge reads {FORMAT}"
+            )));
         }
         let kind = SharedKind::from_raw(r.u8()?)?;
         let device = Device::new(DeviceKind::from_raw(r.i32()?), r.u32()?);
@@ -237,13 +239,20 @@ impl SharedHandle {
             return Err(malformed(format!("{ndim} dimensions")));
         }
         let shape = (0..ndim)
-            .map(|_| r.u64().and_then(|d| usize::try_from(d).map_err(|_| malformed("extent"))))
+            .map(|_| {
+                r.u64()
+                    .and_then(|d| usize::try_from(d).map_err(|_| malformed("extent")))
+            })
             .collect::<Result<Vec<_>>>()?;
         let strides = (0..ndim)
-            .map(|_| r.u64().and_then(|s| isize::try_from(s as i64).map_err(|_| malformed("stride"))))
+            .map(|_| {
+                r.u64()
+                    .and_then(|s| isize::try_from(s as i64).map_err(|_| malformed("stride")))
+            })
             .collect::<Result<Vec<_>>>()?;
         let boot_len = r.u32()? as usize;
-        let boot_id = String::from_utf8(r.take(boot_len)?.to_vec()).map_err(|_| malformed("boot id"))?;
+        let boot_id =
+            String::from_utf8(r.take(boot_len)?.to_vec()).map_err(|_| malformed("boot id"))?;
         let pid = r.u32()?;
         let inode = r.u64()?;
         let mut handles = [None, None];
@@ -304,19 +313,27 @@ impl<'a> Reader<'a> {
     }
 
     fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().map_err(|_| malformed("u16"))?))
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().map_err(|_| malformed("u16"))?,
+        ))
     }
 
     fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().map_err(|_| malformed("u32"))?))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().map_err(|_| malformed("u32"))?,
+        ))
     }
 
     fn i32(&mut self) -> Result<i32> {
-        Ok(i32::from_le_bytes(self.take(4)?.try_into().map_err(|_| malformed("i32"))?))
+        Ok(i32::from_le_bytes(
+            self.take(4)?.try_into().map_err(|_| malformed("i32"))?,
+        ))
     }
 
     fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().map_err(|_| malformed("u64"))?))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().map_err(|_| malformed("u64"))?,
+        ))
     }
 }
 
@@ -371,7 +388,11 @@ pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
     let dst = Tensor::new(buffer, t.dtype(), Layout::contiguous(t.shape())?)?;
     // SAFETY: `dst` is new memory no one else references.
     unsafe { dst.copy_from_unchecked(t) }?;
-    Ok(if t.is_read_only() { dst.into_read_only() } else { dst })
+    Ok(if t.is_read_only() {
+        dst.into_read_only()
+    } else {
+        dst
+    })
 }
 
 /// A handle to `t`'s memory for another process.
@@ -478,8 +499,7 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
         SharedKind::CudaIpc => {
             if handle.pid == std::process::id() {
                 return Err(Error::InvalidArgument(
-                    "a legacy CUDA IPC handle cannot be opened by the process that made it"
-                        .into(),
+                    "a legacy CUDA IPC handle cannot be opened by the process that made it".into(),
                 ));
             }
             let ipc_handle = handle.ipc.take().ok_or_else(already_opened)?;
@@ -493,7 +513,11 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
         None => {}
     }
     let t = Tensor::new(buffer, handle.dtype, handle.layout.clone())?;
-    Ok(if handle.read_only { t.into_read_only() } else { t })
+    Ok(if handle.read_only {
+        t.into_read_only()
+    } else {
+        t
+    })
 }
 
 fn already_opened() -> Error {

@@ -27,9 +27,9 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 
+use super::context;
 use super::driver::Named;
 use super::stream::{current_stream, raw};
-use super::context;
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
@@ -138,11 +138,17 @@ unsafe fn reserve_and_map(len: usize, handle: u64, ordinal: i32) -> Result<u64> 
 /// No device work uses the range any more.
 unsafe fn unmap_and_free(ptr: u64, len: usize) {
     // SAFETY: by the caller's contract.
-    if let Err(e) = unsafe { sys::cuMemUnmap(ptr, len) }.result().named("cuMemUnmap") {
+    if let Err(e) = unsafe { sys::cuMemUnmap(ptr, len) }
+        .result()
+        .named("cuMemUnmap")
+    {
         log::warn!("{e}");
     }
     // SAFETY: the reservation is ours and now unmapped.
-    if let Err(e) = unsafe { sys::cuMemAddressFree(ptr, len) }.result().named("cuMemAddressFree") {
+    if let Err(e) = unsafe { sys::cuMemAddressFree(ptr, len) }
+        .result()
+        .named("cuMemAddressFree")
+    {
         log::warn!("{e}");
     }
 }
@@ -150,7 +156,10 @@ unsafe fn unmap_and_free(ptr: u64, len: usize) {
 /// Releases an allocation handle (the memory goes when no process maps it).
 fn release(handle: u64) {
     // SAFETY: `handle` is a live allocation handle we own; releasing it once.
-    if let Err(e) = unsafe { sys::cuMemRelease(handle) }.result().named("cuMemRelease") {
+    if let Err(e) = unsafe { sys::cuMemRelease(handle) }
+        .result()
+        .named("cuMemRelease")
+    {
         log::warn!("{e}");
     }
 }
@@ -199,7 +208,10 @@ impl Blocks {
             .named("cuCtxSynchronize")?;
         let fresh = create(block.len, self.ordinal)?;
         // SAFETY: the device is idle and the block's buffer is being dropped.
-        if let Err(e) = unsafe { sys::cuMemUnmap(ptr, block.len) }.result().named("cuMemUnmap") {
+        if let Err(e) = unsafe { sys::cuMemUnmap(ptr, block.len) }
+            .result()
+            .named("cuMemUnmap")
+        {
             release(fresh);
             return Err(e);
         }
@@ -225,7 +237,9 @@ impl RawAllocator for VmmAllocator {
     fn allocate(&self, bytes: usize, zeroed: bool) -> Result<NonNull<c_void>> {
         let ordinal = self.blocks.ordinal;
         let _ctx = context(ordinal)?;
-        let len = self.round_size(bytes).ok_or_else(|| crate::error::overflow("block size"))?;
+        let len = self
+            .round_size(bytes)
+            .ok_or_else(|| crate::error::overflow("block size"))?;
         let handle = create(len, ordinal)?;
         // SAFETY: `handle` was just created with `len` bytes.
         let ptr = match unsafe { reserve_and_map(len, handle, ordinal) } {
@@ -264,7 +278,12 @@ impl RawAllocator for VmmAllocator {
         release(block.handle);
     }
 
-    unsafe fn zero(&self, ptr: NonNull<c_void>, bytes: usize, stream: Option<StreamKey>) -> Result<()> {
+    unsafe fn zero(
+        &self,
+        ptr: NonNull<c_void>,
+        bytes: usize,
+        stream: Option<StreamKey>,
+    ) -> Result<()> {
         let _ctx = context(self.blocks.ordinal)?;
         let stream = raw(stream.map_or(0, |k| k as usize));
         let addr = ptr.as_ptr().expose_provenance() as u64;
@@ -291,7 +310,10 @@ fn shareable(device: Device) -> Result<&'static Shareable> {
     }
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
-    let mut pools = POOLS.get_or_init(Mutex::default).lock().unwrap_or_else(PoisonError::into_inner);
+    let mut pools = POOLS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
     if let Some(s) = pools.get(&device.index()) {
         return Ok(s);
     }
@@ -348,7 +370,9 @@ impl Drop for SharedBlock {
 pub(crate) fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
     let shared = shareable(device)?;
     let stream = super::stream::pool_key(current_stream(device.index() as i32));
-    let block = shared.pool.allocate_static(bytes.max(1), Some(stream), zeroed)?;
+    let block = shared
+        .pool
+        .allocate_static(bytes.max(1), Some(stream), zeroed)?;
     let ptr = block.as_ptr().as_ptr();
     let boxed = Box::new(SharedBlock {
         block: Some(block),
@@ -356,7 +380,14 @@ pub(crate) fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buf
     });
     // SAFETY: the block maps at least `bytes` device bytes at `ptr` until it is dropped.
     Ok(unsafe {
-        Buffer::from_allocation(ptr, std::ptr::null_mut(), bytes, device, StorageMode::Private, boxed)
+        Buffer::from_allocation(
+            ptr,
+            std::ptr::null_mut(),
+            bytes,
+            device,
+            StorageMode::Private,
+            boxed,
+        )
     })
 }
 
@@ -409,7 +440,10 @@ impl Drop for Imported {
         };
         // SAFETY: the last buffer of the mapping is gone; work that used it was ordered before
         // its release by the buffer's users.
-        unsafe { sys::cuCtxSynchronize() }.result().named("cuCtxSynchronize").unwrap_or_else(|e| log::warn!("{e}"));
+        unsafe { sys::cuCtxSynchronize() }
+            .result()
+            .named("cuCtxSynchronize")
+            .unwrap_or_else(|e| log::warn!("{e}"));
         // SAFETY: as above.
         unsafe { unmap_and_free(self.ptr, self.len) };
         release(self.handle);
@@ -419,7 +453,9 @@ impl Drop for Imported {
 /// Imports a VMM allocation of `len` bytes from its POSIX descriptor and maps it on `device`.
 pub(crate) fn import(device: Device, fd: OwnedFd, len: usize) -> Result<Buffer> {
     if device.kind() != DeviceKind::Cuda {
-        return Err(Error::UnsupportedDevice(format!("a VMM handle of {device}")));
+        return Err(Error::UnsupportedDevice(format!(
+            "a VMM handle of {device}"
+        )));
     }
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
@@ -454,7 +490,14 @@ pub(crate) fn import(device: Device, fd: OwnedFd, len: usize) -> Result<Buffer> 
     let addr = std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize);
     // SAFETY: `len` device bytes are mapped read-write at `addr` until `imported` is dropped.
     Ok(unsafe {
-        Buffer::from_allocation(addr, std::ptr::null_mut(), len, device, StorageMode::Private, Box::new(imported))
+        Buffer::from_allocation(
+            addr,
+            std::ptr::null_mut(),
+            len,
+            device,
+            StorageMode::Private,
+            Box::new(imported),
+        )
     })
 }
 
@@ -514,7 +557,10 @@ impl Drop for LegacyOpened {
             return;
         };
         // SAFETY: `ptr` came from cuIpcOpenMemHandle and the last buffer of it is gone.
-        if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result().named("cuIpcCloseMemHandle") {
+        if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }
+            .result()
+            .named("cuIpcCloseMemHandle")
+        {
             log::warn!("{e}");
         }
     }
@@ -522,9 +568,15 @@ impl Drop for LegacyOpened {
 
 /// Opens a legacy IPC handle of `len` bytes on `device`. Fails with the driver's error when the
 /// producer has exited.
-pub(crate) fn open_legacy(device: Device, handle: &[u8; IPC_HANDLE_BYTES], len: usize) -> Result<Buffer> {
+pub(crate) fn open_legacy(
+    device: Device,
+    handle: &[u8; IPC_HANDLE_BYTES],
+    len: usize,
+) -> Result<Buffer> {
     if device.kind() != DeviceKind::Cuda {
-        return Err(Error::UnsupportedDevice(format!("a CUDA IPC handle of {device}")));
+        return Err(Error::UnsupportedDevice(format!(
+            "a CUDA IPC handle of {device}"
+        )));
     }
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
@@ -542,7 +594,14 @@ pub(crate) fn open_legacy(device: Device, handle: &[u8; IPC_HANDLE_BYTES], len: 
     // SAFETY: the driver mapped the producer's allocation of `len` bytes at `addr`, valid until
     // `opened` closes it (and while the producer lives, which the module documents).
     Ok(unsafe {
-        Buffer::from_allocation(addr, std::ptr::null_mut(), len, device, StorageMode::Private, Box::new(opened))
+        Buffer::from_allocation(
+            addr,
+            std::ptr::null_mut(),
+            len,
+            device,
+            StorageMode::Private,
+            Box::new(opened),
+        )
     })
 }
 
@@ -560,7 +619,10 @@ pub(crate) fn record_event(device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
     let stream = current_stream(ordinal);
-    let mut events = EVENTS.get_or_init(Mutex::default).lock().unwrap_or_else(PoisonError::into_inner);
+    let mut events = EVENTS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
     let event = match events.get(&(ordinal, stream)) {
         Some(e) => e.0,
         None => {

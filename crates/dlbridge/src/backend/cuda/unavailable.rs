@@ -354,7 +354,11 @@ pub mod ipc {
     ///
     /// # Safety
     /// Nothing is done in this build.
-    pub(crate) unsafe fn host_register(_p: NonNull<c_void>, _len: usize, _ordinal: i32) -> Result<()> {
+    pub(crate) unsafe fn host_register(
+        _p: NonNull<c_void>,
+        _len: usize,
+        _ordinal: i32,
+    ) -> Result<()> {
         Err(no_cuda())
     }
 
@@ -397,7 +401,11 @@ pub mod ipc {
     }
 
     /// Opens a legacy IPC handle.
-    pub(crate) fn open_legacy(_device: Device, _handle: &[u8; IPC_HANDLE_BYTES], _len: usize) -> Result<Buffer> {
+    pub(crate) fn open_legacy(
+        _device: Device,
+        _handle: &[u8; IPC_HANDLE_BYTES],
+        _len: usize,
+    ) -> Result<Buffer> {
         Err(no_cuda())
     }
 

@@ -40,12 +40,15 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import context as _context
 from typing import Any, Callable
 
-from ._dlbridge import Array, SharedHandle, open_shared
+# `Array` here stays `multiprocessing.Array` (shared ctypes); dlbridge's is `_Array`.
+from ._dlbridge import Array as _Array
+from ._dlbridge import SharedHandle as _SharedHandle
+from ._dlbridge import open_shared as _open_shared
 
 __all__ = list(multiprocessing.__all__) + ["init_reductions"]
 
 
-def _send_fd(handle: SharedHandle) -> Any:
+def _send_fd(handle: _SharedHandle) -> Any:
     """The descriptor of ``handle`` as an object that delivers a duplicate to the receiver."""
     fd = handle.fd
     if fd is None:
@@ -58,32 +61,32 @@ def _send_fd(handle: SharedHandle) -> Any:
     return _reduction.DupFd(fd)
 
 
-def _rebuild_handle(state: bytes, dup: Any) -> SharedHandle:
+def _rebuild_handle(state: bytes, dup: Any) -> _SharedHandle:
     fd = dup.detach() if dup is not None else None
-    return SharedHandle._rebuild(state, fd)
+    return _SharedHandle._rebuild(state, fd)
 
 
-def _rebuild_array(state: bytes, dup: Any) -> Array:
-    return open_shared(_rebuild_handle(state, dup))
+def _rebuild_array(state: bytes, dup: Any) -> _Array:
+    return _open_shared(_rebuild_handle(state, dup))
 
 
-def _reduce_handle(handle: SharedHandle) -> tuple[Callable[..., SharedHandle], tuple[Any, ...]]:
+def _reduce_handle(handle: _SharedHandle) -> tuple[Callable[..., _SharedHandle], tuple[Any, ...]]:
     return _rebuild_handle, (handle._state(), _send_fd(handle))
 
 
-def _reduce_array(array: Array) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _reduce_array(array: _Array) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     try:
         handle = array.share()
     except (BufferError, RuntimeError):
         # A device without shareable memory (Metal, a CUDA build without a device): by value.
-        return array.__reduce_ex__(5)  # type: ignore[no-any-return]
+        return array.__reduce_ex__(5)
     return _rebuild_array, (handle._state(), _send_fd(handle))
 
 
 def init_reductions() -> None:
     """Registers the reducers with ``ForkingPickler`` (done on import; idempotent)."""
-    _reduction.ForkingPickler.register(Array, _reduce_array)
-    _reduction.ForkingPickler.register(SharedHandle, _reduce_handle)
+    _reduction.ForkingPickler.register(_Array, _reduce_array)
+    _reduction.ForkingPickler.register(_SharedHandle, _reduce_handle)
 
 
 init_reductions()

@@ -355,27 +355,25 @@ def test_the_descriptor_limit_is_an_error_not_a_crash():
 
 def _cuda_writer(q_in, q_out) -> None:
     a = q_in.get()
-    dlbridge.from_dlpack(a)  # noqa: B018 (exercise the exchange)
-    b = dlbridge.asarray(np.full(a.shape, 5, dtype=np.float32), device=a.device)
-    import torch
-
-    torch.from_dlpack(a).copy_(torch.from_dlpack(b))
-    torch.cuda.synchronize()
+    a[...] = dlbridge.full(a.shape, 5.0, "float32", device=str(a.device))
+    dlbridge.synchronize(a.device)
     q_out.put("written")
 
 
 def _cuda_read(q_in, q_out) -> None:
-    a = q_in.get()
-    q_out.put(np.asarray(a.to("cpu")).tolist())
+    a = q_in.get()  # opening makes this process's stream wait for the producer's work
+    values = np.asarray(a.to("cpu"))
+    q_out.put([float(values[0]), float(values[-1])])
 
 
-def _cuda_read_cupy_or_jax(q_in, q_out) -> None:
-    a = q_in.get()
-    try:
+def _cuda_read_cupy_or_jax(reader, q_in, q_out) -> None:
+    h = q_in.get()
+    a = dlbridge.open_shared(h)
+    if reader == "cupy":
         import cupy
 
         q_out.put(cupy.from_dlpack(a).get().tolist())
-    except ImportError:
+    else:
         import jax
 
         q_out.put(np.asarray(jax.dlpack.from_dlpack(a)).tolist())
@@ -402,20 +400,36 @@ def test_cuda_write_in_child_is_seen_by_parent(device):
     assert np.asarray(a.to("cpu")).tolist() == [5.0] * 1024
 
 
+def _gpu_reader() -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        return "cupy"
+    jax = pytest.importorskip("jax", reason="needs CuPy or JAX with a GPU backend")
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("needs CuPy or JAX with a GPU backend")
+    return "jax"
+
+
 @needs_cuda
-def test_cuda_torch_tensor_read_by_cupy_or_jax_in_another_process():
+@pytest.mark.parametrize("copy", [False, None])
+def test_cuda_torch_tensor_read_by_cupy_or_jax_in_another_process(copy):
     torch = pytest.importorskip("torch")
+    reader = _gpu_reader()
     t = torch.arange(64, dtype=torch.float32, device="cuda")
     ctx = dmp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_cuda_read_cupy_or_jax, args=(q_in, q_out))
+    p = ctx.Process(target=_cuda_read_cupy_or_jax, args=(reader, q_in, q_out))
     p.start()
-    a = dlbridge.from_dlpack(t)
-    h = a.share(copy=False)  # foreign memory: a legacy IPC handle where the driver allows it
-    assert h.kind == "cuda_ipc"
-    q_in.put(a)
+    h = dlbridge.from_dlpack(t).share(copy=copy)
+    # No copy: a legacy IPC handle of PyTorch's memory; copy allowed: a VMM copy.
+    assert h.kind == ("cuda_ipc" if copy is False else "cuda_vmm")
+    q_in.put(h)
     assert q_out.get(timeout=120) == list(range(64))
     p.join(60)
+    assert p.exitcode == 0
 
 
 @needs_cuda

@@ -5,11 +5,12 @@
 //! | --- | --- | --- | --- |
 //! | host (`cpu`), pinned (`cuda_host:N`) | [`SharedKind::HostFile`] | a descriptor of an anonymous shared file (`memfd_create`) | any process maps it |
 //! | CUDA device memory of dlbridge's shareable pool | [`SharedKind::CudaVmm`] | a POSIX descriptor of a VMM allocation (`cuMemExportToShareableHandle`) | any process maps it |
-//! | other CUDA device memory (dlbridge's ordinary pool, a PyTorch tensor) | [`SharedKind::CudaIpc`] | a legacy IPC handle (`cuIpcGetMemHandle`) | **the producer process lives**, and keeps the memory out of reuse |
+//! | other CUDA device memory (dlbridge's ordinary pool, a PyTorch tensor), shared with `copy` `false` | [`SharedKind::CudaIpc`] | a legacy IPC handle (`cuIpcGetMemHandle`) | **the producer process lives**, and keeps the memory out of reuse |
 //!
 //! [`share`] makes a [`SharedHandle`] of a view of any layout (offset, strides): memory that is
 //! not shareable is copied once into a shareable block of the same device, unless `copy` is
-//! `false`, which refuses with [`Error::CopyRequired`] (legacy IPC memory needs no copy). [`open`]
+//! `false`, which refuses with [`Error::CopyRequired`] on the host and falls back to a legacy IPC
+//! handle (no copy, the producer must stay alive) for CUDA device memory. [`open`]
 //! maps the memory in the receiving process and returns a [`Tensor`] over it, which goes on to
 //! any framework through DLPack without a copy.
 //!
@@ -398,9 +399,10 @@ pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
 /// A handle to `t`'s memory for another process.
 ///
 /// Shareable memory (see the module table) is shared as it is, with `t`'s offset and strides.
-/// Other CUDA device memory is shared through a legacy IPC handle, without a copy. Any other
-/// memory is copied once into shareable memory of the same device, or refused with
-/// [`Error::CopyRequired`] when `copy` is `false`.
+/// Other memory is copied once into shareable memory of the same device when `copy` is `true`.
+/// When it is `false`, CUDA device memory is shared through a legacy IPC handle without a copy
+/// (valid while this process lives; [`Error::CopyRequired`] where the driver refuses), and host
+/// memory is refused with [`Error::CopyRequired`].
 pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
     let device = t.device();
     let (kind, fd, ipc_handle, alloc_len, start) = match device.kind() {
@@ -410,14 +412,14 @@ pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
         },
         DeviceKind::Cuda => match ipc::export(t.buffer())? {
             Some(e) => (SharedKind::CudaVmm, Some(e.fd), None, e.len, e.offset),
-            None => match ipc::export_legacy(t.buffer()) {
-                Ok(e) => (SharedKind::CudaIpc, None, Some(e.handle), e.len, e.offset),
-                Err(refused) if copy => {
-                    log::debug!("legacy IPC refused ({refused}); copying into shareable memory");
-                    return share_copy(t, copy);
-                }
-                Err(refused) => return Err(refused),
-            },
+            // Copying is allowed: a VMM copy, which outlives its producer.
+            None if copy => return share_copy(t, copy),
+            // No copy: the legacy handle, valid while this process lives (or the driver's
+            // refusal, as `Error::CopyRequired`).
+            None => {
+                let e = ipc::export_legacy(t.buffer())?;
+                (SharedKind::CudaIpc, None, Some(e.handle), e.len, e.offset)
+            }
         },
         _ => {
             return Err(Error::UnsupportedDevice(format!(

@@ -34,7 +34,6 @@ IPC handle: it stays valid only while the producer process lives.
 
 from __future__ import annotations
 
-import multiprocessing
 from multiprocessing import *  # noqa: F403
 from multiprocessing import reduction as _reduction
 from multiprocessing import context as _context
@@ -45,7 +44,8 @@ from ._dlbridge import Array as _Array
 from ._dlbridge import SharedHandle as _SharedHandle
 from ._dlbridge import open_shared as _open_shared
 
-__all__ = list(multiprocessing.__all__) + ["init_reductions"]
+# No `__all__`: `from dlbridge.multiprocessing import *` gives multiprocessing's public names and
+# `init_reductions` (a computed `__all__` is one the type checkers cannot follow).
 
 
 def _send_fd(handle: _SharedHandle) -> Any:

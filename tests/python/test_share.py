@@ -484,23 +484,25 @@ def test_cuda_consumer_waits_for_the_producers_running_kernel():
     assert values[0] == 3.0 and values[-1] == 3.0
 
 
-def _legacy_produce_and_exit(q) -> None:
+def _legacy_produce_and_exit(q, received) -> None:
     import torch
 
     t = torch.ones(16, device="cuda")
     h = dlbridge.from_dlpack(t).share(copy=False)
     assert h.kind == "cuda_ipc"
-    q.put(h)  # a legacy handle carries no descriptor: only its bytes travel
+    q.put(h)
+    received.wait(60)
 
 
 @needs_cuda
 def test_cuda_stale_legacy_handle_is_an_error():
     pytest.importorskip("torch")
     ctx = dmp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_legacy_produce_and_exit, args=(q,))
+    q, received = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_legacy_produce_and_exit, args=(q, received))
     p.start()
     h = q.get(timeout=120)
+    received.set()
     p.join(60)
     assert p.exitcode == 0
     # The producer is gone, and with it the memory: a clear error, not a crash.

@@ -19,8 +19,8 @@ use crate::errors::IntoPyResult;
 /// A picklable description of an array in shareable memory, made by `Array.share()` and opened
 /// by `dlbridge.open_shared()` in this or another process.
 ///
-/// A handle holds the memory's file descriptor (CPU, pinned and VMM CUDA memory) until it is
-/// opened; it opens once. Plain `pickle` carries the descriptor as `/proc/<pid>/fd/<n>` of the
+/// A handle holds one file descriptor until it is opened (the memory's; for a legacy CUDA IPC
+/// handle, the count of its consumers); it opens once. Plain `pickle` carries the descriptor as `/proc/<pid>/fd/<n>` of the
 /// producer, which must still hold the handle when the receiver unpickles it; `dlbridge.multiprocessing`
 /// passes the descriptor itself.
 #[pyclass(frozen, module = "dlbridge._dlbridge", name = "SharedHandle")]
@@ -110,8 +110,8 @@ impl PySharedHandle {
         self.with(|h| h.pid())
     }
 
-    /// The memory's file descriptor in this process (owned by the handle), or `None` for a legacy
-    /// CUDA IPC handle.
+    /// The handle's file descriptor in this process (owned by the handle): the memory's, or a
+    /// legacy CUDA IPC handle's count of consumers.
     #[getter]
     fn fd(&self) -> PyResult<Option<i32>> {
         self.with(|h| h.fd().map(|fd| fd.as_raw_fd()))

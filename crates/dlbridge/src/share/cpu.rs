@@ -496,3 +496,88 @@ pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
         Buffer::from_allocation(ptr.as_ptr(), host, len, device, storage, Box::new(mapping))
     })
 }
+
+/// A count in a page of shared memory that several processes update atomically: how many
+/// consumers still use memory that only its producer can keep alive (legacy CUDA IPC).
+pub(crate) struct SharedCounter {
+    ptr: NonNull<c_void>,
+    fd: OwnedFd,
+}
+
+// SAFETY: the page is shared memory accessed only through `AtomicI64` operations; the address
+// is a plain value and munmap may be called from any thread.
+unsafe impl Send for SharedCounter {}
+// SAFETY: as above; `&self` methods only perform atomic operations.
+unsafe impl Sync for SharedCounter {}
+
+impl SharedCounter {
+    /// A new counter at zero.
+    pub(crate) fn new() -> Result<Self> {
+        Self::map(anonymous_file(page_size())?)
+    }
+
+    /// The counter of a received descriptor.
+    pub(crate) fn open(fd: OwnedFd) -> Result<Self> {
+        if file_size(&fd)? < page_size() {
+            return Err(Error::InvalidArgument(
+                "the descriptor is not a dlbridge shared counter".into(),
+            ));
+        }
+        Self::map(fd)
+    }
+
+    fn map(fd: OwnedFd) -> Result<Self> {
+        // SAFETY: no fixed address.
+        let ptr = unsafe { map_file(&fd, page_size(), None) }?;
+        Ok(SharedCounter { ptr, fd })
+    }
+
+    fn atomic(&self) -> &std::sync::atomic::AtomicI64 {
+        // SAFETY: the page is mapped read-write, page-aligned (so aligned for an i64) and lives
+        // as long as `self`; every process touches it only atomically.
+        unsafe { self.ptr.cast::<std::sync::atomic::AtomicI64>().as_ref() }
+    }
+
+    /// Adds `n` and returns the new value.
+    pub(crate) fn add(&self, n: i64) -> i64 {
+        self.atomic()
+            .fetch_add(n, std::sync::atomic::Ordering::AcqRel)
+            + n
+    }
+
+    /// The current value.
+    pub(crate) fn get(&self) -> i64 {
+        self.atomic().load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// A new descriptor of the counter's file, for another process.
+    pub(crate) fn share(&self) -> Result<OwnedFd> {
+        self.fd.try_clone().map_err(|e| Error::Driver {
+            backend: "CPU",
+            message: format!("dup of a shared counter failed: {e}"),
+        })
+    }
+}
+
+impl Drop for SharedCounter {
+    fn drop(&mut self) {
+        // SAFETY: `map` made this mapping of one page; no reference to it outlives `self`.
+        unsafe { unmap(self.ptr, page_size()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shared_counter_is_one_count_across_mappings() {
+        let a = SharedCounter::new().unwrap();
+        assert_eq!(a.add(2), 2);
+        let b = SharedCounter::open(a.share().unwrap()).unwrap();
+        assert_eq!(b.add(-1), 1);
+        assert_eq!(a.get(), 1);
+        let (r, _w) = std::io::pipe().unwrap();
+        assert!(SharedCounter::open(OwnedFd::from(r)).is_err());
+    }
+}

@@ -5,7 +5,7 @@
 //! | --- | --- | --- | --- |
 //! | host (`cpu`), pinned (`cuda_host:N`) | [`SharedKind::HostFile`] | a descriptor of an anonymous shared file (`memfd_create`) | any process maps it |
 //! | CUDA device memory of dlbridge's shareable pool | [`SharedKind::CudaVmm`] | a POSIX descriptor of a VMM allocation (`cuMemExportToShareableHandle`) | any process maps it |
-//! | other CUDA device memory (dlbridge's ordinary pool, a PyTorch tensor), shared with `copy` `false` | [`SharedKind::CudaIpc`] | a legacy IPC handle (`cuIpcGetMemHandle`) | **the producer process lives**, and keeps the memory out of reuse |
+//! | other CUDA device memory (dlbridge's ordinary pool, a PyTorch tensor), shared with `copy` `false` | [`SharedKind::CudaIpc`] | a legacy IPC handle (`cuIpcGetMemHandle`) and a descriptor of a shared count of its consumers | **the producer process lives**; it keeps the memory out of reuse until every consumer closed it (one that never opens its handle, or crashes, holds it until the producer exits) |
 //!
 //! [`share`] makes a [`SharedHandle`] of a view of any layout (offset, strides): memory that is
 //! not shareable is copied once into a shareable block of the same device, unless `copy` is
@@ -94,11 +94,12 @@ impl SharedKind {
 pub const IPC_HANDLE_BYTES: usize = 64;
 
 /// A view of shareable memory, as another process needs it to map the memory: device, kind,
-/// allocation (a file descriptor or an IPC handle), the allocation's size, the view's element
+/// allocation (a file descriptor, or an IPC handle), the allocation's size, the view's element
 /// type, shape, strides (in elements) and byte offset, read-only-ness, and where it came from.
 ///
-/// The descriptor, if any, belongs to the handle: [`open`] consumes the handle, so a handle opens
-/// once.
+/// Every handle owns one descriptor: the memory's, or for a legacy IPC handle the count of its
+/// consumers (which tells the producer when the memory may be reused). [`open`] consumes the
+/// handle, so a handle opens once.
 #[derive(Debug)]
 pub struct SharedHandle {
     device: Device,
@@ -142,7 +143,7 @@ impl SharedHandle {
         self.kind
     }
 
-    /// The descriptor of the memory, for kinds that have one (while the handle is unopened).
+    /// The handle's descriptor (the memory's, or a legacy IPC handle's count of consumers).
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         self.fd.as_ref().map(AsFd::as_fd)
     }
@@ -269,8 +270,7 @@ impl SharedHandle {
         }
         let layout = Layout::new(&shape, &strides, offset)?;
         let [ipc, event] = handles;
-        let needs_fd = kind != SharedKind::CudaIpc;
-        if needs_fd && fd.is_none() {
+        if fd.is_none() {
             return Err(Error::InvalidArgument(format!(
                 "a {} handle needs its file descriptor",
                 kind.name()
@@ -282,7 +282,7 @@ impl SharedHandle {
         Ok(SharedHandle {
             device,
             kind,
-            fd: fd.filter(|_| needs_fd),
+            fd,
             ipc,
             event,
             alloc_len,
@@ -352,6 +352,9 @@ pub(crate) struct Exported {
 pub(crate) struct LegacyExported {
     /// The `CUipcMemHandle`'s bytes.
     pub handle: [u8; IPC_HANDLE_BYTES],
+    /// The descriptor of the count of consumers still using the memory (the producer keeps the
+    /// memory until it is zero).
+    pub users: OwnedFd,
     /// The size of the driver's allocation the buffer lies in, in bytes.
     pub len: usize,
     /// Where the buffer's byte 0 lies in that allocation.
@@ -418,7 +421,13 @@ pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
             // refusal, as `Error::CopyRequired`).
             None => {
                 let e = ipc::export_legacy(t.buffer())?;
-                (SharedKind::CudaIpc, None, Some(e.handle), e.len, e.offset)
+                (
+                    SharedKind::CudaIpc,
+                    Some(e.users),
+                    Some(e.handle),
+                    e.len,
+                    e.offset,
+                )
             }
         },
         _ => {
@@ -504,8 +513,9 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
                     "a legacy CUDA IPC handle cannot be opened by the process that made it".into(),
                 ));
             }
-            let ipc_handle = handle.ipc.take().ok_or_else(already_opened)?;
-            ipc::open_legacy(device, &ipc_handle, handle.alloc_len)?
+            let users = handle.fd.take().ok_or_else(already_opened)?;
+            let ipc_handle = handle.ipc.ok_or_else(already_opened)?;
+            ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
         }
     };
     match &handle.event {

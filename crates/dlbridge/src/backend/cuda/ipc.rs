@@ -15,7 +15,9 @@
 //! dropped, the producer waits for the device, unmaps the block's physical memory, releases its
 //! handle (importers keep theirs) and maps a fresh allocation at the same addresses before the
 //! block goes back to the pool. Legacy IPC memory is valid only while the producer lives: the
-//! producer keeps every buffer it exported that way until it exits, so that the memory is never
+//! producer keeps every buffer it exported that way, with a count of its consumers in shared
+//! memory, until the count is back to zero (a consumer that never opens its handle, or dies
+//! before closing it, holds the buffer until the producer exits), so that the memory is never
 //! reused under a consumer.
 
 use std::collections::{BTreeMap, HashMap};
@@ -34,6 +36,7 @@ use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
+use crate::share::cpu::SharedCounter;
 use crate::share::{Exported, IPC_HANDLE_BYTES, LegacyExported};
 
 type DriverResult<T> = std::result::Result<T, DriverError>;
@@ -501,19 +504,31 @@ pub(crate) fn import(device: Device, fd: OwnedFd, len: usize) -> Result<Buffer> 
     })
 }
 
-/// Buffers exported through legacy IPC handles, kept for the producer's lifetime (the memory
-/// must not be freed or reused while a consumer may have it open).
-fn legacy_exports() -> &'static Mutex<Vec<Buffer>> {
-    static KEPT: OnceLock<Mutex<Vec<Buffer>>> = OnceLock::new();
+/// A buffer exported through a legacy IPC handle, and the count of its consumers.
+struct Kept {
+    _buffer: Buffer,
+    users: SharedCounter,
+}
+
+/// Buffers exported through legacy IPC handles: the memory must be neither freed nor reused while
+/// a consumer may have it open. Each is kept until its count of consumers is back to zero.
+fn legacy_exports() -> std::sync::MutexGuard<'static, Vec<Kept>> {
+    static KEPT: OnceLock<Mutex<Vec<Kept>>> = OnceLock::new();
     KEPT.get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A legacy IPC handle of the driver allocation `buffer` lies in (`cuIpcGetMemHandle`), with the
-/// buffer's place in it. The buffer is kept until this process exits.
+/// buffer's place in it and a count of consumers set to one. The buffer is kept until the
+/// consumer that opens the handle closes it (the count is back to zero): forever, if the handle
+/// is never opened or its consumer dies first.
 pub(crate) fn export_legacy(buffer: &Buffer) -> Result<LegacyExported> {
     let device = buffer.device();
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
+    // Let go of memory that every consumer has closed.
+    legacy_exports().retain(|kept| kept.users.get() > 0);
     let addr = buffer.handle().expose_provenance() as u64;
     let (mut base, mut size) = (0u64, 0usize);
     // SAFETY: valid out-pointers; an unknown address makes the call fail.
@@ -532,21 +547,26 @@ pub(crate) fn export_legacy(buffer: &Buffer) -> Result<LegacyExported> {
                 super::driver::describe(e)
             ))
         })?;
-    legacy_exports()
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .push(buffer.clone());
+    let users = SharedCounter::new()?;
+    users.add(1);
+    let users_fd = users.share()?;
+    legacy_exports().push(Kept {
+        _buffer: buffer.clone(),
+        users,
+    });
     Ok(LegacyExported {
         handle: handle.reserved.map(|b| b as u8),
+        users: users_fd,
         len: size,
         offset: (addr - base) as usize,
     })
 }
 
-/// Memory opened from a legacy IPC handle.
+/// Memory opened from a legacy IPC handle, and its producer's count of consumers.
 struct LegacyOpened {
     ptr: u64,
     ordinal: i32,
+    users: SharedCounter,
 }
 
 impl Allocation for LegacyOpened {}
@@ -556,6 +576,14 @@ impl Drop for LegacyOpened {
         let Ok(_ctx) = context(self.ordinal) else {
             return;
         };
+        // Work queued on the memory must finish before the producer may reuse it.
+        // SAFETY: the device's context is current.
+        if let Err(e) = unsafe { sys::cuCtxSynchronize() }
+            .result()
+            .named("cuCtxSynchronize")
+        {
+            log::warn!("{e}");
+        }
         // SAFETY: `ptr` came from cuIpcOpenMemHandle and the last buffer of it is gone.
         if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }
             .result()
@@ -563,6 +591,7 @@ impl Drop for LegacyOpened {
         {
             log::warn!("{e}");
         }
+        self.users.add(-1);
     }
 }
 
@@ -572,6 +601,7 @@ pub(crate) fn open_legacy(
     device: Device,
     handle: &[u8; IPC_HANDLE_BYTES],
     len: usize,
+    users: OwnedFd,
 ) -> Result<Buffer> {
     if device.kind() != DeviceKind::Cuda {
         return Err(Error::UnsupportedDevice(format!(
@@ -580,6 +610,7 @@ pub(crate) fn open_legacy(
     }
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
+    let users = SharedCounter::open(users)?;
     let raw_handle = sys::CUipcMemHandle {
         reserved: handle.map(|b| b as std::ffi::c_char),
     };
@@ -589,7 +620,11 @@ pub(crate) fn open_legacy(
     unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, raw_handle, flags) }
         .result()
         .named("cuIpcOpenMemHandle (has the producer exited?)")?;
-    let opened = LegacyOpened { ptr, ordinal };
+    let opened = LegacyOpened {
+        ptr,
+        ordinal,
+        users,
+    };
     let addr = std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize);
     // SAFETY: the driver mapped the producer's allocation of `len` bytes at `addr`, valid until
     // `opened` closes it (and while the producer lives, which the module documents).

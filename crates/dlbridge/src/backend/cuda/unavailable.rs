@@ -405,6 +405,7 @@ pub mod ipc {
         _device: Device,
         _handle: &[u8; IPC_HANDLE_BYTES],
         _len: usize,
+        _users: OwnedFd,
     ) -> Result<Buffer> {
         Err(no_cuda())
     }

@@ -31,7 +31,7 @@ use cudarc::driver::sys;
 
 use super::context;
 use super::driver::Named;
-use super::stream::{current_stream, raw};
+use super::stream::{current_stream, handle_of_key, raw};
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
@@ -288,7 +288,7 @@ impl RawAllocator for VmmAllocator {
         stream: Option<StreamKey>,
     ) -> Result<()> {
         let _ctx = context(self.blocks.ordinal)?;
-        let stream = raw(stream.map_or(0, |k| k as usize));
+        let stream = raw(stream.map_or(0, handle_of_key));
         let addr = ptr.as_ptr().expose_provenance() as u64;
         // SAFETY: by the caller's contract `bytes` bytes of a live block, in stream order.
         unsafe { sys::cuMemsetD8Async(addr, 0, bytes, stream) }

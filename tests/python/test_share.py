@@ -54,6 +54,11 @@ def _write_first(q_in, q_out) -> None:
     q_out.put(("ok", a.shape, a.strides))
 
 
+def _write_arg(a, q_out) -> None:
+    a[1] = 11.0
+    q_out.put("ok")
+
+
 def _echo_view(q_in, q_out) -> None:
     a = q_in.get()
     q_out.put(np.asarray(a).tolist())
@@ -172,6 +177,18 @@ def test_process_arguments_and_pipe():
     assert parent.recv() == "done"
     p.join(60)
     assert np.asarray(a).tolist() == [0, 7, 0]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_process_argument_is_passed_by_handle(method):
+    ctx = dmp.get_context(method)
+    q_out = ctx.Queue()
+    a = dlbridge.open_shared(dlbridge.zeros((4,), dtype="float32").share())
+    p = ctx.Process(target=_write_arg, args=(a, q_out))
+    p.start()
+    assert q_out.get(timeout=60) == "ok"
+    p.join(60)
+    assert np.asarray(a).tolist() == [0.0, 11.0, 0.0, 0.0]
 
 
 def test_pool_maps_arrays_by_handle():

@@ -517,6 +517,20 @@ impl PyArray {
         Ok(PyArray::new(t.copy_to_storage(target, storage).py()?))
     }
 
+    /// A picklable handle to this array's memory for another process (`dlbridge.open_shared`
+    /// opens it there without a copy). An array that is not in shareable memory is copied once
+    /// into shareable memory of its device; `copy=False` refuses that with `BufferError`.
+    #[pyo3(signature = (*, copy=None))]
+    fn share(&self, py: Python<'_>, copy: Option<bool>) -> PyResult<crate::share::PySharedHandle> {
+        crate::share::share_array(py, &self.tensor()?.clone(), copy)
+    }
+
+    /// Pickling: CPU arrays out of band under protocol 5 (no copy into the pickle), other
+    /// devices by value.
+    fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
+        crate::share::reduce_array(slf, protocol)
+    }
+
     /// A copy with elements converted to `dtype` (NumPy's `astype` rules).
     fn astype(&self, py: Python<'_>, dtype: &Bound<'_, PyAny>) -> PyResult<PyArray> {
         let dtype = crate::dtype::parse(dtype)?;

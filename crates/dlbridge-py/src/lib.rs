@@ -26,6 +26,7 @@ mod metal;
 mod ml_dtypes;
 mod ops;
 mod safetensors;
+mod share;
 
 use pyo3::prelude::*;
 
@@ -85,6 +86,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     memory::register(m)?;
     metal::register(m)?;
     ops::register(m)?;
+    share::register(m)?;
     kernel::register(m)?;
     safetensors::register(m)?;
     m.add_class::<backend::PyBackend>()?;

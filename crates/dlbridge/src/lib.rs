@@ -54,6 +54,7 @@ mod fork;
 pub mod layout;
 pub mod pool;
 pub mod safetensors;
+pub mod share;
 pub mod storage;
 pub mod tensor;
 

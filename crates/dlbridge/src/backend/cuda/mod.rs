@@ -31,6 +31,7 @@ pub(crate) mod compute;
 mod copy;
 mod driver;
 mod hooks;
+pub(crate) mod ipc;
 pub(crate) mod launch;
 mod memory;
 mod nvrtc;

@@ -331,3 +331,87 @@ impl Backend for Cuda {
         Err(no_cuda())
     }
 }
+
+/// Sharing CUDA memory with other processes (`backend/cuda/ipc.rs`): every call answers
+/// [`Error::BackendUnavailable`].
+pub mod ipc {
+    use std::ffi::c_void;
+    use std::os::fd::OwnedFd;
+    use std::ptr::NonNull;
+
+    use super::no_cuda;
+    use crate::buffer::Buffer;
+    use crate::device::Device;
+    use crate::error::Result;
+    use crate::share::{Exported, IPC_HANDLE_BYTES, LegacyExported};
+
+    /// Whether CUDA device `ordinal` exists: never, in this build.
+    pub(crate) fn check_device(_ordinal: i32) -> Result<()> {
+        Err(no_cuda())
+    }
+
+    /// Registers host memory with a device.
+    ///
+    /// # Safety
+    /// Nothing is done in this build.
+    pub(crate) unsafe fn host_register(
+        _p: NonNull<c_void>,
+        _len: usize,
+        _ordinal: i32,
+    ) -> Result<()> {
+        Err(no_cuda())
+    }
+
+    /// Undoes `host_register`.
+    ///
+    /// # Safety
+    /// Nothing is done in this build.
+    pub(crate) unsafe fn host_unregister(_p: NonNull<c_void>, _ordinal: i32) -> Result<()> {
+        Err(no_cuda())
+    }
+
+    /// The shareable device pool.
+    pub(crate) fn pool(_device: Device) -> Result<&'static std::sync::Arc<crate::pool::Pool>> {
+        Err(no_cuda())
+    }
+
+    /// Shareable device memory.
+    pub(crate) fn allocate(_device: Device, _bytes: usize, _zeroed: bool) -> Result<Buffer> {
+        Err(no_cuda())
+    }
+
+    /// The VMM allocation a buffer lies in: none in this build.
+    pub(crate) fn export(_buffer: &Buffer) -> Result<Option<Exported>> {
+        Ok(None)
+    }
+
+    /// A legacy IPC handle of a buffer.
+    pub(crate) fn export_legacy(_buffer: &Buffer) -> Result<LegacyExported> {
+        Err(no_cuda())
+    }
+
+    /// An IPC event recorded on the current stream.
+    pub(crate) fn record_event(_device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
+        Err(no_cuda())
+    }
+
+    /// Imports a VMM allocation.
+    pub(crate) fn import(_device: Device, _fd: OwnedFd, _len: usize) -> Result<Buffer> {
+        Err(no_cuda())
+    }
+
+    /// Opens a legacy IPC handle.
+    pub(crate) fn open_legacy(
+        _device: Device,
+        _handle: &[u8; IPC_HANDLE_BYTES],
+        _len: usize,
+        _users: OwnedFd,
+    ) -> Result<Buffer> {
+        Err(no_cuda())
+    }
+
+    /// Makes the current stream wait for an IPC event.
+    pub(crate) fn wait_event(_device: Device, _event: &[u8; IPC_HANDLE_BYTES]) -> Result<()> {
+        Err(no_cuda())
+    }
+}

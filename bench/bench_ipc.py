@@ -1,0 +1,166 @@
+"""Arrays across processes: dlbridge.multiprocessing beside torch.multiprocessing, in one run.
+
+For each side (CPU; CUDA where a device is present) and each framework:
+
+* latency: one message through a ``Queue`` to a spawned consumer that reads one element and
+  answers with it (a round trip; the median of many), for a 4 KiB and a 1 GiB tensor that already
+  lives in shared memory (``share_memory_()`` / ``open_shared(share())``);
+* throughput: messages per second of small (256 B) tensors, pipelined;
+* bytes pickled per message (the handle, not the data), and a write by the consumer that the
+  producer sees (zero bytes copied).
+
+Then a consumer that outlives its producer. Run: ``python bench/bench_ipc.py [--big-mib N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import time
+
+import numpy as np
+
+
+def _consumer(framework: str, q_in, q_out) -> None:
+    """Reads one element of each tensor received and answers with it; ``None`` stops."""
+    if framework == "torch":
+        import torch.multiprocessing  # noqa: F401  (registers torch's reducers)
+    else:
+        import dlbridge.multiprocessing  # noqa: F401
+    while True:
+        msg = q_in.get()
+        if msg is None:
+            return
+        kind, x = msg
+        if kind == "write":
+            x[0] = 123  # the producer checks that it sees this: no copy on the way
+            q_out.put("written")
+        elif kind == "count":
+            q_out.put(x)
+        else:
+            q_out.put(float(x[0]))
+
+
+def _producer_then_exit(q, received) -> None:
+    import dlbridge
+    import dlbridge.multiprocessing  # noqa: F401
+
+    a = dlbridge.open_shared(dlbridge.asarray(np.arange(1 << 20, dtype=np.float32)).share())
+    q.put(a)
+    received.wait(60)
+
+
+def _make(framework: str, nbytes: int, device: str):
+    n = nbytes // 4
+    if framework == "torch":
+        import torch
+
+        t = torch.ones(n, dtype=torch.float32, device=device)
+        return t.share_memory_() if device == "cpu" else t
+    import dlbridge
+
+    return dlbridge.open_shared(dlbridge.full((n,), 1.0, "float32", device=device).share())
+
+
+def _pickled_bytes(x) -> int:
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, 5).dump(x)
+    return len(buf.getvalue())
+
+
+def run_framework(framework: str, device: str, big: int, reps: int, small_msgs: int) -> dict[str, float]:
+    if framework == "torch":
+        import torch.multiprocessing as mp
+    else:
+        import dlbridge.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_consumer, args=(framework, q_in, q_out))
+    p.start()
+    out: dict[str, float] = {}
+    try:
+        q_in.put(("read", _make(framework, 4096, device)))  # warm up both sides
+        q_out.get(timeout=120)
+        for label, nbytes in (("4 KiB", 4096), (f"{big >> 20} MiB", big)):
+            x = _make(framework, nbytes, device)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                q_in.put(("read", x))
+                assert q_out.get(timeout=300) == 1.0
+                times.append(time.perf_counter() - t0)
+            out[f"latency {label} (us)"] = statistics.median(times) * 1e6
+            out[f"pickled bytes {label}"] = _pickled_bytes(x)
+            if nbytes == big:
+                q_in.put(("write", x))
+                assert q_out.get(timeout=300) == "written"
+                seen = float(x[0].item() if framework == "torch" else x[0])
+                out["consumer's write seen"] = float(seen == 123)
+            del x
+        smalls = [_make(framework, 256, device) for _ in range(64)]
+        t0 = time.perf_counter()
+        for i in range(small_msgs):
+            q_in.put(("read", smalls[i % len(smalls)]))
+        for _ in range(small_msgs):
+            q_out.get(timeout=300)
+        out["small msgs/s"] = small_msgs / (time.perf_counter() - t0)
+    finally:
+        q_in.put(None)
+        p.join(60)
+    return out
+
+
+def outlives_producer() -> str:
+    import dlbridge.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q, received = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_producer_then_exit, args=(q, received))
+    p.start()
+    a = q.get(timeout=120)
+    received.set()
+    p.join(60)
+    total = float(np.asarray(a).sum())
+    expect = float(np.arange(1 << 20, dtype=np.float64).sum())
+    return (
+        f"producer pid {p.pid} exited with {p.exitcode}; the consumer still reads its 4 MiB: "
+        f"sum {total:.0f} (expected {expect:.0f}) -> {'ok' if total == expect else 'WRONG'}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--big-mib", type=int, default=1024, help="size of the large tensor (MiB)")
+    ap.add_argument("--reps", type=int, default=50, help="round trips per size")
+    ap.add_argument("--small-msgs", type=int, default=2000, help="messages in the throughput run")
+    ap.add_argument("--cpu-only", action="store_true", help="skip CUDA even where present")
+    args = ap.parse_args()
+    import dlbridge
+
+    devices = ["cpu"]
+    if not args.cpu_only and dlbridge.cuda.is_available():
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                devices.append("cuda:0")
+        except ImportError:
+            pass
+    big = args.big_mib << 20
+    for device in devices:
+        res = {fw: run_framework(fw, device, big, args.reps, args.small_msgs) for fw in ("dlbridge", "torch")}
+        print(f"\n== {device} (spawn, Queue; dlbridge vs torch.multiprocessing) ==")
+        print(f"{'metric':<28}{'dlbridge':>14}{'torch':>14}{'dlbridge/torch':>16}")
+        for key in res["dlbridge"]:
+            d, t = res["dlbridge"][key], res["torch"][key]
+            ratio = f"{d / t:.2f}" if t else "-"
+            print(f"{key:<28}{d:>14.1f}{t:>14.1f}{ratio:>16}")
+        print("(latency: median round trip of one message and one element back; lower is better.)")
+    print("\n" + outlives_producer())
+
+
+if __name__ == "__main__":
+    main()

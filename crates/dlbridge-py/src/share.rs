@@ -1,0 +1,347 @@
+//! Arrays across processes: `dlbridge.SharedHandle`, `Array.share`, `dlbridge.open_shared`, and
+//! the natives `Array.__reduce_ex__` pickles with. The rules live in `dlbridge::share`; this
+//! module turns Python objects into its calls.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Mutex;
+
+use dlbridge::share::{self, SharedHandle};
+use dlbridge::{Layout, Tensor};
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use crate::array::PyArray;
+use crate::device::{self, PyDevice};
+use crate::dtype::{self, PyDType};
+use crate::errors::IntoPyResult;
+
+/// A picklable description of an array in shareable memory, made by `Array.share()` and opened
+/// by `dlbridge.open_shared()` in this or another process.
+///
+/// A handle holds one file descriptor until it is opened (the memory's; for a legacy CUDA IPC
+/// handle, the count of its consumers); it opens once. Plain `pickle` carries the descriptor as `/proc/<pid>/fd/<n>` of the
+/// producer, which must still hold the handle when the receiver unpickles it; `dlbridge.multiprocessing`
+/// passes the descriptor itself.
+#[pyclass(frozen, module = "dlbridge._dlbridge", name = "SharedHandle")]
+pub(crate) struct PySharedHandle {
+    /// The handle; `None` once opened.
+    inner: Mutex<Option<SharedHandle>>,
+}
+
+impl PySharedHandle {
+    fn new(handle: SharedHandle) -> Self {
+        PySharedHandle {
+            inner: Mutex::new(Some(handle)),
+        }
+    }
+
+    /// Runs `f` on the unopened handle; `ValueError` once it was opened.
+    fn with<T>(&self, f: impl FnOnce(&mut SharedHandle) -> T) -> PyResult<T> {
+        let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        guard.as_mut().map(f).ok_or_else(|| {
+            PyValueError::new_err(
+                "this handle was already opened: a handle opens once (share the array again \
+                 for another)",
+            )
+        })
+    }
+}
+
+/// Takes ownership of a descriptor number a Python caller handed over.
+fn own_fd(fd: Option<i32>) -> PyResult<Option<OwnedFd>> {
+    // SAFETY: the Python caller hands the descriptor over (`_rebuild` documents it).
+    fd.map(|fd| unsafe { share::adopt_fd(fd) }).transpose().py()
+}
+
+#[pymethods]
+impl PySharedHandle {
+    /// Where the memory lives.
+    #[getter]
+    fn device(&self) -> PyResult<PyDevice> {
+        self.with(|h| PyDevice(h.device()))
+    }
+
+    /// How the memory is reached: `host_file`, `cuda_vmm` or `cuda_ipc`.
+    #[getter]
+    fn kind(&self) -> PyResult<&'static str> {
+        self.with(|h| h.kind().name())
+    }
+
+    /// The element type.
+    #[getter]
+    fn dtype(&self) -> PyResult<PyDType> {
+        self.with(|h| PyDType(h.dtype()))
+    }
+
+    /// The view's shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.with(|h| h.layout().shape().to_vec())?)
+    }
+
+    /// The view's strides, in elements.
+    #[getter]
+    fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.with(|h| h.layout().strides().to_vec())?)
+    }
+
+    /// The view's byte offset in the shared allocation.
+    #[getter]
+    fn byte_offset(&self) -> PyResult<usize> {
+        self.with(|h| h.layout().byte_offset())
+    }
+
+    /// The size of the shared allocation in bytes.
+    #[getter]
+    fn allocation_nbytes(&self) -> PyResult<usize> {
+        self.with(|h| h.allocation_len())
+    }
+
+    /// Whether the view is read-only.
+    #[getter]
+    fn readonly(&self) -> PyResult<bool> {
+        self.with(|h| h.is_read_only())
+    }
+
+    /// The producer's process id.
+    #[getter]
+    fn pid(&self) -> PyResult<u32> {
+        self.with(|h| h.pid())
+    }
+
+    /// The handle's file descriptor in this process (owned by the handle): the memory's, or a
+    /// legacy CUDA IPC handle's count of consumers.
+    #[getter]
+    fn fd(&self) -> PyResult<Option<i32>> {
+        self.with(|h| h.fd().map(|fd| fd.as_raw_fd()))
+    }
+
+    /// Whether the handle was opened (it opens once).
+    #[getter]
+    fn opened(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
+    /// Everything but the descriptor, as bytes.
+    fn _state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.with(|h| h.to_bytes())?))
+    }
+
+    /// A handle from `_state()` bytes and a descriptor, which the handle then owns (the caller
+    /// must not close it).
+    #[staticmethod]
+    #[pyo3(signature = (state, fd=None))]
+    fn _rebuild(state: &[u8], fd: Option<i32>) -> PyResult<Self> {
+        let fd = own_fd(fd)?;
+        Ok(Self::new(SharedHandle::from_bytes(state, fd).py()?))
+    }
+
+    /// Plain pickling: the state, the producer's pid and the descriptor's number there.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let this = slf.get();
+        let (state, pid, fd) = this.with(|h| {
+            (
+                h.to_bytes(),
+                std::process::id(),
+                h.fd().map(|f| f.as_raw_fd()),
+            )
+        })?;
+        let ctor = py
+            .import("dlbridge._dlbridge")?
+            .getattr("_handle_from_proc")?;
+        let args = PyTuple::new(
+            py,
+            [
+                PyBytes::new(py, &state).into_any(),
+                pid.into_pyobject(py)?.into_any(),
+                fd.into_pyobject(py)?.into_any(),
+            ],
+        )?;
+        PyTuple::new(py, [ctor, args.into_any()])
+    }
+
+    fn __repr__(&self) -> String {
+        match &*self.inner.lock().unwrap_or_else(|p| p.into_inner()) {
+            None => "SharedHandle(opened)".into(),
+            Some(h) => format!(
+                "SharedHandle(device={}, kind={}, dtype={}, shape={:?}, strides={:?}, byte_offset={})",
+                h.device(),
+                h.kind().name(),
+                h.dtype(),
+                h.layout().shape(),
+                h.layout().strides(),
+                h.layout().byte_offset()
+            ),
+        }
+    }
+}
+
+/// A handle from `_state()` bytes whose descriptor is reopened through the producer's
+/// `/proc/<pid>/fd/<fd>` (plain `pickle`).
+#[pyfunction]
+#[pyo3(signature = (state, pid, fd=None))]
+fn _handle_from_proc(state: &[u8], pid: u32, fd: Option<i32>) -> PyResult<PySharedHandle> {
+    let fd = match fd {
+        None => None,
+        Some(fd) => {
+            let path = format!("/proc/{pid}/fd/{fd}");
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| {
+                    PyOSError::new_err(format!(
+                        "cannot reopen the shared memory through {path} ({e}): the producer \
+                         must hold the handle until it is unpickled, on this machine"
+                    ))
+                })?;
+            Some(OwnedFd::from(file))
+        }
+    };
+    Ok(PySharedHandle::new(
+        SharedHandle::from_bytes(state, fd).py()?,
+    ))
+}
+
+/// `Array.share`: a handle to the array's memory (see `dlbridge::share::share`).
+pub(crate) fn share_array(
+    py: Python<'_>,
+    t: &Tensor,
+    copy: Option<bool>,
+) -> PyResult<PySharedHandle> {
+    let t = t.clone();
+    let handle = py.detach(|| share::share(&t, copy != Some(false))).py()?;
+    Ok(PySharedHandle::new(handle))
+}
+
+/// Opens a handle made by `Array.share()` (in this or another process): an array over the same
+/// memory. The handle opens once.
+#[pyfunction]
+fn open_shared(py: Python<'_>, handle: &Bound<'_, PySharedHandle>) -> PyResult<PyArray> {
+    let taken = handle
+        .get()
+        .inner
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    let Some(h) = taken else {
+        return Err(PyValueError::new_err(
+            "this handle was already opened: a handle opens once (share the array again for \
+             another)",
+        ));
+    };
+    Ok(PyArray::new(py.detach(|| share::open(h)).py()?))
+}
+
+/// Unpickles an array: `buffer` (bytes or an out-of-band `PickleBuffer`) holds its elements in
+/// row-major order; the array is made over it without a copy on the CPU, copied to `device`
+/// otherwise.
+#[pyfunction]
+#[pyo3(signature = (buffer, dtype, shape, readonly, device=None))]
+fn _array_from_pickle(
+    py: Python<'_>,
+    buffer: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    shape: Vec<usize>,
+    readonly: bool,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyArray> {
+    let dtype = dtype::parse(dtype)?;
+    // An out-of-band `PickleBuffer` keeps its exporter's format; `raw()` is its bytes, as `B`.
+    let raw;
+    let buffer = if buffer.hasattr("raw")? {
+        raw = buffer.call_method0("raw")?;
+        &raw
+    } else {
+        buffer
+    };
+    let bytes = crate::dlpack::buffer::from_buffer(buffer)?;
+    let layout = Layout::contiguous_at(&shape, bytes.byte_offset()).py()?;
+    let mut t = Tensor::new(bytes.buffer().clone(), dtype, layout).py()?;
+    if bytes.is_read_only() || readonly {
+        t = t.into_read_only();
+    }
+    if let Some(device) = device {
+        let device = device::parse(device)?;
+        if device != t.device() {
+            t = py.detach(|| t.copy_to(device)).py()?;
+            if readonly {
+                t = t.into_read_only();
+            }
+        }
+    }
+    Ok(PyArray::new(t))
+}
+
+/// `Array.__reduce_ex__`: CPU arrays pickle their bytes, out of band under protocol 5 (a
+/// `PickleBuffer` over the array's memory, no copy); other devices pickle by value (device,
+/// dtype, shape, bytes).
+pub(crate) fn reduce_array<'py>(
+    slf: &Bound<'py, PyArray>,
+    protocol: i32,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = slf.py();
+    let t = slf.get().tensor()?.clone();
+    let ctor = py
+        .import("dlbridge._dlbridge")?
+        .getattr("_array_from_pickle")?;
+    let dtype = t.dtype().name().into_pyobject(py)?.into_any();
+    let shape = PyTuple::new(py, t.shape())?.into_any();
+    let readonly = t.is_read_only().into_pyobject(py)?.to_owned().into_any();
+    let on_host = t.device().is_cpu();
+    let compact = if on_host && t.is_contiguous() {
+        t
+    } else {
+        py.detach(|| t.copy_to(dlbridge::Device::CPU)).py()?
+    };
+    let nbytes = compact.nbytes();
+    let host = compact
+        .buffer()
+        .host_ptr()
+        .ok_or_else(|| PyValueError::new_err("the array's copy is not host memory"))?;
+    let first = host.as_ptr().wrapping_add(compact.byte_offset());
+    let data = if on_host && protocol >= 5 && nbytes > 0 {
+        // A ctypes array over the elements, owning a new array of the same memory (so that
+        // `Backend.free` of the original refuses while the buffer is out).
+        let ctypes = py.import("ctypes")?;
+        let char_array = ctypes
+            .getattr("c_char")?
+            .call_method1("__mul__", (nbytes,))?;
+        let view = char_array.call_method1("from_address", (first.expose_provenance(),))?;
+        view.setattr("_dlbridge_owner", PyArray::new(compact.clone()))?;
+        py.import("pickle")?
+            .getattr("PickleBuffer")?
+            .call1((view,))?
+    } else {
+        // SAFETY: `compact` is a live, contiguous host view of `nbytes` bytes at `first`; no
+        // one writes it during this copy (the GIL is held and Python code cannot run).
+        let slice = unsafe { std::slice::from_raw_parts(first, nbytes) };
+        PyBytes::new(py, slice).into_any()
+    };
+    let mut args = vec![data, dtype, shape, readonly];
+    if !on_host {
+        args.push(
+            slf.get()
+                .tensor()?
+                .device()
+                .to_string()
+                .into_pyobject(py)?
+                .into_any(),
+        );
+    }
+    PyTuple::new(py, [ctor, PyTuple::new(py, args)?.into_any()])
+}
+
+/// Registers the natives.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySharedHandle>()?;
+    m.add_function(wrap_pyfunction!(open_shared, m)?)?;
+    m.add_function(wrap_pyfunction!(_array_from_pickle, m)?)?;
+    m.add_function(wrap_pyfunction!(_handle_from_proc, m)?)?;
+    Ok(())
+}

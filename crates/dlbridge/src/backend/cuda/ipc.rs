@@ -1,0 +1,713 @@
+//! CUDA memory and events across processes: VMM allocations exported as POSIX file descriptors,
+//! legacy IPC handles for memory that is not VMM, IPC events, and pinned registration of shared
+//! host files. Thin `Result`-returning calls over `cudarc::driver::sys` (its `result` layer has
+//! none of these), then the shareable device pool.
+//!
+//! | call | driver entry points |
+//! | --- | --- |
+//! | [`allocate`] (pool driver) | `cuMemCreate` (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`), `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess` |
+//! | [`export`] / [`import`] | `cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle` + map |
+//! | [`export_legacy`] / [`open_legacy`] | `cuIpcGetMemHandle` / `cuIpcOpenMemHandle` |
+//! | [`record_event`] / [`wait_event`] | `cuEventCreate(CU_EVENT_INTERPROCESS)`, `cuIpcGetEventHandle` / `cuIpcOpenEventHandle`, `cuStreamWaitEvent` |
+//!
+//! # Lifetime
+//! A VMM allocation lives while any process maps it: when the buffer of an exported block is
+//! dropped, the producer waits for the device, unmaps the block's physical memory, releases its
+//! handle (importers keep theirs) and maps a fresh allocation at the same addresses before the
+//! block goes back to the pool. Legacy IPC memory is valid only while the producer lives: the
+//! producer keeps every buffer it exported that way, with a count of its consumers in shared
+//! memory, until the count is back to zero (a consumer that never opens its handle, or dies
+//! before closing it, holds the buffer until the producer exits), so that the memory is never
+//! reused under a consumer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_int, c_void};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::result::DriverError;
+use cudarc::driver::sys;
+
+use super::context;
+use super::driver::Named;
+use super::stream::{current_stream, handle_of_key, raw};
+use crate::buffer::{Allocation, Buffer, StorageMode};
+use crate::device::{Device, DeviceKind};
+use crate::error::{Error, Result};
+use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
+use crate::share::cpu::SharedCounter;
+use crate::share::{Exported, IPC_HANDLE_BYTES, LegacyExported};
+
+type DriverResult<T> = std::result::Result<T, DriverError>;
+
+/// Fails unless CUDA device `ordinal` exists and its context can be made.
+pub(crate) fn check_device(ordinal: i32) -> Result<()> {
+    context(ordinal).map(drop)
+}
+
+/// Registers `len` bytes of host memory at `p` with the driver (mapped for every device).
+///
+/// # Safety
+/// `[p, p + len)` is a live host mapping that is not registered yet.
+pub(crate) unsafe fn host_register(p: NonNull<c_void>, len: usize, ordinal: i32) -> Result<()> {
+    let _ctx = context(ordinal)?;
+    let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+    // SAFETY: by the caller's contract the range is live, unregistered host memory.
+    unsafe { sys::cuMemHostRegister_v2(p.as_ptr(), len, flags) }
+        .result()
+        .named("cuMemHostRegister")
+}
+
+/// Undoes [`host_register`].
+///
+/// # Safety
+/// `p` was registered by [`host_register`] and no device work uses it any more.
+pub(crate) unsafe fn host_unregister(p: NonNull<c_void>, ordinal: i32) -> Result<()> {
+    let _ctx = context(ordinal)?;
+    // SAFETY: by the caller's contract `p` is registered and unused.
+    unsafe { sys::cuMemHostUnregister(p.as_ptr()) }
+        .result()
+        .named("cuMemHostUnregister")
+}
+
+/// The allocation properties of shareable device memory on `ordinal`.
+fn properties(ordinal: i32) -> sys::CUmemAllocationProp {
+    // SAFETY: an all-zero value is valid for this plain C struct (no handle types, no flags).
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    prop
+}
+
+/// The driver's allocation granularity for shareable memory (`cuMemGetAllocationGranularity`).
+fn granularity(ordinal: i32) -> DriverResult<usize> {
+    let prop = properties(ordinal);
+    let mut g = 0usize;
+    let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    // SAFETY: valid out-pointer and properties.
+    unsafe { sys::cuMemGetAllocationGranularity(&mut g, &prop, option) }.result()?;
+    Ok(g.max(1))
+}
+
+/// Maps `handle` at a reserved range `ptr` of `len` bytes and gives `ordinal` read-write access.
+///
+/// # Safety
+/// `ptr` is a reserved, unmapped range of `len` bytes; `handle` a live allocation of `len` bytes.
+unsafe fn map_at(ptr: u64, len: usize, handle: u64, ordinal: i32) -> Result<()> {
+    // SAFETY: by the caller's contract.
+    unsafe { sys::cuMemMap(ptr, len, 0, handle, 0) }
+        .result()
+        .named("cuMemMap")?;
+    // SAFETY: an all-zero value is valid for this plain C struct.
+    let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+    access.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = ordinal;
+    access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    // SAFETY: the range was just mapped; one valid descriptor.
+    let set = unsafe { sys::cuMemSetAccess(ptr, len, &access, 1) }.result();
+    if set.is_err() {
+        // SAFETY: the range was mapped above and nothing uses it yet.
+        let _ = unsafe { sys::cuMemUnmap(ptr, len) };
+    }
+    set.named("cuMemSetAccess")
+}
+
+/// Reserves `len` bytes of addresses and maps `handle` there; releases the reservation on failure.
+///
+/// # Safety
+/// `handle` is a live allocation of `len` bytes of device `ordinal`.
+unsafe fn reserve_and_map(len: usize, handle: u64, ordinal: i32) -> Result<u64> {
+    let mut ptr = 0u64;
+    // SAFETY: valid out-pointer; no fixed address.
+    unsafe { sys::cuMemAddressReserve(&mut ptr, len, 0, 0, 0) }
+        .result()
+        .named("cuMemAddressReserve")?;
+    // SAFETY: `ptr` is a fresh reservation; `handle` by the caller's contract.
+    if let Err(e) = unsafe { map_at(ptr, len, handle, ordinal) } {
+        // SAFETY: the reservation is ours and unmapped.
+        let _ = unsafe { sys::cuMemAddressFree(ptr, len) };
+        return Err(e);
+    }
+    Ok(ptr)
+}
+
+/// Unmaps and frees a range made by [`reserve_and_map`] (the handle is released separately).
+///
+/// # Safety
+/// No device work uses the range any more.
+unsafe fn unmap_and_free(ptr: u64, len: usize) {
+    // SAFETY: by the caller's contract.
+    if let Err(e) = unsafe { sys::cuMemUnmap(ptr, len) }
+        .result()
+        .named("cuMemUnmap")
+    {
+        log::warn!("{e}");
+    }
+    // SAFETY: the reservation is ours and now unmapped.
+    if let Err(e) = unsafe { sys::cuMemAddressFree(ptr, len) }
+        .result()
+        .named("cuMemAddressFree")
+    {
+        log::warn!("{e}");
+    }
+}
+
+/// Releases an allocation handle (the memory goes when no process maps it).
+fn release(handle: u64) {
+    // SAFETY: `handle` is a live allocation handle we own; releasing it once.
+    if let Err(e) = unsafe { sys::cuMemRelease(handle) }
+        .result()
+        .named("cuMemRelease")
+    {
+        log::warn!("{e}");
+    }
+}
+
+/// Creates a shareable physical allocation of `len` bytes on `ordinal`.
+fn create(len: usize, ordinal: i32) -> Result<u64> {
+    let prop = properties(ordinal);
+    let mut handle = 0u64;
+    // SAFETY: valid out-pointer and properties; `len` is a multiple of the granularity.
+    unsafe { sys::cuMemCreate(&mut handle, len, &prop, 0) }
+        .result()
+        .named("cuMemCreate")?;
+    Ok(handle)
+}
+
+/// One block of the shareable device pool.
+struct VmmBlock {
+    handle: u64,
+    len: usize,
+    exported: bool,
+}
+
+/// The blocks of one device's shareable pool by address.
+struct Blocks {
+    ordinal: i32,
+    map: Mutex<BTreeMap<u64, VmmBlock>>,
+}
+
+impl Blocks {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, VmmBlock>> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Gives the exported block at `ptr` fresh physical memory, leaving the old allocation to
+    /// the processes that imported it.
+    fn detach(&self, ptr: u64) -> Result<()> {
+        let _ctx = context(self.ordinal)?;
+        let mut map = self.lock();
+        let Some(block) = map.get_mut(&ptr) else {
+            return Ok(());
+        };
+        // Work queued on any stream of ours may still use the block.
+        // SAFETY: the device's context is current.
+        unsafe { sys::cuCtxSynchronize() }
+            .result()
+            .named("cuCtxSynchronize")?;
+        let fresh = create(block.len, self.ordinal)?;
+        // SAFETY: the device is idle and the block's buffer is being dropped.
+        if let Err(e) = unsafe { sys::cuMemUnmap(ptr, block.len) }
+            .result()
+            .named("cuMemUnmap")
+        {
+            release(fresh);
+            return Err(e);
+        }
+        release(block.handle);
+        block.handle = fresh;
+        block.exported = false;
+        // SAFETY: the range is reserved and now unmapped; `fresh` holds `len` bytes.
+        unsafe { map_at(ptr, block.len, fresh, self.ordinal) }
+    }
+}
+
+/// The driver of a shareable device pool.
+struct VmmAllocator {
+    blocks: Arc<Blocks>,
+    granularity: usize,
+}
+
+impl RawAllocator for VmmAllocator {
+    fn round_size(&self, bytes: usize) -> Option<usize> {
+        bytes.max(1).checked_next_multiple_of(self.granularity)
+    }
+
+    fn allocate(&self, bytes: usize, zeroed: bool) -> Result<NonNull<c_void>> {
+        let ordinal = self.blocks.ordinal;
+        let _ctx = context(ordinal)?;
+        let len = self
+            .round_size(bytes)
+            .ok_or_else(|| crate::error::overflow("block size"))?;
+        let handle = create(len, ordinal)?;
+        // SAFETY: `handle` was just created with `len` bytes.
+        let ptr = match unsafe { reserve_and_map(len, handle, ordinal) } {
+            Ok(ptr) => ptr,
+            Err(e) => {
+                release(handle);
+                return Err(e);
+            }
+        };
+        if zeroed {
+            // SAFETY: `len` bytes were just mapped read-write for this device.
+            unsafe { sys::cuMemsetD8_v2(ptr, 0, len) }
+                .result()
+                .named("cuMemsetD8")?;
+        }
+        let block = VmmBlock {
+            handle,
+            len,
+            exported: false,
+        };
+        self.blocks.lock().insert(ptr, block);
+        NonNull::new(std::ptr::with_exposed_provenance_mut(ptr as usize))
+            .ok_or_else(|| Error::InvalidArgument("the driver mapped NULL".into()))
+    }
+
+    unsafe fn free(&self, ptr: NonNull<c_void>, _bytes: usize) {
+        let addr = ptr.as_ptr().expose_provenance() as u64;
+        let Some(block) = self.blocks.lock().remove(&addr) else {
+            return;
+        };
+        let Ok(_ctx) = context(self.blocks.ordinal) else {
+            return;
+        };
+        // SAFETY: by the caller's contract the block is no longer used.
+        unsafe { unmap_and_free(addr, block.len) };
+        release(block.handle);
+    }
+
+    unsafe fn zero(
+        &self,
+        ptr: NonNull<c_void>,
+        bytes: usize,
+        stream: Option<StreamKey>,
+    ) -> Result<()> {
+        let _ctx = context(self.blocks.ordinal)?;
+        let stream = raw(stream.map_or(0, handle_of_key));
+        let addr = ptr.as_ptr().expose_provenance() as u64;
+        // SAFETY: by the caller's contract `bytes` bytes of a live block, in stream order.
+        unsafe { sys::cuMemsetD8Async(addr, 0, bytes, stream) }
+            .result()
+            .named("cuMemsetD8Async")
+    }
+}
+
+/// A device's shareable pool and its blocks.
+struct Shareable {
+    pool: Arc<Pool>,
+    blocks: Arc<Blocks>,
+}
+
+/// The shareable pool of CUDA device `device` (made on first use).
+fn shareable(device: Device) -> Result<&'static Shareable> {
+    static POOLS: OnceLock<Mutex<HashMap<u32, &'static Shareable>>> = OnceLock::new();
+    if device.kind() != DeviceKind::Cuda {
+        return Err(Error::UnsupportedDevice(format!(
+            "shareable CUDA device memory lives on cuda:N, not {device}"
+        )));
+    }
+    let ordinal = device.index() as i32;
+    let _ctx = context(ordinal)?;
+    let mut pools = POOLS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(s) = pools.get(&device.index()) {
+        return Ok(s);
+    }
+    let granularity = granularity(ordinal).named("cuMemGetAllocationGranularity")?;
+    let blocks = Arc::new(Blocks {
+        ordinal,
+        map: Mutex::default(),
+    });
+    let allocator = VmmAllocator {
+        blocks: blocks.clone(),
+        granularity,
+    };
+    let pool = Pool::new(device, StorageMode::Private, allocator);
+    let s: &'static Shareable = Box::leak(Box::new(Shareable { pool, blocks }));
+    pools.insert(device.index(), s);
+    Ok(s)
+}
+
+/// The caching pool of shareable device memory on `device` (`cuda:N`).
+pub(crate) fn pool(device: Device) -> Result<&'static Arc<Pool>> {
+    Ok(&shareable(device)?.pool)
+}
+
+/// A pooled block whose release first detaches it from importers if it was exported.
+struct SharedBlock {
+    block: Option<PooledBlock>,
+    blocks: Arc<Blocks>,
+}
+
+impl Allocation for SharedBlock {
+    fn stream(&self) -> Option<StreamKey> {
+        self.block.as_ref().and_then(PooledBlock::stream)
+    }
+}
+
+impl Drop for SharedBlock {
+    fn drop(&mut self) {
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        let ptr = block.as_ptr().as_ptr().expose_provenance() as u64;
+        let exported = self.blocks.lock().get(&ptr).is_some_and(|b| b.exported);
+        if exported && let Err(e) = self.blocks.detach(ptr) {
+            log::warn!("a shared CUDA block could not be detached and is kept: {e}");
+            std::mem::forget(block);
+            return;
+        }
+        drop(block);
+    }
+}
+
+/// Allocates `bytes` of shareable device memory on `device` from its pool, for the calling
+/// thread's current stream.
+pub(crate) fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
+    let shared = shareable(device)?;
+    let stream = super::stream::pool_key(current_stream(device.index() as i32));
+    let block = shared
+        .pool
+        .allocate_static(bytes.max(1), Some(stream), zeroed)?;
+    let ptr = block.as_ptr().as_ptr();
+    let boxed = Box::new(SharedBlock {
+        block: Some(block),
+        blocks: shared.blocks.clone(),
+    });
+    // SAFETY: the block maps at least `bytes` device bytes at `ptr` until it is dropped.
+    Ok(unsafe {
+        Buffer::from_allocation(
+            ptr,
+            std::ptr::null_mut(),
+            bytes,
+            device,
+            StorageMode::Private,
+            boxed,
+        )
+    })
+}
+
+/// The VMM block `buffer` lies in, as a new POSIX descriptor, marked exported; `None` when the
+/// buffer is not in a shareable pool of this process.
+pub(crate) fn export(buffer: &Buffer) -> Result<Option<Exported>> {
+    let Ok(shared) = shareable(buffer.device()) else {
+        return Ok(None);
+    };
+    let addr = buffer.handle().expose_provenance() as u64;
+    let mut map = shared.blocks.lock();
+    let Some((&start, block)) = map.range_mut(..=addr).next_back() else {
+        return Ok(None);
+    };
+    let offset = (addr - start) as usize;
+    if offset.saturating_add(buffer.len()) > block.len {
+        return Ok(None);
+    }
+    let _ctx = context(shared.blocks.ordinal)?;
+    let mut fd: c_int = -1;
+    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // SAFETY: for a POSIX descriptor the driver writes an `int` at the pointer.
+    unsafe { sys::cuMemExportToShareableHandle((&raw mut fd).cast(), block.handle, kind, 0) }
+        .result()
+        .named("cuMemExportToShareableHandle")?;
+    // SAFETY: the driver opened this descriptor for us.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    block.exported = true;
+    Ok(Some(Exported {
+        fd,
+        len: block.len,
+        offset,
+    }))
+}
+
+/// An imported VMM allocation mapped in this process.
+struct Imported {
+    ptr: u64,
+    len: usize,
+    handle: u64,
+    ordinal: i32,
+}
+
+impl Allocation for Imported {}
+
+impl Drop for Imported {
+    fn drop(&mut self) {
+        let Ok(_ctx) = context(self.ordinal) else {
+            return;
+        };
+        // SAFETY: the last buffer of the mapping is gone; work that used it was ordered before
+        // its release by the buffer's users.
+        unsafe { sys::cuCtxSynchronize() }
+            .result()
+            .named("cuCtxSynchronize")
+            .unwrap_or_else(|e| log::warn!("{e}"));
+        // SAFETY: as above.
+        unsafe { unmap_and_free(self.ptr, self.len) };
+        release(self.handle);
+    }
+}
+
+/// Imports a VMM allocation of `len` bytes from its POSIX descriptor and maps it on `device`.
+pub(crate) fn import(device: Device, fd: OwnedFd, len: usize) -> Result<Buffer> {
+    if device.kind() != DeviceKind::Cuda {
+        return Err(Error::UnsupportedDevice(format!(
+            "a VMM handle of {device}"
+        )));
+    }
+    let ordinal = device.index() as i32;
+    let _ctx = context(ordinal)?;
+    let g = granularity(ordinal).named("cuMemGetAllocationGranularity")?;
+    if len == 0 || len % g != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a VMM allocation of {len} bytes is not a multiple of the granularity {g}"
+        )));
+    }
+    let mut handle = 0u64;
+    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    let os_handle = std::ptr::without_provenance_mut::<c_void>(fd.as_raw_fd() as usize);
+    // SAFETY: for a POSIX descriptor the OS handle is the descriptor's value; `fd` is open.
+    unsafe { sys::cuMemImportFromShareableHandle(&mut handle, os_handle, kind) }
+        .result()
+        .named("cuMemImportFromShareableHandle")?;
+    drop(fd);
+    // SAFETY: `handle` is a live allocation of `len` bytes (the exporter's block size).
+    let ptr = match unsafe { reserve_and_map(len, handle, ordinal) } {
+        Ok(ptr) => ptr,
+        Err(e) => {
+            release(handle);
+            return Err(e);
+        }
+    };
+    let imported = Imported {
+        ptr,
+        len,
+        handle,
+        ordinal,
+    };
+    let addr = std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize);
+    // SAFETY: `len` device bytes are mapped read-write at `addr` until `imported` is dropped.
+    Ok(unsafe {
+        Buffer::from_allocation(
+            addr,
+            std::ptr::null_mut(),
+            len,
+            device,
+            StorageMode::Private,
+            Box::new(imported),
+        )
+    })
+}
+
+/// A buffer exported through a legacy IPC handle, and the count of its consumers.
+struct Kept {
+    _buffer: Buffer,
+    users: SharedCounter,
+}
+
+/// Buffers exported through legacy IPC handles: the memory must be neither freed nor reused while
+/// a consumer may have it open. Each is kept until its count of consumers is back to zero.
+fn legacy_exports() -> std::sync::MutexGuard<'static, Vec<Kept>> {
+    static KEPT: OnceLock<Mutex<Vec<Kept>>> = OnceLock::new();
+    KEPT.get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A legacy IPC handle of the driver allocation `buffer` lies in (`cuIpcGetMemHandle`), with the
+/// buffer's place in it and a count of consumers set to one. The buffer is kept until the
+/// consumer that opens the handle closes it (the count is back to zero): forever, if the handle
+/// is never opened or its consumer dies first.
+pub(crate) fn export_legacy(buffer: &Buffer) -> Result<LegacyExported> {
+    let device = buffer.device();
+    let ordinal = device.index() as i32;
+    let _ctx = context(ordinal)?;
+    // Let go of memory that every consumer has closed.
+    legacy_exports().retain(|kept| kept.users.get() > 0);
+    let addr = buffer.handle().expose_provenance() as u64;
+    let (mut base, mut size) = (0u64, 0usize);
+    // SAFETY: valid out-pointers; an unknown address makes the call fail.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
+        .result()
+        .named("cuMemGetAddressRange")?;
+    // SAFETY: an all-zero handle is a valid value of this plain C struct.
+    let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer; `base` is the start of a driver allocation.
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
+        .result()
+        .map_err(|e| {
+            Error::CopyRequired(format!(
+                "the driver refuses a legacy IPC handle for this memory ({}); share it with a \
+                 copy into shareable memory",
+                super::driver::describe(e)
+            ))
+        })?;
+    let users = SharedCounter::new()?;
+    users.add(1);
+    let users_fd = users.share()?;
+    legacy_exports().push(Kept {
+        _buffer: buffer.clone(),
+        users,
+    });
+    Ok(LegacyExported {
+        handle: handle.reserved.map(|b| b as u8),
+        users: users_fd,
+        len: size,
+        offset: (addr - base) as usize,
+    })
+}
+
+/// Memory opened from a legacy IPC handle, and its producer's count of consumers.
+struct LegacyOpened {
+    ptr: u64,
+    ordinal: i32,
+    users: SharedCounter,
+}
+
+impl Allocation for LegacyOpened {}
+
+impl Drop for LegacyOpened {
+    fn drop(&mut self) {
+        let Ok(_ctx) = context(self.ordinal) else {
+            return;
+        };
+        // Work queued on the memory must finish before the producer may reuse it.
+        // SAFETY: the device's context is current.
+        if let Err(e) = unsafe { sys::cuCtxSynchronize() }
+            .result()
+            .named("cuCtxSynchronize")
+        {
+            log::warn!("{e}");
+        }
+        // SAFETY: `ptr` came from cuIpcOpenMemHandle and the last buffer of it is gone.
+        if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }
+            .result()
+            .named("cuIpcCloseMemHandle")
+        {
+            log::warn!("{e}");
+        }
+        self.users.add(-1);
+    }
+}
+
+/// Opens a legacy IPC handle of `len` bytes on `device`. Fails with the driver's error when the
+/// producer has exited.
+pub(crate) fn open_legacy(
+    device: Device,
+    handle: &[u8; IPC_HANDLE_BYTES],
+    len: usize,
+    users: OwnedFd,
+) -> Result<Buffer> {
+    if device.kind() != DeviceKind::Cuda {
+        return Err(Error::UnsupportedDevice(format!(
+            "a CUDA IPC handle of {device}"
+        )));
+    }
+    let ordinal = device.index() as i32;
+    let _ctx = context(ordinal)?;
+    let users = SharedCounter::open(users)?;
+    let raw_handle = sys::CUipcMemHandle {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
+    let mut ptr = 0u64;
+    let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+    // SAFETY: valid out-pointer; the driver checks the handle.
+    unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, raw_handle, flags) }
+        .result()
+        .named("cuIpcOpenMemHandle (has the producer exited?)")?;
+    let opened = LegacyOpened {
+        ptr,
+        ordinal,
+        users,
+    };
+    let addr = std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize);
+    // SAFETY: the driver mapped the producer's allocation of `len` bytes at `addr`, valid until
+    // `opened` closes it (and while the producer lives, which the module documents).
+    Ok(unsafe {
+        Buffer::from_allocation(
+            addr,
+            std::ptr::null_mut(),
+            len,
+            device,
+            StorageMode::Private,
+            Box::new(opened),
+        )
+    })
+}
+
+/// An interprocess event, kept for the process's lifetime.
+struct IpcEvent(sys::CUevent);
+
+// SAFETY: a CUevent is a driver handle usable from any thread.
+unsafe impl Send for IpcEvent {}
+
+/// Records an interprocess event on the calling thread's current stream of `device` and returns
+/// its IPC handle. One event per (device, stream) is re-recorded: a consumer that waits on a
+/// later record of the same stream waits at least as long as it must, never less.
+pub(crate) fn record_event(device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
+    static EVENTS: OnceLock<Mutex<HashMap<(i32, usize), IpcEvent>>> = OnceLock::new();
+    let ordinal = device.index() as i32;
+    let _ctx = context(ordinal)?;
+    let stream = current_stream(ordinal);
+    let mut events = EVENTS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let event = match events.get(&(ordinal, stream)) {
+        Some(e) => e.0,
+        None => {
+            let mut e: sys::CUevent = std::ptr::null_mut();
+            let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+                | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            // SAFETY: valid out-pointer; the context is current.
+            unsafe { sys::cuEventCreate(&mut e, flags) }
+                .result()
+                .named("cuEventCreate")?;
+            events.insert((ordinal, stream), IpcEvent(e));
+            e
+        }
+    };
+    // SAFETY: `event` is live (never destroyed); the stream is the thread's current one.
+    unsafe { sys::cuEventRecord(event, raw(stream)) }
+        .result()
+        .named("cuEventRecord")?;
+    // SAFETY: an all-zero handle is a valid value of this plain C struct.
+    let mut handle: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer; an interprocess event.
+    unsafe { sys::cuIpcGetEventHandle(&mut handle, event) }
+        .result()
+        .named("cuIpcGetEventHandle")?;
+    Ok(handle.reserved.map(|b| b as u8))
+}
+
+/// Makes the calling thread's current stream of `device` wait for an IPC event of another
+/// process (`cuStreamWaitEvent`, no host synchronize).
+pub(crate) fn wait_event(device: Device, event: &[u8; IPC_HANDLE_BYTES]) -> Result<()> {
+    let ordinal = device.index() as i32;
+    let _ctx = context(ordinal)?;
+    let raw_handle = sys::CUipcEventHandle {
+        reserved: event.map(|b| b as std::ffi::c_char),
+    };
+    let mut e: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the driver checks the handle.
+    let opened = unsafe { sys::cuIpcOpenEventHandle(&mut e, raw_handle) }.result();
+    if let Err(err) = opened {
+        return Err(Error::Driver {
+            backend: super::BACKEND,
+            message: super::driver::failed("cuIpcOpenEventHandle", err),
+        });
+    }
+    // SAFETY: `e` was just opened; the stream is the thread's current one.
+    let waited = unsafe { sys::cuStreamWaitEvent(raw(current_stream(ordinal)), e, 0) }
+        .result()
+        .named("cuStreamWaitEvent");
+    // SAFETY: destroying an event after queueing a wait on it is allowed; the wait keeps its
+    // snapshot.
+    let _ = unsafe { sys::cuEventDestroy_v2(e) };
+    waited
+}

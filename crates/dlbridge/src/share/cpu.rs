@@ -1,0 +1,583 @@
+//! Shareable host memory: anonymous shared files (`memfd_create` on Linux) mapped into this
+//! process, pooled like every other allocation, and mapped again by the processes a handle
+//! reaches.
+//!
+//! | piece | what it is |
+//! | --- | --- |
+//! | [`pool`] | one caching pool per device (`cpu`, and `cuda_host:N` for pinned shareable memory) over a file allocator |
+//! | block | one anonymous file, `ftruncate`d to the block size and mapped `MAP_SHARED`; the pool keeps its descriptor |
+//! | [`allocate`] | a [`Buffer`] of a pooled block |
+//! | [`export`] | a duplicate of the descriptor of the block a buffer lies in, and where in the block it starts |
+//! | [`map`] | the receiving side: maps a received descriptor; the mapping alone keeps the memory |
+//!
+//! Nothing has a name in the file system, so nothing is left in `/dev/shm` when a process dies:
+//! the kernel frees a file when its last descriptor and mapping go.
+//!
+//! # Reuse of exported blocks
+//! A block that was exported must not be handed to a new allocation while another process may
+//! still map it. When the buffer of an exported block is dropped, the producer maps a fresh file
+//! over the same addresses (`MAP_FIXED`) before the block goes back to the cache: the pool keeps
+//! its addresses, the consumers keep the old file, and the old memory is freed by the kernel when
+//! the last consumer unmaps it, whichever process goes first.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use super::Exported;
+use crate::backend::cpu::page_size;
+use crate::backend::cuda::ipc;
+use crate::buffer::{Allocation, Buffer, StorageMode};
+use crate::device::{Device, DeviceKind};
+use crate::error::{Error, Result};
+use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
+
+/// The error of a failed system call, naming it, with `errno`'s text.
+pub(crate) fn os_error(call: &str) -> Error {
+    let err = std::io::Error::last_os_error();
+    Error::Driver {
+        backend: "CPU",
+        message: format!("{call} failed: {err}"),
+    }
+}
+
+/// A new anonymous shared file of `len` bytes (zero-filled), closed on `exec`.
+fn anonymous_file(len: usize) -> Result<OwnedFd> {
+    #[cfg(target_os = "linux")]
+    let raw = {
+        // SAFETY: the name is a NUL-terminated string; the flags are valid for memfd_create.
+        unsafe { libc::memfd_create(c"dlbridge-shared".as_ptr(), libc::MFD_CLOEXEC) }
+    };
+    #[cfg(not(target_os = "linux"))]
+    let raw = {
+        // Elsewhere: a POSIX shared memory object, unlinked at once so that it has no name.
+        let name = format!(
+            "/dlbridge-{}-{}\0",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        );
+        // SAFETY: `name` is NUL-terminated; the flags create a new object or fail.
+        let fd = unsafe {
+            libc::shm_open(
+                name.as_ptr().cast(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL,
+                0o600,
+            )
+        };
+        if fd >= 0 {
+            // SAFETY: `name` is NUL-terminated; the object stays alive through `fd`.
+            unsafe { libc::shm_unlink(name.as_ptr().cast()) };
+        }
+        fd
+    };
+    if raw < 0 {
+        return Err(os_error("memfd_create"));
+    }
+    // SAFETY: `raw` is a descriptor we just opened and own alone.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let size = libc::off_t::try_from(len).map_err(|_| crate::error::overflow("file size"))?;
+    // SAFETY: `fd` is an open, writable file.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+        return Err(os_error("ftruncate"));
+    }
+    Ok(fd)
+}
+
+/// Maps `len` bytes of `fd` read-write and shared, at `fixed` when given (replacing what was
+/// mapped there).
+///
+/// # Safety
+/// When `fixed` is given, `[fixed, fixed + len)` must be a mapping this module made that nothing
+/// reads or writes during the call (its old contents are gone afterwards).
+unsafe fn map_file(
+    fd: &OwnedFd,
+    len: usize,
+    fixed: Option<NonNull<c_void>>,
+) -> Result<NonNull<c_void>> {
+    let (addr, flags) = match fixed {
+        Some(p) => (p.as_ptr(), libc::MAP_SHARED | libc::MAP_FIXED),
+        None => (std::ptr::null_mut(), libc::MAP_SHARED),
+    };
+    // SAFETY: `fd` is an open file of at least `len` bytes; a fixed address replaces only a
+    // mapping of ours, by the caller's contract.
+    let ptr = unsafe {
+        libc::mmap(
+            addr,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(os_error("mmap"));
+    }
+    NonNull::new(ptr).ok_or_else(|| os_error("mmap"))
+}
+
+/// Unmaps a mapping this module made.
+///
+/// # Safety
+/// `[ptr, ptr + len)` is one mapping of `map_file` that nothing uses any more.
+unsafe fn unmap(ptr: NonNull<c_void>, len: usize) {
+    // SAFETY: by the caller's contract the range is our mapping and unused.
+    if unsafe { libc::munmap(ptr.as_ptr(), len) } != 0 {
+        log::warn!("{}", os_error("munmap"));
+    }
+}
+
+/// The inode of an open file, which a handle records to recognise its file on the other side.
+pub(crate) fn inode(fd: &OwnedFd) -> Result<u64> {
+    // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is writable; a closed descriptor makes fstat fail, handled below.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "file descriptor {} is not open: {}",
+            fd.as_raw_fd(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(st.st_ino as u64)
+}
+
+/// The size in bytes of an open file.
+fn file_size(fd: &OwnedFd) -> Result<usize> {
+    // SAFETY: as in `inode`.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as in `inode`.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(os_error("fstat"));
+    }
+    Ok(usize::try_from(st.st_size).unwrap_or(0))
+}
+
+/// One pooled block: its file and size, and whether a handle to it was made.
+struct Block {
+    fd: OwnedFd,
+    len: usize,
+    exported: bool,
+}
+
+/// The blocks of one pool by start address, shared by its allocator and by [`export`].
+struct Files {
+    /// The CUDA device pinned memory is registered with (`cuda_host:N`), if any.
+    cuda: Option<i32>,
+    blocks: Mutex<BTreeMap<usize, Block>>,
+}
+
+impl Files {
+    fn blocks(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Block>> {
+        self.blocks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Registers a fresh mapping with the CUDA device, for pinned shareable memory.
+    fn register(&self, ptr: NonNull<c_void>, len: usize) -> Result<()> {
+        match self.cuda {
+            // SAFETY: `ptr` is a live mapping of `len` bytes of ours, not yet registered.
+            Some(ordinal) => unsafe { ipc::host_register(ptr, len, ordinal) },
+            None => Ok(()),
+        }
+    }
+
+    /// Undoes [`Files::register`].
+    fn unregister(&self, ptr: NonNull<c_void>) {
+        if let Some(ordinal) = self.cuda {
+            // SAFETY: `ptr` was registered by `register` and nothing uses it now.
+            if let Err(e) = unsafe { ipc::host_unregister(ptr, ordinal) } {
+                log::warn!("{e}");
+            }
+        }
+    }
+
+    /// Gives the block at `addr` a fresh file, leaving the old one to the processes that mapped
+    /// it (the module documentation says why).
+    fn detach(&self, addr: usize) -> Result<()> {
+        let mut blocks = self.blocks();
+        let Some(block) = blocks.get_mut(&addr) else {
+            return Ok(());
+        };
+        let fresh = anonymous_file(block.len)?;
+        let ptr = NonNull::new(std::ptr::with_exposed_provenance_mut::<c_void>(addr))
+            .ok_or_else(|| Error::InvalidArgument("a NULL block".into()))?;
+        self.unregister(ptr);
+        // SAFETY: the range is the block's mapping; its buffer is being dropped, so nothing
+        // reads or writes it.
+        unsafe { map_file(&fresh, block.len, Some(ptr)) }?;
+        self.register(ptr, block.len)?;
+        block.fd = fresh;
+        block.exported = false;
+        Ok(())
+    }
+}
+
+/// The driver of a shareable pool: one anonymous file per block.
+struct FileAllocator(Arc<Files>);
+
+impl RawAllocator for FileAllocator {
+    fn round_size(&self, bytes: usize) -> Option<usize> {
+        bytes.max(1).checked_next_multiple_of(page_size())
+    }
+
+    fn allocate(&self, bytes: usize, _zeroed: bool) -> Result<NonNull<c_void>> {
+        let len = self
+            .round_size(bytes)
+            .ok_or_else(|| crate::error::overflow("block size"))?;
+        if len > crate::backend::cpu::host_memory_bytes() {
+            return Err(Error::OutOfMemory {
+                bytes,
+                device: Device::CPU,
+                detail: ": more than this machine's memory and swap".into(),
+            });
+        }
+        // A new file reads as zeros: `zeroed` needs nothing more.
+        let fd = anonymous_file(len)?;
+        // SAFETY: no fixed address.
+        let ptr = unsafe { map_file(&fd, len, None) }?;
+        if let Err(e) = self.0.register(ptr, len) {
+            // SAFETY: the mapping was just made and is not handed out.
+            unsafe { unmap(ptr, len) };
+            return Err(e);
+        }
+        let block = Block {
+            fd,
+            len,
+            exported: false,
+        };
+        self.0
+            .blocks()
+            .insert(ptr.as_ptr().expose_provenance(), block);
+        Ok(ptr)
+    }
+
+    unsafe fn free(&self, ptr: NonNull<c_void>, _bytes: usize) {
+        let Some(block) = self.0.blocks().remove(&ptr.as_ptr().expose_provenance()) else {
+            return;
+        };
+        self.0.unregister(ptr);
+        // SAFETY: by the caller's contract the block is no longer used; it is our mapping of
+        // `block.len` bytes. The descriptor closes when `block` drops.
+        unsafe { unmap(ptr, block.len) };
+    }
+
+    unsafe fn zero(
+        &self,
+        ptr: NonNull<c_void>,
+        bytes: usize,
+        _stream: Option<StreamKey>,
+    ) -> Result<()> {
+        // SAFETY: by the caller's contract `ptr` addresses `bytes` bytes of a live block nobody
+        // else touches during the fill.
+        unsafe { ptr.cast::<u8>().write_bytes(0, bytes) };
+        Ok(())
+    }
+}
+
+/// A pool and its blocks.
+struct Shareable {
+    pool: Arc<Pool>,
+    files: Arc<Files>,
+}
+
+/// The shareable pool of `device` (`cpu`, or `cuda_host:N` for pinned shareable memory).
+fn shareable(device: Device) -> Result<&'static Shareable> {
+    static POOLS: OnceLock<Mutex<HashMap<Device, &'static Shareable>>> = OnceLock::new();
+    let cuda = match device.kind() {
+        DeviceKind::Cpu => None,
+        DeviceKind::CudaHost => Some(device.index() as i32),
+        _ => {
+            return Err(Error::UnsupportedDevice(format!(
+                "shareable host memory lives on cpu or cuda_host, not {device}"
+            )));
+        }
+    };
+    if let Some(ordinal) = cuda {
+        // Fails with a clear error where CUDA is missing or the device does not exist.
+        ipc::check_device(ordinal)?;
+    }
+    let pools = POOLS.get_or_init(Mutex::default);
+    let mut pools = pools.lock().unwrap_or_else(PoisonError::into_inner);
+    Ok(*pools.entry(device).or_insert_with(|| {
+        let files = Arc::new(Files {
+            cuda,
+            blocks: Mutex::default(),
+        });
+        let pool = Pool::new(device, StorageMode::Shared, FileAllocator(files.clone()));
+        Box::leak(Box::new(Shareable { pool, files }))
+    }))
+}
+
+/// The caching pool of shareable memory on `device` (`cpu` or `cuda_host:N`).
+pub fn pool(device: Device) -> Result<&'static Arc<Pool>> {
+    Ok(&shareable(device)?.pool)
+}
+
+/// A pooled block whose release first detaches it from other processes if it was exported.
+struct SharedBlock {
+    block: Option<PooledBlock>,
+    files: Arc<Files>,
+}
+
+impl Allocation for SharedBlock {}
+
+impl Drop for SharedBlock {
+    fn drop(&mut self) {
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        let addr = block.as_ptr().as_ptr().expose_provenance();
+        let exported = self.files.blocks().get(&addr).is_some_and(|b| b.exported);
+        if exported && let Err(e) = self.files.detach(addr) {
+            // Another process may still map this memory: it must not be reused. Keeping it
+            // out of the pool for the rest of the process is the safe answer.
+            log::warn!("a shared block could not be detached and is kept: {e}");
+            std::mem::forget(block);
+            return;
+        }
+        drop(block);
+    }
+}
+
+/// Allocates `bytes` of shareable host memory on `device` (`cpu` or `cuda_host:N`) from its
+/// pool; the memory reads as zeros when `zeroed`.
+pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
+    let shared = shareable(device)?;
+    let block = shared.pool.allocate_static(bytes.max(1), None, zeroed)?;
+    let ptr = block.as_ptr().as_ptr();
+    let boxed = Box::new(SharedBlock {
+        block: Some(block),
+        files: shared.files.clone(),
+    });
+    // SAFETY: the block holds at least `bytes` bytes of host memory mapped read-write at `ptr`
+    // until the boxed block is dropped; pinned blocks are registered with the device, so the
+    // same address serves both.
+    Ok(unsafe {
+        Buffer::from_allocation(
+            ptr,
+            ptr.cast::<u8>(),
+            bytes,
+            device,
+            StorageMode::Shared,
+            boxed,
+        )
+    })
+}
+
+/// The files this process mapped with [`map`], by address: a received array can be shared on
+/// (to a third process) without a copy.
+fn mappings() -> std::sync::MutexGuard<'static, BTreeMap<usize, (usize, OwnedFd)>> {
+    static MAPPINGS: OnceLock<Mutex<BTreeMap<usize, (usize, OwnedFd)>>> = OnceLock::new();
+    MAPPINGS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The one lookup of both registries: the `(start, len, fd)` of the file range that holds
+/// `[addr, addr + len)`, if any.
+fn find<'a>(
+    mut map: impl DoubleEndedIterator<Item = (&'a usize, usize, &'a OwnedFd)>,
+    addr: usize,
+    len: usize,
+) -> Option<(usize, usize, &'a OwnedFd)> {
+    let (&start, size, fd) = map.next_back()?;
+    (addr - start).checked_add(len).filter(|&end| end <= size)?;
+    Some((start, size, fd))
+}
+
+/// A new descriptor of the shared file `buffer` lies in (a block of this process's shareable pool,
+/// or a file it mapped from a handle), with the buffer's place in it; the block, if it is one, is
+/// marked exported. `None` when the buffer is not in a shared file.
+pub(crate) fn export(buffer: &Buffer) -> Result<Option<Exported>> {
+    let addr = buffer.handle().expose_provenance();
+    let dup = |fd: &OwnedFd, start: usize, len: usize| -> Result<Exported> {
+        let fd = fd.try_clone().map_err(|e| Error::Driver {
+            backend: "CPU",
+            message: format!("dup of a shared file failed: {e}"),
+        })?;
+        Ok(Exported {
+            fd,
+            len,
+            offset: addr - start,
+        })
+    };
+    {
+        let mapped = mappings();
+        let range = mapped.range(..=addr).map(|(k, (len, fd))| (k, *len, fd));
+        if let Some((start, len, fd)) = find(range, addr, buffer.len()) {
+            return dup(fd, start, len).map(Some);
+        }
+    }
+    let Ok(shared) = shareable(buffer.device()) else {
+        return Ok(None);
+    };
+    let mut blocks = shared.files.blocks();
+    let range = blocks.range(..=addr).map(|(k, b)| (k, b.len, &b.fd));
+    let Some((start, len, fd)) = find(range, addr, buffer.len()) else {
+        return Ok(None);
+    };
+    let exported = dup(fd, start, len)?;
+    if let Some(block) = blocks.get_mut(&start) {
+        block.exported = true;
+    }
+    Ok(Some(exported))
+}
+
+/// A mapping of a received file; unmapping it is this process's release of the memory.
+struct Mapping {
+    ptr: NonNull<c_void>,
+    len: usize,
+    cuda: Option<i32>,
+}
+
+// SAFETY: the mapping is plain shared memory; the address is only a value here, and munmap may
+// be called from any thread.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; shared references read nothing through the address.
+unsafe impl Sync for Mapping {}
+
+impl Allocation for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        mappings().remove(&self.ptr.as_ptr().expose_provenance());
+        if let Some(ordinal) = self.cuda {
+            // SAFETY: registered by `map`; the last buffer handle is gone.
+            if let Err(e) = unsafe { ipc::host_unregister(self.ptr, ordinal) } {
+                log::warn!("{e}");
+            }
+        }
+        // SAFETY: `map` made this mapping of `len` bytes, and the last buffer of it is gone.
+        unsafe { unmap(self.ptr, self.len) };
+    }
+}
+
+/// Maps `len` bytes of a received shareable file on `device` (`cpu` or `cuda_host:N`). The
+/// mapping keeps the memory; the descriptor is kept beside it so that the array can be shared on,
+/// and closed when the mapping goes.
+pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
+    let cuda = match device.kind() {
+        DeviceKind::Cpu => None,
+        DeviceKind::CudaHost => {
+            ipc::check_device(device.index() as i32)?;
+            Some(device.index() as i32)
+        }
+        _ => {
+            return Err(Error::UnsupportedDevice(format!(
+                "shareable host memory lives on cpu or cuda_host, not {device}"
+            )));
+        }
+    };
+    let size = file_size(&fd)?;
+    if size < len || len == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "the shared file holds {size} bytes but the handle describes {len}"
+        )));
+    }
+    // SAFETY: no fixed address.
+    let ptr = unsafe { map_file(&fd, len, None) }?;
+    let mapping = Mapping { ptr, len, cuda };
+    if let Some(ordinal) = cuda {
+        // SAFETY: a fresh mapping of `len` bytes; dropping `mapping` on failure unmaps it, and
+        // unregistering memory that was never registered only reports an error.
+        unsafe { ipc::host_register(ptr, len, ordinal) }?;
+    }
+    mappings().insert(ptr.as_ptr().expose_provenance(), (len, fd));
+    let storage = StorageMode::Shared;
+    let host = ptr.as_ptr().cast::<u8>();
+    // SAFETY: `len` bytes are mapped read-write at `ptr` until `mapping` is dropped with the
+    // last buffer handle.
+    Ok(unsafe {
+        Buffer::from_allocation(ptr.as_ptr(), host, len, device, storage, Box::new(mapping))
+    })
+}
+
+/// A count in a page of shared memory that several processes update atomically: how many
+/// consumers still use memory that only its producer can keep alive (legacy CUDA IPC).
+pub(crate) struct SharedCounter {
+    ptr: NonNull<c_void>,
+    fd: OwnedFd,
+}
+
+// SAFETY: the page is shared memory accessed only through `AtomicI64` operations; the address
+// is a plain value and munmap may be called from any thread.
+unsafe impl Send for SharedCounter {}
+// SAFETY: as above; `&self` methods only perform atomic operations.
+unsafe impl Sync for SharedCounter {}
+
+impl SharedCounter {
+    /// A new counter at zero.
+    pub(crate) fn new() -> Result<Self> {
+        Self::map(anonymous_file(page_size())?)
+    }
+
+    /// The counter of a received descriptor.
+    pub(crate) fn open(fd: OwnedFd) -> Result<Self> {
+        if file_size(&fd)? < page_size() {
+            return Err(Error::InvalidArgument(
+                "the descriptor is not a dlbridge shared counter".into(),
+            ));
+        }
+        Self::map(fd)
+    }
+
+    fn map(fd: OwnedFd) -> Result<Self> {
+        // SAFETY: no fixed address.
+        let ptr = unsafe { map_file(&fd, page_size(), None) }?;
+        Ok(SharedCounter { ptr, fd })
+    }
+
+    fn atomic(&self) -> &std::sync::atomic::AtomicI64 {
+        // SAFETY: the page is mapped read-write, page-aligned (so aligned for an i64) and lives
+        // as long as `self`; every process touches it only atomically.
+        unsafe { self.ptr.cast::<std::sync::atomic::AtomicI64>().as_ref() }
+    }
+
+    /// Adds `n` and returns the new value.
+    pub(crate) fn add(&self, n: i64) -> i64 {
+        self.atomic()
+            .fetch_add(n, std::sync::atomic::Ordering::AcqRel)
+            + n
+    }
+
+    /// The current value.
+    pub(crate) fn get(&self) -> i64 {
+        self.atomic().load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// A new descriptor of the counter's file, for another process.
+    pub(crate) fn share(&self) -> Result<OwnedFd> {
+        self.fd.try_clone().map_err(|e| Error::Driver {
+            backend: "CPU",
+            message: format!("dup of a shared counter failed: {e}"),
+        })
+    }
+}
+
+impl Drop for SharedCounter {
+    fn drop(&mut self) {
+        // SAFETY: `map` made this mapping of one page; no reference to it outlives `self`.
+        unsafe { unmap(self.ptr, page_size()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shared_counter_is_one_count_across_mappings() {
+        let a = SharedCounter::new().unwrap();
+        assert_eq!(a.add(2), 2);
+        let b = SharedCounter::open(a.share().unwrap()).unwrap();
+        assert_eq!(b.add(-1), 1);
+        assert_eq!(a.get(), 1);
+        let (r, _w) = std::io::pipe().unwrap();
+        assert!(SharedCounter::open(OwnedFd::from(r)).is_err());
+    }
+}

@@ -1,0 +1,541 @@
+//! Arrays across processes without copies: shareable memory, a small handle that describes a view
+//! of it, and the opening of a handle in another process.
+//!
+//! | memory | kind | handle carries | lives while |
+//! | --- | --- | --- | --- |
+//! | host (`cpu`), pinned (`cuda_host:N`) | [`SharedKind::HostFile`] | a descriptor of an anonymous shared file (`memfd_create`) | any process maps it |
+//! | CUDA device memory of dlbridge's shareable pool | [`SharedKind::CudaVmm`] | a POSIX descriptor of a VMM allocation (`cuMemExportToShareableHandle`) | any process maps it |
+//! | other CUDA device memory (dlbridge's ordinary pool, a PyTorch tensor), shared with `copy` `false` | [`SharedKind::CudaIpc`] | a legacy IPC handle (`cuIpcGetMemHandle`) and a descriptor of a shared count of its consumers | **the producer process lives**; it keeps the memory out of reuse until every consumer closed it (one that never opens its handle, or crashes, holds it until the producer exits) |
+//!
+//! [`share`] makes a [`SharedHandle`] of a view of any layout (offset, strides): memory that is
+//! not shareable is copied once into a shareable block of the same device, unless `copy` is
+//! `false`, which refuses with [`Error::CopyRequired`] on the host and falls back to a legacy IPC
+//! handle (no copy, the producer must stay alive) for CUDA device memory. [`open`]
+//! maps the memory in the receiving process and returns a [`Tensor`] over it, which goes on to
+//! any framework through DLPack without a copy.
+//!
+//! A descriptor travels with [`fd::send_handle`] / [`fd::recv_handle`] (`SCM_RIGHTS` over a Unix
+//! socket); Python's `multiprocessing` uses its own descriptor passing. [`SharedHandle::to_bytes`]
+//! / [`SharedHandle::from_bytes`] carry the rest.
+//!
+//! # Streams
+//! A CUDA handle carries an IPC event recorded on the producer's current stream after its work on
+//! the memory was queued; [`open`] makes the receiver's current stream wait for it
+//! (`cuStreamWaitEvent`), without a host synchronize.
+//!
+//! ```
+//! use dlbridge::{SliceArg, Tensor, share};
+//!
+//! let t = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0], &[2, 3])?;
+//! let t = share::to_shareable(&t)?; // copied once into shareable memory
+//! let column = t.slice(1, SliceArg::range(1, 2))?; // a view with an offset and strides
+//! let handle = share::share(&column, false)?; // no copy: `t` is shareable
+//! let opened = share::open(handle)?;
+//! assert_eq!(opened.to_vec::<f32>()?, vec![1.0, 4.0]);
+//! assert_eq!(opened.strides(), column.strides());
+//! # Ok::<(), dlbridge::Error>(())
+//! ```
+
+pub mod cpu;
+pub mod fd;
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+pub use fd::{adopt_fd, recv_fds, recv_handle, send_fds, send_handle};
+
+use crate::backend::cuda::ipc;
+use crate::buffer::Buffer;
+use crate::device::{Device, DeviceKind};
+use crate::dtype::{DType, DTypeCode};
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+use crate::tensor::Tensor;
+
+/// How the memory of a [`SharedHandle`] is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedKind {
+    /// An anonymous shared file holding host memory (`cpu`, or pinned `cuda_host:N`).
+    HostFile,
+    /// A CUDA VMM allocation exported as a POSIX file descriptor.
+    CudaVmm,
+    /// A CUDA legacy IPC memory handle; valid only while the producer process lives.
+    CudaIpc,
+}
+
+impl SharedKind {
+    /// The name used in handles' descriptions (`host_file`, `cuda_vmm`, `cuda_ipc`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            SharedKind::HostFile => "host_file",
+            SharedKind::CudaVmm => "cuda_vmm",
+            SharedKind::CudaIpc => "cuda_ipc",
+        }
+    }
+
+    const fn to_raw(self) -> u8 {
+        match self {
+            SharedKind::HostFile => 1,
+            SharedKind::CudaVmm => 2,
+            SharedKind::CudaIpc => 3,
+        }
+    }
+
+    fn from_raw(raw: u8) -> Result<Self> {
+        match raw {
+            1 => Ok(SharedKind::HostFile),
+            2 => Ok(SharedKind::CudaVmm),
+            3 => Ok(SharedKind::CudaIpc),
+            _ => Err(malformed(format!("unknown memory kind {raw}"))),
+        }
+    }
+}
+
+/// The size of a CUDA IPC memory or event handle.
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// A view of shareable memory, as another process needs it to map the memory: device, kind,
+/// allocation (a file descriptor, or an IPC handle), the allocation's size, the view's element
+/// type, shape, strides (in elements) and byte offset, read-only-ness, and where it came from.
+///
+/// Every handle owns one descriptor: the memory's, or for a legacy IPC handle the count of its
+/// consumers (which tells the producer when the memory may be reused). [`open`] consumes the
+/// handle, so a handle opens once.
+#[derive(Debug)]
+pub struct SharedHandle {
+    device: Device,
+    kind: SharedKind,
+    fd: Option<OwnedFd>,
+    ipc: Option<[u8; IPC_HANDLE_BYTES]>,
+    event: Option<[u8; IPC_HANDLE_BYTES]>,
+    alloc_len: usize,
+    dtype: DType,
+    layout: Layout,
+    read_only: bool,
+    boot_id: String,
+    pid: u32,
+    inode: u64,
+}
+
+/// The kernel's identifier of this boot, which tells a handle of a previous boot or another
+/// machine (whose memory is gone) from one of this boot.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn malformed(why: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument(format!("not a dlbridge shared-memory handle: {why}"))
+}
+
+/// Version of the [`SharedHandle::to_bytes`] format.
+const FORMAT: u8 = 1;
+const MAGIC: &[u8; 4] = b"DLSH";
+
+impl SharedHandle {
+    /// Where the memory lives.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// How the memory is reached.
+    pub fn kind(&self) -> SharedKind {
+        self.kind
+    }
+
+    /// The handle's descriptor (the memory's, or a legacy IPC handle's count of consumers).
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(AsFd::as_fd)
+    }
+
+    /// Takes the descriptor out of the handle (to send it by other means).
+    pub fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.fd.take()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The view's layout in the shared allocation (shape, strides, byte offset).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The size of the shared allocation in bytes.
+    pub fn allocation_len(&self) -> usize {
+        self.alloc_len
+    }
+
+    /// Whether the view is read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The producer's process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Everything but the descriptor, as bytes (the descriptor travels beside it).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Vec::with_capacity(256);
+        w.extend_from_slice(MAGIC);
+        w.push(FORMAT);
+        w.push(self.kind.to_raw());
+        w.extend_from_slice(&self.device.kind().to_raw().to_le_bytes());
+        w.extend_from_slice(&self.device.index().to_le_bytes());
+        w.push(self.dtype.code().to_raw());
+        w.push(self.dtype.bits());
+        w.extend_from_slice(&self.dtype.lanes().to_le_bytes());
+        w.push(u8::from(self.read_only));
+        w.extend_from_slice(&(self.alloc_len as u64).to_le_bytes());
+        w.extend_from_slice(&(self.layout.byte_offset() as u64).to_le_bytes());
+        w.extend_from_slice(&(self.layout.ndim() as u32).to_le_bytes());
+        for &d in self.layout.shape() {
+            w.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+        for &s in self.layout.strides() {
+            w.extend_from_slice(&(s as i64).to_le_bytes());
+        }
+        w.extend_from_slice(&(self.boot_id.len() as u32).to_le_bytes());
+        w.extend_from_slice(self.boot_id.as_bytes());
+        w.extend_from_slice(&self.pid.to_le_bytes());
+        w.extend_from_slice(&self.inode.to_le_bytes());
+        for h in [&self.ipc, &self.event] {
+            match h {
+                Some(bytes) => {
+                    w.push(1);
+                    w.extend_from_slice(bytes);
+                }
+                None => w.push(0),
+            }
+        }
+        w
+    }
+
+    /// A handle from [`SharedHandle::to_bytes`] and the descriptor that travelled beside it
+    /// (which the handle then owns, whatever the outcome). Fails on bytes that describe no
+    /// handle, and on a missing or wrong descriptor.
+    pub fn from_bytes(bytes: &[u8], fd: Option<OwnedFd>) -> Result<Self> {
+        let mut r = Reader(bytes);
+        if r.take(4)? != MAGIC {
+            return Err(malformed("bad magic"));
+        }
+        let format = r.u8()?;
+        if format != FORMAT {
+            return Err(malformed(format!(
+                "format {format}, this dlbridge reads {FORMAT}"
+            )));
+        }
+        let kind = SharedKind::from_raw(r.u8()?)?;
+        let device = Device::new(DeviceKind::from_raw(r.i32()?), r.u32()?);
+        let code = DTypeCode::from_raw(r.u8()?).ok_or_else(|| malformed("dtype code"))?;
+        let dtype = DType::new(code, r.u8()?, r.u16()?)?;
+        let read_only = r.u8()? != 0;
+        let alloc_len = usize::try_from(r.u64()?).map_err(|_| malformed("allocation size"))?;
+        let offset = usize::try_from(r.u64()?).map_err(|_| malformed("byte offset"))?;
+        let ndim = r.u32()? as usize;
+        if ndim > crate::layout::MAX_NDIM {
+            return Err(malformed(format!("{ndim} dimensions")));
+        }
+        let shape = (0..ndim)
+            .map(|_| {
+                r.u64()
+                    .and_then(|d| usize::try_from(d).map_err(|_| malformed("extent")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let strides = (0..ndim)
+            .map(|_| {
+                r.u64()
+                    .and_then(|s| isize::try_from(s as i64).map_err(|_| malformed("stride")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let boot_len = r.u32()? as usize;
+        let boot_id =
+            String::from_utf8(r.take(boot_len)?.to_vec()).map_err(|_| malformed("boot id"))?;
+        let pid = r.u32()?;
+        let inode = r.u64()?;
+        let mut handles = [None, None];
+        for h in &mut handles {
+            if r.u8()? == 1 {
+                let mut bytes = [0u8; IPC_HANDLE_BYTES];
+                bytes.copy_from_slice(r.take(IPC_HANDLE_BYTES)?);
+                *h = Some(bytes);
+            }
+        }
+        if !r.0.is_empty() {
+            return Err(malformed("trailing bytes"));
+        }
+        let layout = Layout::new(&shape, &strides, offset)?;
+        let [ipc, event] = handles;
+        if fd.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "a {} handle needs its file descriptor",
+                kind.name()
+            )));
+        }
+        if kind == SharedKind::CudaIpc && ipc.is_none() {
+            return Err(malformed("a legacy IPC handle without its IPC handle"));
+        }
+        Ok(SharedHandle {
+            device,
+            kind,
+            fd,
+            ipc,
+            event,
+            alloc_len,
+            dtype,
+            layout,
+            read_only,
+            boot_id,
+            pid,
+            inode,
+        })
+    }
+}
+
+/// A little-endian reader of [`SharedHandle::to_bytes`].
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.0.len() < n {
+            return Err(malformed("truncated"));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().map_err(|_| malformed("u16"))?,
+        ))
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().map_err(|_| malformed("u32"))?,
+        ))
+    }
+
+    fn i32(&mut self) -> Result<i32> {
+        Ok(i32::from_le_bytes(
+            self.take(4)?.try_into().map_err(|_| malformed("i32"))?,
+        ))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().map_err(|_| malformed("u64"))?,
+        ))
+    }
+}
+
+/// An allocation as its exporter sees it.
+pub(crate) struct Exported {
+    /// A new descriptor of the allocation (a shared file, or a VMM allocation's POSIX handle).
+    pub fd: OwnedFd,
+    /// The allocation's size in bytes.
+    pub len: usize,
+    /// Where the buffer's byte 0 lies in the allocation.
+    pub offset: usize,
+}
+
+/// CUDA memory exported through a legacy IPC handle.
+pub(crate) struct LegacyExported {
+    /// The `CUipcMemHandle`'s bytes.
+    pub handle: [u8; IPC_HANDLE_BYTES],
+    /// The descriptor of the count of consumers still using the memory (the producer keeps the
+    /// memory until it is zero).
+    pub users: OwnedFd,
+    /// The size of the driver's allocation the buffer lies in, in bytes.
+    pub len: usize,
+    /// Where the buffer's byte 0 lies in that allocation.
+    pub offset: usize,
+}
+
+/// A new buffer of shareable memory of `bytes` on `device` (`cpu`, `cuda_host:N` or `cuda:N`),
+/// from that device's shareable pool.
+pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
+    match device.kind() {
+        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::allocate(device, bytes, zeroed),
+        DeviceKind::Cuda => ipc::allocate(device, bytes, zeroed),
+        _ => Err(Error::UnsupportedDevice(format!(
+            "dlbridge has no shareable memory on {device}"
+        ))),
+    }
+}
+
+/// The caching pool of shareable memory on `device` (`cpu`, `cuda_host:N` or `cuda:N`): its
+/// statistics and limits work as for every other pool.
+pub fn pool(device: Device) -> Result<&'static std::sync::Arc<crate::pool::Pool>> {
+    match device.kind() {
+        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::pool(device),
+        DeviceKind::Cuda => ipc::pool(device),
+        _ => Err(Error::UnsupportedDevice(format!(
+            "dlbridge has no shareable memory on {device}"
+        ))),
+    }
+}
+
+/// A compact copy of `t` in shareable memory of its device (the copy [`share`] makes of memory
+/// that is not shareable).
+pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
+    let buffer = allocate(t.device(), t.nbytes(), false)?;
+    let dst = Tensor::new(buffer, t.dtype(), Layout::contiguous(t.shape())?)?;
+    // SAFETY: `dst` is new memory no one else references.
+    unsafe { dst.copy_from_unchecked(t) }?;
+    Ok(if t.is_read_only() {
+        dst.into_read_only()
+    } else {
+        dst
+    })
+}
+
+/// A handle to `t`'s memory for another process.
+///
+/// Shareable memory (see the module table) is shared as it is, with `t`'s offset and strides.
+/// Other memory is copied once into shareable memory of the same device when `copy` is `true`.
+/// When it is `false`, CUDA device memory is shared through a legacy IPC handle without a copy
+/// (valid while this process lives; [`Error::CopyRequired`] where the driver refuses), and host
+/// memory is refused with [`Error::CopyRequired`].
+pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
+    let device = t.device();
+    let (kind, fd, ipc_handle, alloc_len, start) = match device.kind() {
+        DeviceKind::Cpu | DeviceKind::CudaHost => match cpu::export(t.buffer())? {
+            Some(e) => (SharedKind::HostFile, Some(e.fd), None, e.len, e.offset),
+            None => return share_copy(t, copy),
+        },
+        DeviceKind::Cuda => match ipc::export(t.buffer())? {
+            Some(e) => (SharedKind::CudaVmm, Some(e.fd), None, e.len, e.offset),
+            // Copying is allowed: a VMM copy, which outlives its producer.
+            None if copy => return share_copy(t, copy),
+            // No copy: the legacy handle, valid while this process lives (or the driver's
+            // refusal, as `Error::CopyRequired`).
+            None => {
+                let e = ipc::export_legacy(t.buffer())?;
+                (
+                    SharedKind::CudaIpc,
+                    Some(e.users),
+                    Some(e.handle),
+                    e.len,
+                    e.offset,
+                )
+            }
+        },
+        _ => {
+            return Err(Error::UnsupportedDevice(format!(
+                "arrays on {device} cannot be shared with other processes"
+            )));
+        }
+    };
+    let inode = match &fd {
+        Some(fd) if kind == SharedKind::HostFile => cpu::inode(fd)?,
+        _ => 0,
+    };
+    let event = match device.kind() {
+        DeviceKind::Cpu => None,
+        _ => Some(ipc::record_event(device)?),
+    };
+    let offset = start
+        .checked_add(t.byte_offset())
+        .ok_or_else(|| crate::error::overflow("shared byte offset"))?;
+    Ok(SharedHandle {
+        device,
+        kind,
+        fd,
+        ipc: ipc_handle,
+        event,
+        alloc_len,
+        dtype: t.dtype(),
+        layout: t.layout().with_byte_offset(offset),
+        read_only: t.is_read_only(),
+        boot_id: boot_id(),
+        pid: std::process::id(),
+        inode,
+    })
+}
+
+/// [`share`] of a copy in shareable memory, or the refusal when `copy` is `false`.
+fn share_copy(t: &Tensor, copy: bool) -> Result<SharedHandle> {
+    if !copy {
+        return Err(Error::CopyRequired(format!(
+            "this array on {} is not in shareable memory; share it with copy allowed to copy \
+             it once into shareable memory",
+            t.device()
+        )));
+    }
+    share(&to_shareable(t)?, false)
+}
+
+/// Opens a handle from [`share`] (in this process or another): a [`Tensor`] over the same memory,
+/// with the handle's dtype, shape, strides and offset. The memory stays mapped while the tensor
+/// or any view of it lives. A CUDA handle makes the calling thread's current stream wait for the
+/// producer's work first.
+///
+/// Fails with a clear error for a handle of another boot or machine, a descriptor that is not the
+/// handle's file, a device this process does not have, or a legacy IPC handle whose producer has
+/// exited.
+pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
+    let here = boot_id();
+    if handle.boot_id != here {
+        return Err(Error::InvalidArgument(format!(
+            "the handle comes from another boot or machine (boot id {:?}, this one {here:?}): \
+             its memory no longer exists here",
+            handle.boot_id
+        )));
+    }
+    let device = handle.device;
+    let buffer = match handle.kind {
+        SharedKind::HostFile => {
+            let fd = handle.fd.take().ok_or_else(already_opened)?;
+            if cpu::inode(&fd)? != handle.inode {
+                return Err(Error::InvalidArgument(
+                    "the file descriptor is not the handle's shared file".into(),
+                ));
+            }
+            cpu::map(fd, handle.alloc_len, device)?
+        }
+        SharedKind::CudaVmm => {
+            let fd = handle.fd.take().ok_or_else(already_opened)?;
+            ipc::import(device, fd, handle.alloc_len)?
+        }
+        SharedKind::CudaIpc => {
+            if handle.pid == std::process::id() {
+                return Err(Error::InvalidArgument(
+                    "a legacy CUDA IPC handle cannot be opened by the process that made it".into(),
+                ));
+            }
+            let users = handle.fd.take().ok_or_else(already_opened)?;
+            let ipc_handle = handle.ipc.ok_or_else(already_opened)?;
+            ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
+        }
+    };
+    match &handle.event {
+        // In the producer's own process the driver will not open its event: wait on the host.
+        Some(_) if handle.pid == std::process::id() => crate::backend::synchronize(device)?,
+        Some(event) => ipc::wait_event(device, event)?,
+        None => {}
+    }
+    let t = Tensor::new(buffer, handle.dtype, handle.layout.clone())?;
+    Ok(if handle.read_only {
+        t.into_read_only()
+    } else {
+        t
+    })
+}
+
+fn already_opened() -> Error {
+    Error::InvalidArgument(
+        "this handle was already opened: a handle opens once (share the array again for \
+         another)"
+            .into(),
+    )
+}

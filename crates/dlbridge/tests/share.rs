@@ -1,0 +1,391 @@
+//! Arrays across processes: shareable memory, handles, descriptor passing, and the lifetime rules
+//! (a consumer outlives its producer; an exported block is never reused under a consumer).
+//!
+//! Cross-process tests re-run this test binary as the other process (`CHILD` names its role) and
+//! talk to it over a Unix socket, handles travelling with `SCM_RIGHTS`. CUDA tests are
+//! `#[ignore = "needs a CUDA device"]`: a GPU machine runs them with `-- --include-ignored`.
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+
+use dlbridge::share::{self, SharedHandle, SharedKind};
+use dlbridge::{DType, Device, Error, SliceArg, Tensor};
+
+/// The environment variable naming a child's role.
+const CHILD: &str = "DLBRIDGE_SHARE_CHILD";
+/// The environment variable naming the socket a child connects to.
+const SOCKET: &str = "DLBRIDGE_SHARE_SOCKET";
+
+fn socket_path(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("dlbridge-share-{}-{tag}.sock", std::process::id()))
+}
+
+/// Starts this binary as the child `role` running test `test`, and accepts its connection.
+fn spawn(test: &str, role: &str) -> (Child, UnixStream) {
+    let path = socket_path(role);
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--include-ignored"])
+        .env(CHILD, role)
+        .env(SOCKET, &path)
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let _ = std::fs::remove_file(&path);
+    (child, stream)
+}
+
+/// In a child: its role and its connection, or `None` in the parent.
+fn child() -> Option<(String, UnixStream)> {
+    let role = std::env::var(CHILD).ok()?;
+    let stream = UnixStream::connect(std::env::var(SOCKET).unwrap()).unwrap();
+    Some((role, stream))
+}
+
+/// One byte of acknowledgement on a socket.
+fn ack(s: &UnixStream) {
+    use std::io::Write;
+    (&*s).write_all(b"k").unwrap();
+}
+
+fn wait_ack(s: &UnixStream) {
+    use std::io::Read;
+    let mut b = [0u8; 1];
+    (&*s).read_exact(&mut b).unwrap();
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[test]
+fn share_and_open_in_one_process_is_zero_copy() {
+    let t =
+        share::to_shareable(&Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap()).unwrap();
+    let h = share::share(&t, false).unwrap();
+    assert_eq!(h.kind(), SharedKind::HostFile);
+    assert_eq!(h.dtype(), DType::F32);
+    let mut opened = share::open(h).unwrap();
+    assert_eq!(opened.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    // Two mappings of one file: a write through one is seen through the other.
+    opened.as_mut_slice::<f32>().unwrap()[2] = 30.0;
+    assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 30.0, 4.0]);
+}
+
+#[test]
+fn views_keep_offset_and_strides() {
+    let data: Vec<i32> = (0..24).collect();
+    let t = share::to_shareable(&Tensor::from_slice(&data, &[4, 6]).unwrap()).unwrap();
+    let v = t
+        .slice(0, SliceArg::range(1, 4))
+        .unwrap()
+        .slice(
+            1,
+            SliceArg {
+                start: Some(1),
+                stop: None,
+                step: 2,
+            },
+        )
+        .unwrap()
+        .transpose()
+        .unwrap();
+    let opened = share::open(share::share(&v, false).unwrap()).unwrap();
+    assert_eq!(opened.shape(), v.shape());
+    assert_eq!(opened.strides(), v.strides());
+    assert_eq!(opened.byte_offset() % 4, 0);
+    assert_eq!(opened.to_vec::<i32>().unwrap(), v.to_vec::<i32>().unwrap());
+}
+
+#[test]
+fn memory_that_is_not_shareable_is_copied_once_or_refused() {
+    let t = Tensor::from_slice(&[5u8, 6, 7], &[3]).unwrap();
+    let refused = share::share(&t, false).unwrap_err();
+    assert!(matches!(refused, Error::CopyRequired(_)), "{refused}");
+    let opened = share::open(share::share(&t, true).unwrap()).unwrap();
+    assert_eq!(opened.to_vec::<u8>().unwrap(), vec![5, 6, 7]);
+    assert_ne!(opened.buffer().handle(), t.buffer().handle());
+}
+
+#[test]
+fn handles_round_trip_through_bytes_and_reject_garbage() {
+    let t = share::to_shareable(&Tensor::from_slice(&[1i64, 2], &[2]).unwrap()).unwrap();
+    let mut h = share::share(&t.clone().into_read_only(), false).unwrap();
+    let bytes = h.to_bytes();
+    let fd = h.take_fd();
+    let back = SharedHandle::from_bytes(&bytes, fd).unwrap();
+    assert!(back.is_read_only());
+    let opened = share::open(back).unwrap();
+    assert!(opened.is_read_only());
+    assert_eq!(opened.to_vec::<i64>().unwrap(), vec![1, 2]);
+
+    assert!(matches!(
+        SharedHandle::from_bytes(b"nonsense", None),
+        Err(Error::InvalidArgument(_))
+    ));
+    // A handle of host memory is nothing without its descriptor.
+    assert!(SharedHandle::from_bytes(&bytes, None).is_err());
+    // Truncated bytes.
+    assert!(SharedHandle::from_bytes(&bytes[..bytes.len() - 3], None).is_err());
+}
+
+#[test]
+fn a_handle_of_another_boot_or_another_file_is_refused() {
+    let t = share::to_shareable(&Tensor::from_slice(&[1u16, 2, 3], &[3]).unwrap()).unwrap();
+    // Another boot: the boot id in the bytes differs from this machine's.
+    let mut h = share::share(&t, false).unwrap();
+    let mut bytes = h.to_bytes();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let at = bytes
+        .windows(boot.trim().len())
+        .position(|w| w == boot.trim().as_bytes())
+        .unwrap();
+    bytes[at] = if bytes[at] == b'0' { b'1' } else { b'0' };
+    let other_boot = SharedHandle::from_bytes(&bytes, h.take_fd()).unwrap();
+    let err = share::open(other_boot).unwrap_err();
+    assert!(err.to_string().contains("another boot"), "{err}");
+
+    // Another file behind the descriptor: the inode check refuses it.
+    let h = share::share(&t, false).unwrap();
+    let bytes = h.to_bytes();
+    let other = share::to_shareable(&Tensor::from_slice(&[9u16; 3], &[3]).unwrap()).unwrap();
+    let mut other_handle = share::share(&other, false).unwrap();
+    let wrong = SharedHandle::from_bytes(&bytes, other_handle.take_fd()).unwrap();
+    let err = share::open(wrong).unwrap_err();
+    assert!(
+        err.to_string().contains("not the handle's shared file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_exported_block_is_never_reused_under_a_consumer() {
+    let n = 1 << 16;
+    let t = share::allocate(Device::CPU, n, true).unwrap();
+    let t = Tensor::new(t, DType::U8, dlbridge::Layout::contiguous(&[n]).unwrap()).unwrap();
+    let addr = t.buffer().handle();
+    // SAFETY: the only handle to the buffer's bytes.
+    unsafe { t.fill_bytes_unchecked(&[7]) }.unwrap();
+    let opened = share::open(share::share(&t, false).unwrap()).unwrap();
+    drop(t);
+    // The pool hands the same addresses out again, now backed by a fresh file.
+    let again = share::allocate(Device::CPU, n, true).unwrap();
+    assert_eq!(again.handle(), addr);
+    let again = Tensor::new(
+        again,
+        DType::U8,
+        dlbridge::Layout::contiguous(&[n]).unwrap(),
+    )
+    .unwrap();
+    // SAFETY: the only handle to the buffer's bytes.
+    unsafe { again.fill_bytes_unchecked(&[1]) }.unwrap();
+    assert!(opened.to_vec::<u8>().unwrap().iter().all(|&b| b == 7));
+}
+
+#[test]
+fn nothing_leaks_in_this_process() {
+    let before = open_fds();
+    for _ in 0..50 {
+        let t = share::to_shareable(&Tensor::from_slice(&[1.0f64; 100], &[100]).unwrap()).unwrap();
+        let opened = share::open(share::share(&t, false).unwrap()).unwrap();
+        assert_eq!(opened.to_vec::<f64>().unwrap()[99], 1.0);
+    }
+    share::pool(Device::CPU).unwrap().clear_cache();
+    // Other tests run beside this one: allow their few descriptors.
+    assert!(open_fds() <= before + 8, "{before} -> {}", open_fds());
+}
+
+#[test]
+fn a_write_in_one_process_is_seen_by_the_other() {
+    if let Some((role, s)) = child() {
+        if role != "writer" {
+            return;
+        }
+        let mut t = share::open(share::recv_handle(&s).unwrap()).unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        t.as_mut_slice::<f32>().unwrap()[1] = 42.0;
+        ack(&s);
+        return;
+    }
+    let t = share::to_shareable(&Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap()).unwrap();
+    let (mut proc_, s) = spawn("a_write_in_one_process_is_seen_by_the_other", "writer");
+    share::send_handle(&s, share::share(&t, false).unwrap()).unwrap();
+    wait_ack(&s);
+    assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, 42.0, 3.0]);
+    assert!(proc_.wait().unwrap().success());
+}
+
+#[test]
+fn a_consumer_outlives_its_producer() {
+    if let Some((role, s)) = child() {
+        if role != "producer" {
+            return;
+        }
+        let data: Vec<u32> = (0..1000).collect();
+        let t = share::to_shareable(&Tensor::from_slice(&data, &[10, 100]).unwrap()).unwrap();
+        let view = t.slice(0, SliceArg::range(2, 5)).unwrap();
+        share::send_handle(&s, share::share(&view, false).unwrap()).unwrap();
+        wait_ack(&s);
+        return; // the producer exits; its memory must stay for the consumer
+    }
+    let (mut producer, s) = spawn("a_consumer_outlives_its_producer", "producer");
+    let t = share::open(share::recv_handle(&s).unwrap()).unwrap();
+    ack(&s);
+    assert!(producer.wait().unwrap().success());
+    let expect: Vec<u32> = (200..500).collect();
+    assert_eq!(t.shape(), &[3, 100]);
+    assert_eq!(t.to_vec::<u32>().unwrap(), expect);
+}
+
+#[test]
+fn a_killed_consumer_leaks_nothing() {
+    if let Some((role, s)) = child() {
+        if role != "victim" {
+            return;
+        }
+        let t = share::open(share::recv_handle(&s).unwrap()).unwrap();
+        assert_eq!(t.numel(), 1 << 20);
+        ack(&s);
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        return;
+    }
+    let t =
+        share::to_shareable(&Tensor::zeros(&[1 << 20], DType::U8, Device::CPU).unwrap()).unwrap();
+    let (mut victim, s) = spawn("a_killed_consumer_leaks_nothing", "victim");
+    share::send_handle(&s, share::share(&t, false).unwrap()).unwrap();
+    wait_ack(&s);
+    victim.kill().unwrap(); // SIGKILL
+    victim.wait().unwrap();
+    // The consumer's mapping died with it; nothing is named in /dev/shm.
+    let named = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().contains("dlbridge"))
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(named, 0);
+}
+
+#[test]
+fn descriptors_travel_over_a_socket() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let t = share::to_shareable(&Tensor::from_slice(&[3i8, 4], &[2]).unwrap()).unwrap();
+    let mut h = share::share(&t, false).unwrap();
+    let fd = h.take_fd().unwrap();
+    share::send_fds(&a, &h.to_bytes(), &[std::os::fd::AsFd::as_fd(&fd)]).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let (n, mut fds) = share::recv_fds(&b, &mut buf).unwrap();
+    assert_eq!(fds.len(), 1);
+    let back = SharedHandle::from_bytes(&buf[..n], fds.pop()).unwrap();
+    assert_eq!(
+        share::open(back).unwrap().to_vec::<i8>().unwrap(),
+        vec![3, 4]
+    );
+    // Too many descriptors for one message.
+    let many: Vec<_> = (0..17).map(|_| std::os::fd::AsFd::as_fd(&fd)).collect();
+    assert!(share::send_fds(&a, b"x", &many).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA: run on a GPU machine with `-- --include-ignored`.
+
+fn gpu() -> Device {
+    #[cfg(feature = "cuda")]
+    match dlbridge::backend::cuda::device_count() {
+        Ok(n) if n > 0 => Device::cuda(0),
+        Ok(_) => panic!("this test needs a CUDA device: the CUDA driver found no devices"),
+        Err(e) => panic!("this test needs a CUDA device: {e}"),
+    }
+    #[cfg(not(feature = "cuda"))]
+    panic!("this test needs a CUDA device: dlbridge was built without feature `cuda`")
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_vmm_write_is_seen_across_processes_and_outlives_the_producer() {
+    if let Some((role, s)) = child() {
+        if role != "cuda-producer" {
+            return;
+        }
+        let host: Vec<f32> = (0..4096).map(|i| i as f32).collect();
+        let t = Tensor::from_slice(&host, &[64, 64])
+            .unwrap()
+            .copy_to(gpu())
+            .unwrap();
+        let h = share::share(&t, true).unwrap();
+        assert_eq!(h.kind(), SharedKind::CudaVmm);
+        share::send_handle(&s, h).unwrap();
+        wait_ack(&s);
+        return;
+    }
+    let (mut producer, s) = spawn(
+        "cuda_vmm_write_is_seen_across_processes_and_outlives_the_producer",
+        "cuda-producer",
+    );
+    let t = share::open(share::recv_handle(&s).unwrap()).unwrap();
+    ack(&s);
+    assert!(producer.wait().unwrap().success());
+    let back = t.copy_to(Device::CPU).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(back[4095], 4095.0);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_pinned_memory_is_shared() {
+    let device = Device::cuda_host(gpu().index());
+    let buffer = share::allocate(device, 16, true).unwrap();
+    let t = Tensor::new(
+        buffer,
+        DType::U32,
+        dlbridge::Layout::contiguous(&[4]).unwrap(),
+    )
+    .unwrap();
+    let h = share::share(&t, false).unwrap();
+    assert_eq!(h.kind(), SharedKind::HostFile);
+    let mut opened = share::open(h).unwrap();
+    opened.as_mut_slice::<u32>().unwrap()[3] = 9;
+    assert_eq!(t.to_vec::<u32>().unwrap(), vec![0, 0, 0, 9]);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_ordinary_memory_goes_through_legacy_ipc_without_a_copy() {
+    if let Some((role, s)) = child() {
+        if role != "legacy" {
+            return;
+        }
+        let t = share::open(share::recv_handle(&s).unwrap()).unwrap();
+        assert_eq!(
+            t.copy_to(Device::CPU).unwrap().to_vec::<i32>().unwrap(),
+            vec![5, 6, 7]
+        );
+        ack(&s);
+        return;
+    }
+    let t = Tensor::from_slice(&[5i32, 6, 7], &[3])
+        .unwrap()
+        .copy_to(gpu())
+        .unwrap();
+    let h = share::share(&t, false).unwrap();
+    assert_eq!(h.kind(), SharedKind::CudaIpc);
+    let (mut child_, s) = spawn(
+        "cuda_ordinary_memory_goes_through_legacy_ipc_without_a_copy",
+        "legacy",
+    );
+    share::send_handle(&s, h).unwrap();
+    wait_ack(&s);
+    assert!(child_.wait().unwrap().success());
+}
+
+#[test]
+fn an_opened_array_is_shared_on_without_a_copy() {
+    let t = share::to_shareable(&Tensor::from_slice(&[1u8, 2, 3, 4], &[4]).unwrap()).unwrap();
+    let first = share::open(share::share(&t, false).unwrap()).unwrap();
+    let view = first.slice(0, SliceArg::range(1, 3)).unwrap();
+    let mut second = share::open(share::share(&view, false).unwrap()).unwrap();
+    second.as_mut_slice::<u8>().unwrap()[0] = 20;
+    assert_eq!(t.to_vec::<u8>().unwrap(), vec![1, 20, 3, 4]);
+}

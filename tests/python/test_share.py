@@ -1,0 +1,527 @@
+"""Arrays across processes: ``Array.share`` / ``dlbridge.open_shared``, ``dlbridge.multiprocessing``
+(Queue, Pipe, Pool with spawn and forkserver), pickle (protocol 5 out of band, by value), the
+lifetime rules, and bad handles.
+
+Zero-copy is shown by a write in one process that the other sees. CUDA tests skip here with
+"needs a CUDA device" and run for real on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import resource
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import dlbridge
+import dlbridge.multiprocessing as dmp
+
+needs_cuda = pytest.mark.skipif(not dlbridge.cuda.is_available(), reason="needs a CUDA device")
+
+
+def shmem_bytes() -> int:
+    """The kernel's shared memory in use (``Shmem`` of ``/proc/meminfo``): memfd pages count."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memfd_count(pid: int | str = "self") -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "dlbridge-shared" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Child-process bodies (top level, so that spawn can import them).
+
+
+def _write_first(q_in, q_out) -> None:
+    a = q_in.get()
+    a[0] = 42.0
+    q_out.put(("ok", a.shape, a.strides))
+
+
+def _write_arg(a, q_out) -> None:
+    a[1] = 11.0
+    q_out.put("ok")
+
+
+def _echo_view(q_in, q_out) -> None:
+    a = q_in.get()
+    q_out.put(np.asarray(a).tolist())
+    a[0, 0] = -1
+
+
+def _produce_then_exit(q, received) -> None:
+    a = dlbridge.asarray(np.arange(1000, dtype=np.int64)).share()
+    q.put(dlbridge.open_shared(a)[100:200])
+    received.wait(30)
+
+
+def _hold_forever(q, ready) -> None:
+    a = q.get()
+    float(a[5])  # touch the memory
+    ready.set()
+    time.sleep(120)
+
+
+def _sum(a) -> float:
+    return float(np.asarray(a).sum())
+
+
+def _pipe_child(conn) -> None:
+    a = conn.recv()
+    a[1] = 7
+    conn.send("done")
+
+
+def _read_with_torch_and_jax(q_in, q_out) -> None:
+    import jax.numpy as jnp
+    import torch
+
+    a = q_in.get()
+    t = torch.from_dlpack(a)
+    same = t.data_ptr() == a.data_ptr
+    j = jnp.asarray(np.from_dlpack(a))
+    q_out.put((same, t.tolist(), j.tolist()))
+
+
+# ---------------------------------------------------------------------------------------------
+# In one process.
+
+
+def test_share_and_open_see_each_others_writes():
+    a = dlbridge.asarray(np.arange(8, dtype=np.float32))
+    h = a.share()
+    assert h.kind == "host_file" and h.device == "cpu" and h.shape == (8,) and not h.opened
+    shared = dlbridge.open_shared(h)
+    assert h.opened
+    shared[3] = 100.0
+    # `a` was not shareable: share copied it once; the shares of the copy are one memory.
+    again = dlbridge.open_shared(shared.share(copy=False))
+    assert float(again[3]) == 100.0
+    again[4] = -4.0
+    assert float(shared[4]) == -4.0
+    assert float(a[3]) == 3.0
+
+
+def test_copy_false_refuses_memory_that_is_not_shareable():
+    a = dlbridge.zeros((4,))
+    with pytest.raises(BufferError, match="not in shareable memory"):
+        a.share(copy=False)
+
+
+def test_views_travel_with_offsets_and_strides():
+    base = dlbridge.open_shared(dlbridge.asarray(np.arange(24, dtype=np.int32).reshape(4, 6)).share())
+    v = base[1:, 1::2].T
+    h = v.share(copy=False)
+    assert h.byte_offset == v.byte_offset
+    back = dlbridge.open_shared(h)
+    assert back.shape == v.shape and back.strides == v.strides
+    assert np.asarray(back).tolist() == np.asarray(v).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# multiprocessing.
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_queue_write_in_child_is_seen_by_parent(method):
+    ctx = dmp.get_context(method)
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_write_first, args=(q_in, q_out))
+    p.start()
+    a = dlbridge.open_shared(dlbridge.zeros((1024,), dtype="float32").share())
+    q_in.put(a)
+    assert q_out.get(timeout=60) == ("ok", (1024,), (1,))
+    p.join(60)
+    assert p.exitcode == 0
+    assert float(a[0]) == 42.0
+
+
+def test_queue_view_with_offset_and_strides():
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_echo_view, args=(q_in, q_out))
+    p.start()
+    base = dlbridge.open_shared(dlbridge.asarray(np.arange(30, dtype=np.float64).reshape(5, 6)).share())
+    view = base[1:4, ::2]
+    expect = np.asarray(view).tolist()
+    q_in.put(view)
+    assert q_out.get(timeout=60) == expect
+    p.join(60)
+    assert p.exitcode == 0
+    assert float(base[1, 0]) == -1.0
+
+
+def test_process_arguments_and_pipe():
+    ctx = dmp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_pipe_child, args=(child,))
+    p.start()
+    a = dlbridge.open_shared(dlbridge.zeros((3,), dtype="int64").share())
+    parent.send(a)
+    assert parent.recv() == "done"
+    p.join(60)
+    assert np.asarray(a).tolist() == [0, 7, 0]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_process_argument_is_passed_by_handle(method):
+    ctx = dmp.get_context(method)
+    q_out = ctx.Queue()
+    a = dlbridge.open_shared(dlbridge.zeros((4,), dtype="float32").share())
+    p = ctx.Process(target=_write_arg, args=(a, q_out))
+    p.start()
+    assert q_out.get(timeout=60) == "ok"
+    p.join(60)
+    assert np.asarray(a).tolist() == [0.0, 11.0, 0.0, 0.0]
+
+
+def test_pool_maps_arrays_by_handle():
+    arrays = [dlbridge.asarray(np.full((100,), i, dtype=np.float32)) for i in range(4)]
+    with dmp.get_context("spawn").Pool(2) as pool:
+        assert pool.map(_sum, arrays) == [0.0, 100.0, 200.0, 300.0]
+
+
+def test_consumer_outlives_producer():
+    ctx = dmp.get_context("spawn")
+    q, received = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_produce_then_exit, args=(q, received))
+    p.start()
+    a = q.get(timeout=60)
+    received.set()
+    p.join(60)
+    assert p.exitcode == 0
+    assert not os.path.exists(f"/proc/{p.pid}")
+    assert np.asarray(a).tolist() == list(range(100, 200))
+    a[0] = 1  # still writable memory
+
+
+def test_killed_consumer_leaks_nothing():
+    ctx = dmp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Event()
+    before = shmem_bytes()
+    size = 64 << 20
+    a = dlbridge.open_shared(dlbridge.asarray(np.ones(size // 4, dtype=np.float32)).share())
+    p = ctx.Process(target=_hold_forever, args=(q, ready))
+    p.start()
+    q.put(a)
+    assert ready.wait(60)
+    # The consumer maps the memory and keeps one descriptor beside the mapping (to share it on).
+    assert memfd_count(p.pid) == 1
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    # The memory is ours alone again; dropping our array frees the file's pages once the pool lets
+    # the block go (the parent here plays the producer: its cache holds at most the block).
+    del a
+    gc.collect()
+    assert not [n for n in os.listdir("/dev/shm") if "dlbridge" in n]
+    assert shmem_bytes() - before < size + (32 << 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# pickle.
+
+
+def test_pickle_protocol_5_is_out_of_band_and_zero_copy():
+    a = dlbridge.asarray(np.arange(4096, dtype=np.float32))
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(a, protocol=5, buffer_callback=buffers.append)
+    assert len(data) < 300  # the 16 KiB of elements are not in the pickle
+    assert len(buffers) == 1
+    b = pickle.loads(data, buffers=buffers)
+    assert b.data_ptr == a.data_ptr
+    b[7] = -1.0
+    assert float(a[7]) == -1.0
+    del a
+    assert float(b[7]) == -1.0  # the buffer keeps the memory
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_pickle_in_band_round_trips(protocol):
+    a = dlbridge.asarray(np.arange(12, dtype=np.int16).reshape(3, 4))[:, 1::2]
+    b = pickle.loads(pickle.dumps(a, protocol=protocol))
+    assert b.dtype == a.dtype and b.shape == a.shape
+    assert np.asarray(b).tolist() == np.asarray(a).tolist()
+
+
+def test_pickle_of_a_handle_reopens_it_through_proc():
+    a = dlbridge.open_shared(dlbridge.zeros((5,), dtype="uint8").share())
+    h = a.share()
+    back = pickle.loads(pickle.dumps(h))
+    b = dlbridge.open_shared(back)
+    b[2] = 9
+    assert int(a[2]) == 9
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch and JAX on the other side.
+
+
+def test_torch_tensor_shared_and_read_by_torch_and_jax():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    t = torch.arange(6, dtype=torch.float32)
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_read_with_torch_and_jax, args=(q_in, q_out))
+    p.start()
+    q_in.put(dlbridge.from_dlpack(t))
+    same, via_torch, via_jax = q_out.get(timeout=120)
+    p.join(60)
+    assert same and via_torch == via_jax == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad handles.
+
+
+def test_a_handle_opens_once():
+    h = dlbridge.zeros((2,)).share()
+    dlbridge.open_shared(h)
+    with pytest.raises(ValueError, match="already opened"):
+        dlbridge.open_shared(h)
+    with pytest.raises(ValueError, match="already opened"):
+        h.shape
+
+
+def test_a_closed_descriptor_is_refused():
+    h = dlbridge.zeros((2,)).share()
+    state = h._state()
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(ValueError, match="not open"):
+        dlbridge._dlbridge.SharedHandle._rebuild(state, r)
+
+
+def test_a_descriptor_of_another_file_is_refused():
+    state = dlbridge.zeros((2,)).share()._state()
+    other = dlbridge.zeros((2,)).share()
+    fd = os.dup(other.fd)
+    h = dlbridge._dlbridge.SharedHandle._rebuild(state, fd)
+    with pytest.raises(ValueError, match="not the handle's shared file"):
+        dlbridge.open_shared(h)
+
+
+def test_a_handle_of_another_boot_is_refused():
+    h = dlbridge.zeros((2,)).share()
+    state = bytearray(h._state())
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip().encode()
+    at = bytes(state).index(boot)
+    state[at] = ord("0") if state[at] != ord("0") else ord("1")
+    other = dlbridge._dlbridge.SharedHandle._rebuild(bytes(state), os.dup(h.fd))
+    with pytest.raises(ValueError, match="another boot"):
+        dlbridge.open_shared(other)
+
+
+def test_garbage_and_missing_descriptors_are_refused():
+    with pytest.raises(ValueError, match="not a dlbridge shared-memory handle"):
+        dlbridge._dlbridge.SharedHandle._rebuild(b"garbage")
+    state = dlbridge.zeros((2,)).share()._state()
+    with pytest.raises(ValueError, match="needs its file descriptor"):
+        dlbridge._dlbridge.SharedHandle._rebuild(state)
+
+
+def test_a_device_this_process_lacks_is_refused():
+    h = dlbridge.zeros((2,)).share()
+    state = bytearray(h._state())
+    state[6:10] = (2).to_bytes(4, "little")  # kDLCUDA
+    state[10:14] = (7).to_bytes(4, "little")  # cuda:7
+    other = dlbridge._dlbridge.SharedHandle._rebuild(bytes(state), os.dup(h.fd))
+    with pytest.raises((BufferError, RuntimeError, ValueError)):
+        dlbridge.open_shared(other)
+
+
+def test_the_descriptor_limit_is_an_error_not_a_crash():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    kept = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 8, hard))
+    try:
+        with pytest.raises((RuntimeError, OSError, MemoryError)):
+            for _ in range(64):
+                kept.append(dlbridge.asarray(np.ones(4, dtype=np.float32)).share())
+    finally:
+        kept.clear()
+        gc.collect()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Still usable afterwards.
+    assert float(dlbridge.open_shared(dlbridge.full((1,), 1.0).share())[0]) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (skipped without a device; the GPU machine runs them).
+
+
+def _cuda_writer(q_in, q_out) -> None:
+    a = q_in.get()
+    a[...] = dlbridge.full(a.shape, 5.0, "float32", device=str(a.device))
+    dlbridge.synchronize(a.device)
+    q_out.put("written")
+
+
+def _cuda_read(q_in, q_out) -> None:
+    a = q_in.get()  # opening makes this process's stream wait for the producer's work
+    values = np.asarray(a.to("cpu"))
+    q_out.put([float(values[0]), float(values[-1])])
+
+
+def _cuda_read_cupy_or_jax(reader, q_in, q_out) -> None:
+    h = q_in.get()
+    a = dlbridge.open_shared(h)
+    if reader == "cupy":
+        import cupy
+
+        q_out.put(cupy.from_dlpack(a).get().tolist())
+    else:
+        import jax
+
+        q_out.put(np.asarray(jax.dlpack.from_dlpack(a)).tolist())
+
+
+def _cuda_produce_then_exit(q, received) -> None:
+    a = dlbridge.asarray(np.arange(256, dtype=np.float32), device="cuda:0")
+    q.put(a)  # copied once into VMM shareable memory
+    received.wait(60)
+
+
+@needs_cuda
+@pytest.mark.parametrize("device", ["cuda:0", "cuda_host:0"])
+def test_cuda_write_in_child_is_seen_by_parent(device):
+    pytest.importorskip("torch")
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_cuda_writer, args=(q_in, q_out))
+    p.start()
+    a = dlbridge.open_shared(dlbridge.zeros((1024,), dtype="float32", device=device).share())
+    q_in.put(a)
+    assert q_out.get(timeout=120) == "written"
+    p.join(60)
+    assert np.asarray(a.to("cpu")).tolist() == [5.0] * 1024
+
+
+def _gpu_reader() -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        return "cupy"
+    jax = pytest.importorskip("jax", reason="needs CuPy or JAX with a GPU backend")
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("needs CuPy or JAX with a GPU backend")
+    return "jax"
+
+
+@needs_cuda
+@pytest.mark.parametrize("copy", [False, None])
+def test_cuda_torch_tensor_read_by_cupy_or_jax_in_another_process(copy):
+    torch = pytest.importorskip("torch")
+    reader = _gpu_reader()
+    t = torch.arange(64, dtype=torch.float32, device="cuda")
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_cuda_read_cupy_or_jax, args=(reader, q_in, q_out))
+    p.start()
+    h = dlbridge.from_dlpack(t).share(copy=copy)
+    # No copy: a legacy IPC handle of PyTorch's memory; copy allowed: a VMM copy.
+    assert h.kind == ("cuda_ipc" if copy is False else "cuda_vmm")
+    q_in.put(h)
+    assert q_out.get(timeout=120) == list(range(64))
+    p.join(60)
+    assert p.exitcode == 0
+
+
+@needs_cuda
+def test_cuda_consumer_outlives_producer():
+    ctx = dmp.get_context("spawn")
+    q, received = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_cuda_produce_then_exit, args=(q, received))
+    p.start()
+    a = q.get(timeout=120)
+    received.set()
+    p.join(60)
+    assert p.exitcode == 0
+    assert np.asarray(a.to("cpu")).tolist() == list(range(256))
+
+
+@needs_cuda
+def test_cuda_killed_consumer_leaks_no_device_memory():
+    free_before, _ = dlbridge.cuda.mem_get_info(0)
+    ctx = dmp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Event()
+    size = 256 << 20
+    a = dlbridge.open_shared(dlbridge.zeros((size // 4,), dtype="float32", device="cuda:0").share())
+    p = ctx.Process(target=_hold_forever, args=(q, ready))
+    p.start()
+    q.put(a)
+    assert ready.wait(120)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    del a
+    gc.collect()
+    dlbridge.empty_cache("cuda:0")
+    time.sleep(1)
+    free_after, _ = dlbridge.cuda.mem_get_info(0)
+    # The pool may cache the producer's block: at most one block of the size.
+    assert free_before - free_after < size + (64 << 20)
+
+
+@needs_cuda
+def test_cuda_consumer_waits_for_the_producers_running_kernel():
+    torch = pytest.importorskip("torch")
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_cuda_read, args=(q_in, q_out))
+    p.start()
+    a = dlbridge.open_shared(dlbridge.zeros((1 << 20,), dtype="float32", device="cuda:0").share())
+    t = torch.from_dlpack(a)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of a spinning kernel on the current stream
+    t.fill_(3.0)  # queued behind it: still pending when the consumer reads
+    q_in.put(dlbridge.from_dlpack(t))
+    values = q_out.get(timeout=120)
+    p.join(60)
+    assert values[0] == 3.0 and values[-1] == 3.0
+
+
+def _legacy_produce_and_exit(q, received) -> None:
+    import torch
+
+    t = torch.ones(16, device="cuda")
+    h = dlbridge.from_dlpack(t).share(copy=False)
+    assert h.kind == "cuda_ipc"
+    q.put(h)
+    received.wait(60)
+
+
+@needs_cuda
+def test_cuda_stale_legacy_handle_is_an_error():
+    pytest.importorskip("torch")
+    ctx = dmp.get_context("spawn")
+    q, received = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_legacy_produce_and_exit, args=(q, received))
+    p.start()
+    h = q.get(timeout=120)
+    received.set()
+    p.join(60)
+    assert p.exitcode == 0
+    # The producer is gone, and with it the memory: a clear error, not a crash.
+    with pytest.raises(RuntimeError, match="cuIpcOpenMemHandle"):
+        dlbridge.open_shared(h)

@@ -1,0 +1,373 @@
+//! The DLPack 1.3 C exchange API (`__dlpack_c_exchange_api__`): tensors cross between libraries
+//! through a table of C functions on the type, with no Python method call.
+//!
+//! * Consumer: an [`ArrayArg`](crate::ArrayArg) looks the table up on `type(x)` (cached per
+//!   type, with the other facts the consumer needs of a type) and, when present, takes the tensor
+//!   through `managed_tensor_from_py_object_no_sync`.
+//! * Producer: [`PyTensor`]'s `__dlpack_c_exchange_api__` publishes this crate's table.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+use dlbridge::dlpack::ManagedTensor;
+use dlbridge::dlpack::ffi::{
+    DLDeviceType, DLManagedTensorVersioned, DLPackExchangeAPI, DLPackExchangeAPIHeader, DLTensor,
+};
+use dlbridge::{DType, Device, Tensor};
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyType};
+use pyo3::{ffi, intern};
+
+use crate::error::to_py;
+use crate::tensor::PyTensor;
+
+const API_NAME: &CStr = c"dlpack_exchange_api";
+
+// ---------------------------------------------------------------------------------------------
+// Consumer side.
+
+/// What the consumer knows of a producer's type: its exchange table (if any), whether its
+/// instances can be in states a DLPack descriptor cannot express, and which path its instances
+/// take.
+#[derive(Clone, Copy)]
+pub(crate) struct TypeInfo {
+    table: Option<TableRef>,
+    /// The type has PyTorch's tensor-state API (`requires_grad`, `is_conj`, `is_neg`), so its
+    /// instances can require grad or carry lazy bits: [`crate::consumer::refuse_inexpressible`]
+    /// asks each one.
+    pub(crate) has_tensor_state: bool,
+    /// The type has `__dlpack__`.
+    pub(crate) has_dlpack: bool,
+    /// The type is exactly `numpy.ndarray`, whose instance struct NumPy documents
+    /// ([`crate::numpy`]).
+    pub(crate) is_numpy: bool,
+}
+
+/// Types seen by the consumer, with what is known of them. The type objects are held, so an
+/// address in the cache can never be reused by a different type.
+static TYPES: Mutex<Vec<(Py<PyType>, TypeInfo)>> = Mutex::new(Vec::new());
+
+/// A producer's exchange table, which the protocol requires to be immutable and alive for the
+/// whole process.
+#[derive(Clone, Copy)]
+struct TableRef(&'static DLPackExchangeAPI);
+
+// SAFETY: the table is immutable for the life of the process (DLPack 1.3 requires it); its raw
+// pointers (the chain) are only read.
+unsafe impl Send for TableRef {}
+// SAFETY: as above.
+unsafe impl Sync for TableRef {}
+
+/// At most this many types are remembered; more are looked up each time.
+const CACHE_LIMIT: usize = 32;
+
+/// What is known of `type(x)`, looked up once per type.
+pub(crate) fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
+    let ty = x.get_type();
+    {
+        let cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, info)) = cache.iter().find(|(t, _)| t.as_ptr() == ty.as_ptr()) {
+            return *info;
+        }
+    }
+    let py = ty.py();
+    let has = |name| ty.hasattr(name).unwrap_or(false);
+    let info = TypeInfo {
+        table: lookup(&ty).map(TableRef),
+        has_tensor_state: has(intern!(py, "requires_grad"))
+            && has(intern!(py, "is_conj"))
+            && has(intern!(py, "is_neg")),
+        has_dlpack: has(intern!(py, "__dlpack__")),
+        is_numpy: crate::numpy::is_ndarray_type(&ty),
+    };
+    let mut cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
+    if cache.len() < CACHE_LIMIT {
+        cache.push((ty.unbind(), info));
+    }
+    info
+}
+
+fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
+    let py = ty.py();
+    let capsule = ty.getattr(intern!(py, "__dlpack_c_exchange_api__")).ok()?;
+    let capsule = capsule.cast::<PyCapsule>().ok()?;
+    // SAFETY: a live capsule; `IsValid` only compares the name and never raises.
+    if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), API_NAME.as_ptr()) } != 1 {
+        return None;
+    }
+    // SAFETY: the name matched, so this returns the stored pointer without raising.
+    let header = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), API_NAME.as_ptr()) }
+        .cast::<DLPackExchangeAPIHeader>();
+    // SAFETY: the DLPack 1.3 protocol requires the table and its chain to live, unchanged, for the
+    // whole process.
+    unsafe { dlbridge::dlpack::exchange_table_v1(header) }
+}
+
+/// Takes `x`'s tensor through its type's exchange table; `None` when the type has none.
+///
+/// The caller has refused tensors whose memory does not hold their values
+/// ([`crate::consumer::States::Values`]): PyTorch's table hands out a conjugated or negated view's
+/// raw memory without its lazy bit, and a tensor that requires grad without complaint.
+pub(crate) fn take_via_table(
+    x: &Bound<'_, PyAny>,
+    info: TypeInfo,
+) -> Option<PyResult<ManagedTensor>> {
+    let api = info.table?.0;
+    let export = api.managed_tensor_from_py_object_no_sync?;
+    let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
+    // SAFETY: `x` is an object of the type the table was found on, as the protocol requires; the
+    // GIL is held; `out` is a valid place for the result.
+    let rc = unsafe { export(x.as_ptr().cast(), &mut out) };
+    let py = x.py();
+    if rc != 0 {
+        // The table skips checks the producer's `__dlpack__` makes (PyTorch's raises BufferError
+        // for sparse, meta and quantized tensors, where the table raises RuntimeError): let that
+        // path give the answer the array API standard specifies.
+        drop(PyErr::take(py));
+        return None;
+    }
+    let Some(managed) = NonNull::new(out) else {
+        return Some(Err(PyBufferError::new_err(
+            "the producer's DLPack exchange API returned NULL",
+        )));
+    };
+    // The "NoSync" export does not order the producer's pending device work before ours: make
+    // our current stream wait for the producer's (`current_work_stream`), as the protocol asks.
+    // SAFETY: `managed` is a live, owned tensor the producer just handed us.
+    let dl_device = unsafe { (*managed.as_ptr()).dl_tensor.device };
+    if let Err(fallback) = order_after_producer(api, dl_device) {
+        // SAFETY: owned and unused; give it back to its producer.
+        unsafe { dlbridge::dlpack::release_versioned(managed) };
+        // `None`: no way to synchronise here; `__dlpack__` (with `stream=`) does it.
+        return fallback.map(Err);
+    }
+    Some(Ok(ManagedTensor::Versioned(managed)))
+}
+
+/// Orders dlbridge's current stream after the producer's current work stream for a tensor on
+/// `device`. `Err(None)` means this cannot be done here and the caller should fall back to
+/// `__dlpack__`; `Err(Some(e))` is a real failure.
+fn order_after_producer(
+    api: &DLPackExchangeAPI,
+    device: dlbridge::dlpack::ffi::DLDevice,
+) -> Result<(), Option<PyErr>> {
+    use dlbridge::dlpack::ffi::{K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_CUDA_MANAGED};
+    match device.device_type {
+        K_DL_CPU => Ok(()),
+        K_DL_CUDA | K_DL_CUDA_HOST | K_DL_CUDA_MANAGED => {
+            let Some(current_work_stream) = api.current_work_stream else {
+                return Err(None);
+            };
+            let mut producer: *mut c_void = std::ptr::null_mut();
+            // SAFETY: the table's function, called with the GIL held and a valid out-pointer.
+            let rc =
+                unsafe { current_work_stream(device.device_type, device.device_id, &mut producer) };
+            if rc != 0 {
+                // SAFETY: the GIL is held (we are inside a Python call).
+                let py = unsafe { Python::assume_attached() };
+                drop(PyErr::take(py));
+                return Err(None);
+            }
+            let device = Device::from_dlpack(device).map_err(|e| Some(to_py(e)))?;
+            dlbridge::backend::order_after_producer(device, producer.expose_provenance())
+                .map_err(|e| Some(to_py(e)))
+        }
+        _ => Err(None),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer side.
+
+/// Restores `err` as the current Python exception and returns -1, as the protocol asks.
+fn fail(py: Python<'_>, err: PyErr) -> c_int {
+    err.restore(py);
+    -1
+}
+
+unsafe extern "C" fn allocator(
+    prototype: *mut DLTensor,
+    out: *mut *mut DLManagedTensorVersioned,
+    error_ctx: *mut c_void,
+    set_error: Option<unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char)>,
+) -> c_int {
+    let result =
+        std::panic::catch_unwind(|| -> dlbridge::Result<NonNull<DLManagedTensorVersioned>> {
+            // SAFETY: the caller passes a readable prototype whose `shape` has `ndim` entries.
+            let proto = unsafe { &*prototype };
+            let ndim = usize::try_from(proto.ndim)
+                .map_err(|_| dlbridge::Error::MalformedTensor(format!("ndim {}", proto.ndim)))?;
+            let shape = (0..ndim)
+                // SAFETY: `ndim` entries, per the protocol.
+                .map(|i| usize::try_from(unsafe { proto.shape.wrapping_add(i).read() }))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| dlbridge::Error::MalformedTensor("negative extent".into()))?;
+            let dtype = DType::from_dlpack(proto.dtype)?;
+            let device = Device::from_dlpack(proto.device)?;
+            let tensor = Tensor::empty(&shape, dtype, device)?;
+            Ok(tensor.to_dlpack_versioned(dlbridge::dlpack::VERSION, false))
+        });
+    let message = match result {
+        Ok(Ok(managed)) => {
+            // SAFETY: `out` is a valid place for the result, per the protocol.
+            unsafe { *out = managed.as_ptr() };
+            return 0;
+        }
+        Ok(Err(e)) => (e.kind(), e.to_string()),
+        Err(_) => (
+            dlbridge::ErrorKind::Runtime,
+            "dlbridge panicked while allocating".to_owned(),
+        ),
+    };
+    let kind = match message.0 {
+        dlbridge::ErrorKind::Memory => c"MemoryError",
+        dlbridge::ErrorKind::Value => c"ValueError",
+        dlbridge::ErrorKind::Type => c"TypeError",
+        dlbridge::ErrorKind::Buffer => c"BufferError",
+        _ => c"RuntimeError",
+    };
+    let text = std::ffi::CString::new(message.1.replace('\0', " ")).unwrap_or_default();
+    if let Some(set_error) = set_error {
+        // SAFETY: the caller's error callback, with its context and NUL-terminated strings that
+        // live across the call.
+        unsafe { set_error(error_ctx, kind.as_ptr(), text.as_ptr()) };
+    }
+    -1
+}
+
+/// The tensor behind `py_object`.
+///
+/// # Safety
+/// The GIL must be held and `py_object` must be a live object.
+unsafe fn array_of<'py>(py: Python<'py>, py_object: *mut c_void) -> PyResult<Bound<'py, PyTensor>> {
+    // SAFETY: the caller guarantees a live object; we take a new strong reference.
+    let obj = unsafe { Bound::from_borrowed_ptr(py, py_object.cast::<ffi::PyObject>()) };
+    Ok(obj.cast_into::<PyTensor>()?)
+}
+
+/// The handoff of the table's "NoSync" exports: no stream is named (the consumer orders itself
+/// after [`current_work_stream`]), but Metal, which has no stream, still waits for our work.
+fn no_sync_handoff(py: Python<'_>, device: Device) -> PyResult<()> {
+    if device.kind() != dlbridge::DeviceKind::Metal {
+        return Ok(());
+    }
+    py.detach(|| dlbridge::backend::export_handoff(device, None))
+        .map_err(to_py)
+}
+
+unsafe extern "C" fn from_py_object(
+    py_object: *mut c_void,
+    out: *mut *mut DLManagedTensorVersioned,
+) -> c_int {
+    // SAFETY: the protocol calls this with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: the GIL is held and the caller passes a live object.
+    match unsafe { array_of(py, py_object) }.and_then(|a| {
+        let device = a.get().tensor().device();
+        no_sync_handoff(py, device).map(|()| a)
+    }) {
+        Ok(array) => {
+            let managed = array
+                .get()
+                .tensor()
+                .to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
+            // SAFETY: `out` is a valid place for the result.
+            unsafe { *out = managed.as_ptr() };
+            0
+        }
+        Err(e) => fail(py, e),
+    }
+}
+
+unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut DLTensor) -> c_int {
+    // SAFETY: the protocol calls this with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: the GIL is held and the caller passes a live object.
+    match unsafe { array_of(py, py_object) }.and_then(|a| {
+        let device = a.get().tensor().device();
+        no_sync_handoff(py, device).map(|()| a)
+    }) {
+        // The tensor is alive while the caller holds `py_object`, and its view never changes,
+        // so the shape and strides its layout owns stay put, as the protocol asks.
+        Ok(array) => {
+            // SAFETY: `out` is a valid, writable `DLTensor`.
+            unsafe { *out = array.get().tensor().borrowed_descriptor() };
+            0
+        }
+        Err(e) => fail(py, e),
+    }
+}
+
+unsafe extern "C" fn to_py_object(
+    tensor: *mut DLManagedTensorVersioned,
+    out_py_object: *mut *mut c_void,
+) -> c_int {
+    // SAFETY: the protocol calls this with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    let Some(managed) = NonNull::new(tensor) else {
+        return fail(py, PyBufferError::new_err("NULL tensor"));
+    };
+    // SAFETY: the caller hands over ownership of a live tensor.
+    let imported = unsafe { Tensor::from_dlpack_versioned(managed) };
+    match imported
+        .map_err(to_py)
+        .and_then(|t| Py::new(py, PyTensor::new(t)))
+    {
+        Ok(obj) => {
+            // SAFETY: `out_py_object` is a valid place; the new reference goes to the caller.
+            unsafe { *out_py_object = obj.into_ptr().cast() };
+            0
+        }
+        Err(e) => fail(py, e),
+    }
+}
+
+unsafe extern "C" fn current_work_stream(
+    device_type: DLDeviceType,
+    device_id: i32,
+    out: *mut *mut c_void,
+) -> c_int {
+    // The calling thread's current dlbridge stream on a CUDA device (NULL is the legacy default
+    // stream); devices without streams have none.
+    let stream = Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
+        device_type,
+        device_id,
+    })
+    .map_or(0, dlbridge::backend::current_stream);
+    // SAFETY: `out` is a valid place for the result.
+    unsafe { *out = std::ptr::with_exposed_provenance_mut(stream) };
+    0
+}
+
+/// This crate's table (one per extension that links it); static, so it lives for the whole process as the protocol requires.
+struct Table(DLPackExchangeAPI);
+
+// SAFETY: the table is immutable and holds only function pointers and a NULL chain pointer.
+unsafe impl Sync for Table {}
+
+static TABLE: Table = Table(DLPackExchangeAPI {
+    header: DLPackExchangeAPIHeader {
+        version: dlbridge::dlpack::VERSION,
+        prev_api: std::ptr::null_mut(),
+    },
+    managed_tensor_allocator: Some(allocator),
+    managed_tensor_from_py_object_no_sync: Some(from_py_object),
+    managed_tensor_to_py_object_no_sync: Some(to_py_object),
+    dltensor_from_py_object_no_sync: Some(dltensor_from_py_object),
+    current_work_stream: Some(current_work_stream),
+});
+
+/// The capsule published as [`PyTensor`]'s `__dlpack_c_exchange_api__`.
+pub(crate) fn capsule(py: Python<'_>) -> PyResult<Py<PyAny>> {
+    let ptr = (&raw const TABLE.0).cast_mut().cast::<c_void>();
+    // SAFETY: the pointer is to a static that outlives every capsule; the name is static; no
+    // destructor is needed.
+    let raw = unsafe { ffi::PyCapsule_New(ptr, API_NAME.as_ptr(), None) };
+    if raw.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: a new, owned reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, raw) }.unbind())
+}

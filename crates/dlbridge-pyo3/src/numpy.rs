@@ -1,0 +1,140 @@
+//! NumPy arrays read from the instance struct NumPy documents as public C API
+//! (`PyArrayObject_fields` and `PyArray_Descr` in `numpy/ndarraytypes.h`): no Python call, no
+//! capsule, which is what makes a NumPy argument as cheap as a NumPy-only binding's.
+//!
+//! Only exact `numpy.ndarray` instances take this path (subclasses may give their data another
+//! meaning, such as a mask), and only for the dtypes below in native byte order; anything else
+//! goes through `__dlpack__`, which gives NumPy's own answer.
+
+use std::ffi::{c_char, c_int};
+
+use dlbridge::{DType, Tensor};
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+use pyo3::{ffi, intern};
+
+/// The leading fields of NumPy's array struct (NumPy 1.x and 2.x alike; the object header is
+/// this build's, free-threaded or not).
+#[repr(C)]
+struct ArrayFields {
+    ob_base: ffi::PyObject,
+    data: *mut c_char,
+    nd: c_int,
+    dimensions: *const ffi::Py_ssize_t,
+    strides: *const ffi::Py_ssize_t,
+    base: *mut ffi::PyObject,
+    descr: *const DescrFields,
+    flags: c_int,
+}
+
+/// The leading fields of NumPy's dtype struct (NumPy 1.x and 2.x alike: the 2.0 changes come
+/// after `type_num`).
+#[repr(C)]
+struct DescrFields {
+    ob_base: ffi::PyObject,
+    typeobj: *mut ffi::PyObject,
+    kind: c_char,
+    type_: c_char,
+    byteorder: c_char,
+    former_flags: c_char,
+    type_num: c_int,
+}
+
+/// `NPY_ARRAY_WRITEABLE`.
+const WRITEABLE: c_int = 0x0400;
+
+/// Whether `ty` is exactly `numpy.ndarray` (asked once per type by the type cache).
+pub(crate) fn is_ndarray_type(ty: &Bound<'_, PyType>) -> bool {
+    let py = ty.py();
+    let Ok(numpy) = py.import(intern!(py, "numpy")) else {
+        return false;
+    };
+    numpy
+        .getattr(intern!(py, "ndarray"))
+        .is_ok_and(|nd| nd.as_ptr() == ty.as_ptr())
+}
+
+/// The dtype of NumPy type number `num`, for those with a DLPack equivalent.
+fn dtype_of(num: c_int) -> Option<DType> {
+    let long = if std::mem::size_of::<std::ffi::c_long>() == 8 {
+        (DType::I64, DType::U64)
+    } else {
+        (DType::I32, DType::U32)
+    };
+    Some(match num {
+        0 => DType::BOOL,
+        1 => DType::I8,
+        2 => DType::U8,
+        3 => DType::I16,
+        4 => DType::U16,
+        5 => DType::I32,
+        6 => DType::U32,
+        7 => long.0,
+        8 => long.1,
+        9 => DType::I64,
+        10 => DType::U64,
+        11 => DType::F32,
+        12 => DType::F64,
+        14 => DType::C64,
+        15 => DType::C128,
+        23 => DType::F16,
+        _ => return None,
+    })
+}
+
+/// The NumPy array `x` (an exact `numpy.ndarray`) as a tensor over its memory, which keeps `x`
+/// alive; other arrays (an unusual dtype, byte order or stride) are imported through
+/// `__dlpack__` instead.
+pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let fields = x.as_ptr().cast::<ArrayFields>();
+    // SAFETY: `x` is exactly a `numpy.ndarray` (the type cache checked), whose instances start
+    // with these fields; the GIL is held, so nothing changes them while they are read.
+    let a = unsafe { &*fields };
+    // SAFETY: every array has a live dtype, which starts with these fields.
+    let descr = unsafe { &*a.descr };
+    let dtype = dtype_of(descr.type_num);
+    let foreign_order = if cfg!(target_endian = "little") {
+        b'>'
+    } else {
+        b'<'
+    };
+    let ndim = usize::try_from(a.nd).unwrap_or(usize::MAX);
+    let (Some(dtype), true, true) = (
+        dtype,
+        descr.byteorder as u8 != foreign_order,
+        ndim <= dlbridge::MAX_NDIM,
+    ) else {
+        return fallback(x);
+    };
+    let itemsize = dtype.itemsize() as isize;
+    let mut shape = [0usize; dlbridge::MAX_NDIM];
+    let mut strides = [0isize; dlbridge::MAX_NDIM];
+    for i in 0..ndim {
+        // SAFETY: an array has `nd` extents and byte strides.
+        let (d, s) = unsafe { (a.dimensions.add(i).read(), a.strides.add(i).read()) };
+        if s % itemsize != 0 {
+            return fallback(x);
+        }
+        shape[i] = d as usize;
+        strides[i] = s / itemsize;
+    }
+    let read_only = a.flags & WRITEABLE == 0;
+    let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(x.clone().unbind());
+    // SAFETY: NumPy guarantees the elements its shape and strides address from `data` are valid
+    // (writable when WRITEABLE is set) while the array lives, and `owner` keeps it alive.
+    unsafe {
+        crate::buffer::host_tensor(
+            a.data.cast(),
+            dtype,
+            &shape[..ndim],
+            &strides[..ndim],
+            read_only,
+            owner,
+        )
+    }
+}
+
+/// NumPy's own `__dlpack__`, for arrays the struct path does not take.
+fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    crate::consumer::import_via_dlpack(x)
+}

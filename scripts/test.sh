@@ -61,6 +61,14 @@ fi
 step "python -m dlbridge info"
 "$PY" -m dlbridge info
 
+# The example extension on dlbridge-pyo3 (examples/pyo3-ext, its own crate), built into the venv
+# for tests/python/test_pyo3_ext.py, with its own target directory (no whole-program LTO: quick).
+step "examples/pyo3-ext: maturin build into the venv"
+"$PY" -m maturin build --release --quiet --interpreter "$PY" \
+    --manifest-path "$ROOT/examples/pyo3-ext/Cargo.toml" \
+    --target-dir "$ROOT/target/pyo3-ext" --out "$ROOT/target/pyo3-ext/dist"
+"$PY" -m pip install --quiet --force-reinstall --no-deps "$ROOT"/target/pyo3-ext/dist/dlbridge_pyo3_ext-*.whl
+
 step "Python tests"
 py_log="$(mktemp)"
 trap 'rm -f "$rust_log" "$py_log"' EXIT

@@ -189,12 +189,30 @@ pub(crate) unsafe fn host_tensor(
     read_only: bool,
     keep_alive: Box<dyn std::any::Any + Send + Sync>,
 ) -> PyResult<Tensor> {
-    let layout = Layout::new(shape, strides, 0).py()?;
-    let itemsize = dtype.itemsize();
-    let (lo, hi) = layout.element_extent().unwrap_or((0, -1));
-    let base = first as usize as i128 + lo * itemsize as i128;
-    let len = ((hi - lo + 1) * itemsize as i128).max(0) as usize;
-    let offset = (-lo) as usize * itemsize;
+    // The lowest and highest element the view addresses, relative to `first`.
+    let (mut lo, mut hi) = (0i128, 0i128);
+    let empty = shape.contains(&0);
+    for (&d, &s) in shape.iter().zip(strides) {
+        let reach = (d as i128 - 1) * s as i128;
+        if reach < 0 {
+            lo += reach;
+        } else {
+            hi += reach;
+        }
+    }
+    let itemsize = dtype.itemsize() as i128;
+    let (base, len, offset) = if empty {
+        (first as usize as i128, 0, 0)
+    } else {
+        (
+            first as usize as i128 + lo * itemsize,
+            ((hi - lo + 1) * itemsize) as usize,
+            (-lo * itemsize) as usize,
+        )
+    };
+    // The layout checks the shape and strides (rank, overflow); the buffer holds exactly the
+    // bytes they address, which `Tensor::new` checks again.
+    let layout = Layout::new(shape, strides, offset).py()?;
     let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base.max(1) as usize);
     // SAFETY: the caller guarantees the addressed elements, `[first + lo, first + hi]`, are valid
     // host memory while `keep_alive` lives, and the buffer holds it until it is dropped.
@@ -209,7 +227,6 @@ pub(crate) unsafe fn host_tensor(
             keep_alive,
         )
     };
-    let layout = layout.with_byte_offset(if len == 0 { 0 } else { offset });
     Tensor::new(buffer, dtype, layout).py()
 }
 

@@ -21,6 +21,9 @@ const REQUEST: ImportRequest = ImportRequest {
 
 /// Imports `x` without a copy, by the cheapest path its type offers.
 pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    if crate::numpy::is_ndarray(x) {
+        return crate::numpy::view(x);
+    }
     if x.is_instance_of::<PyCapsule>() {
         let managed = crate::capsule::take(x)?;
         // SAFETY: the capsule handed over a live tensor whose ownership is now ours.

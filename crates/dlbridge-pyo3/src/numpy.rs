@@ -7,6 +7,7 @@
 //! goes through `__dlpack__`, which gives NumPy's own answer.
 
 use std::ffi::{c_char, c_int};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use dlbridge::{DType, Tensor};
 use pyo3::prelude::*;
@@ -43,15 +44,31 @@ struct DescrFields {
 /// `NPY_ARRAY_WRITEABLE`.
 const WRITEABLE: c_int = 0x0400;
 
+/// `numpy.ndarray` once seen by [`is_ndarray_type`], so later calls know a NumPy array by one
+/// pointer comparison. The type cache holds a reference to it, and the type is static in NumPy's
+/// library, so the address is never reused by another type.
+static NDARRAY: AtomicPtr<ffi::PyTypeObject> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Whether `x` is exactly a `numpy.ndarray` (after the type cache has seen one).
+pub(crate) fn is_ndarray(x: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: `x` is a live object, whose type pointer is readable.
+    let ty = unsafe { ffi::Py_TYPE(x.as_ptr()) };
+    ty == NDARRAY.load(Ordering::Relaxed)
+}
+
 /// Whether `ty` is exactly `numpy.ndarray` (asked once per type by the type cache).
 pub(crate) fn is_ndarray_type(ty: &Bound<'_, PyType>) -> bool {
     let py = ty.py();
     let Ok(numpy) = py.import(intern!(py, "numpy")) else {
         return false;
     };
-    numpy
+    let yes = numpy
         .getattr(intern!(py, "ndarray"))
-        .is_ok_and(|nd| nd.as_ptr() == ty.as_ptr())
+        .is_ok_and(|nd| nd.as_ptr() == ty.as_ptr());
+    if yes {
+        NDARRAY.store(ty.as_type_ptr(), Ordering::Relaxed);
+    }
+    yes
 }
 
 /// The dtype of NumPy type number `num`, for those with a DLPack equivalent.
@@ -110,8 +127,10 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let mut shape = [0usize; dlbridge::MAX_NDIM];
     let mut strides = [0isize; dlbridge::MAX_NDIM];
     for i in 0..ndim {
-        // SAFETY: an array has `nd` extents and byte strides.
-        let (d, s) = unsafe { (a.dimensions.add(i).read(), a.strides.add(i).read()) };
+        // SAFETY: an array has `nd` extents.
+        let d = unsafe { a.dimensions.wrapping_add(i).read() };
+        // SAFETY: and `nd` byte strides.
+        let s = unsafe { a.strides.wrapping_add(i).read() };
         if s % itemsize != 0 {
             return fallback(x);
         }

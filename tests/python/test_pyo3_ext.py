@@ -292,3 +292,94 @@ def test_cuda_kernel_on_torch_memory_and_stream():
 def test_cuda_refused_for_host_functions():
     with pytest.raises(ValueError, match="argument 'x': expected an array on cpu"):
         ext.total(torch.ones(3, device="cuda"))
+
+
+# --- the shared borrow registry, as another extension uses it -----------------------------------
+
+
+def _registry():
+    """The process's borrow registry, called through its C table as any other extension would."""
+    import ctypes
+    import sys
+
+    ext.total(np.ones(1, np.float32))  # publishes it if nothing has yet
+    capsule = sys.modules["_dlbridge_borrows"].registry_v1
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    ptr = get(capsule, b"dlbridge_pyo3.borrows.registry_v1")
+
+    class Range(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                    ("start", ctypes.c_uint64), ("end", ctypes.c_uint64)]
+
+    acquire_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Range), ctypes.c_int)
+    release_t = ctypes.CFUNCTYPE(None, ctypes.POINTER(Range), ctypes.c_int)
+
+    class Registry(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("acquire", acquire_t), ("release", release_t)]
+
+    return Registry.from_address(ptr), Range
+
+
+def test_borrow_by_another_extension_is_respected():
+    registry, Range = _registry()
+    assert registry.version == 1
+    z = np.ones(8, np.float32)
+    theirs = Range(1, 0, z.ctypes.data + 8, z.ctypes.data + 16)  # elements 2 and 3, mutably
+    assert registry.acquire(ctypes_ref(theirs), 1) == 0
+    try:
+        with pytest.raises(BufferError, match="argument 'x'"):
+            ext.total(z)  # a shared borrow overlapping their mutable one
+        assert ext.total(z[4:]) == 4.0  # disjoint: fine
+    finally:
+        registry.release(ctypes_ref(theirs), 1)
+    assert ext.total(z) == 8.0
+    # And ours blocks theirs.
+    held = ext.hold(z)
+    assert registry.acquire(ctypes_ref(theirs), 1) == 1
+    held.release()
+    assert registry.acquire(ctypes_ref(theirs), 1) == 0
+    registry.release(ctypes_ref(theirs), 1)
+
+
+def ctypes_ref(obj):
+    import ctypes
+
+    return ctypes.pointer(obj)
+
+
+# --- deleter counts through the exchange table --------------------------------------------------
+
+
+def test_dlbridge_exports_released_exactly_once():
+    dlbridge = pytest.importorskip("dlbridge")
+    a = dlbridge.asarray(np.arange(8, dtype=np.float32))
+    base = a._buffer_ref_count
+    for _ in range(100):
+        ext.total(a)
+    assert a._buffer_ref_count == base
+    held = ext.hold(a)
+    assert a._buffer_ref_count == base + 1
+    held.release()
+    assert a._buffer_ref_count == base
+
+
+def test_view_dropped_on_another_thread_releases_once():
+    import threading
+
+    dlbridge = pytest.importorskip("dlbridge")
+    a = dlbridge.asarray(np.arange(8, dtype=np.float32))
+    base = a._buffer_ref_count
+    held = [ext.hold(a)]
+    assert a._buffer_ref_count == base + 1
+
+    def drop():
+        held[0].release()
+        held.clear()
+
+    t = threading.Thread(target=drop)
+    t.start()
+    t.join()
+    gc.collect()
+    assert a._buffer_ref_count == base

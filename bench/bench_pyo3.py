@@ -73,8 +73,9 @@ def main():
 
     rows = []
     x_np = np.arange(16, dtype=np.float32)
+    rows.append(("PyO3 floor: fn(&Bound<PyAny>) -> f32, no array", per_call_ns(ext.noop, x_np)))
     numpy_ns = per_call_ns(ext.first, x_np)
-    rows.append(("dlbridge-pyo3, NumPy input", numpy_ns))
+    rows.append(("dlbridge-pyo3 ArrayArg, NumPy input", numpy_ns))
     try:
         import pyo3_bench_numpy
 
@@ -90,14 +91,14 @@ def main():
 
     x_t = torch.arange(16, dtype=torch.float32)
     torch_ns = per_call_ns(ext.first, x_t)
-    rows.append(("dlbridge-pyo3, PyTorch input", torch_ns))
+    rows.append(("dlbridge-pyo3 ArrayArg, PyTorch input", torch_ns))
     if nb is not None:
         rows.append(("nanobind nb::ndarray, PyTorch input", per_call_ns(nb.first, x_t)))
     try:
         import jax.numpy as jnp
 
         x_j = jnp.arange(16, dtype=jnp.float32)
-        rows.append(("dlbridge-pyo3, JAX input", per_call_ns(ext.first, x_j, number=20_000)))
+        rows.append(("dlbridge-pyo3 ArrayArg, JAX input", per_call_ns(ext.first, x_j, number=20_000)))
         if nb is not None:
             rows.append(("nanobind nb::ndarray, JAX input", per_call_ns(nb.first, x_j, number=20_000)))
     except ImportError as e:
@@ -106,13 +107,15 @@ def main():
         import mlx.core as mx
 
         x_m = mx.arange(16, dtype=mx.float32)
-        rows.append(("dlbridge-pyo3, MLX input", per_call_ns(ext.first, x_m, number=50_000)))
+        rows.append(("dlbridge-pyo3 ArrayArg, MLX input", per_call_ns(ext.first, x_m, number=50_000)))
     except ImportError as e:
         print(f"MLX: skipped ({e})")
     baseline = dict(rows).get("rust-numpy PyReadonlyArray1<f32>, NumPy input", numpy_ns)
-    print(f"{'call (16 float32, returns a scalar)':<48} {'ns/call':>9} {'/ rust-numpy':>13} {'/ dlbridge NumPy':>17}")
+    print(f"{'call (16 float32, returns a scalar)':<50} {'ns/call':>9} {'/ rust-numpy':>13} {'/ dlbridge NumPy':>17}")
+    floor = rows[0][1]
+    print(f"{'':<50} {'':>9} {'':>13} {'':>17} {'above floor':>12}")
     for name, ns in rows:
-        print(f"{name:<48} {ns:>9.0f} {ns / baseline:>12.2f}x {ns / numpy_ns:>16.2f}x")
+        print(f"{name:<50} {ns:>9.0f} {ns / baseline:>12.2f}x {ns / numpy_ns:>16.2f}x {ns - floor:>9.0f} ns")
     print(f"targets: NumPy input <= rust-numpy: {'met' if numpy_ns <= baseline * 1.0 else 'NOT met'}; "
           f"PyTorch input <= 1.5x NumPy input: {'met' if torch_ns <= 1.5 * numpy_ns else 'NOT met'}")
 

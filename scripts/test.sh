@@ -46,6 +46,9 @@ else
         "(or NVRTC, or slow) - set DLBRIDGE_GPU_TESTS=1 on a machine with one"
 fi
 
+step "Rust tests of dlbridge-pyo3 (unit and doc tests against the venv's Python)"
+PYO3_PYTHON="$PY" cargo test -p dlbridge-pyo3 --features ndarray --quiet
+
 if [ "$backend" = cuda ]; then
     # Bounded runs of the DLPack importer, layout and exchange-table fuzz targets (the long runs
     # are in the closing notes; scripts/fuzz.sh says how to repeat them).

@@ -21,6 +21,12 @@ fn first(py: Python<'_>, x: ArrayArg) -> PyResult<f32> {
     Ok(x.as_slice()?.first().copied().unwrap_or(0.0))
 }
 
+/// Takes any object and returns `0.0`: the floor of a PyO3 call, for the benchmark.
+#[pyfunction]
+fn noop(_x: &Bound<'_, PyAny>) -> f32 {
+    0.0
+}
+
 /// `y += a * x` in place, for 1-D float32 host arrays of one length (`ndarray` views).
 #[pyfunction]
 fn axpy(py: Python<'_>, a: f32, x: ArrayArg, y: ArrayArg) -> PyResult<()> {
@@ -142,6 +148,7 @@ fn data_ptr(x: ArrayArg) -> usize {
 fn dlbridge_pyo3_ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(total, m)?)?;
     m.add_function(wrap_pyfunction!(first, m)?)?;
+    m.add_function(wrap_pyfunction!(noop, m)?)?;
     m.add_function(wrap_pyfunction!(axpy, m)?)?;
     m.add_function(wrap_pyfunction!(row_sums, m)?)?;
     m.add_function(wrap_pyfunction!(arange, m)?)?;

@@ -3,13 +3,15 @@
 //! process-wide borrow rules ([`crate::borrow`]).
 
 use std::marker::PhantomData;
+use std::sync::OnceLock;
 
-use dlbridge::{DType, Device, DeviceKind, Element, Tensor};
+use dlbridge::{DType, Device, DeviceKind, Element, Layout, Tensor};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::borrow::{Borrow, Range};
 use crate::error::named;
+use crate::numpy::{NumPyArray, Viewed};
 
 /// Any array, as a `#[pyfunction]` argument: an object with a DLPack C exchange table (PyTorch,
 /// dlbridge), with `__dlpack__` (NumPy, JAX, CuPy, MLX, ...), a DLPack capsule, or a
@@ -17,34 +19,124 @@ use crate::error::named;
 ///
 /// The import is done before the function body runs and keeps the Python object alive for as
 /// long as the tensor (or any view of it) lives. Check it with [`ArrayArg::expect`].
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ArrayArg {
-    tensor: Tensor,
+    source: Source,
+}
+
+/// Where an argument's memory was found: an imported tensor, or a NumPy array read from its
+/// struct, which becomes a tensor only when one is asked for (the common NumPy call then
+/// allocates nothing).
+#[derive(Debug)]
+enum Source {
+    Tensor(Tensor),
+    NumPy(NumPyArray),
+}
+
+impl Source {
+    #[inline]
+    fn dtype(&self) -> DType {
+        match self {
+            Source::Tensor(t) => t.dtype(),
+            Source::NumPy(a) => a.dtype,
+        }
+    }
+
+    #[inline]
+    fn layout(&self) -> &Layout {
+        match self {
+            Source::Tensor(t) => t.layout(),
+            Source::NumPy(a) => &a.layout,
+        }
+    }
+
+    #[inline]
+    fn device(&self) -> Device {
+        match self {
+            Source::Tensor(t) => t.device(),
+            Source::NumPy(_) => Device::CPU,
+        }
+    }
+
+    #[inline]
+    fn is_read_only(&self) -> bool {
+        match self {
+            Source::Tensor(t) => t.is_read_only(),
+            Source::NumPy(a) => a.read_only,
+        }
+    }
+
+    /// The address of element zero: a host address, or a device address for CUDA memory (for
+    /// other devices, the buffer handle plus the byte offset).
+    #[inline]
+    fn first_addr(&self) -> usize {
+        match self {
+            Source::Tensor(t) => (t.buffer().handle() as usize).wrapping_add(t.byte_offset()),
+            Source::NumPy(a) => a.first() as usize,
+        }
+    }
+
+    /// Element zero in host memory, after dlbridge's pending device work on it (Metal) is done;
+    /// `None` where the memory is not host-accessible.
+    fn host_first(&self) -> dlbridge::Result<Option<*mut u8>> {
+        match self {
+            Source::Tensor(t) => {
+                let Some(base) = t.buffer().host_ptr() else {
+                    return Ok(None);
+                };
+                dlbridge::backend::host_barrier(t.device())?;
+                Ok(Some(base.as_ptr().wrapping_add(t.byte_offset())))
+            }
+            Source::NumPy(a) => Ok(Some(a.first())),
+        }
+    }
+
+    fn into_tensor(self) -> PyResult<Tensor> {
+        match self {
+            Source::Tensor(t) => Ok(t),
+            Source::NumPy(a) => a.into_tensor(),
+        }
+    }
 }
 
 impl<'a, 'py> FromPyObject<'a, 'py> for ArrayArg {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        crate::consumer::import(&obj).map(|tensor| ArrayArg { tensor })
+        let source = match crate::consumer::import(&obj)? {
+            Viewed::Tensor(t) => Source::Tensor(t),
+            Viewed::Struct(a) => Source::NumPy(a),
+        };
+        Ok(ArrayArg { source })
     }
 }
 
 impl ArrayArg {
-    /// The imported tensor (the producer's memory; dlbridge never frees it).
-    pub fn tensor(&self) -> &Tensor {
-        &self.tensor
+    /// Extents.
+    pub fn shape(&self) -> &[usize] {
+        self.source.layout().shape()
     }
 
-    /// The imported tensor, unchecked.
-    pub fn into_tensor(self) -> Tensor {
-        self.tensor
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.source.dtype()
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        self.source.device()
+    }
+
+    /// The memory as a tensor, unchecked (the producer's memory; dlbridge never frees it).
+    pub fn into_tensor(self) -> PyResult<Tensor> {
+        self.source.into_tensor()
     }
 
     /// Starts the checks of argument `name` (the name its errors give).
+    #[inline]
     pub fn expect(self, name: &'static str) -> Expect {
         Expect {
-            tensor: self.tensor,
+            source: self.source,
             name,
             dtype: None,
             ndim: None,
@@ -72,7 +164,7 @@ pub enum Order {
 #[derive(Debug)]
 #[must_use = "the checks run when `read`, `write` or `check` is called"]
 pub struct Expect {
-    tensor: Tensor,
+    source: Source,
     name: &'static str,
     dtype: Option<DType>,
     ndim: Option<usize>,
@@ -84,23 +176,27 @@ pub struct Expect {
 }
 
 /// A bit for `kind` in [`Expect`]'s device set.
+#[inline]
 fn device_bit(kind: DeviceKind) -> u64 {
     1u64.checked_shl(kind.to_raw() as u32).unwrap_or(0)
 }
 
 impl Expect {
     /// The element type must be `T`'s.
+    #[inline]
     pub fn dtype<T: Element>(self) -> Self {
         self.dtype_of(T::DTYPE)
     }
 
     /// The element type must be `dtype`.
+    #[inline]
     pub fn dtype_of(mut self, dtype: DType) -> Self {
         self.dtype = Some(dtype);
         self
     }
 
     /// There must be `ndim` axes.
+    #[inline]
     pub fn ndim(mut self, ndim: usize) -> Self {
         self.ndim = Some(ndim);
         self
@@ -113,12 +209,14 @@ impl Expect {
     }
 
     /// The memory must be C-contiguous (row-major, no gaps).
+    #[inline]
     pub fn c_contiguous(mut self) -> Self {
         self.order = Some(Order::C);
         self
     }
 
     /// The memory must be Fortran-contiguous (column-major, no gaps).
+    #[inline]
     pub fn f_contiguous(mut self) -> Self {
         self.order = Some(Order::F);
         self
@@ -126,22 +224,26 @@ impl Expect {
 
     /// The memory may be on devices of `kind` (call again to accept several kinds; without any
     /// call, every device is accepted).
+    #[inline]
     pub fn device(mut self, kind: DeviceKind) -> Self {
         self.devices |= device_bit(kind);
         self
     }
 
     /// The memory must be host memory (`kDLCPU`).
+    #[inline]
     pub fn cpu(self) -> Self {
         self.device(DeviceKind::Cpu)
     }
 
     /// The memory must be CUDA device memory (`kDLCUDA`).
+    #[inline]
     pub fn cuda(self) -> Self {
         self.device(DeviceKind::Cuda)
     }
 
     /// The memory must be writable (the producer did not mark it read-only).
+    #[inline]
     pub fn writable(mut self) -> Self {
         self.writable = true;
         self
@@ -150,7 +252,7 @@ impl Expect {
     /// Applies the checks and returns the tensor, with no typed access and no borrow.
     pub fn check(self) -> PyResult<Tensor> {
         self.verify()?;
-        Ok(self.tensor)
+        self.source.into_tensor()
     }
 
     /// Applies the checks (with element type `T`) and borrows the memory for reading: refused
@@ -158,9 +260,10 @@ impl Expect {
     pub fn read<T: Element>(self, py: Python<'_>) -> PyResult<ReadArray<T>> {
         let this = self.dtype::<T>();
         this.verify()?;
-        let borrow = borrow(py, this.name, &this.tensor, false)?;
+        let borrow = borrow(py, this.name, &this.source, false)?;
         Ok(ReadArray {
-            tensor: this.tensor,
+            source: this.source,
+            tensor: OnceLock::new(),
             name: this.name,
             _borrow: borrow,
             _element: PhantomData,
@@ -173,10 +276,11 @@ impl Expect {
     pub fn write<T: Element>(self, py: Python<'_>) -> PyResult<WriteArray<T>> {
         let this = self.dtype::<T>().writable();
         this.verify()?;
-        let borrow = borrow(py, this.name, &this.tensor, true)?;
+        let borrow = borrow(py, this.name, &this.source, true)?;
         Ok(WriteArray {
             inner: ReadArray {
-                tensor: this.tensor,
+                source: this.source,
+                tensor: OnceLock::new(),
                 name: this.name,
                 _borrow: borrow,
                 _element: PhantomData,
@@ -185,7 +289,8 @@ impl Expect {
     }
 
     fn verify(&self) -> PyResult<()> {
-        let t = &self.tensor;
+        let t = &self.source;
+        let layout = t.layout();
         let name = self.name;
         if let Some(dtype) = self.dtype
             && t.dtype() != dtype
@@ -196,20 +301,20 @@ impl Expect {
             )));
         }
         if let Some(ndim) = self.ndim
-            && t.ndim() != ndim
+            && layout.ndim() != ndim
         {
             return Err(PyValueError::new_err(format!(
                 "argument '{name}': expected {ndim} {}, got {} (shape {})",
                 if ndim == 1 { "axis" } else { "axes" },
-                t.ndim(),
-                dlbridge::layout::shape_text(t.shape())
+                layout.ndim(),
+                dlbridge::layout::shape_text(layout.shape())
             )));
         }
         if let Some(shape) = &self.shape {
-            let fits = shape.len() == t.ndim()
+            let fits = shape.len() == layout.ndim()
                 && shape
                     .iter()
-                    .zip(t.shape())
+                    .zip(layout.shape())
                     .all(|(w, &h)| w.is_none_or(|w| w == h));
             if !fits {
                 let wanted: Vec<String> = shape
@@ -219,22 +324,22 @@ impl Expect {
                 return Err(PyValueError::new_err(format!(
                     "argument '{name}': expected shape ({}), got {}",
                     wanted.join(", "),
-                    dlbridge::layout::shape_text(t.shape())
+                    dlbridge::layout::shape_text(layout.shape())
                 )));
             }
         }
         if let Some(order) = self.order {
             let ok = match order {
-                Order::C => t.layout().is_contiguous(),
-                Order::F => t.layout().is_f_contiguous(),
+                Order::C => layout.is_contiguous(),
+                Order::F => layout.is_f_contiguous(),
             };
             if !ok {
                 let which = if order == Order::C { "C" } else { "Fortran" };
                 return Err(PyValueError::new_err(format!(
                     "argument '{name}': expected a {which}-contiguous array, got shape {} with \
                      strides {:?} (in elements); pass a contiguous copy",
-                    dlbridge::layout::shape_text(t.shape()),
-                    t.strides()
+                    dlbridge::layout::shape_text(layout.shape()),
+                    layout.strides()
                 )));
             }
         }
@@ -258,19 +363,24 @@ impl Expect {
     }
 }
 
-/// Records a borrow of `tensor`'s bytes (none for an empty array, which has none).
-fn borrow(py: Python<'_>, name: &str, t: &Tensor, exclusive: bool) -> PyResult<Option<Borrow>> {
-    let bytes = t.byte_range();
-    if bytes.is_empty() {
+/// Records a borrow of the bytes `source` addresses (none for an empty array, which has none).
+fn borrow(
+    py: Python<'_>,
+    name: &str,
+    source: &Source,
+    exclusive: bool,
+) -> PyResult<Option<Borrow>> {
+    let Some((lo, hi)) = source.layout().element_extent() else {
         return Ok(None);
-    }
-    let base = t.buffer().handle() as usize as u64;
-    let dl = t.device().to_dlpack();
+    };
+    let itemsize = source.dtype().itemsize() as i128;
+    let first = source.first_addr() as i128;
+    let dl = source.device().to_dlpack();
     let range = Range {
         device_type: dl.device_type,
         device_id: dl.device_id,
-        start: base + bytes.start as u64,
-        end: base + bytes.end as u64,
+        start: (first + lo * itemsize) as u64,
+        end: (first + (hi + 1) * itemsize) as u64,
     };
     Borrow::acquire(py, name, range, exclusive).map(Some)
 }
@@ -281,53 +391,131 @@ fn borrow(py: Python<'_>, name: &str, t: &Tensor, exclusive: bool) -> PyResult<O
 /// while this lives. Its producer can still write to it, as with any DLPack consumer.
 #[derive(Debug)]
 pub struct ReadArray<T: Element> {
-    tensor: Tensor,
+    source: Source,
+    /// The tensor of a NumPy source, made when [`ReadArray::tensor`] first asks.
+    tensor: OnceLock<Box<Tensor>>,
     name: &'static str,
     _borrow: Option<Borrow>,
     _element: PhantomData<T>,
 }
 
 impl<T: Element> ReadArray<T> {
-    /// The tensor (for [`dlbridge::compute::kernel::KernelArg::Tensor`] and other core calls).
-    pub fn tensor(&self) -> &Tensor {
-        &self.tensor
+    /// The memory as a tensor (for [`dlbridge::compute::kernel::KernelArg::Tensor`] and other
+    /// core calls); for a NumPy array, made on the first call.
+    pub fn tensor(&self) -> PyResult<&Tensor> {
+        match &self.source {
+            Source::Tensor(t) => Ok(t),
+            Source::NumPy(a) => {
+                if let Some(t) = self.tensor.get() {
+                    return Ok(t);
+                }
+                let t = Python::attach(|py| a.clone_ref(py).into_tensor())?;
+                Ok(self.tensor.get_or_init(|| Box::new(t)))
+            }
+        }
     }
 
     /// Extents.
     pub fn shape(&self) -> &[usize] {
-        self.tensor.shape()
+        self.source.layout().shape()
     }
 
     /// Strides in elements.
     pub fn strides(&self) -> &[isize] {
-        self.tensor.strides()
+        self.source.layout().strides()
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.source.layout().numel()
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// The device the memory is on.
     pub fn device(&self) -> Device {
-        self.tensor.device()
+        self.source.device()
+    }
+
+    /// Element zero in host memory, aligned for `T`, or a `ValueError` naming the argument.
+    fn host_first(&self, what: &str) -> PyResult<*mut T> {
+        let first = self.source.host_first().map_err(|e| named(self.name, e))?;
+        let Some(first) = first else {
+            return Err(PyValueError::new_err(format!(
+                "argument '{}': {what} needs host-accessible memory, got an array on {}",
+                self.name,
+                self.device()
+            )));
+        };
+        let first = first.cast::<T>();
+        if !first.is_aligned() {
+            return Err(PyValueError::new_err(format!(
+                "argument '{}': address {first:p} is not aligned for {}",
+                self.name,
+                T::DTYPE
+            )));
+        }
+        Ok(first)
+    }
+
+    /// Element zero of C-contiguous host memory, for a slice.
+    fn slice_first(&self) -> PyResult<*mut T> {
+        let layout = self.source.layout();
+        if !layout.is_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "argument '{}': a slice needs a C-contiguous array, got shape {} with strides \
+                 {:?} (in elements)",
+                self.name,
+                dlbridge::layout::shape_text(layout.shape()),
+                layout.strides()
+            )));
+        }
+        self.host_first("a slice")
     }
 
     /// The elements as a slice: the memory must be host-accessible and C-contiguous
     /// (`ValueError` naming the argument otherwise).
     pub fn as_slice(&self) -> PyResult<&[T]> {
-        self.tensor.as_slice::<T>().map_err(|e| named(self.name, e))
+        let first = self.slice_first()?;
+        if self.is_empty() {
+            return Ok(&[]);
+        }
+        // SAFETY: `first` is the aligned address of `len` contiguous elements of host memory,
+        // kept alive by the source `self` holds for the slice's lifetime; `T` is the checked
+        // element type, for which every bit pattern is valid; no mutable borrow of these bytes
+        // exists (the registry refused one while this shared borrow lives).
+        Ok(unsafe { std::slice::from_raw_parts(first, self.len()) })
     }
 
     /// The device address of the first element and the stream to use it on, for memory on a
     /// CUDA device (`ValueError` elsewhere).
     pub fn cuda_ptr(&self) -> PyResult<CudaPtr> {
-        cuda_ptr(self.name, &self.tensor)
+        let device = self.device();
+        if !device.kind().is_cuda() {
+            return Err(PyValueError::new_err(format!(
+                "argument '{}': expected CUDA memory for a device pointer, got an array on \
+                 {device}",
+                self.name
+            )));
+        }
+        Ok(CudaPtr {
+            ptr: self.source.first_addr() as u64,
+            device,
+            stream: dlbridge::backend::current_stream(device),
+        })
     }
 
     /// An `ndarray` view with `D` axes (`IxDyn` for any number) of host-accessible memory, in
     /// any strided layout.
     #[cfg(feature = "ndarray")]
     pub fn as_array<D: ndarray::Dimension>(&self) -> PyResult<ndarray::ArrayView<'_, T, D>> {
-        let (ptr, shape) = self.host_first(false)?;
-        // SAFETY: `host_first` checked that `ptr` is the aligned address of element zero of
-        // host memory the shape and strides address, alive while `self` (which holds the
-        // tensor and its keep-alive) is borrowed; `T` is the dtype's element type, so every bit
+        let (ptr, shape) = self.ndarray_parts()?;
+        // SAFETY: `ndarray_parts` checked that `ptr` is the aligned address of element zero of
+        // host memory the shape and strides address, alive while `self` (which holds the source
+        // and its keep-alive) is borrowed; `T` is the dtype's element type, so every bit
         // pattern is valid.
         let view = unsafe { ndarray::ArrayView::from_shape_ptr(shape, ptr.cast_const()) };
         view.into_dimensionality::<D>()
@@ -336,28 +524,13 @@ impl<T: Element> ReadArray<T> {
 
     /// The address of element zero in host memory, and the `ndarray` shape with strides.
     #[cfg(feature = "ndarray")]
-    fn host_first(&self, _write: bool) -> PyResult<(*mut T, ndarray::StrideShape<ndarray::IxDyn>)> {
+    fn ndarray_parts(&self) -> PyResult<(*mut T, ndarray::StrideShape<ndarray::IxDyn>)> {
         use ndarray::ShapeBuilder;
-        let t = &self.tensor;
-        let Some(base) = t.buffer().host_ptr() else {
-            return Err(PyValueError::new_err(format!(
-                "argument '{}': an ndarray view needs host-accessible memory, got an array on {}",
-                self.name,
-                t.device()
-            )));
-        };
-        dlbridge::backend::host_barrier(t.device()).map_err(|e| named(self.name, e))?;
-        let first = base.as_ptr().wrapping_add(t.byte_offset()).cast::<T>();
-        if !first.is_aligned() {
-            return Err(PyValueError::new_err(format!(
-                "argument '{}': address {first:p} is not aligned for {}",
-                self.name,
-                T::DTYPE
-            )));
-        }
+        let first = self.host_first("an ndarray view")?;
+        let layout = self.source.layout();
         // ndarray takes strides as `usize`, a negative stride as its two's complement.
-        let strides: Vec<usize> = t.strides().iter().map(|&s| s as usize).collect();
-        let shape = ndarray::IxDyn(t.shape()).strides(ndarray::IxDyn(&strides));
+        let strides: Vec<usize> = layout.strides().iter().map(|&s| s as usize).collect();
+        let shape = ndarray::IxDyn(layout.shape()).strides(ndarray::IxDyn(&strides));
         Ok((first, shape))
     }
 }
@@ -380,13 +553,15 @@ impl<T: Element> std::ops::Deref for WriteArray<T> {
 impl<T: Element> WriteArray<T> {
     /// The elements as a mutable slice: the memory must be host-accessible and C-contiguous.
     pub fn as_slice_mut(&mut self) -> PyResult<&mut [T]> {
-        let len = self.inner.as_slice()?.len();
-        let first = self.inner.as_slice()?.as_ptr().cast_mut();
-        // SAFETY: `as_slice` checked that `first` starts `len` aligned, contiguous elements of
-        // host memory that live while `self` does; the memory is writable (checked by `write`)
-        // and this extension-wide exclusive borrow, held by `&mut self` for the slice's
-        // lifetime, rules out every other reference handed out by this crate.
-        Ok(unsafe { std::slice::from_raw_parts_mut(first, len) })
+        let first = self.inner.slice_first()?;
+        if self.inner.is_empty() {
+            return Ok(&mut []);
+        }
+        // SAFETY: `first` is the aligned address of `len` contiguous elements of host memory
+        // that live while `self` does; the memory is writable (checked by `write`) and this
+        // process-wide exclusive borrow, held by `&mut self` for the slice's lifetime, rules out
+        // every other reference handed out by this crate.
+        Ok(unsafe { std::slice::from_raw_parts_mut(first, self.inner.len()) })
     }
 
     /// A mutable `ndarray` view with `D` axes of host-accessible memory, in any strided layout
@@ -395,8 +570,8 @@ impl<T: Element> WriteArray<T> {
     pub fn as_array_mut<D: ndarray::Dimension>(
         &mut self,
     ) -> PyResult<ndarray::ArrayViewMut<'_, T, D>> {
-        let (ptr, shape) = self.inner.host_first(true)?;
-        if self.inner.strides().contains(&0) && self.inner.tensor.numel() > 1 {
+        let (ptr, shape) = self.inner.ndarray_parts()?;
+        if self.inner.strides().contains(&0) && self.inner.len() > 1 {
             return Err(PyValueError::new_err(format!(
                 "argument '{}': a broadcast (zero-stride) array cannot be written through a view",
                 self.inner.name
@@ -422,18 +597,4 @@ pub struct CudaPtr {
     /// dlbridge stream on `device` (`0`: the legacy default stream), which the extension sets
     /// with [`dlbridge::backend::cuda::set_current_stream`] before the call.
     pub stream: usize,
-}
-
-fn cuda_ptr(name: &str, t: &Tensor) -> PyResult<CudaPtr> {
-    if !t.device().kind().is_cuda() {
-        return Err(PyValueError::new_err(format!(
-            "argument '{name}': expected CUDA memory for a device pointer, got an array on {}",
-            t.device()
-        )));
-    }
-    Ok(CudaPtr {
-        ptr: (t.buffer().handle() as usize as u64).wrapping_add(t.byte_offset() as u64),
-        device: t.device(),
-        stream: dlbridge::backend::current_stream(t.device()),
-    })
 }

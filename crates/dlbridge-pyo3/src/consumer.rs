@@ -19,21 +19,24 @@ const REQUEST: ImportRequest = ImportRequest {
     copy: Some(false),
 };
 
-/// Imports `x` without a copy, by the cheapest path its type offers.
-pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+/// Imports `x` without a copy, by the cheapest path its type offers: a NumPy array is read from
+/// its struct (and becomes a tensor only when one is asked for), anything else is imported.
+pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
+    use crate::numpy::Viewed;
     if crate::numpy::is_ndarray(x) {
         return crate::numpy::view(x);
     }
     if x.is_instance_of::<PyCapsule>() {
         let managed = crate::capsule::take(x)?;
         // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
-        return unsafe { REQUEST.import(managed) }.py().map(|i| i.tensor);
+        let imported = unsafe { REQUEST.import(managed) }.py()?;
+        return Ok(Viewed::Tensor(imported.tensor));
     }
     let info = crate::c_api::type_info(x);
     if info.is_numpy {
         return crate::numpy::view(x);
     }
-    from_producer(x, info)
+    from_producer(x, info).map(Viewed::Tensor)
 }
 
 /// Imports `x` through its type's exchange table or its `__dlpack__`, or else the buffer

@@ -11,7 +11,7 @@
 //! | --- | --- | --- |
 //! | any array argument | [`ArrayArg`] | `FromPyObject`: imported, no copy, producer kept alive |
 //! | dtype / ndim / shape / order / device / writable | [`Expect`] | `x.expect("x").dtype::<f32>().ndim(2)` |
-//! | read-only access | [`ReadArray<T>`] | `.read::<T>(py)?`: `as_slice`, `as_array` (`ndarray`), `cuda_ptr` |
+//! | read-only access | [`ReadArray<T>`] | `.read::<T>(py)?`: `as_slice`, `as_array` (`ndarray`), `cuda_ptr`, `tensor` |
 //! | mutable access | [`WriteArray<T>`] | `.write::<T>(py)?`: `as_slice_mut`, `as_array_mut`; exclusive across extensions |
 //! | CUDA memory and stream | [`CudaPtr`] | device address + the stream the producer was ordered before |
 //! | returned array | [`PyTensor`] | `__dlpack__`, `__dlpack_device__`, `__dlpack_c_exchange_api__` |

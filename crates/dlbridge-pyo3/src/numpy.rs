@@ -99,10 +99,75 @@ fn dtype_of(num: c_int) -> Option<DType> {
     })
 }
 
-/// The NumPy array `x` (an exact `numpy.ndarray`) as a tensor over its memory, which keeps `x`
-/// alive; other arrays (an unusual dtype, byte order or stride) are imported through
-/// `__dlpack__` instead.
-pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+/// A NumPy array read from its struct, not yet wrapped in a [`Tensor`]: the checks and typed
+/// access of an argument need only these facts, so the common call allocates nothing; a tensor
+/// is built when one is asked for ([`NumPyArray::into_tensor`]).
+#[derive(Debug)]
+pub(crate) struct NumPyArray {
+    /// The array, which owns (or keeps alive) the memory.
+    obj: Py<PyAny>,
+    /// The address of the element at index zero.
+    first: *mut u8,
+    /// The element type.
+    pub(crate) dtype: DType,
+    /// Extents and strides in elements (byte offset zero: relative to `first`).
+    pub(crate) layout: dlbridge::Layout,
+    /// NumPy's WRITEABLE flag is clear.
+    pub(crate) read_only: bool,
+}
+
+// SAFETY: the raw pointer addresses memory that `obj` (a strong reference, which is `Send`)
+// keeps alive; nothing here is tied to the creating thread.
+unsafe impl Send for NumPyArray {}
+// SAFETY: shared references only read the plain fields.
+unsafe impl Sync for NumPyArray {}
+
+impl NumPyArray {
+    /// The address of the element at index zero.
+    pub(crate) fn first(&self) -> *mut u8 {
+        self.first
+    }
+
+    /// Another handle to the same array.
+    pub(crate) fn clone_ref(&self, py: Python<'_>) -> NumPyArray {
+        NumPyArray {
+            obj: self.obj.clone_ref(py),
+            first: self.first,
+            dtype: self.dtype,
+            layout: self.layout.clone(),
+            read_only: self.read_only,
+        }
+    }
+
+    /// The array as a tensor over its memory, which keeps it alive.
+    pub(crate) fn into_tensor(self) -> PyResult<Tensor> {
+        // SAFETY: NumPy guarantees the elements its shape and strides address from `first` are
+        // valid (writable unless read-only) while the array lives, and `obj` keeps it alive.
+        unsafe {
+            crate::buffer::host_tensor(
+                self.first,
+                self.dtype,
+                self.layout.shape(),
+                self.layout.strides(),
+                self.read_only,
+                Box::new(self.obj),
+            )
+        }
+    }
+}
+
+/// What [`view`] gives: the array's facts, or a tensor where NumPy's own `__dlpack__` had to
+/// answer.
+pub(crate) enum Viewed {
+    /// Read from the struct.
+    Struct(NumPyArray),
+    /// Imported through `__dlpack__`.
+    Tensor(Tensor),
+}
+
+/// The NumPy array `x` (an exact `numpy.ndarray`) read from its struct; other arrays (an
+/// unusual dtype, byte order or stride) are imported through `__dlpack__` instead.
+pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     let fields = x.as_ptr().cast::<ArrayFields>();
     // SAFETY: `x` is exactly a `numpy.ndarray` (the type cache checked), whose instances start
     // with these fields; the GIL is held, so nothing changes them while they are read.
@@ -137,23 +202,18 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         shape[i] = d as usize;
         strides[i] = s / itemsize;
     }
-    let read_only = a.flags & WRITEABLE == 0;
-    let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(x.clone().unbind());
-    // SAFETY: NumPy guarantees the elements its shape and strides address from `data` are valid
-    // (writable when WRITEABLE is set) while the array lives, and `owner` keeps it alive.
-    unsafe {
-        crate::buffer::host_tensor(
-            a.data.cast(),
-            dtype,
-            &shape[..ndim],
-            &strides[..ndim],
-            read_only,
-            owner,
-        )
-    }
+    let layout =
+        dlbridge::Layout::new(&shape[..ndim], &strides[..ndim], 0).map_err(crate::error::to_py)?;
+    Ok(Viewed::Struct(NumPyArray {
+        obj: x.clone().unbind(),
+        first: a.data.cast(),
+        dtype,
+        layout,
+        read_only: a.flags & WRITEABLE == 0,
+    }))
 }
 
 /// NumPy's own `__dlpack__`, for arrays the struct path does not take.
-fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    crate::consumer::import_via_dlpack(x)
+fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
+    crate::consumer::import_via_dlpack(x).map(Viewed::Tensor)
 }

@@ -87,7 +87,7 @@ fn scale_cuda(py: Python<'_>, x: ArrayArg, a: f32) -> PyResult<()> {
         .device(DeviceKind::Cuda)
         .c_contiguous()
         .write::<f32>(py)?;
-    let n = x.tensor().numel();
+    let n = x.len();
     if n == 0 {
         return Ok(());
     }
@@ -99,7 +99,7 @@ fn scale_cuda(py: Python<'_>, x: ArrayArg, a: f32) -> PyResult<()> {
         shared_mem: 0,
     };
     let args = [
-        KernelArg::Tensor(x.tensor().clone()),
+        KernelArg::Tensor(x.tensor()?.clone()),
         KernelArg::Float(f64::from(a)),
         KernelArg::Int(n as i64),
     ];
@@ -138,9 +138,9 @@ fn hold(py: Python<'_>, x: ArrayArg) -> PyResult<Held> {
 
 /// The data pointer dlbridge sees for `x` (zero-copy checks).
 #[pyfunction]
-fn data_ptr(x: ArrayArg) -> usize {
-    let t = x.tensor();
-    t.buffer().handle() as usize + t.byte_offset()
+fn data_ptr(x: ArrayArg) -> PyResult<usize> {
+    let t = x.into_tensor()?;
+    Ok(t.buffer().handle() as usize + t.byte_offset())
 }
 
 /// The module.

@@ -102,6 +102,7 @@ impl Source {
 impl<'a, 'py> FromPyObject<'a, 'py> for ArrayArg {
     type Error = PyErr;
 
+    #[inline]
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         let source = match crate::consumer::import(&obj)? {
             Viewed::Tensor(t) => Source::Tensor(t),
@@ -288,6 +289,7 @@ impl Expect {
         })
     }
 
+    #[inline]
     fn verify(&self) -> PyResult<()> {
         let t = &self.source;
         let layout = t.layout();
@@ -364,6 +366,7 @@ impl Expect {
 }
 
 /// Records a borrow of the bytes `source` addresses (none for an empty array, which has none).
+#[inline]
 fn borrow(
     py: Python<'_>,
     name: &str,

@@ -109,6 +109,7 @@ unsafe impl Sync for Shared {}
 
 static REGISTRY: OnceLock<Shared> = OnceLock::new();
 
+#[inline]
 fn registry(py: Python<'_>) -> PyResult<&'static RegistryV1> {
     if let Some(r) = REGISTRY.get() {
         return Ok(r.0);
@@ -172,6 +173,7 @@ impl std::fmt::Debug for RegistryV1 {
 
 impl Borrow {
     /// Records a borrow of `range`, or says which argument conflicts (`BufferError`).
+    #[inline]
     pub(crate) fn acquire(
         py: Python<'_>,
         name: &str,
@@ -201,6 +203,7 @@ impl Borrow {
 }
 
 impl Drop for Borrow {
+    #[inline]
     fn drop(&mut self) {
         // SAFETY: the same arguments `acquire` recorded; the registry's functions never unwind.
         unsafe { (self.registry.release)(&self.range, c_int::from(self.exclusive)) };

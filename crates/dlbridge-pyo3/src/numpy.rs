@@ -50,6 +50,7 @@ const WRITEABLE: c_int = 0x0400;
 static NDARRAY: AtomicPtr<ffi::PyTypeObject> = AtomicPtr::new(std::ptr::null_mut());
 
 /// Whether `x` is exactly a `numpy.ndarray` (after the type cache has seen one).
+#[inline]
 pub(crate) fn is_ndarray(x: &Bound<'_, PyAny>) -> bool {
     // SAFETY: `x` is a live object, whose type pointer is readable.
     let ty = unsafe { ffi::Py_TYPE(x.as_ptr()) };
@@ -167,6 +168,7 @@ pub(crate) enum Viewed {
 
 /// The NumPy array `x` (an exact `numpy.ndarray`) read from its struct; other arrays (an
 /// unusual dtype, byte order or stride) are imported through `__dlpack__` instead.
+#[inline]
 pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     let fields = x.as_ptr().cast::<ArrayFields>();
     // SAFETY: `x` is exactly a `numpy.ndarray` (the type cache checked), whose instances start

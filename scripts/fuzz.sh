@@ -3,7 +3,7 @@
 #
 # Usage: scripts/fuzz.sh [SECONDS] [TARGET...]
 #   SECONDS  time per target (default 30)
-#   TARGET   dlpack_import, layout, exchange_chain (default: all three)
+#   TARGET   dlpack_import, layout, exchange_chain, safetensors_header (default: all four)
 #
 # Exits non-zero when a target crashes (a panic included), hangs past -timeout, runs out of
 # memory, or leaks (with ASan); the input that did it is kept in fuzz/artifacts/<target>/.
@@ -25,7 +25,7 @@ set -euo pipefail
 SECONDS_PER_TARGET=${1:-30}
 shift || true
 TARGETS=("$@")
-((${#TARGETS[@]})) || TARGETS=(dlpack_import layout exchange_chain)
+((${#TARGETS[@]})) || TARGETS=(dlpack_import layout exchange_chain safetensors_header)
 
 ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 FUZZ=$ROOT/fuzz

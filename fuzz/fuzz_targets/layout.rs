@@ -3,11 +3,13 @@
 //! Every layout that is built (and has at most 4096 elements) is checked against brute force:
 //! `element_extent` and `byte_range` against the offsets of all its elements, `is_contiguous` and
 //! `is_f_contiguous` against the definition (element `k` in C or F order sits at offset `k`), and
-//! each operation's result against the elements of its input that it should select. Nothing may
-//! panic or overflow (the targets are built with overflow checks).
+//! each operation's result against the elements of its input that it should select; the merged
+//! loop nest of an element-wise kernel (`MapPlan`) against the offsets of its elements. Nothing
+//! may panic or overflow (the targets are built with overflow checks).
 
 #![no_main]
 
+use dlbridge::compute::MapPlan;
 use dlbridge::{Layout, MAX_NDIM, SliceArg};
 use fuzz_support::{Input, element_offset, for_each_index, small_numel};
 use libfuzzer_sys::fuzz_target;
@@ -101,6 +103,7 @@ fn check(l: &Layout, itemsize: usize) {
         offsets.push(element_offset(idx, l.strides()))
     });
     assert_eq!(offsets.len(), numel);
+    check_merged(l, &offsets);
     let extent = offsets
         .iter()
         .min()
@@ -137,6 +140,27 @@ fn check(l: &Layout, itemsize: usize) {
     });
     let f = f_offsets.iter().enumerate().all(|(k, &o)| o == k as i128);
     assert_eq!(l.is_f_contiguous(), f, "is_f_contiguous of {l:?}");
+}
+
+/// The merged loop nest of an element-wise kernel (`MapPlan`, built on the crate's one axis
+/// merger) over the layout and a compact output addresses every element where the layout does,
+/// in the same order.
+fn check_merged(l: &Layout, offsets: &[i128]) {
+    // The plan's offsets are `isize`: only layouts whose offsets all fit are walked. An empty
+    // shape may have no compact layout (its other extents can multiply past `isize::MAX`).
+    if offsets.iter().any(|&o| isize::try_from(o).is_err()) {
+        return;
+    }
+    let Ok(compact) = Layout::contiguous(l.shape()) else {
+        assert!(offsets.is_empty(), "{l:?} has elements but no compact layout");
+        return;
+    };
+    let plan = MapPlan::new(l.shape(), &[compact.strides(), l.strides()]);
+    assert_eq!(plan.len(), offsets.len(), "{plan:?} of {l:?}");
+    for (k, &want) in offsets.iter().enumerate() {
+        assert_eq!(plan.offset(0, k), k as isize, "{plan:?} of {l:?}");
+        assert_eq!(plan.offset(1, k) as i128, want, "{plan:?} of {l:?}, element {k}");
+    }
 }
 
 /// Checks that `out` addresses, at each index, the byte of `src` at `map(index)`.

@@ -52,6 +52,8 @@ from .backend import (
     get_vector_add_kernel,
 )
 from .unified import UnifiedBuffer
+from . import safetensors
+from .safetensors import load_file, safe_open, save_file
 
 __all__ += [
     "Array",
@@ -83,4 +85,8 @@ __all__ += [
     "set_memory_limit",
     "set_cache_limit",
     "storage_mode",
+    "load_file",
+    "safe_open",
+    "save_file",
+    "safetensors",
 ]

@@ -56,6 +56,50 @@ def info() -> None:
         print("  Metal: not compiled in (built for Apple platforms only)")
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def inspect(files: list[str]) -> None:
+    """Prints a checkpoint's header as a table: names, dtypes, shapes, sizes, and the total."""
+    checkpoint = dlbridge._dlbridge._Checkpoint(files[0] if len(files) == 1 else files)
+    rows = []
+    total = 0
+    for name in checkpoint.keys():
+        dtype, shape, (begin, end), _ = checkpoint.info(name)
+        rows.append((name, dtype, "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")",
+                     _size(end - begin)))
+        total += end - begin
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(("name", "dtype", "shape", "size"))]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    print(line.format("name", "dtype", "shape", "size"))
+    for r in rows:
+        print(line.format(*r))
+    metadata = checkpoint.metadata()
+    if metadata:
+        print("metadata: " + ", ".join(f"{k}={v}" for k, v in sorted(metadata.items())))
+    print(f"{len(rows)} tensors, {_size(total)} ({total} bytes)")
+
+
+def load(files: list[str], device: str, threads: int | None, direct_io: bool | None) -> None:
+    """Loads a checkpoint onto `device` and prints the time and throughput."""
+    import time
+    checkpoint = dlbridge._dlbridge._Checkpoint(files[0] if len(files) == 1 else files)
+    total = sum(e - b for _, _, (b, e), _ in (checkpoint.info(n) for n in checkpoint.keys()))
+    start = time.perf_counter()
+    tensors = dlbridge.load_file(files[0] if len(files) == 1 else files, device, threads=threads,
+                                 direct_io=direct_io)
+    if device != "cpu":
+        dlbridge.synchronize(device)
+    seconds = time.perf_counter() - start
+    print(f"loaded {len(tensors)} tensors, {_size(total)} onto {device} in {seconds:.3f} s: "
+          f"{total / seconds / 1e9:.2f} GB/s")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dlbridge",
@@ -63,11 +107,29 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--version", action="version",
                         version=f"dlbridge {dlbridge.__version__}")
-    parser.add_argument("command", nargs="?", choices=["info"], default="info",
+    parser.add_argument("command", nargs="?", choices=["info", "inspect", "load"], default="info",
                         help="info (the default): version, backends compiled in, devices found, "
-                             "and why a compiled-in backend has no device")
-    parser.parse_args(argv[1:])
-    info()
+                             "and why a compiled-in backend has no device; inspect FILE...: a "
+                             "safetensors checkpoint's tensors as a table; load FILE... --device D: "
+                             "load it and print the throughput")
+    parser.add_argument("files", nargs="*", help="safetensors files, shards or an index (inspect, load)")
+    parser.add_argument("--device", default="cpu", help="where load puts the tensors (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="reader threads (load)")
+    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
+                        help="read around the page cache (load; default: auto)")
+    args = parser.parse_args(argv[1:])
+    if args.command == "info":
+        if args.files:
+            parser.error("info takes no files")
+        info()
+        return 0
+    if not args.files:
+        parser.error(f"{args.command} needs a safetensors file")
+    if args.command == "inspect":
+        inspect(args.files)
+    else:
+        load(args.files, args.device, args.threads,
+             {"auto": None, "on": True, "off": False}[args.direct_io])
     return 0
 
 

@@ -3,7 +3,8 @@
 //! | Python | Rust |
 //! | --- | --- |
 //! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
-//! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`exchange`] (capsules are renamed there) |
+//! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`dlpack`]: Python objects into the core's exchange requests (capsules are renamed in [`dlpack::capsule`]) |
+//! | `dlbridge.load_file`, `safe_open`, `save_file` | [`safetensors`] over [`dlbridge::safetensors`] |
 //! | exceptions | [`errors`] (the one mapping) |
 //! | `dlbridge.Backend` | [`backend::PyBackend`] over [`dlbridge::compute::Backend`] |
 //! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
@@ -24,6 +25,7 @@ mod memory;
 mod metal;
 mod ml_dtypes;
 mod ops;
+mod safetensors;
 
 use pyo3::prelude::*;
 
@@ -84,6 +86,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     metal::register(m)?;
     ops::register(m)?;
     kernel::register(m)?;
+    safetensors::register(m)?;
     m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dtype::set_all(m)?;

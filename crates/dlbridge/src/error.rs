@@ -100,6 +100,24 @@ pub enum Error {
         /// The compiler's log.
         log: String,
     },
+    /// A file that breaks its format (a safetensors header, a checkpoint index), named with the
+    /// reason and, where one is to blame, the tensor.
+    #[error("invalid file {}: {reason}", path.display())]
+    InvalidFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Reading or writing a file failed. `source.kind()` keeps the system's [`std::io::ErrorKind`]
+    /// (`NotFound`, `IsADirectory`, `PermissionDenied`, ...) for bindings to map.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
     /// A driver or runtime call failed.
     #[error("{backend} error: {message}")]
     Driver {
@@ -146,11 +164,13 @@ impl Error {
             Error::Shape(_)
             | Error::Misaligned(_)
             | Error::Overflow(_)
-            | Error::InvalidArgument(_) => ErrorKind::Value,
+            | Error::InvalidArgument(_)
+            | Error::InvalidFile { .. } => ErrorKind::Value,
             Error::OutOfMemory { .. } => ErrorKind::Memory,
-            Error::BackendUnavailable { .. } | Error::Driver { .. } | Error::Compile { .. } => {
-                ErrorKind::Runtime
-            }
+            Error::BackendUnavailable { .. }
+            | Error::Driver { .. }
+            | Error::Compile { .. }
+            | Error::Io { .. } => ErrorKind::Runtime,
         }
     }
 }

@@ -28,6 +28,43 @@ pub(crate) fn row_major_strides(shape: &[usize], out: &mut [isize]) {
     }
 }
 
+/// Merges the axes of several operands walked together over one `shape` (outermost first;
+/// `strides[k]` is operand `k`'s, in any unit, as long as `shape`): axes of extent 1 are dropped,
+/// and an axis of extent `n` is folded into the axis just outside it when, for every operand, one
+/// step of the outer axis is `n` steps of the inner one. Returns the merged extents and each
+/// operand's strides over them, outermost first; position `i` of the merged axes addresses, on
+/// every operand, what position `i` (row-major) of `shape` addressed.
+///
+/// Every planner that walks strided operands (copies, element-wise kernels, reductions) merges
+/// with this one routine. Strides and extents multiply with wrapping: a merge is then exact in
+/// the modular arithmetic addresses are computed in, and the extents of an empty shape (which
+/// address nothing) cannot overflow.
+pub(crate) fn merge_axes(shape: &[usize], strides: &[&[isize]]) -> (Vec<usize>, Vec<Vec<isize>>) {
+    debug_assert!(strides.iter().all(|s| s.len() == shape.len()));
+    let mut extents: Vec<usize> = Vec::with_capacity(shape.len());
+    let mut merged: Vec<Vec<isize>> = vec![Vec::with_capacity(shape.len()); strides.len()];
+    for (axis, &n) in shape.iter().enumerate().filter(|&(_, &n)| n != 1) {
+        let folds = extents.last().is_some()
+            && strides.iter().zip(&merged).all(|(s, m)| {
+                m.last()
+                    .is_some_and(|&outer| outer == s[axis].wrapping_mul(n as isize))
+            });
+        if folds {
+            let last = extents.len() - 1;
+            extents[last] = extents[last].wrapping_mul(n);
+            for (s, m) in strides.iter().zip(&mut merged) {
+                m[last] = s[axis];
+            }
+        } else {
+            extents.push(n);
+            for (s, m) in strides.iter().zip(&mut merged) {
+                m.push(s[axis]);
+            }
+        }
+    }
+    (extents, merged)
+}
+
 /// Extents or strides: inline up to [`INLINE_NDIM`] axes, so that making a view (or a new
 /// array) of up to four axes allocates nothing for them.
 pub(crate) type Dims<T> = SmallVec<[T; INLINE_NDIM]>;
@@ -592,6 +629,67 @@ fn infer_shape(new_shape: &[Option<usize>], numel: usize) -> Result<Vec<usize>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every operand's offsets in row-major order over `shape`, wrapping as addresses do.
+    fn walk(shape: &[usize], strides: &[isize]) -> Vec<isize> {
+        let numel: usize = shape.iter().product();
+        (0..numel)
+            .map(|mut i| {
+                let mut off = 0isize;
+                for k in (0..shape.len()).rev() {
+                    off = off.wrapping_add(((i % shape[k]) as isize).wrapping_mul(strides[k]));
+                    i /= shape[k];
+                }
+                off
+            })
+            .collect()
+    }
+
+    #[test]
+    fn merged_axes_address_what_the_shape_did() {
+        // (shape, each operand's strides, the merged extents)
+        type Case = (
+            &'static [usize],
+            &'static [&'static [isize]],
+            &'static [usize],
+        );
+        let cases: &[Case] = &[
+            // Compact on both sides: one axis.
+            (&[2, 3, 4], &[&[12, 4, 1], &[12, 4, 1]], &[24]),
+            // Size-1 axes drop whatever their strides; a 0-d shape has no axes.
+            (&[1, 5, 1], &[&[99, 2, -7]], &[5]),
+            (&[], &[&[], &[]], &[]),
+            // Negative strides merge when consistent; a broadcast axis (0) merges only with
+            // another broadcast axis.
+            (&[2, 3], &[&[-3, -1]], &[6]),
+            (&[4, 2, 3], &[&[0, 0, 1], &[6, 3, 1]], &[8, 3]),
+            (&[4, 2, 3], &[&[0, 0, 0]], &[24]),
+            // A transpose does not merge; a sliced row keeps its pitch.
+            (&[3, 4], &[&[1, 3], &[4, 1]], &[3, 4]),
+            (&[3, 4], &[&[8, 1]], &[3, 4]),
+            // An empty shape stays empty.
+            (&[3, 0, 2], &[&[0, 2, 1]], &[0]),
+        ];
+        for &(shape, strides, want) in cases {
+            let (extents, merged) = merge_axes(shape, strides);
+            assert_eq!(extents, want, "{shape:?} {strides:?}");
+            for (s, m) in strides.iter().zip(&merged) {
+                assert_eq!(m.len(), extents.len());
+                assert_eq!(walk(&extents, m), walk(shape, s), "{shape:?} {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn merging_wraps_instead_of_overflowing() {
+        // Strides whose products wrap: the merge is exact modulo 2^64, as addresses are.
+        let big = isize::MIN / 2;
+        let (extents, merged) = merge_axes(&[2, 4], &[&[0, big]]);
+        assert_eq!(extents, vec![8]);
+        assert_eq!(merged, vec![vec![big]]);
+        let (extents, _) = merge_axes(&[0, usize::MAX, 3], &[&[0, 0, 0]]);
+        assert_eq!(extents.len(), 1);
+    }
 
     fn offsets_bytes(l: &Layout, itemsize: i128) -> Vec<i128> {
         // Every element's byte offset in row-major order.

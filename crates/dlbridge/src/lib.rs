@@ -53,6 +53,7 @@ pub mod error;
 mod fork;
 pub mod layout;
 pub mod pool;
+pub mod safetensors;
 pub mod storage;
 pub mod tensor;
 

@@ -211,13 +211,7 @@ unsafe extern "C" fn allocator(
             "dlbridge panicked while allocating".to_owned(),
         ),
     };
-    let kind = match message.0 {
-        dlbridge::ErrorKind::Memory => c"MemoryError",
-        dlbridge::ErrorKind::Value => c"ValueError",
-        dlbridge::ErrorKind::Type => c"TypeError",
-        dlbridge::ErrorKind::Buffer => c"BufferError",
-        _ => c"RuntimeError",
-    };
+    let kind = crate::errors::exception_name(message.0);
     let text = std::ffi::CString::new(message.1.replace('\0', " ")).unwrap_or_default();
     if let Some(set_error) = set_error {
         // SAFETY: the caller's error callback, with its context and NUL-terminated strings that
@@ -227,71 +221,59 @@ unsafe extern "C" fn allocator(
     -1
 }
 
-/// The dlbridge array behind `py_object`.
+/// Runs `f` on the tensor of the dlbridge array `py_object`, after the "NoSync" handoff (no
+/// stream is named: the consumer orders itself after [`current_work_stream`]; Metal, which has no
+/// stream, still waits for our work). One read of the array's slot, no reference-count traffic:
+/// the table's exports are on the path a consumer takes for every tensor.
 ///
 /// # Safety
-/// The GIL must be held and `py_object` must be a live object.
-unsafe fn array_of<'py>(py: Python<'py>, py_object: *mut c_void) -> PyResult<Bound<'py, PyArray>> {
-    // SAFETY: the caller guarantees a live object; we take a new strong reference.
-    let obj = unsafe { Bound::from_borrowed_ptr(py, py_object.cast::<ffi::PyObject>()) };
-    Ok(obj.cast_into::<PyArray>()?)
-}
-
-/// The handoff of the table's "NoSync" exports: no stream is named (the consumer orders itself
-/// after [`current_work_stream`]), but Metal, which has no stream, still waits for our work.
-fn no_sync_handoff(py: Python<'_>, device: Device) -> PyResult<()> {
-    if device.kind() != dlbridge::DeviceKind::Metal {
-        return Ok(());
+/// The GIL must be held and `py_object` must be a live object the caller keeps alive for the call.
+unsafe fn with_tensor(py_object: *mut c_void, f: impl FnOnce(&Tensor)) -> c_int {
+    // SAFETY: the protocol calls the table with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: a live object the caller holds for the whole call; borrowed, not owned.
+    let obj = unsafe { pyo3::Borrowed::from_ptr(py, py_object.cast::<ffi::PyObject>()) };
+    let array = match obj.cast::<PyArray>() {
+        Ok(array) => array,
+        Err(e) => return fail(py, e.into()),
+    };
+    let tensor = match array.get().tensor() {
+        Ok(t) => t,
+        Err(e) => return fail(py, e),
+    };
+    let device = tensor.device();
+    if device.kind() == dlbridge::DeviceKind::Metal {
+        if let Err(e) = py.detach(|| dlbridge::backend::export_handoff(device, None)) {
+            return fail(py, crate::errors::to_py(e));
+        }
     }
-    py.detach(|| dlbridge::backend::export_handoff(device, None))
-        .map_err(crate::errors::to_py)
+    f(&tensor);
+    0
 }
 
 unsafe extern "C" fn from_py_object(
     py_object: *mut c_void,
     out: *mut *mut DLManagedTensorVersioned,
 ) -> c_int {
-    // SAFETY: the protocol calls this with the GIL held.
-    let py = unsafe { Python::assume_attached() };
-    // SAFETY: the GIL is held and the caller passes a live object.
-    match unsafe { array_of(py, py_object) }.and_then(|a| {
-        let device = a.get().tensor()?.device();
-        no_sync_handoff(py, device).map(|()| a)
-    }) {
-        Ok(array) => match array.get().tensor() {
-            Ok(t) => {
-                let managed = t.to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
-                // SAFETY: `out` is a valid place for the result.
-                unsafe { *out = managed.as_ptr() };
-                0
-            }
-            Err(e) => fail(py, e),
-        },
-        Err(e) => fail(py, e),
-    }
+    let write = |t: &Tensor| {
+        let managed = t.to_dlpack_versioned(dlbridge::dlpack::VERSION, false);
+        // SAFETY: `out` is a valid place for the result, per the protocol.
+        unsafe { *out = managed.as_ptr() };
+    };
+    // SAFETY: the caller passes a live object with the GIL held (the protocol's contract).
+    unsafe { with_tensor(py_object, write) }
 }
 
 unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut DLTensor) -> c_int {
-    // SAFETY: the protocol calls this with the GIL held.
-    let py = unsafe { Python::assume_attached() };
-    // SAFETY: the GIL is held and the caller passes a live object.
-    match unsafe { array_of(py, py_object) }.and_then(|a| {
-        let device = a.get().tensor()?.device();
-        no_sync_handoff(py, device).map(|()| a)
-    }) {
-        Ok(array) => match array.get().tensor() {
-            // The array is alive while the caller holds `py_object`, and its view never changes
-            // (only `Backend.free` can end it, which the caller must not race with its own
-            // use), so the shape and strides its layout owns stay put, as the protocol asks.
-            Ok(t) => {
-                // SAFETY: `out` is a valid, writable `DLTensor`.
-                unsafe { *out = t.borrowed_descriptor() };
-                0
-            }
-            Err(e) => fail(py, e),
-        },
-        Err(e) => fail(py, e),
-    }
+    // The array is alive while the caller holds `py_object`, and its view never changes (only
+    // `Backend.free` can end it, which the caller must not race with its own use), so the shape
+    // and strides its layout owns stay put, as the protocol asks.
+    let write = |t: &Tensor| {
+        // SAFETY: `out` is a valid, writable `DLTensor`, per the protocol.
+        unsafe { *out = t.borrowed_descriptor() };
+    };
+    // SAFETY: the caller passes a live object with the GIL held (the protocol's contract).
+    unsafe { with_tensor(py_object, write) }
 }
 
 unsafe extern "C" fn to_py_object(

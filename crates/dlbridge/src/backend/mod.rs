@@ -103,6 +103,116 @@ pub(crate) trait Backend: Sync {
 
     /// Runs a batched matrix product ([`crate::compute`]).
     fn matmul(&self, req: &MatmulRequest<'_>) -> Result<()>;
+
+    /// Reads ranges of files into memory of `device` (the loaders' path from disk): by default
+    /// straight into host-accessible destinations with parallel positioned reads.
+    fn read_file(
+        &self,
+        _device: Device,
+        reads: &[FileRead<'_>],
+        options: &ReadOptions<'_>,
+    ) -> Result<()> {
+        read_to_host(reads, options)
+    }
+}
+
+/// One range of a file headed for a buffer: `len` bytes at `offset` of `file` (or of `direct`, the
+/// same file opened for direct I/O, where that is wanted) land at `dst_offset` in `dst`.
+pub(crate) struct FileRead<'a> {
+    /// The file's path, for errors.
+    pub(crate) path: &'a std::path::Path,
+    /// The file, opened for buffered reads.
+    pub(crate) file: &'a std::fs::File,
+    /// The file opened with `O_DIRECT`, to read around the page cache (only the CUDA reader,
+    /// whose staging buffers are page-aligned, uses it).
+    #[cfg_attr(not(cuda), allow(dead_code))]
+    pub(crate) direct: Option<&'a std::fs::File>,
+    /// Where the range starts in the file.
+    pub(crate) offset: u64,
+    /// Its length.
+    pub(crate) len: usize,
+    /// The destination allocation.
+    pub(crate) dst: &'a Buffer,
+    /// Where the range lands in it.
+    pub(crate) dst_offset: usize,
+}
+
+/// How [`read_file`] reads.
+pub(crate) struct ReadOptions<'a> {
+    /// Reader threads.
+    pub(crate) threads: usize,
+    /// The largest read (and staging buffer), in bytes.
+    pub(crate) chunk: usize,
+    /// Bytes landed so far, for progress reports.
+    pub(crate) done: &'a std::sync::atomic::AtomicU64,
+}
+
+/// Reads ranges of files into memory on `device` ([`Backend::read_file`]).
+pub(crate) fn read_file(
+    device: Device,
+    reads: &[FileRead<'_>],
+    options: &ReadOptions<'_>,
+) -> Result<()> {
+    match of(device) {
+        Some(backend) => backend.read_file(device, reads, options),
+        None => Err(no_memory_of_ours(device)),
+    }
+}
+
+/// Parallel positioned reads straight into host-accessible destinations.
+pub(crate) fn read_to_host(reads: &[FileRead<'_>], options: &ReadOptions<'_>) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let chunk = options.chunk.max(1);
+    let pieces: Vec<(usize, usize)> = reads
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| (0..r.len.div_ceil(chunk)).map(move |k| (i, k * chunk)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let first_error = std::sync::Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..options.threads.clamp(1, pieces.len().max(1)) {
+            scope.spawn(|| {
+                while let Some(&(i, start)) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let r = &reads[i];
+                    let len = chunk.min(r.len - start);
+                    let outcome = r
+                        .dst
+                        .require_host("reading a file into it")
+                        .and_then(|base| {
+                            // SAFETY: the caller sized `dst` for every read, and pieces of different
+                            // reads land in disjoint ranges that nothing else touches meanwhile.
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    base.as_ptr().wrapping_add(r.dst_offset + start),
+                                    len,
+                                )
+                            };
+                            r.file
+                                .read_exact_at(dst, r.offset + start as u64)
+                                .map_err(|source| Error::Io {
+                                    path: r.path.to_path_buf(),
+                                    source,
+                                })
+                        });
+                    if let Err(e) = outcome {
+                        first_error
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                        next.store(usize::MAX / 2, Ordering::Relaxed);
+                        return;
+                    }
+                    options.done.fetch_add(len as u64, Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// The backend that serves `device`, or `None` for devices dlbridge holds only opaquely.

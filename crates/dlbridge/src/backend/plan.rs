@@ -1,13 +1,16 @@
-//! How a copy between two layouts of one shape is carried out on a GPU: one linear copy, one
-//! pitched 2-D copy, a tiled transpose kernel, or the general strided kernel.
+//! How a copy between two layouts of one shape is planned: `copy_axes`, the one copy planner
+//! of every backend, and what the CUDA backend makes of its axes ([`plan_copy`]: one linear copy,
+//! one pitched 2-D copy, a tiled transpose kernel, or the general strided kernel).
 //!
 //! Platform-free (it only does arithmetic on shapes and strides), so it is unit-tested on every
-//! machine; the CUDA backend executes the plans.
+//! machine. `copy_axes` treats each element as an inner axis of units, drops axes of extent 1
+//! and merges axes that are contiguous with each other in both layouts; the CPU walks its axes,
+//! Metal's planner (`backend::metal::kernel`) turns them into a blit or kernel dispatches.
 //!
-//! The planner works in bytes. It treats each element as an inner axis of `itemsize` bytes, drops
-//! axes of extent 1, merges axes that are contiguous with each other in both layouts, and then
-//! picks the widest word (16, 8, 4, 2 or 1 bytes) that divides every stride, the innermost
-//! extent and both base addresses, so that a copy of float16 rows moves 16 bytes per thread.
+//! [`plan_copy`] works in bytes: it orders the axes by the destination's strides, plans them with
+//! `copy_axes`, and then picks the widest word (16, 8, 4, 2 or 1 bytes) that divides every
+//! stride, the innermost extent and both base addresses, so that a copy of float16 rows moves 16
+//! bytes per thread.
 
 use crate::error::{Error, Result};
 
@@ -76,37 +79,29 @@ pub fn plan_copy(
     src_addr: usize,
     dst_addr: usize,
 ) -> Result<CopyPlan> {
-    if shape.len() != src.len() || shape.len() != dst.len() {
-        return Err(Error::Shape(format!(
-            "copy of shape {shape:?} with source strides {src:?} and destination strides {dst:?}"
-        )));
-    }
+    check_ranks(shape, src, dst)?;
     if itemsize == 0 {
         return Err(Error::InvalidArgument("copy of zero-byte elements".into()));
     }
     if shape.contains(&0) {
         return Ok(CopyPlan::Empty);
     }
-    // Byte axes, outermost first, extent-1 axes dropped, plus the element's own bytes.
-    let mut axes: Vec<Axis> = shape
-        .iter()
-        .zip(src.iter().zip(dst))
-        .filter(|(n, _)| **n != 1)
-        .map(|(&n, (&s, &d))| Axis {
-            extent: n as u64,
-            src: s as i64,
-            dst: d as i64,
-        })
-        .collect();
-    axes.push(Axis {
-        extent: itemsize as u64,
-        src: 1,
-        dst: 1,
-    });
-    // Order by the destination's strides, largest first, so the kernel's innermost axis writes
-    // adjacent words. The element-bytes axis (stride 1) stays innermost.
-    axes.sort_by_key(|a| std::cmp::Reverse(a.dst.unsigned_abs()));
-    let axes = coalesce(axes);
+    // Order by the destination's strides, largest first (a stable sort), so the kernel's
+    // innermost axis writes adjacent words; the element's bytes stay innermost.
+    let mut order: Vec<usize> = (0..shape.len()).collect();
+    order.sort_by_key(|&k| std::cmp::Reverse(dst[k].unsigned_abs()));
+    let pick = |v: &[isize]| -> Vec<isize> { order.iter().map(|&k| v[k]).collect() };
+    let sorted: Vec<usize> = order.iter().map(|&k| shape[k]).collect();
+    let mut axes = copy_axes(&sorted, &pick(src), &pick(dst), itemsize)?;
+    // One-byte elements leave no axis of their own (an extent of 1 is dropped): put back a run
+    // of one byte unless an axis of byte strides 1 is innermost already.
+    if axes.last().is_none_or(|a| (a.src, a.dst) != (1, 1)) {
+        axes.push(Axis {
+            extent: 1,
+            src: 1,
+            dst: 1,
+        });
+    }
 
     // The element's bytes have stride 1 on both sides, and merging keeps the inner axis's
     // strides, so the innermost axis is always a contiguous run of bytes.
@@ -179,24 +174,44 @@ pub fn plan_copy(
     })
 }
 
-/// Merges neighbouring axes that are contiguous with each other in both layouts.
-fn coalesce(axes: Vec<Axis>) -> Vec<Axis> {
-    let mut out: Vec<Axis> = Vec::with_capacity(axes.len());
-    for a in axes {
-        if let Some(prev) = out.last_mut() {
-            let n = a.extent as i64;
-            if prev.src == a.src.wrapping_mul(n) && prev.dst == a.dst.wrapping_mul(n) {
-                *prev = Axis {
-                    extent: prev.extent * a.extent,
-                    src: a.src,
-                    dst: a.dst,
-                };
-                continue;
-            }
-        }
-        out.push(a);
+/// Refuses strides of another rank than the shape (the copy planners' first check).
+pub(crate) fn check_ranks(shape: &[usize], src: &[isize], dst: &[isize]) -> Result<()> {
+    if shape.len() != src.len() || shape.len() != dst.len() {
+        return Err(Error::Shape(format!(
+            "copy of shape {shape:?} with source strides {src:?} and destination strides {dst:?}"
+        )));
     }
-    out
+    Ok(())
+}
+
+/// The axes of a copy of `shape` from strides `src` to strides `dst`, outermost first: the one
+/// copy planner every backend starts from. Strides count units (bytes, words or elements: the
+/// caller's choice); each element is `per` units, walked as an innermost axis of stride 1 on both
+/// sides. Axes of extent 1 are dropped and axes contiguous with each other on both sides merged
+/// ([`merge_axes`](crate::layout::merge_axes)), so a copy between two compact layouts is one axis
+/// (none for one unit). The CUDA planner turns the axes into linear, pitched or kernel copies,
+/// the Metal planner into a blit or kernel dispatches, and the CPU walks them.
+pub(crate) fn copy_axes(
+    shape: &[usize],
+    src: &[isize],
+    dst: &[isize],
+    per: usize,
+) -> Result<Vec<Axis>> {
+    check_ranks(shape, src, dst)?;
+    let with_element = |v: &[isize]| -> Vec<isize> { v.iter().copied().chain([1]).collect() };
+    let extents: Vec<usize> = shape.iter().copied().chain([per]).collect();
+    let (extents, strides) =
+        crate::layout::merge_axes(&extents, &[&with_element(src), &with_element(dst)]);
+    Ok(extents
+        .iter()
+        .zip(&strides[0])
+        .zip(&strides[1])
+        .map(|((&n, &s), &d)| Axis {
+            extent: n as u64,
+            src: s as i64,
+            dst: d as i64,
+        })
+        .collect())
 }
 
 /// A transpose pattern worth a tiled kernel: the destination is contiguous along the innermost
@@ -216,6 +231,55 @@ mod tests {
 
     fn bytes(strides: &[isize], item: usize) -> Vec<isize> {
         strides.iter().map(|s| s * item as isize).collect()
+    }
+
+    #[test]
+    fn copy_axes_put_the_element_innermost() {
+        let axis = |extent, src, dst| Axis { extent, src, dst };
+        // Compact float32 rows in elements of 4 bytes: one run of bytes.
+        assert_eq!(
+            copy_axes(&[4, 5], &[20, 4], &[20, 4], 4).unwrap(),
+            vec![axis(80, 1, 1)]
+        );
+        // Element strides (one unit an element): the element adds no axis.
+        assert_eq!(
+            copy_axes(&[3, 1, 4], &[1, 7, 3], &[4, 9, 1], 1).unwrap(),
+            vec![axis(3, 1, 4), axis(4, 3, 1)]
+        );
+        // A reversed source keeps its sign; one element is its own units only.
+        assert_eq!(
+            copy_axes(&[5], &[-8], &[8], 8).unwrap(),
+            vec![axis(5, -8, 8), axis(8, 1, 1)]
+        );
+        assert_eq!(copy_axes(&[], &[], &[], 2).unwrap(), vec![axis(2, 1, 1)]);
+        assert!(copy_axes(&[], &[], &[], 1).unwrap().is_empty());
+        assert!(matches!(
+            copy_axes(&[2], &[1], &[], 1),
+            Err(Error::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn one_byte_elements_keep_a_byte_run() {
+        // A one-byte element adds no axis of extent 1; the planner still ends in a byte run.
+        let p = plan_copy(&[5], &[2], &[1], 1, 0, 0).unwrap();
+        assert_eq!(
+            p,
+            CopyPlan::Kernel {
+                word: 1,
+                axes: vec![Axis {
+                    extent: 5,
+                    src: 2,
+                    dst: 1
+                }],
+                outer: vec![],
+                tiled: None
+            }
+        );
+        assert_eq!(
+            plan_copy(&[5, 3], &[3, 1], &[3, 1], 1, 1, 0).unwrap(),
+            CopyPlan::Linear { bytes: 15 }
+        );
     }
 
     #[test]

@@ -23,6 +23,7 @@
 //! values are all `< 1000`), not wrapped into the dtype.
 
 mod device;
+mod elem;
 pub mod kernel;
 pub mod plan;
 pub mod promote;
@@ -34,6 +35,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 pub use device::{Backend, BackendType};
+pub(crate) use elem::Elem;
 pub use plan::{MapPlan, MatmulShape, MatrixLayout, ReducePlan, broadcast_shapes};
 
 /// Element-wise functions of one operand.

@@ -32,30 +32,7 @@ impl MapPlan {
                 strides: vec![vec![1]; operands.len()],
             };
         }
-        let keep: Vec<usize> = (0..shape.len()).filter(|&i| shape[i] != 1).collect();
-        let mut out_shape: Vec<usize> = Vec::with_capacity(keep.len());
-        let mut out_strides: Vec<Vec<isize>> = vec![Vec::with_capacity(keep.len()); operands.len()];
-        for &axis in &keep {
-            let n = shape[axis];
-            // Merge with the previous (outer) axis when, for every operand, stepping the outer
-            // axis once equals stepping this one `n` times.
-            let mergeable = !out_shape.is_empty()
-                && operands.iter().enumerate().all(|(k, s)| {
-                    let outer = *out_strides[k].last().expect("same length as out_shape");
-                    outer == s[axis].wrapping_mul(n as isize)
-                });
-            if mergeable {
-                *out_shape.last_mut().expect("non-empty") *= n;
-                for (k, s) in operands.iter().enumerate() {
-                    *out_strides[k].last_mut().expect("non-empty") = s[axis];
-                }
-            } else {
-                out_shape.push(n);
-                for (k, s) in operands.iter().enumerate() {
-                    out_strides[k].push(s[axis]);
-                }
-            }
-        }
+        let (mut out_shape, mut out_strides) = crate::layout::merge_axes(shape, operands);
         if out_shape.is_empty() {
             out_shape.push(1);
             for s in &mut out_strides {

@@ -23,6 +23,7 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
+use crate::backend::plan::copy_axes;
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -235,49 +236,14 @@ pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
     })
 }
 
-/// One axis of a copy: extent and the byte strides on each side.
-#[derive(Clone, Copy, Debug)]
-struct Axis {
-    len: usize,
-    src: isize,
-    dst: isize,
-}
-
-/// Drops extents of 1 and merges neighbouring axes that are contiguous with each other on both
-/// sides, so that the inner loop is as long as possible.
-fn coalesce(shape: &[usize], src: &[isize], dst: &[isize], itemsize: usize) -> Vec<Axis> {
-    let size = itemsize as isize;
-    let mut axes: Vec<Axis> = Vec::with_capacity(shape.len());
-    for i in 0..shape.len() {
-        if shape[i] == 1 {
-            continue;
-        }
-        let axis = Axis {
-            len: shape[i],
-            src: src[i] * size,
-            dst: dst[i] * size,
-        };
-        if let Some(last) = axes.last_mut() {
-            let n = axis.len as isize;
-            if last.src == axis.src * n && last.dst == axis.dst * n {
-                last.len *= axis.len;
-                last.src = axis.src;
-                last.dst = axis.dst;
-                continue;
-            }
-        }
-        axes.push(axis);
-    }
-    axes
-}
-
 /// Copies `shape` elements of `itemsize` bytes from a strided source to a strided destination.
 ///
 /// Strides are in elements; `src`/`dst` point at element `[0, 0, ...]`.
 ///
 /// # Safety
 /// Every element address the two layouts produce must be valid for reads (`src`) and writes
-/// (`dst`) of `itemsize` bytes, and the two sets of addressed bytes must not overlap.
+/// (`dst`) of `itemsize` bytes, and the two sets of addressed bytes must not overlap. Both stride
+/// lists have `shape`'s length (else nothing is copied).
 pub unsafe fn copy_strided(
     src: *const u8,
     src_strides: &[isize],
@@ -289,24 +255,39 @@ pub unsafe fn copy_strided(
     if shape.contains(&0) {
         return;
     }
-    let axes = coalesce(shape, src_strides, dst_strides, itemsize);
-    let Some((inner, outer)) = axes.split_last() else {
+    // Element strides (one unit per element), merged; a rank mismatch breaks the contract and
+    // copies nothing.
+    let Ok(axes) = copy_axes(shape, src_strides, dst_strides, 1) else {
+        return;
+    };
+    let size = itemsize as isize;
+    // Extents and byte strides, as the loops below use them.
+    let axes: Vec<(usize, isize, isize)> = axes
+        .iter()
+        .map(|a| {
+            (
+                a.extent as usize,
+                a.src as isize * size,
+                a.dst as isize * size,
+            )
+        })
+        .collect();
+    let Some((&(len, inner_src, inner_dst), outer)) = axes.split_last() else {
         // SAFETY: one element; the caller guarantees both addresses are valid and disjoint.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, itemsize) };
         return;
     };
-    let size = itemsize as isize;
-    let contiguous_inner = inner.src == size && inner.dst == size;
+    let contiguous_inner = inner_src == size && inner_dst == size;
     let mut index = vec![0usize; outer.len()];
     let (mut s, mut d) = (src, dst);
     loop {
         if contiguous_inner {
-            // SAFETY: the inner run is `inner.len` contiguous elements on both sides, all valid
+            // SAFETY: the inner run is `len` contiguous elements on both sides, all valid
             // and disjoint by the caller's guarantee.
-            unsafe { std::ptr::copy_nonoverlapping(s, d, inner.len * itemsize) };
+            unsafe { std::ptr::copy_nonoverlapping(s, d, len * itemsize) };
         } else {
             // SAFETY: each address is one the layouts produce, valid and disjoint by contract.
-            unsafe { copy_run(s, inner.src, d, inner.dst, inner.len, itemsize) };
+            unsafe { copy_run(s, inner_src, d, inner_dst, len, itemsize) };
         }
         // Advance the outer index like an odometer.
         let mut k = outer.len();
@@ -316,13 +297,14 @@ pub unsafe fn copy_strided(
             }
             k -= 1;
             index[k] += 1;
-            s = s.wrapping_offset(outer[k].src);
-            d = d.wrapping_offset(outer[k].dst);
-            if index[k] < outer[k].len {
+            let (n, step_src, step_dst) = outer[k];
+            s = s.wrapping_offset(step_src);
+            d = d.wrapping_offset(step_dst);
+            if index[k] < n {
                 break;
             }
-            s = s.wrapping_offset(-outer[k].src * outer[k].len as isize);
-            d = d.wrapping_offset(-outer[k].dst * outer[k].len as isize);
+            s = s.wrapping_offset(-step_src * n as isize);
+            d = d.wrapping_offset(-step_dst * n as isize);
             index[k] = 0;
         }
     }

@@ -18,8 +18,7 @@
 
 use std::fmt::Write as _;
 
-use crate::compute::{BinaryOp, MapOp, ReduceOp, UnaryOp};
-use crate::dtype::{DType, DTypeCode};
+use crate::compute::{BinaryOp, Elem, MapOp, ReduceOp, UnaryOp};
 
 /// The most collapsed axes the strided map kernel walks (more: operands are made compact first).
 pub(crate) const MAX_MAP_DIMS: usize = 6;
@@ -30,113 +29,59 @@ pub(crate) const THREADS: u32 = 256;
 /// Vectors per thread per step of the flat map kernel.
 pub(crate) const UNROLL: u32 = 4;
 
-/// An element type as the kernels see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Ty {
-    Bool,
-    I8,
-    I16,
-    I32,
-    I64,
-    U8,
-    U16,
-    U32,
-    U64,
-    F16,
-    BF16,
-    F32,
-    F64,
+/// How an element type is spelled in the kernels' CUDA C.
+trait CudaType {
+    /// The C type elements are stored as.
+    fn storage(self) -> &'static str;
+    /// The C type arithmetic runs in.
+    fn compute(self) -> &'static str;
+    /// The unsigned type integer arithmetic wraps in.
+    fn wrap(self) -> &'static str;
+    /// A stored value as a compute value.
+    fn load(self, e: &str) -> String;
+    /// A compute value as a stored value.
+    fn store(self, e: &str) -> String;
 }
 
-impl Ty {
-    /// The kernels' type for `dtype`, if they handle it.
-    pub(crate) fn of(dtype: DType) -> Option<Ty> {
-        if dtype.lanes() != 1 {
-            return None;
-        }
-        Some(match (dtype.code(), dtype.bits()) {
-            (DTypeCode::Bool, 8) => Ty::Bool,
-            (DTypeCode::Int, 8) => Ty::I8,
-            (DTypeCode::Int, 16) => Ty::I16,
-            (DTypeCode::Int, 32) => Ty::I32,
-            (DTypeCode::Int, 64) => Ty::I64,
-            (DTypeCode::UInt, 8) => Ty::U8,
-            (DTypeCode::UInt, 16) => Ty::U16,
-            (DTypeCode::UInt, 32) => Ty::U32,
-            (DTypeCode::UInt, 64) => Ty::U64,
-            (DTypeCode::Float, 16) => Ty::F16,
-            (DTypeCode::BFloat, 16) => Ty::BF16,
-            (DTypeCode::Float, 32) => Ty::F32,
-            (DTypeCode::Float, 64) => Ty::F64,
-            _ => return None,
-        })
-    }
-
-    /// Bytes per element.
-    pub(crate) fn size(self) -> usize {
-        match self {
-            Ty::Bool | Ty::I8 | Ty::U8 => 1,
-            Ty::I16 | Ty::U16 | Ty::F16 | Ty::BF16 => 2,
-            Ty::I32 | Ty::U32 | Ty::F32 => 4,
-            Ty::I64 | Ty::U64 | Ty::F64 => 8,
-        }
-    }
-
-    pub(crate) fn is_float(self) -> bool {
-        matches!(self, Ty::F16 | Ty::BF16 | Ty::F32 | Ty::F64)
-    }
-
-    fn is_signed(self) -> bool {
-        matches!(self, Ty::I8 | Ty::I16 | Ty::I32 | Ty::I64)
-    }
-
-    /// The C type elements are stored as.
+impl CudaType for Elem {
     fn storage(self) -> &'static str {
         match self {
-            Ty::Bool | Ty::U8 => "u8",
-            Ty::I8 => "i8",
-            Ty::I16 => "i16",
-            Ty::I32 => "i32",
-            Ty::I64 => "i64",
-            Ty::U16 | Ty::F16 | Ty::BF16 => "u16",
-            Ty::U32 => "u32",
-            Ty::U64 => "u64",
-            Ty::F32 => "float",
-            Ty::F64 => "double",
+            Elem::Bool | Elem::U8 => "u8",
+            Elem::I8 => "i8",
+            Elem::I16 => "i16",
+            Elem::I32 => "i32",
+            Elem::I64 => "i64",
+            Elem::U16 | Elem::F16 | Elem::BF16 => "u16",
+            Elem::U32 => "u32",
+            Elem::U64 => "u64",
+            Elem::F32 => "float",
+            Elem::F64 => "double",
         }
     }
 
-    /// The C type arithmetic runs in.
     fn compute(self) -> &'static str {
         match self {
-            Ty::F16 | Ty::BF16 | Ty::F32 => "float",
-            Ty::F64 => "double",
+            Elem::F16 | Elem::BF16 | Elem::F32 => "float",
+            Elem::F64 => "double",
             other => other.storage(),
         }
     }
 
-    /// The unsigned type integer arithmetic wraps in.
     fn wrap(self) -> &'static str {
         if self.size() == 8 { "u64" } else { "u32" }
     }
 
-    /// A stored value as a compute value.
     fn load(self, e: &str) -> String {
-        match self {
-            Ty::F16 => format!("f16_to_f32({e})"),
-            Ty::BF16 => format!("bf16_to_f32({e})"),
-            _ => e.to_string(),
-        }
+        self.convert_half(e, "f16_to_f32", "bf16_to_f32")
+            .unwrap_or_else(|| e.to_string())
     }
 
-    /// A compute value as a stored value.
     fn store(self, e: &str) -> String {
-        match self {
-            Ty::F16 => format!("f32_to_f16({e})"),
-            Ty::BF16 => format!("f32_to_bf16({e})"),
-            Ty::Bool => format!("(u8)(({e}) != 0)"),
-            other => format!("({})({e})", other.storage()),
-        }
+        self.convert_half(e, "f32_to_f16", "f32_to_bf16")
+            .unwrap_or_else(|| match self {
+                Elem::Bool => format!("(u8)(({e}) != 0)"),
+                other => format!("({})({e})", other.storage()),
+            })
     }
 }
 
@@ -211,8 +156,8 @@ pub(crate) enum MapShape {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct MapKey {
     pub(crate) op: MapOp,
-    pub(crate) input: Ty,
-    pub(crate) out: Ty,
+    pub(crate) input: Elem,
+    pub(crate) out: Elem,
     /// How each input is read (the first `arity`).
     pub(crate) modes: [Mode; 2],
     pub(crate) arity: u8,
@@ -245,20 +190,20 @@ const MAP_ARGS: &str = "struct MapArgs { u64 out; u64 in[2]; double sf[2]; i64 s
                         u64 shape[6]; i64 st[2][6]; };\n";
 
 /// Whether the map `op` is defined on `input` → `out` (the front promotes before asking).
-pub(crate) fn map_supported(op: MapOp, input: Ty, out: Ty) -> bool {
+pub(crate) fn map_supported(op: MapOp, input: Elem, out: Elem) -> bool {
     match op {
         MapOp::Cast => true,
         MapOp::Unary(u) => {
-            input == out && input != Ty::Bool && (input.is_float() || !u.is_transcendental())
+            input == out && input != Elem::Bool && (input.is_float() || !u.is_transcendental())
         }
         MapOp::Binary(b) => {
-            input == out && input != Ty::Bool && (input.is_float() || b != BinaryOp::Div)
+            input == out && input != Elem::Bool && (input.is_float() || b != BinaryOp::Div)
         }
-        MapOp::Compare(_) => out == Ty::Bool,
+        MapOp::Compare(_) => out == Elem::Bool,
     }
 }
 
-fn unary_expr(op: UnaryOp, t: Ty, a: &str) -> String {
+fn unary_expr(op: UnaryOp, t: Elem, a: &str) -> String {
     let c = t.compute();
     if t.is_float() {
         let f = if c == "float" { "f" } else { "" };
@@ -286,7 +231,7 @@ fn unary_expr(op: UnaryOp, t: Ty, a: &str) -> String {
     }
 }
 
-fn binary_expr(op: BinaryOp, t: Ty, a: &str, b: &str) -> String {
+fn binary_expr(op: BinaryOp, t: Elem, a: &str, b: &str) -> String {
     let sym = match op {
         BinaryOp::Add => "+",
         BinaryOp::Sub => "-",
@@ -305,22 +250,22 @@ fn binary_expr(op: BinaryOp, t: Ty, a: &str, b: &str) -> String {
 }
 
 /// `x` (a stored `from`) as a stored `to`, by NumPy's `astype` rules.
-fn cast_expr(from: Ty, to: Ty, x: &str) -> String {
+fn cast_expr(from: Elem, to: Elem, x: &str) -> String {
     if from == to {
         return x.to_string();
     }
-    if to == Ty::Bool {
+    if to == Elem::Bool {
         return format!("(u8)(({}) != 0)", from.load(x));
     }
-    if from == Ty::Bool {
+    if from == Elem::Bool {
         // Any non-zero byte is true: a choice between the stored 0 and 1 of `to`. (Not through
         // `double`: ptxas 13.0 miscompiled eight such lanes of bool → bfloat16, converting one
         // double built by selecting only its high word for all of them.)
         let one = match to {
-            Ty::F16 => "(u16)0x3c00",
-            Ty::BF16 => "(u16)0x3f80",
-            Ty::F32 => "1.0f",
-            Ty::F64 => "1.0",
+            Elem::F16 => "(u16)0x3c00",
+            Elem::BF16 => "(u16)0x3f80",
+            Elem::F32 => "1.0f",
+            Elem::F64 => "1.0",
             _ => "1",
         };
         return format!(
@@ -332,15 +277,15 @@ fn cast_expr(from: Ty, to: Ty, x: &str) -> String {
     match (from.is_float(), to.is_float()) {
         (false, false) => format!("({})({x})", to.storage()),
         // 8- and 16-bit integers are exact in float: one rounding, in float.
-        (false, true) if from.size() <= 2 && matches!(to, Ty::F16 | Ty::BF16 | Ty::F32) => {
+        (false, true) if from.size() <= 2 && matches!(to, Elem::F16 | Elem::BF16 | Elem::F32) => {
             to.store(&format!("(float)({x})"))
         }
         (false, true) => {
             let d = format!("(double)({x})");
             match to {
-                Ty::F16 => format!("f64_to_f16({d})"),
-                Ty::BF16 => format!("f64_to_bf16({d})"),
-                Ty::F32 => format!("(float)({d})"),
+                Elem::F16 => format!("f64_to_f16({d})"),
+                Elem::BF16 => format!("f64_to_bf16({d})"),
+                Elem::F32 => format!("(float)({d})"),
                 _ => d,
             }
         }
@@ -350,12 +295,12 @@ fn cast_expr(from: Ty, to: Ty, x: &str) -> String {
             from.load(x)
         ),
         (true, true) => match (from, to) {
-            (Ty::F64, Ty::F16) => format!("f64_to_f16({x})"),
-            (Ty::F64, Ty::BF16) => format!("f64_to_bf16({x})"),
-            (Ty::F64, Ty::F32) => format!("(float)({x})"),
-            (_, Ty::F64) => format!("(double)({})", from.load(x)),
-            (_, Ty::F32) => from.load(x),
-            (_, Ty::F16) => format!("f32_to_f16({})", from.load(x)),
+            (Elem::F64, Elem::F16) => format!("f64_to_f16({x})"),
+            (Elem::F64, Elem::BF16) => format!("f64_to_bf16({x})"),
+            (Elem::F64, Elem::F32) => format!("(float)({x})"),
+            (_, Elem::F64) => format!("(double)({})", from.load(x)),
+            (_, Elem::F32) => from.load(x),
+            (_, Elem::F16) => format!("f32_to_f16({})", from.load(x)),
             (_, _) => format!("f32_to_bf16({})", from.load(x)),
         },
     }
@@ -579,10 +524,10 @@ pub(crate) enum ReduceKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct ReduceKey {
     pub(crate) op: ReduceOp,
-    pub(crate) input: Ty,
+    pub(crate) input: Elem,
     /// The accumulator dtype the front chose.
-    pub(crate) acc: Ty,
-    pub(crate) out: Ty,
+    pub(crate) acc: Elem,
+    pub(crate) out: Elem,
     pub(crate) kind: ReduceKind,
     /// Collapsed kept and reduced axes.
     pub(crate) kept_dims: u8,
@@ -621,13 +566,13 @@ impl ReduceKey {
     pub(crate) fn acc_c(&self) -> &'static str {
         match self.op {
             ReduceOp::Sum | ReduceOp::Mean => match self.acc {
-                Ty::I64 | Ty::U64 => "u64",
-                Ty::F64 => "double",
+                Elem::I64 | Elem::U64 => "u64",
+                Elem::F64 => "double",
                 _ => "float",
             },
             ReduceOp::Max | ReduceOp::Min => match self.input {
-                Ty::I8 | Ty::I16 | Ty::I32 => "i32",
-                Ty::U8 | Ty::U16 | Ty::U32 | Ty::Bool => "u32",
+                Elem::I8 | Elem::I16 | Elem::I32 => "i32",
+                Elem::U8 | Elem::U16 | Elem::U32 | Elem::Bool => "u32",
                 other => other.compute(),
             },
         }
@@ -913,20 +858,10 @@ mod tests {
     use super::*;
     use crate::compute::CompareOp;
 
-    const ALL: [Ty; 12] = [
-        Ty::I8,
-        Ty::I16,
-        Ty::I32,
-        Ty::I64,
-        Ty::U8,
-        Ty::U16,
-        Ty::U32,
-        Ty::U64,
-        Ty::F16,
-        Ty::BF16,
-        Ty::F32,
-        Ty::F64,
-    ];
+    /// Every element type the CUDA kernels compute on (`bool` only casts).
+    fn all() -> impl Iterator<Item = Elem> {
+        Elem::ALL.into_iter().filter(|&t| t != Elem::Bool)
+    }
 
     /// Compiles `sources` with NVRTC for sm_90 (no GPU needed); panics, saying why, where NVRTC
     /// is not installed, so the tests that call it are ignored unless asked for.
@@ -942,15 +877,15 @@ mod tests {
         }
     }
 
-    fn reduce_keys(input: Ty) -> Vec<ReduceKey> {
+    fn reduce_keys(input: Elem) -> Vec<ReduceKey> {
         let mut keys = Vec::new();
         for op in ReduceOp::ALL {
             let acc = match (op, input) {
-                (ReduceOp::Sum, t) if t.is_signed() => Ty::I64,
-                (ReduceOp::Sum, t) if !t.is_float() => Ty::U64,
-                (ReduceOp::Mean, t) if !t.is_float() => Ty::F64,
-                (ReduceOp::Sum | ReduceOp::Mean, Ty::F64) => Ty::F64,
-                (ReduceOp::Sum | ReduceOp::Mean, _) => Ty::F32,
+                (ReduceOp::Sum, t) if t.is_signed() => Elem::I64,
+                (ReduceOp::Sum, t) if !t.is_float() => Elem::U64,
+                (ReduceOp::Mean, t) if !t.is_float() => Elem::F64,
+                (ReduceOp::Sum | ReduceOp::Mean, Elem::F64) => Elem::F64,
+                (ReduceOp::Sum | ReduceOp::Mean, _) => Elem::F32,
                 _ => input,
             };
             let out = match op {
@@ -984,7 +919,7 @@ mod tests {
         keys
     }
 
-    fn map_keys(t: Ty) -> Vec<MapKey> {
+    fn map_keys(t: Elem) -> Vec<MapKey> {
         let mut keys = Vec::new();
         let flat = MapShape::Flat {
             vec: (16 / t.size()) as u8,
@@ -1034,7 +969,7 @@ mod tests {
         }
         for op in CompareOp::ALL {
             let op = MapOp::Compare(op);
-            assert!(map_supported(op, t, Ty::Bool));
+            assert!(map_supported(op, t, Elem::Bool));
             for (shape, modes) in [
                 (
                     MapShape::Flat {
@@ -1048,14 +983,14 @@ mod tests {
                 keys.push(MapKey {
                     op,
                     input: t,
-                    out: Ty::Bool,
+                    out: Elem::Bool,
                     modes,
                     arity: 2,
                     shape,
                 });
             }
         }
-        for to in ALL.iter().copied().chain([Ty::Bool]) {
+        for to in all().chain([Elem::Bool]) {
             keys.push(MapKey {
                 op: MapOp::Cast,
                 input: t,
@@ -1073,10 +1008,10 @@ mod tests {
     #[test]
     #[ignore = "needs NVRTC (libnvrtc, as on a CUDA machine)"]
     fn representative_sources_compile() {
-        let from_bool = ALL.into_iter().map(|to| {
+        let from_bool = all().map(|to| {
             let key = MapKey {
                 op: MapOp::Cast,
-                input: Ty::Bool,
+                input: Elem::Bool,
                 out: to,
                 modes: [Mode::Vector; 2],
                 arity: 1,
@@ -1090,8 +1025,8 @@ mod tests {
         let bool_compares = CompareOp::ALL.into_iter().map(|op| {
             let key = MapKey {
                 op: MapOp::Compare(op),
-                input: Ty::Bool,
-                out: Ty::Bool,
+                input: Elem::Bool,
+                out: Elem::Bool,
                 modes: [Mode::Vector, Mode::Scalar],
                 arity: 2,
                 shape: MapShape::Flat { vec: 16 },
@@ -1099,7 +1034,7 @@ mod tests {
             (format!("{key:?}"), map_source(&key))
         });
         compiles(bool_compares);
-        compiles([Ty::F32, Ty::BF16, Ty::I8].into_iter().flat_map(|t| {
+        compiles([Elem::F32, Elem::BF16, Elem::I8].into_iter().flat_map(|t| {
             let m = map_keys(t)
                 .into_iter()
                 .map(|k| (format!("{k:?}"), map_source(&k)));
@@ -1115,7 +1050,7 @@ mod tests {
     #[test]
     #[ignore = "slow, and needs NVRTC: run with --ignored"]
     fn every_source_compiles() {
-        compiles(ALL.into_iter().flat_map(|t| {
+        compiles(all().flat_map(|t| {
             let m = map_keys(t)
                 .into_iter()
                 .map(|k| (format!("{k:?}"), map_source(&k)));
@@ -1128,20 +1063,23 @@ mod tests {
 
     #[test]
     fn casts_follow_numpy_paths() {
-        assert_eq!(cast_expr(Ty::F32, Ty::F32, "x"), "x");
-        assert_eq!(cast_expr(Ty::I64, Ty::U8, "x"), "(u8)(x)");
-        assert!(cast_expr(Ty::F16, Ty::I32, "x").contains("f64_to_int_bits"));
-        assert!(cast_expr(Ty::F64, Ty::BF16, "x").starts_with("f64_to_bf16"));
-        assert!(cast_expr(Ty::Bool, Ty::BF16, "x").contains("0x3f80"));
-        assert_eq!(cast_expr(Ty::I16, Ty::F16, "x"), "f32_to_f16((float)(x))");
+        assert_eq!(cast_expr(Elem::F32, Elem::F32, "x"), "x");
+        assert_eq!(cast_expr(Elem::I64, Elem::U8, "x"), "(u8)(x)");
+        assert!(cast_expr(Elem::F16, Elem::I32, "x").contains("f64_to_int_bits"));
+        assert!(cast_expr(Elem::F64, Elem::BF16, "x").starts_with("f64_to_bf16"));
+        assert!(cast_expr(Elem::Bool, Elem::BF16, "x").contains("0x3f80"));
+        assert_eq!(
+            cast_expr(Elem::I16, Elem::F16, "x"),
+            "f32_to_f16((float)(x))"
+        );
     }
 
     #[test]
     fn comparisons_write_bool_from_computed_operands() {
         let key = MapKey {
             op: MapOp::Compare(CompareOp::Le),
-            input: Ty::BF16,
-            out: Ty::Bool,
+            input: Elem::BF16,
+            out: Elem::Bool,
             modes: [Mode::Vector, Mode::Scalar],
             arity: 2,
             shape: MapShape::Flat { vec: 8 },
@@ -1154,13 +1092,13 @@ mod tests {
         assert!(src.contains("bf16_to_f32("), "{src}");
         assert!(!map_supported(
             MapOp::Compare(CompareOp::Eq),
-            Ty::F32,
-            Ty::F32
+            Elem::F32,
+            Elem::F32
         ));
         assert!(map_supported(
             MapOp::Compare(CompareOp::Eq),
-            Ty::Bool,
-            Ty::Bool
+            Elem::Bool,
+            Elem::Bool
         ));
     }
 
@@ -1168,8 +1106,8 @@ mod tests {
     fn sources_name_their_entry() {
         let key = MapKey {
             op: MapOp::Binary(BinaryOp::Add),
-            input: Ty::F32,
-            out: Ty::F32,
+            input: Elem::F32,
+            out: Elem::F32,
             modes: [Mode::Vector, Mode::Scalar],
             arity: 2,
             shape: MapShape::Flat { vec: 4 },
@@ -1177,9 +1115,9 @@ mod tests {
         assert!(map_source(&key).contains("__global__ void __launch_bounds__(256) k("));
         let key = ReduceKey {
             op: ReduceOp::Max,
-            input: Ty::BF16,
-            acc: Ty::BF16,
-            out: Ty::BF16,
+            input: Elem::BF16,
+            acc: Elem::BF16,
+            out: Elem::BF16,
             kind: ReduceKind::Group {
                 threads: 256,
                 vec: 8,

@@ -22,14 +22,14 @@ use cudarc::driver::result::{self, occupancy};
 
 use super::codegen::{
     self, MAX_MAP_DIMS, MAX_REDUCE_DIMS, MapArgs, MapKey, MapShape, Mode, ReduceArgs, ReduceKey,
-    ReduceKind, THREADS, Ty, UNROLL,
+    ReduceKind, THREADS, UNROLL,
 };
 use super::driver::Named;
 use super::nvrtc::{self, Function};
 use super::stream::{current_stream, raw};
 use super::{BACKEND, Bound, context, first_address};
 use crate::compute::plan::MapPlan;
-use crate::compute::{MapRequest, MatmulRequest, Operand, ReduceRequest, Scalar};
+use crate::compute::{Elem, MapRequest, MatmulRequest, Operand, ReduceRequest, Scalar};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -101,8 +101,8 @@ fn kernel(ctx: &Bound, ordinal: i32, key: Key) -> Result<Loaded> {
         .or_insert(loaded))
 }
 
-fn ty(dtype: DType, what: &str) -> Result<Ty> {
-    Ty::of(dtype).ok_or_else(|| {
+fn ty(dtype: DType, what: &str) -> Result<Elem> {
+    Elem::from_dtype(dtype).ok_or_else(|| {
         Error::UnsupportedDType(format!("{what} on CUDA is not defined for {dtype}"))
     })
 }
@@ -136,12 +136,12 @@ fn grid(loaded: &Loaded, sms: u32, work: u64) -> u64 {
 }
 
 /// A scalar as the dtype `t` holds it (a float rounded to `t`; integers wrap in the kernel).
-fn scalar_value(t: Ty, s: Scalar) -> f64 {
+fn scalar_value(t: Elem, s: Scalar) -> f64 {
     let v = s.as_f64();
     match t {
-        Ty::F16 => half::f16::from_f64(v).to_f64(),
-        Ty::BF16 => half::bf16::from_f64(v).to_f64(),
-        Ty::F32 => v as f32 as f64,
+        Elem::F16 => half::f16::from_f64(v).to_f64(),
+        Elem::BF16 => half::bf16::from_f64(v).to_f64(),
+        Elem::F32 => v as f32 as f64,
         _ => v,
     }
 }
@@ -284,7 +284,7 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     let input = ty(req.input.dtype(), op.name())?;
     let acc = ty(req.acc, op.name())?;
     let out = ty(req.out.dtype(), op.name())?;
-    if input == Ty::Bool {
+    if input == Elem::Bool {
         return Err(Error::UnsupportedDType(format!(
             "{} on CUDA is not defined for bool",
             op.name()
@@ -433,10 +433,10 @@ mod tests {
     #[test]
     fn scalars_round_to_the_dtype() {
         assert_eq!(
-            scalar_value(Ty::F16, Scalar::Float(0.1)),
+            scalar_value(Elem::F16, Scalar::Float(0.1)),
             half::f16::from_f64(0.1).to_f64()
         );
-        assert_eq!(scalar_value(Ty::F32, Scalar::Int(3)), 3.0);
-        assert_eq!(scalar_value(Ty::F64, Scalar::Float(0.1)), 0.1);
+        assert_eq!(scalar_value(Elem::F32, Scalar::Int(3)), 3.0);
+        assert_eq!(scalar_value(Elem::F64, Scalar::Float(0.1)), 0.1);
     }
 }

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, cuda_kind_for, placement, unreachable_copy};
+use crate::backend::{
+    Backend, FileRead, ReadOptions, cuda_kind_for, placement, read_to_host, unreachable_copy,
+};
 use crate::buffer::{Buffer, StorageMode};
 use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
 use crate::device::{Device, DeviceKind};
@@ -94,5 +96,19 @@ impl Backend for Cuda {
     fn matmul(&self, req: &MatmulRequest<'_>) -> Result<()> {
         let enqueued = super::compute::matmul(req);
         enqueued.and(super::record_use([req.a, req.b, req.out]))
+    }
+
+    fn read_file(
+        &self,
+        device: Device,
+        reads: &[FileRead<'_>],
+        options: &ReadOptions<'_>,
+    ) -> Result<()> {
+        match device.kind() {
+            // Device memory: through pinned staging buffers.
+            DeviceKind::Cuda => super::upload::read_to_device(ordinal(device), reads, options),
+            // Pinned and managed memory: the host reads straight into it.
+            _ => read_to_host(reads, options),
+        }
     }
 }

@@ -35,6 +35,7 @@ pub(crate) mod launch;
 mod memory;
 mod nvrtc;
 mod stream;
+pub(crate) mod upload;
 
 use std::sync::{Mutex, OnceLock};
 

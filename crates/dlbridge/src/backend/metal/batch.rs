@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 
 /// Serial numbers and the size of the open command buffer of one queue.
 #[derive(Debug)]
-pub struct Batch {
+pub(crate) struct Batch {
     /// The serial the open command buffer will carry when committed.
     open_serial: u64,
     /// Operations encoded into the open command buffer.
@@ -25,17 +25,17 @@ pub struct Batch {
 
 /// The result of recording one operation in the open command buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Recorded {
+pub(crate) struct Recorded {
     /// The serial of the command buffer the operation went into.
-    pub serial: u64,
+    pub(crate) serial: u64,
     /// The batch is full: commit it now.
-    pub commit_now: bool,
+    pub(crate) commit_now: bool,
 }
 
 impl Batch {
     /// A queue on which nothing has been encoded; batches commit at `max_ops` operations (at
     /// least 1).
-    pub fn new(max_ops: usize) -> Self {
+    pub(crate) fn new(max_ops: usize) -> Self {
         Batch {
             open_serial: 1,
             open_ops: 0,
@@ -45,12 +45,13 @@ impl Batch {
     }
 
     /// How many operations a command buffer holds before it is committed.
-    pub fn max_ops(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn max_ops(&self) -> usize {
         self.max_ops
     }
 
     /// Records one operation encoded into the open command buffer.
-    pub fn record(&mut self) -> Recorded {
+    pub(crate) fn record(&mut self) -> Recorded {
         self.open_ops += 1;
         Recorded {
             serial: self.open_serial,
@@ -60,7 +61,7 @@ impl Batch {
 
     /// Marks the open command buffer committed and returns its serial; `None` when it holds no
     /// operation (nothing to commit).
-    pub fn commit(&mut self) -> Option<u64> {
+    pub(crate) fn commit(&mut self) -> Option<u64> {
         if self.open_ops == 0 {
             return None;
         }
@@ -72,19 +73,21 @@ impl Batch {
     }
 
     /// Whether operations wait in the open command buffer.
-    pub fn has_open_work(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn has_open_work(&self) -> bool {
         self.open_ops > 0
     }
 
     /// The highest committed serial (0: none).
-    pub fn committed(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn committed(&self) -> u64 {
         self.committed
     }
 
     /// The serial of the last command buffer that may hold work encoded so far: the open one if
     /// it has operations, else the last committed one. Memory released now must not leave the
     /// GPU's residency before this serial completes.
-    pub fn last_encoded(&self) -> u64 {
+    pub(crate) fn last_encoded(&self) -> u64 {
         if self.open_ops > 0 {
             self.open_serial
         } else {
@@ -95,7 +98,7 @@ impl Batch {
 
 /// Completed serials of one queue, as a watermark, and GPU errors not yet reported.
 #[derive(Debug, Default)]
-pub struct Completions {
+pub(crate) struct Completions {
     watermark: u64,
     ahead: BTreeSet<u64>,
     errors: Vec<String>,
@@ -103,12 +106,12 @@ pub struct Completions {
 
 impl Completions {
     /// Nothing completed yet.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Records that command buffer `serial` finished, with the GPU's error if it failed.
-    pub fn complete(&mut self, serial: u64, error: Option<String>) {
+    pub(crate) fn complete(&mut self, serial: u64, error: Option<String>) {
         if let Some(e) = error {
             self.errors.push(format!("command buffer {serial}: {e}"));
         }
@@ -122,17 +125,18 @@ impl Completions {
     }
 
     /// Every serial up to and including this one has completed.
-    pub fn watermark(&self) -> u64 {
+    pub(crate) fn watermark(&self) -> u64 {
         self.watermark
     }
 
     /// Whether `serial` (and everything before it) has completed.
-    pub fn is_complete(&self, serial: u64) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_complete(&self, serial: u64) -> bool {
         serial <= self.watermark
     }
 
     /// The GPU errors recorded since the last call.
-    pub fn take_errors(&mut self) -> Vec<String> {
+    pub(crate) fn take_errors(&mut self) -> Vec<String> {
         std::mem::take(&mut self.errors)
     }
 }

@@ -26,38 +26,38 @@ use crate::error::Result;
 use crate::pool::{Fence, StreamKey};
 
 /// The stream key of every Metal allocation: the device's one queue.
-pub const QUEUE_STREAM: StreamKey = 1;
+pub(crate) const QUEUE_STREAM: StreamKey = 1;
 
 /// The completed command buffers of one queue, readable without the queue's lock: fences read
 /// the watermark under a pool's lock, and completion handlers report on Metal's threads.
 #[derive(Debug, Default)]
-pub struct Progress {
+pub(crate) struct Progress {
     completions: Mutex<Completions>,
     watermark: AtomicU64,
 }
 
 impl Progress {
     /// Nothing completed yet.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Records that command buffer `serial` finished (reports may come out of order, and twice).
-    pub fn complete(&self, serial: u64) {
+    pub(crate) fn complete(&self, serial: u64) {
         let mut done = self.completions.lock().unwrap_or_else(|e| e.into_inner());
         done.complete(serial, None);
         self.watermark.store(done.watermark(), Ordering::Release);
     }
 
     /// Every serial up to and including this one has completed.
-    pub fn watermark(&self) -> u64 {
+    pub(crate) fn watermark(&self) -> u64 {
         self.watermark.load(Ordering::Acquire)
     }
 }
 
 /// The GPU work that may still use a released Metal block: every command buffer up to `serial`.
 #[derive(Debug)]
-pub struct SerialFence {
+pub(crate) struct SerialFence {
     serial: u64,
     host_visible: bool,
     progress: Arc<Progress>,
@@ -67,7 +67,7 @@ impl SerialFence {
     /// The fence of a block in `storage` released when `last_encoded` is the serial of the last
     /// command buffer that may hold work encoded so far (`Batch::last_encoded`); `None` when that
     /// work has already completed.
-    pub fn after(
+    pub(crate) fn after(
         last_encoded: u64,
         storage: StorageMode,
         progress: &Arc<Progress>,
@@ -80,7 +80,8 @@ impl SerialFence {
     }
 
     /// The serial the fence waits for.
-    pub fn serial(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn serial(&self) -> u64 {
         self.serial
     }
 }

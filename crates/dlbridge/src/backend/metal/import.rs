@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 
 /// What to do with a foreign Metal buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ImportPlan {
+pub(crate) enum ImportPlan {
     /// Wrap the producer's buffer without copying.
     Share,
     /// Copy the view's elements on the GPU into a new shared buffer (a blit for compact views,
@@ -39,7 +39,7 @@ pub enum ImportPlan {
 
 /// Decides how to import a foreign Metal view whose buffer has `storage`, given the consumer's
 /// `copy` request (`None`: only when needed) and the dtype it wants (`None`: the source's).
-pub fn plan_import(
+pub(crate) fn plan_import(
     storage: StorageMode,
     copy: Option<bool>,
     source: DType,

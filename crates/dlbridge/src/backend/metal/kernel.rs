@@ -7,49 +7,52 @@
 //! `uint2`, `uint4`). An element whose size is not a unit size, or whose offsets are aligned to
 //! less than its size, is moved as several smaller units: the plan adds an innermost axis over the
 //! units of one element. Each thread copies one unit: it decomposes its linear index over the
-//! shape (row-major) and adds the strides of each side. Axes of extent 1 are dropped and axes that
-//! are contiguous with each other on both sides are merged first, so a compact copy is one axis.
+//! shape (row-major) and adds the strides of each side. The axes are the shared copy planner's
+//! (`copy_axes`: extent-1 axes dropped, axes contiguous with each other on both sides merged), so
+//! a compact copy is one axis.
 
+use crate::backend::plan::{check_ranks, copy_axes};
 use crate::error::{Error, Result, overflow};
 
 /// The most axes the kernel takes after merging.
-pub const MAX_KERNEL_DIMS: usize = 16;
+pub(crate) const MAX_KERNEL_DIMS: usize = 16;
 
 /// The kernel family's name; with the unit size it keys the pipeline cache.
-pub const STRIDED_COPY: &str = "dlbridge_copy_strided";
+pub(crate) const STRIDED_COPY: &str = "dlbridge_copy_strided";
 
 /// The most threads one dispatch covers (the kernel's thread index is 32-bit).
-pub const MAX_THREADS_PER_DISPATCH: u64 = 1 << 31;
+pub(crate) const MAX_THREADS_PER_DISPATCH: u64 = 1 << 31;
 
 /// The parameter block, laid out exactly as `StridedCopyParams` in [`MSL_SOURCE`] (passed with
 /// `setBytes:length:atIndex:` at index 2). Offsets and strides count units, not bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StridedCopyParams {
+pub(crate) struct StridedCopyParams {
     /// Units this dispatch copies (one per thread).
-    pub count: u64,
+    pub(crate) count: u64,
     /// The linear index of the dispatch's first unit.
-    pub base: u64,
+    pub(crate) base: u64,
     /// Source unit index of the first element, from the start of the source buffer.
-    pub src_first: i64,
+    pub(crate) src_first: i64,
     /// Destination unit index of the first element.
-    pub dst_first: i64,
+    pub(crate) dst_first: i64,
     /// Axes in use.
-    pub ndim: u32,
+    pub(crate) ndim: u32,
     /// Padding (keeps the arrays 8-byte aligned on both sides).
-    pub pad: u32,
+    pub(crate) pad: u32,
     /// Extents, outermost first.
-    pub shape: [u64; MAX_KERNEL_DIMS],
+    pub(crate) shape: [u64; MAX_KERNEL_DIMS],
     /// Source strides in units.
-    pub src_strides: [i64; MAX_KERNEL_DIMS],
+    pub(crate) src_strides: [i64; MAX_KERNEL_DIMS],
     /// Destination strides in units.
-    pub dst_strides: [i64; MAX_KERNEL_DIMS],
+    pub(crate) dst_strides: [i64; MAX_KERNEL_DIMS],
 }
 
 impl StridedCopyParams {
     /// The source and destination unit indices of linear unit `i` (counted from the start of the
     /// whole copy, not of this dispatch): the arithmetic the kernel performs.
-    pub fn offsets(&self, i: u64) -> (i64, i64) {
+    #[cfg(test)]
+    pub(crate) fn offsets(&self, i: u64) -> (i64, i64) {
         let (mut s, mut d, mut rest) = (self.src_first, self.dst_first, i);
         for k in (0..self.ndim as usize).rev() {
             let n = self.shape[k];
@@ -64,13 +67,13 @@ impl StridedCopyParams {
 
 /// How one strided copy runs: the unit size, the kernel's parameters, the number of units.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StridedCopyPlan {
+pub(crate) struct StridedCopyPlan {
     /// Bytes per unit (1, 2, 4, 8 or 16).
-    pub unit: usize,
+    pub(crate) unit: usize,
     /// Units to copy in all.
-    pub total: u64,
+    pub(crate) total: u64,
     /// Parameters for the whole copy (`base` 0, `count` = `total`).
-    pub params: StridedCopyParams,
+    pub(crate) params: StridedCopyParams,
 }
 
 /// The widest unit (at most 16 bytes) that divides `itemsize` and both byte offsets.
@@ -83,7 +86,7 @@ fn unit_for(itemsize: usize, src_offset: usize, dst_offset: usize) -> usize {
 }
 
 /// The kernel function that moves units of `unit` bytes.
-pub fn function_name(unit: usize) -> Result<&'static str> {
+pub(crate) fn function_name(unit: usize) -> Result<&'static str> {
     Ok(match unit {
         1 => "dlbridge_copy_strided_1",
         2 => "dlbridge_copy_strided_2",
@@ -102,7 +105,7 @@ impl StridedCopyPlan {
     /// Plans copying the `shape` elements of `itemsize` bytes addressed by the source layout
     /// (strides in elements, first element `src_offset` bytes into its buffer) to those the
     /// destination layout addresses.
-    pub fn new(
+    pub(crate) fn new(
         shape: &[usize],
         src_strides: &[isize],
         src_offset: usize,
@@ -110,52 +113,35 @@ impl StridedCopyPlan {
         dst_offset: usize,
         itemsize: usize,
     ) -> Result<Self> {
-        if shape.len() != src_strides.len() || shape.len() != dst_strides.len() {
-            return Err(Error::Shape(format!(
-                "copy of shape {shape:?} with {} source and {} destination strides",
-                src_strides.len(),
-                dst_strides.len()
-            )));
-        }
+        check_ranks(shape, src_strides, dst_strides)?;
         if itemsize == 0 {
             return Err(Error::UnsupportedDType(
                 "zero-sized elements cannot be copied".into(),
             ));
         }
         let unit = unit_for(itemsize, src_offset, dst_offset);
-        let per = (itemsize / unit) as i64;
-        // (extent, src stride, dst stride) in units; the element's own units innermost.
-        let mut axes: Vec<(u64, i64, i64)> = Vec::with_capacity(shape.len() + 1);
+        let per = itemsize / unit;
+        // Strides in units; the element's own units are the planner's innermost axis.
+        let mut src_units: Vec<isize> = Vec::with_capacity(shape.len());
+        let mut dst_units: Vec<isize> = Vec::with_capacity(shape.len());
         let mut total: u64 = 1;
         for ((&n, &s), &d) in shape.iter().zip(src_strides).zip(dst_strides) {
             total = total
                 .checked_mul(n as u64)
                 .ok_or_else(|| overflow("element count of a Metal copy"))?;
-            let s = (s as i64)
-                .checked_mul(per)
-                .ok_or_else(|| overflow("source stride in units"))?;
-            let d = (d as i64)
-                .checked_mul(per)
-                .ok_or_else(|| overflow("destination stride in units"))?;
-            axes.push((n as u64, s, d));
-        }
-        if per > 1 {
-            axes.push((per as u64, 1, 1));
+            src_units.push(
+                s.checked_mul(per as isize)
+                    .ok_or_else(|| overflow("source stride in units"))?,
+            );
+            dst_units.push(
+                d.checked_mul(per as isize)
+                    .ok_or_else(|| overflow("destination stride in units"))?,
+            );
         }
         total = total
             .checked_mul(per as u64)
             .ok_or_else(|| overflow("unit count of a Metal copy"))?;
-        let mut merged: Vec<(u64, i64, i64)> = Vec::with_capacity(axes.len());
-        for axis in axes.into_iter().filter(|a| a.0 != 1) {
-            if let Some(last) = merged.last_mut() {
-                let n = axis.0 as i64;
-                if last.1 == axis.1 * n && last.2 == axis.2 * n {
-                    *last = (last.0 * axis.0, axis.1, axis.2);
-                    continue;
-                }
-            }
-            merged.push(axis);
-        }
+        let merged = copy_axes(shape, &src_units, &dst_units, per)?;
         if merged.len() > MAX_KERNEL_DIMS {
             return Err(Error::Shape(format!(
                 "the Metal copy kernel takes at most {MAX_KERNEL_DIMS} axes that cannot be \
@@ -174,10 +160,10 @@ impl StridedCopyPlan {
             src_strides: [0; MAX_KERNEL_DIMS],
             dst_strides: [0; MAX_KERNEL_DIMS],
         };
-        for (k, (n, s, d)) in merged.into_iter().enumerate() {
-            params.shape[k] = n;
-            params.src_strides[k] = s;
-            params.dst_strides[k] = d;
+        for (k, axis) in merged.into_iter().enumerate() {
+            params.shape[k] = axis.extent;
+            params.src_strides[k] = axis.src;
+            params.dst_strides[k] = axis.dst;
         }
         Ok(StridedCopyPlan {
             unit,
@@ -187,12 +173,13 @@ impl StridedCopyPlan {
     }
 
     /// The kernel function for this plan.
-    pub fn function_name(&self) -> &'static str {
+    #[cfg(test)]
+    pub(crate) fn function_name(&self) -> &'static str {
         function_name(self.unit).expect("units are powers of two up to 16")
     }
 
     /// The parameter blocks of the dispatches, each covering at most `max_threads` units.
-    pub fn dispatches(&self, max_threads: u64) -> Vec<StridedCopyParams> {
+    pub(crate) fn dispatches(&self, max_threads: u64) -> Vec<StridedCopyParams> {
         let step = max_threads.max(1);
         let mut out = Vec::new();
         let mut base = 0;
@@ -210,11 +197,11 @@ impl StridedCopyPlan {
 }
 
 /// Blit copies on macOS need offsets and sizes that are multiples of this many bytes.
-pub const BLIT_ALIGN: usize = 4;
+pub(crate) const BLIT_ALIGN: usize = 4;
 
 /// How a GPU copy between two views runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum CopyMethod {
+pub(crate) enum CopyMethod {
     /// Nothing to copy (no elements).
     Nothing,
     /// One blit of `size` bytes: both views are compact, and the offsets and size suit a blit.
@@ -232,7 +219,7 @@ pub enum CopyMethod {
 
 /// Chooses between a blit and the strided-copy kernel for copying the elements of one layout
 /// (strides in elements, first element at a byte offset) to another of the same shape.
-pub fn plan_copy(
+pub(crate) fn plan_copy(
     shape: &[usize],
     src_strides: &[isize],
     src_offset: usize,
@@ -270,7 +257,7 @@ pub fn plan_copy(
 
 /// The kernels, compiled from source at run time (once per device). One function per unit size;
 /// each thread copies one unit.
-pub const MSL_SOURCE: &str = r#"
+pub(crate) const MSL_SOURCE: &str = r#"
 #include <metal_stdlib>
 using namespace metal;
 

@@ -54,13 +54,20 @@
 //! (availability, devices, residency); `memory_stats(..., storage=)` and friends. Without the
 //! backend each of these raises `RuntimeError("Metal backend not available: ...")`.
 
-pub mod batch;
+// The runtime's internals: decision logic without Metal calls, compiled (and unit-tested)
+// everywhere, used by the runtime only where Metal is compiled in.
+#[cfg_attr(not(metal), allow(dead_code))]
+pub(crate) mod batch;
 pub(crate) mod compute;
-pub mod fence;
+#[cfg_attr(not(metal), allow(dead_code))]
+pub(crate) mod fence;
 mod hooks;
-pub mod import;
-pub mod kernel;
-pub mod pages;
+#[cfg_attr(not(metal), allow(dead_code))]
+pub(crate) mod import;
+#[cfg_attr(not(metal), allow(dead_code))]
+pub(crate) mod kernel;
+#[cfg_attr(not(metal), allow(dead_code))]
+pub(crate) mod pages;
 pub mod residency;
 pub mod storage;
 

@@ -19,34 +19,34 @@ use crate::error::{Error, Result, overflow};
 
 /// A page-aligned span of the address space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PageSpan {
+pub(crate) struct PageSpan {
     /// Page-aligned start address.
-    pub start: usize,
+    pub(crate) start: usize,
     /// Length in bytes, a multiple of the page size.
-    pub len: usize,
+    pub(crate) len: usize,
 }
 
 impl PageSpan {
     /// One past the last byte.
-    pub fn end(&self) -> usize {
+    pub(crate) fn end(&self) -> usize {
         self.start + self.len
     }
 }
 
 /// One Metal buffer of a wrapped region.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Chunk {
+pub(crate) struct Chunk {
     /// The pages the buffer wraps.
-    pub span: PageSpan,
+    pub(crate) span: PageSpan,
     /// The region bytes (relative to the region's start) that the chunk is planned to hold. With
     /// items, the union of the items placed in it; without, its share of the region.
-    pub covers: Range<usize>,
+    pub(crate) covers: Range<usize>,
 }
 
 /// The page size from the operating system's two reports (`sysconf(_SC_PAGESIZE)`, and
 /// `vm_page_size` where the system has it, else 0): the larger, which is a multiple of the other.
 /// Fails when neither is a usable power of two.
-pub fn page_size_from(sysconf: i64, vm_page_size: usize) -> Result<usize> {
+pub(crate) fn page_size_from(sysconf: i64, vm_page_size: usize) -> Result<usize> {
     let from_sysconf = usize::try_from(sysconf)
         .ok()
         .filter(|p| p.is_power_of_two());
@@ -75,7 +75,7 @@ fn check_page(page: usize) -> Result<()> {
 }
 
 /// The whole pages around `[addr, addr + len)`, and the offset of `addr` in them.
-pub fn page_span(addr: usize, len: usize, page: usize) -> Result<(PageSpan, usize)> {
+pub(crate) fn page_span(addr: usize, len: usize, page: usize) -> Result<(PageSpan, usize)> {
     check_page(page)?;
     let end = addr
         .checked_add(len)
@@ -94,7 +94,7 @@ pub fn page_span(addr: usize, len: usize, page: usize) -> Result<(PageSpan, usiz
 }
 
 /// Checks that `addr` suits elements that need `align`-byte alignment.
-pub fn check_alignment(addr: usize, align: usize) -> Result<()> {
+pub(crate) fn check_alignment(addr: usize, align: usize) -> Result<()> {
     if align > 1 && addr % align != 0 {
         return Err(Error::Misaligned(format!(
             "host address {addr:#x} is not aligned to the {align} bytes its elements need; the \
@@ -110,7 +110,7 @@ pub fn check_alignment(addr: usize, align: usize) -> Result<()> {
 /// consecutive chunks; with `items` (byte ranges relative to `addr`), chunks are packed greedily in
 /// address order so that each non-empty item lies wholly in one chunk (an item whose pages exceed
 /// `max_len` is an error). Empty items are not planned for; [`locate`] places them.
-pub fn plan_chunks(
+pub(crate) fn plan_chunks(
     addr: usize,
     len: usize,
     page: usize,
@@ -188,7 +188,7 @@ pub fn plan_chunks(
 /// The chunk holding region bytes `range` (relative to `addr`), and the byte offset of
 /// `range.start` inside that chunk's buffer. An empty range is placed in the first chunk whose
 /// pages contain its start.
-pub fn locate(chunks: &[Chunk], addr: usize, range: Range<usize>) -> Option<(usize, usize)> {
+pub(crate) fn locate(chunks: &[Chunk], addr: usize, range: Range<usize>) -> Option<(usize, usize)> {
     let start = addr.checked_add(range.start)?;
     let end = addr.checked_add(range.end)?;
     chunks

@@ -22,117 +22,53 @@ use super::dispatch::{
     MatmulVariant, ReduceInput, ReduceKind, ReduceOutput, ReduceVariant, Work,
 };
 use crate::compute::{BinaryOp, MapOp, ReduceOp, UnaryOp};
-use crate::dtype::{DType, DTypeCode};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// An element type the built-in kernels read and write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Elem {
-    /// `bool`, one byte holding 0 or 1 (casts only).
-    Bool,
-    /// `int8`.
-    I8,
-    /// `int16`.
-    I16,
-    /// `int32`.
-    I32,
-    /// `int64`.
-    I64,
-    /// `uint8`.
-    U8,
-    /// `uint16`.
-    U16,
-    /// `uint32`.
-    U32,
-    /// `uint64`.
-    U64,
-    /// `float16`.
-    F16,
-    /// `bfloat16`.
-    BF16,
-    /// `float32`.
-    F32,
-}
+pub(crate) use crate::compute::Elem;
 
 impl Elem {
-    /// The element type of `dtype`, or an error naming the dtype and the operation `what`:
-    /// `float64` in particular, which Metal GPUs do not have.
+    /// The element type of `dtype` on Metal, or an error naming the dtype and the operation
+    /// `what`: `float64` in particular, which Metal GPUs do not have.
     pub(crate) fn of(dtype: DType, what: &str) -> Result<Elem> {
-        let elem = if dtype.lanes() == 1 {
-            match (dtype.code(), dtype.bits()) {
-                (DTypeCode::Bool, 8) => Some(Elem::Bool),
-                (DTypeCode::Int, 8) => Some(Elem::I8),
-                (DTypeCode::Int, 16) => Some(Elem::I16),
-                (DTypeCode::Int, 32) => Some(Elem::I32),
-                (DTypeCode::Int, 64) => Some(Elem::I64),
-                (DTypeCode::UInt, 8) => Some(Elem::U8),
-                (DTypeCode::UInt, 16) => Some(Elem::U16),
-                (DTypeCode::UInt, 32) => Some(Elem::U32),
-                (DTypeCode::UInt, 64) => Some(Elem::U64),
-                (DTypeCode::Float, 16) => Some(Elem::F16),
-                (DTypeCode::BFloat, 16) => Some(Elem::BF16),
-                (DTypeCode::Float, 32) => Some(Elem::F32),
-                (DTypeCode::Float, 64) => {
-                    return Err(Error::UnsupportedDType(format!(
-                        "{what} on Metal: float64 is not supported by Metal GPUs (they have no \
-                         64-bit floating point); cast to float32 with astype() first (integer \
-                         division, integer means and transcendental functions of wide integers \
-                         produce float64)"
-                    )));
-                }
-                _ => None,
-            }
-        } else {
-            None
-        };
-        elem.ok_or_else(|| {
-            Error::UnsupportedDType(format!(
+        match Elem::from_dtype(dtype) {
+            Some(Elem::F64) => Err(Error::UnsupportedDType(format!(
+                "{what} on Metal: float64 is not supported by Metal GPUs (they have no 64-bit \
+                 floating point); cast to float32 with astype() first (integer division, integer \
+                 means and transcendental functions of wide integers produce float64)"
+            ))),
+            Some(elem) => Ok(elem),
+            None => Err(Error::UnsupportedDType(format!(
                 "{what} on Metal is not defined for {dtype}: the Metal kernels take int8..int64, \
                  uint8..uint64, float16, bfloat16 and float32"
-            ))
-        })
-    }
-
-    /// A short name for kernel names (`"f32"`, `"bf16"`, ...).
-    pub(crate) const fn tag(self) -> &'static str {
-        match self {
-            Elem::Bool => "bool",
-            Elem::I8 => "i8",
-            Elem::I16 => "i16",
-            Elem::I32 => "i32",
-            Elem::I64 => "i64",
-            Elem::U8 => "u8",
-            Elem::U16 => "u16",
-            Elem::U32 => "u32",
-            Elem::U64 => "u64",
-            Elem::F16 => "f16",
-            Elem::BF16 => "bf16",
-            Elem::F32 => "f32",
+            ))),
         }
     }
+}
 
-    /// Bytes per element.
-    pub(crate) const fn size(self) -> usize {
-        match self {
-            Elem::Bool | Elem::I8 | Elem::U8 => 1,
-            Elem::I16 | Elem::U16 | Elem::F16 | Elem::BF16 => 2,
-            Elem::I32 | Elem::U32 | Elem::F32 => 4,
-            Elem::I64 | Elem::U64 => 8,
-        }
-    }
-
-    /// Whether the type is floating (computed in `float`).
-    pub(crate) const fn is_float(self) -> bool {
-        matches!(self, Elem::F16 | Elem::BF16 | Elem::F32)
-    }
-
-    /// Whether the type is a signed integer.
-    pub(crate) const fn is_signed(self) -> bool {
-        matches!(self, Elem::I8 | Elem::I16 | Elem::I32 | Elem::I64)
-    }
-
+/// How an element type is spelled in MSL. `float64` never reaches a Metal kernel
+/// ([`Elem::of`] refuses it); it is spelled `double` only to keep the matches whole.
+pub(crate) trait MslType {
     /// The MSL type elements are stored as.
-    pub(crate) const fn storage(self) -> &'static str {
+    fn storage(self) -> &'static str;
+    /// The unsigned MSL type of the same size (for bit patterns and wrapping arithmetic).
+    fn bits_type(self) -> &'static str;
+    /// The unsigned type integer arithmetic is carried out in: wide enough that the operation
+    /// itself cannot overflow a signed `int` after C++'s integral promotions.
+    fn wide_unsigned(self) -> &'static str;
+    /// The MSL type values are computed in.
+    fn compute(self) -> &'static str;
+    /// `e` (of the storage type) as the compute type.
+    fn load(self, e: &str) -> String;
+    /// `e` (of the compute type) as the storage type.
+    fn store(self, e: &str) -> String;
+    /// `a OP b` for integers, wrapping: computed in the wide unsigned type, truncated to the
+    /// element's width, reinterpreted as the element type.
+    fn wrapping(self, a: &str, op: char, b: &str) -> String;
+}
+
+impl MslType for Elem {
+    fn storage(self) -> &'static str {
         match self {
             Elem::Bool | Elem::U8 => "uchar",
             Elem::I8 => "char",
@@ -144,11 +80,11 @@ impl Elem {
             Elem::U64 => "ulong",
             Elem::F16 => "half",
             Elem::F32 => "float",
+            Elem::F64 => "double",
         }
     }
 
-    /// The unsigned MSL type of the same size (for bit patterns and wrapping arithmetic).
-    pub(crate) const fn bits_type(self) -> &'static str {
+    fn bits_type(self) -> &'static str {
         match self.size() {
             1 => "uchar",
             2 => "ushort",
@@ -157,14 +93,11 @@ impl Elem {
         }
     }
 
-    /// The unsigned type integer arithmetic is carried out in: wide enough that the operation
-    /// itself cannot overflow a signed `int` after C++'s integral promotions.
-    const fn wide_unsigned(self) -> &'static str {
+    fn wide_unsigned(self) -> &'static str {
         if self.size() == 8 { "ulong" } else { "uint" }
     }
 
-    /// The MSL type values are computed in.
-    pub(crate) const fn compute(self) -> &'static str {
+    fn compute(self) -> &'static str {
         if self.is_float() {
             "float"
         } else {
@@ -172,26 +105,16 @@ impl Elem {
         }
     }
 
-    /// `e` (of the storage type) as the compute type.
-    pub(crate) fn load(self, e: &str) -> String {
-        match self {
-            Elem::F16 => format!("float({e})"),
-            Elem::BF16 => format!("dlb_bf16_to_float({e})"),
-            _ => e.to_string(),
-        }
+    fn load(self, e: &str) -> String {
+        self.convert_half(e, "float", "dlb_bf16_to_float")
+            .unwrap_or_else(|| e.to_string())
     }
 
-    /// `e` (of the compute type) as the storage type.
-    pub(crate) fn store(self, e: &str) -> String {
-        match self {
-            Elem::F16 => format!("half({e})"),
-            Elem::BF16 => format!("dlb_float_to_bf16({e})"),
-            _ => e.to_string(),
-        }
+    fn store(self, e: &str) -> String {
+        self.convert_half(e, "half", "dlb_float_to_bf16")
+            .unwrap_or_else(|| e.to_string())
     }
 
-    /// `a OP b` for integers, wrapping: computed in the wide unsigned type, truncated to the
-    /// element's width, reinterpreted as the element type.
     fn wrapping(self, a: &str, op: char, b: &str) -> String {
         let w = self.wide_unsigned();
         format!(
@@ -1054,20 +977,8 @@ mod tests {
     #[test]
     fn every_variant_generates() {
         use super::super::dispatch::work_type;
-        const ELEMS: [Elem; 12] = [
-            Elem::Bool,
-            Elem::I8,
-            Elem::I16,
-            Elem::I32,
-            Elem::I64,
-            Elem::U8,
-            Elem::U16,
-            Elem::U32,
-            Elem::U64,
-            Elem::F16,
-            Elem::BF16,
-            Elem::F32,
-        ];
+        // Every element type Metal has (no float64).
+        let elems = || Elem::ALL.into_iter().filter(|&e| e != Elem::F64);
         let check = |name: String, src: String| {
             assert!(src.contains(&format!("kernel void {name}(")), "{src}");
             assert_eq!(src.matches('{').count(), src.matches('}').count(), "{src}");
@@ -1087,7 +998,7 @@ mod tests {
             MapLayout::Strided { wide: true },
         ];
         let mut count = 0;
-        for e in ELEMS {
+        for e in elems() {
             for layout in layouts {
                 let mut ops: Vec<(MapOp, Vec<bool>)> = UnaryOp::ALL
                     .iter()
@@ -1126,7 +1037,7 @@ mod tests {
                         count += 1;
                     }
                 }
-                for from in ELEMS {
+                for from in elems() {
                     let v = MapVariant {
                         op: MapOp::Cast,
                         out: e,

@@ -1,0 +1,43 @@
+//! The [safetensors] checkpoint format: parse and validate headers, map files read-only and hand
+//! out zero-copy views, open sharded checkpoints, and save tensors from any device.
+//!
+//! | step | item | what it does |
+//! | --- | --- | --- |
+//! | parse | [`Header::parse`], [`Header::read`] | length prefix, JSON, dtypes, byte ranges: all checked once, then trusted |
+//! | open | [`SafeTensors::open`] | maps the whole file read-only as a foreign [`Buffer`](crate::Buffer) |
+//! | shards | [`Checkpoint::open_index`], [`Checkpoint::open_files`] | one name → one shard, from `model.safetensors.index.json` or a list |
+//! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order, for any loader |
+//! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only), or private copies |
+//! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | any device: CUDA through pinned staging buffers and asynchronous copies, with progress |
+//! | save | [`save_file`], [`write()`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
+//!
+//! ```
+//! use dlbridge::Tensor;
+//! use dlbridge::safetensors::{SafeTensors, save_file};
+//!
+//! let path = std::env::temp_dir().join(format!("dlbridge-doc-{}.safetensors", std::process::id()));
+//! let w = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+//! save_file(&[("w", &w)], None, &path)?;
+//!
+//! let file = SafeTensors::open(&path)?;
+//! let view = file.tensor("w", false)?; // a read-only view of the mapped file
+//! assert_eq!(view.to_vec::<f32>()?, vec![1.0, 2.0, 3.0, 4.0]);
+//! assert!(view.buffer().same_allocation(file.buffer()));
+//! # drop((view, file));
+//! # std::fs::remove_file(&path).ok();
+//! # Ok::<(), dlbridge::Error>(())
+//! ```
+//!
+//! [safetensors]: https://huggingface.co/docs/safetensors
+
+mod dtype;
+mod file;
+mod header;
+mod load;
+mod save;
+
+pub use dtype::{dtype_from_name, dtype_name, dtype_names};
+pub use file::{Checkpoint, SafeTensors, TensorLocation};
+pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
+pub use load::{DEFAULT_CHUNK, LoadOptions, default_threads};
+pub use save::{save_file, serialize, write};

@@ -104,7 +104,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ArrayArg {
 
     #[inline]
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let source = match crate::consumer::import(&obj)? {
+        let source = match crate::exchange::consumer::import(&obj)? {
             Viewed::Tensor(t) => Source::Tensor(t),
             Viewed::Struct(a) => Source::NumPy(a),
         };

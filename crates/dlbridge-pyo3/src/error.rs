@@ -1,4 +1,4 @@
-//! The one place this crate turns errors into Python exceptions.
+//! The one place errors become Python exceptions: this crate's and dlbridge's own extension's.
 
 use dlbridge::{Error, ErrorKind};
 use pyo3::PyErr;
@@ -7,9 +7,33 @@ use pyo3::exceptions::{
 };
 
 /// Maps a core error to the exception its [`ErrorKind`] calls for (`BufferError`, `ValueError`,
-/// `TypeError`, `IndexError`, `MemoryError`, `RuntimeError`).
+/// `TypeError`, `IndexError`, `MemoryError`, `RuntimeError`); a file error is the `OSError`
+/// subclass the system's error calls for (`FileNotFoundError`, `PermissionError`, ...), with the
+/// file named.
 pub fn to_py(err: Error) -> PyErr {
+    if let Error::Io { path, source } = err {
+        let kind = source.kind();
+        return PyErr::from(std::io::Error::new(
+            kind,
+            format!("{}: {source}", path.display()),
+        ));
+    }
     exception(err.kind(), err.to_string())
+}
+
+/// The name of the Python exception type `kind` maps to, for C callers that set errors by name
+/// (the DLPack exchange table's allocator): the same mapping as [`to_py`].
+pub fn exception_name(kind: ErrorKind) -> &'static std::ffi::CStr {
+    match kind {
+        ErrorKind::Buffer => c"BufferError",
+        ErrorKind::Value => c"ValueError",
+        ErrorKind::Type => c"TypeError",
+        ErrorKind::Index => c"IndexError",
+        ErrorKind::Memory => c"MemoryError",
+        ErrorKind::Runtime => c"RuntimeError",
+        #[allow(unreachable_patterns)]
+        _ => c"RuntimeError",
+    }
 }
 
 /// A core error about the argument `name`, its message prefixed with the argument's name.
@@ -32,8 +56,8 @@ pub(crate) fn exception(kind: ErrorKind, msg: String) -> PyErr {
     }
 }
 
-/// `?`-friendly conversion of core results.
-pub(crate) trait IntoPyResult<T> {
+/// `?`-friendly conversion of core results: `result.py()?`.
+pub trait IntoPyResult<T> {
     /// The result with the error mapped by [`to_py`].
     fn py(self) -> pyo3::PyResult<T>;
 }

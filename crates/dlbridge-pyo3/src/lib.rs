@@ -87,11 +87,8 @@
 
 mod arg;
 mod borrow;
-mod buffer;
-mod c_api;
-mod capsule;
-mod consumer;
 mod error;
+pub mod exchange;
 mod numpy;
 mod tensor;
 

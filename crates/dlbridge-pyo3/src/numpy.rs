@@ -145,7 +145,7 @@ impl NumPyArray {
         // SAFETY: NumPy guarantees the elements its shape and strides address from `first` are
         // valid (writable unless read-only) while the array lives, and `obj` keeps it alive.
         unsafe {
-            crate::buffer::host_tensor(
+            crate::exchange::buffer::host_tensor(
                 self.first,
                 self.dtype,
                 self.layout.shape(),
@@ -217,5 +217,5 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
 
 /// NumPy's own `__dlpack__`, for arrays the struct path does not take.
 fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
-    crate::consumer::import_via_dlpack(x).map(Viewed::Tensor)
+    crate::exchange::consumer::import_via_dlpack(x).map(Viewed::Tensor)
 }

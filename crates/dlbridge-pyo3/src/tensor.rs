@@ -2,8 +2,7 @@
 //! framework can import, and [`to_framework`], which hands it to a framework by name.
 
 use dlbridge::Tensor;
-use dlbridge::dlpack::ExportRequest;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::{IntoPyObjectExt, intern};
 
@@ -55,14 +54,7 @@ impl PyTensor {
             })
             .transpose()
             .py()?;
-        let request = ExportRequest {
-            stream: stream_arg(&self.tensor, stream)?,
-            max_version,
-            dl_device,
-            copy,
-        };
-        let managed = py.detach(|| request.export(&self.tensor)).py()?;
-        crate::capsule::wrap(py, managed)
+        crate::exchange::producer::export(py, &self.tensor, stream, max_version, dl_device, copy)
     }
 
     /// The DLPack `(device_type, device_id)`.
@@ -74,7 +66,7 @@ impl PyTensor {
     /// This crate's DLPack 1.3 C exchange table.
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        crate::c_api::capsule(py)
+        crate::exchange::c_api::TABLE.capsule(py)
     }
 
     /// Extents.
@@ -103,28 +95,6 @@ impl PyTensor {
             self.tensor.device()
         )
     }
-}
-
-/// Reads a DLPack `stream` argument: `None` or an int; the core refuses a stream on a device
-/// without streams.
-fn stream_arg(tensor: &Tensor, stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
-    let Some(stream) = stream.filter(|s| !s.is_none()) else {
-        return Ok(None);
-    };
-    if let Ok(s) = stream.extract::<i64>() {
-        return Ok(Some(s));
-    }
-    if tensor.device().kind().is_cuda() {
-        return Err(PyTypeError::new_err(format!(
-            "stream must be None or an int (a CUDA stream handle), got {}",
-            stream.get_type().name()?
-        )));
-    }
-    Err(PyValueError::new_err(format!(
-        "stream must be None for arrays on {} (got {})",
-        tensor.device(),
-        stream.repr()?
-    )))
 }
 
 /// `tensor` as an array of `framework`, without a copy: `"numpy"`, `"torch"`, `"jax"`,

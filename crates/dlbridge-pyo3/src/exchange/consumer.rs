@@ -2,8 +2,8 @@
 //! capsule, NumPy's documented array struct, the buffer protocol) turned into one call of the
 //! core's [`ImportRequest`], which decides device, storage mode and copy.
 
-use dlbridge::Tensor;
-use dlbridge::dlpack::{ImportRequest, Imported};
+use dlbridge::dlpack::{ImportRequest, Imported, ManagedTensor};
+use dlbridge::{Device, Tensor};
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -28,12 +28,12 @@ pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
         return crate::numpy::view(x);
     }
     if x.is_instance_of::<PyCapsule>() {
-        let managed = crate::capsule::take(x)?;
+        let managed = crate::exchange::capsule::take(x)?;
         // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
         let imported = unsafe { REQUEST.import(managed) }.py()?;
         return Ok(Viewed::Tensor(imported.tensor));
     }
-    let info = crate::c_api::type_info(x);
+    let info = crate::exchange::c_api::type_info(x);
     if info.is_numpy {
         return crate::numpy::view(x);
     }
@@ -43,30 +43,46 @@ pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
 /// Imports `x` through its type's exchange table or its `__dlpack__`, or else the buffer
 /// protocol (for NumPy arrays the struct path does not take).
 pub(crate) fn import_via_dlpack(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    from_producer(x, crate::c_api::type_info(x))
+    from_producer(x, crate::exchange::c_api::type_info(x))
 }
 
-fn from_producer(x: &Bound<'_, PyAny>, info: crate::c_api::TypeInfo) -> PyResult<Tensor> {
-    refuse_inexpressible(x, info, States::Values)?;
-    let managed = match crate::c_api::take_via_table(x, info) {
-        Some(Ok(managed)) => managed,
-        Some(Err(err)) => {
-            refuse_inexpressible(x, info, States::Storage)?;
-            return Err(err);
-        }
-        None if info.has_dlpack => {
-            refuse_inexpressible(x, info, States::Storage)?;
-            crate::capsule::take(&call_dlpack(x.py(), x)?)?
-        }
-        None => return from_buffer(x),
+fn from_producer(x: &Bound<'_, PyAny>, info: crate::exchange::c_api::TypeInfo) -> PyResult<Tensor> {
+    let Some(managed) = take_from_producer(x, info, None, None)? else {
+        return from_buffer(x);
     };
     // SAFETY: the table or capsule handed over a live tensor whose ownership is now ours.
     unsafe { REQUEST.import(managed) }.py().map(|i| i.tensor)
 }
 
+/// The producer `x`'s tensor, handed over through its type's exchange table (`info`, from
+/// [`type_info`](crate::exchange::c_api::type_info)) or else its `__dlpack__` (asked for
+/// `device` and `copy` as [`call_dlpack`] does); `None` when its type has neither. A tensor in a
+/// state DLPack cannot express is refused first ([`refuse_inexpressible`]).
+#[inline]
+pub fn take_from_producer(
+    x: &Bound<'_, PyAny>,
+    info: crate::exchange::c_api::TypeInfo,
+    device: Option<Device>,
+    copy: Option<bool>,
+) -> PyResult<Option<ManagedTensor>> {
+    refuse_inexpressible(x, info, States::Values)?;
+    match crate::exchange::c_api::take_via_table(x, info) {
+        Some(Ok(managed)) => Ok(Some(managed)),
+        Some(Err(err)) => {
+            refuse_inexpressible(x, info, States::Storage)?;
+            Err(err)
+        }
+        None if info.has_dlpack => {
+            refuse_inexpressible(x, info, States::Storage)?;
+            crate::exchange::capsule::take(&call_dlpack(x.py(), x, device, copy)?).map(Some)
+        }
+        None => Ok(None),
+    }
+}
+
 /// A buffer-protocol object, or a `TypeError` saying what an array argument accepts.
 fn from_buffer(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    let tensor = crate::buffer::from_buffer(x).map_err(|err| {
+    let tensor = crate::exchange::buffer::from_buffer(x).map_err(|err| {
         if err.is_instance_of::<PyTypeError>(x.py()) {
             let name = x
                 .get_type()
@@ -81,18 +97,24 @@ fn from_buffer(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             err
         }
     })?;
-    REQUEST
+    finish(&REQUEST, tensor).map(|i| i.tensor)
+}
+
+/// Applies `request` to memory dlbridge can use as it is (a buffer-protocol view, a tensor of
+/// the binding's own).
+#[inline]
+pub fn finish(request: &ImportRequest, tensor: Tensor) -> PyResult<Imported> {
+    request
         .finish(Imported {
             tensor,
             copied: false,
         })
         .py()
-        .map(|i| i.tensor)
 }
 
 /// Which tensor states [`refuse_inexpressible`] asks about.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum States {
+pub enum States {
     /// States in which the memory does not hold the tensor's values, or must not be written
     /// behind its framework's back: requires grad, a lazy conjugate or negative bit. A producer's
     /// exporter may hand such a tensor out without complaint (PyTorch's C exchange table does, and
@@ -103,16 +125,18 @@ pub(crate) enum States {
     /// so these are asked where an import would otherwise go on without the table: before
     /// `__dlpack__` and the buffer protocol, and to explain a failed table export.
     Storage,
+    /// Both.
+    All,
 }
 
 /// Refuses, with the `BufferError` the array API standard calls for, a producer's tensor in a
 /// state a DLPack descriptor cannot express ([`States`]); the one check every import path (the C
 /// exchange table, `__dlpack__`, the buffer protocol) makes. Only types with PyTorch's
-/// tensor-state API are asked ([`crate::c_api::TypeInfo`]), and each question is one
+/// tensor-state API are asked ([`crate::exchange::c_api::TypeInfo`]), and each question is one
 /// attribute read or method call, in the order of how common the state is.
-pub(crate) fn refuse_inexpressible(
+pub fn refuse_inexpressible(
     x: &Bound<'_, PyAny>,
-    info: crate::c_api::TypeInfo,
+    info: crate::exchange::c_api::TypeInfo,
     states: States,
 ) -> PyResult<()> {
     if !info.has_tensor_state {
@@ -159,16 +183,32 @@ pub(crate) fn refuse_inexpressible(
     )))
 }
 
-/// Calls the producer's `__dlpack__`: `max_version=(1, 3)`, and for a CUDA producer the
-/// consumer's stream (the thread's current dlbridge stream on that device, the legacy default
-/// stream unless the extension set another with
-/// [`dlbridge::backend::cuda::set_current_stream`]); older producers that take no keywords are
-/// asked again without them.
-fn call_dlpack<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    let method = x.getattr(intern!(py, "__dlpack__"))?;
+/// Calls the producer's `__dlpack__` as the array API standard lets a consumer: `max_version=(1,
+/// 3)`; for a CUDA producer the consumer's stream (the thread's current dlbridge stream on that
+/// device, the legacy default stream unless the extension set another with
+/// [`dlbridge::backend::cuda::set_current_stream`]); `dl_device` only for a move to the host
+/// (other moves the core makes after importing); `copy` as given. Producers older than DLPack 1.0
+/// that take no keywords are asked again without them (but still with the stream). An object
+/// without `__dlpack__` is a `TypeError`.
+pub fn call_dlpack<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    device: Option<Device>,
+    copy: Option<bool>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let method = match x.getattr(intern!(py, "__dlpack__")) {
+        Ok(m) => m,
+        Err(_) => {
+            return Err(PyTypeError::new_err(format!(
+                "{} does not support DLPack (no __dlpack__ method)",
+                x.get_type().name()?
+            )));
+        }
+    };
     // The producer's device decides whether a stream must be named (CUDA) or not (elsewhere).
-    let cuda = producer_device(x)?.filter(|d| d.kind().is_cuda());
-    let Some(here) = cuda else {
+    let here = producer_device(x)?;
+    let cuda = here.filter(|d| d.kind().is_cuda());
+    if device.is_none() && copy.is_none() && cuda.is_none() {
         // The common case: a constant `{"max_version": (1, 3)}`. Callees never keep or change
         // the dict they are called with (CPython copies it into `**kwargs` where one is declared).
         return match method.call((), Some(plain_kwargs(py))) {
@@ -176,20 +216,37 @@ fn call_dlpack<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'p
             Err(err) if err.is_instance_of::<PyTypeError>(py) => method.call0(),
             Err(err) => Err(err),
         };
-    };
-    // Ask the producer to order its work before our current stream.
-    let stream = dlbridge::backend::consumer_stream(here).unwrap_or(1);
+    }
+    // Ask a CUDA producer to order its work before our current stream.
+    let stream = cuda.map(|d| dlbridge::backend::consumer_stream(d).unwrap_or(1));
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "max_version"), max_version_tuple(py))?;
-    kwargs.set_item(intern!(py, "stream"), stream)?;
+    if let Some(stream) = stream {
+        kwargs.set_item(intern!(py, "stream"), stream)?;
+    }
+    if let Some(target) = device {
+        // Only ask the producer to move data to the host, which every producer can do. A
+        // same-device request is a no-op that older producers may not accept.
+        if here != Some(target) && target.is_cpu() {
+            let dl = target.to_dlpack();
+            kwargs.set_item(intern!(py, "dl_device"), (dl.device_type, dl.device_id))?;
+        }
+    }
+    if let Some(copy) = copy {
+        kwargs.set_item(intern!(py, "copy"), copy)?;
+    }
     match method.call((), Some(&kwargs)) {
         Ok(capsule) => Ok(capsule),
-        // Producers older than DLPack 1.0 take no `max_version`; still name the stream.
-        Err(err) if err.is_instance_of::<PyTypeError>(py) => {
-            let kwargs = PyDict::new(py);
-            kwargs.set_item(intern!(py, "stream"), stream)?;
-            method.call((), Some(&kwargs))
-        }
+        // Producers older than DLPack 1.0 take no keywords (or not these).
+        Err(err) if err.is_instance_of::<PyTypeError>(py) => match stream {
+            // Still name the stream: a CUDA producer must order its work before ours.
+            Some(stream) => {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item(intern!(py, "stream"), stream)?;
+                method.call((), Some(&kwargs))
+            }
+            None => method.call0(),
+        },
         Err(err) => Err(err),
     }
 }
@@ -219,19 +276,17 @@ fn max_version_tuple(py: Python<'_>) -> &Bound<'_, PyTuple> {
         .bind(py)
 }
 
-/// The producer's `__dlpack_device__`, if it has one.
-fn producer_device(x: &Bound<'_, PyAny>) -> PyResult<Option<dlbridge::Device>> {
+/// The producer's `__dlpack_device__`, if it has one (and it names a device dlbridge knows).
+pub fn producer_device(x: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
     let py = x.py();
     match x.call_method0(intern!(py, "__dlpack_device__")) {
         Ok(pair) => {
             let (device_type, device_id): (i32, i32) = pair.extract()?;
-            Ok(
-                dlbridge::Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
-                    device_type,
-                    device_id,
-                })
-                .ok(),
-            )
+            Ok(Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
+                device_type,
+                device_id,
+            })
+            .ok())
         }
         Err(_) => Ok(None),
     }

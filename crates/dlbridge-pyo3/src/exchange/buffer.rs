@@ -5,8 +5,8 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 
 use dlbridge::{DType, Device, Layout, StorageMode, Tensor};
 use pyo3::exceptions::PyBufferError;
-use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::{ffi, intern};
 
 use crate::error::IntoPyResult;
 
@@ -66,8 +66,18 @@ impl Drop for HeldView {
     }
 }
 
+/// Whether `obj` exports the buffer protocol.
+pub fn has_buffer(obj: &Bound<'_, PyAny>) -> bool {
+    // `memoryview(obj)` succeeds exactly for buffer exporters; it is cheap and stable-ABI.
+    let py = obj.py();
+    py.import(intern!(py, "builtins"))
+        .and_then(|b| b.getattr(intern!(py, "memoryview")))
+        .and_then(|mv| mv.call1((obj,)))
+        .is_ok()
+}
+
 /// Imports a buffer-protocol object without copying (read-only when the exporter is).
-pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+pub fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let py = obj.py();
     let mut view = Box::new(PyBufferView {
         buf: std::ptr::null_mut(),
@@ -189,30 +199,24 @@ pub(crate) unsafe fn host_tensor(
     read_only: bool,
     keep_alive: Box<dyn std::any::Any + Send + Sync>,
 ) -> PyResult<Tensor> {
-    // The lowest and highest element the view addresses, relative to `first`.
-    let (mut lo, mut hi) = (0i128, 0i128);
-    let empty = shape.contains(&0);
-    for (&d, &s) in shape.iter().zip(strides) {
-        let reach = (d as i128 - 1) * s as i128;
-        if reach < 0 {
-            lo += reach;
-        } else {
-            hi += reach;
-        }
-    }
+    // The layout checks the shape and strides (rank, overflow); the buffer holds exactly the
+    // bytes they address (from the lowest to the highest element, relative to `first`), which
+    // `Tensor::new` checks again.
+    let layout = Layout::new(shape, strides, 0).py()?;
     let itemsize = dtype.itemsize() as i128;
-    let (base, len, offset) = if empty {
-        (first as usize as i128, 0, 0)
-    } else {
-        (
+    let (base, len, offset) = match layout.element_extent() {
+        Some((lo, hi)) => (
             first as usize as i128 + lo * itemsize,
             ((hi - lo + 1) * itemsize) as usize,
             (-lo * itemsize) as usize,
-        )
+        ),
+        None => (first as usize as i128, 0, 0),
     };
-    // The layout checks the shape and strides (rank, overflow); the buffer holds exactly the
-    // bytes they address, which `Tensor::new` checks again.
-    let layout = Layout::new(shape, strides, offset).py()?;
+    let layout = if offset == 0 {
+        layout
+    } else {
+        layout.with_byte_offset(offset)
+    };
     let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base.max(1) as usize);
     // SAFETY: the caller guarantees the addressed elements, `[first + lo, first + hi]`, are valid
     // host memory while `keep_alive` lives, and the buffer holds it until it is dropped.

@@ -353,8 +353,36 @@ unsafe extern "C" fn current_work_stream(
 /// the whole process as the protocol requires, and publish [`ExchangeTable::capsule`] as the
 /// class's `__dlpack_c_exchange_api__`.
 ///
-/// ```ignore
+/// ```
+/// use dlbridge::Tensor;
+/// use dlbridge_pyo3::exchange::c_api::{ExchangeTable, TensorClass};
+/// use pyo3::prelude::*;
+///
+/// #[pyclass(frozen)]
+/// struct MyArray(Tensor);
+///
+/// impl TensorClass for MyArray {
+///     fn with_tensor<R>(&self, f: impl FnOnce(&Tensor) -> R) -> PyResult<R> {
+///         Ok(f(&self.0))
+///     }
+///     fn new_object(py: Python<'_>, tensor: Tensor) -> PyResult<Py<PyAny>> {
+///         Ok(Py::new(py, MyArray(tensor))?.into_any())
+///     }
+/// }
+///
 /// static TABLE: ExchangeTable = ExchangeTable::new::<MyArray>();
+///
+/// #[pymethods]
+/// impl MyArray {
+///     #[classattr]
+///     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+///         TABLE.capsule(py)
+///     }
+/// }
+/// # Python::attach(|py| {
+/// #     let ty = py.get_type::<MyArray>();
+/// #     assert!(ty.getattr("__dlpack_c_exchange_api__").is_ok());
+/// # });
 /// ```
 pub struct ExchangeTable(DLPackExchangeAPI);
 

@@ -46,6 +46,9 @@ else
         "(or NVRTC, or slow) - set DLBRIDGE_GPU_TESTS=1 on a machine with one"
 fi
 
+step "Rust tests of dlbridge-pyo3 (unit and doc tests against the venv's Python)"
+PYO3_PYTHON="$PY" cargo test -p dlbridge-pyo3 --features ndarray --quiet
+
 if [ "$backend" = cuda ]; then
     # Bounded runs of the DLPack importer, layout and exchange-table fuzz targets (the long runs
     # are in the closing notes; scripts/fuzz.sh says how to repeat them).
@@ -60,6 +63,14 @@ fi
 
 step "python -m dlbridge info"
 "$PY" -m dlbridge info
+
+# The example extension on dlbridge-pyo3 (examples/pyo3-ext, its own crate), built into the venv
+# for tests/python/test_pyo3_ext.py, with its own target directory (no whole-program LTO: quick).
+step "examples/pyo3-ext: maturin build into the venv"
+"$PY" -m maturin build --release --quiet --interpreter "$PY" \
+    --manifest-path "$ROOT/examples/pyo3-ext/Cargo.toml" \
+    --target-dir "$ROOT/target/pyo3-ext" --out "$ROOT/target/pyo3-ext/dist"
+"$PY" -m pip install --quiet --force-reinstall --no-deps "$ROOT"/target/pyo3-ext/dist/dlbridge_pyo3_ext-*.whl
 
 step "Python tests"
 py_log="$(mktemp)"

@@ -216,6 +216,7 @@ impl PyArray {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tensor = self.tensor()?;
+        let dl_device = dl_device.map(crate::device::parse).transpose()?;
         crate::dlpack::producer::export(py, &tensor, stream, max_version, dl_device, copy)
     }
 }
@@ -340,7 +341,7 @@ impl PyArray {
     /// consumers that exchange tensors without Python calls.
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        crate::dlpack::c_api::capsule(py)
+        crate::dlpack::table::capsule(py)
     }
 
     /// The DLPack `(device_type, device_id)` of the array.

@@ -237,6 +237,7 @@ impl Layout {
     }
 
     /// A layout from parts; checks the dimension count and that the element count fits.
+    #[inline]
     pub fn new(shape: &[usize], strides: &[isize], byte_offset: usize) -> Result<Self> {
         if shape.len() != strides.len() {
             return Err(Error::Shape(format!(
@@ -288,6 +289,7 @@ impl Layout {
 
     /// Whether elements are laid out compactly in row-major order. Extents of 1 may have any
     /// stride; an empty layout is contiguous.
+    #[inline]
     pub fn is_contiguous(&self) -> bool {
         if self.numel() == 0 {
             return true;
@@ -323,6 +325,7 @@ impl Layout {
 
     /// The lowest and highest element offsets (in elements, relative to the first element) that
     /// the layout addresses; `None` when it has no elements.
+    #[inline]
     pub fn element_extent(&self) -> Option<(i128, i128)> {
         if self.numel() == 0 {
             return None;

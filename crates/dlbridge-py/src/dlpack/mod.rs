@@ -2,16 +2,17 @@
 //! exchange ([`dlbridge::dlpack::ImportRequest`], [`dlbridge::dlpack::ExportRequest`]), which
 //! decides device, storage mode, copy, stream and version. Nothing here decides what a user gets.
 //!
+//! The steps (capsules taken and made, a producer's C exchange table looked up and used, the
+//! `__dlpack__` call, the buffer protocol, `__dlpack__`'s arguments) are `dlbridge-pyo3`'s
+//! ([`dlbridge_pyo3::exchange`]), the one copy that every extension built on dlbridge shares.
+//! What is dlbridge's own is here:
+//!
 //! | module | direction | what it does |
 //! | --- | --- | --- |
-//! | [`capsule`] | both | `dltensor[_versioned]` capsules taken (renamed used) and made |
-//! | [`c_api`] | both | the DLPack 1.3 C exchange table: a producer's looked up and used, ours published |
-//! | [`consumer`] | in | `from_dlpack`/`asarray`: which path a producer's tensor comes through |
-//! | [`producer`] | out | `Array.__dlpack__`: Python arguments to an export request |
-//! | [`buffer`] | in | the buffer protocol as a zero-copy host source |
+//! | [`consumer`] | in | `from_dlpack`/`asarray`: our own arrays shared directly, the rest through the steps |
+//! | [`table`] | out | `dlbridge.Array`'s C exchange table |
 
-pub(crate) mod buffer;
-pub(crate) mod c_api;
-pub(crate) mod capsule;
 pub(crate) mod consumer;
-pub(crate) mod producer;
+pub(crate) mod table;
+
+pub(crate) use dlbridge_pyo3::exchange::{buffer, c_api, capsule, producer};

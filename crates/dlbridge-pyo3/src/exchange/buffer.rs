@@ -1,4 +1,5 @@
-//! The buffer protocol (`memoryview`-able objects) as a zero-copy source of host arrays.
+//! The buffer protocol (`memoryview`-able objects: `bytearray`, `array.array`, NumPy arrays,
+//! MLX arrays) as a zero-copy source of host arrays.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 
@@ -7,7 +8,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::{ffi, intern};
 
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 
 // The buffer protocol.
 //
@@ -66,7 +67,7 @@ impl Drop for HeldView {
 }
 
 /// Whether `obj` exports the buffer protocol.
-pub(crate) fn has_buffer(obj: &Bound<'_, PyAny>) -> bool {
+pub fn has_buffer(obj: &Bound<'_, PyAny>) -> bool {
     // `memoryview(obj)` succeeds exactly for buffer exporters; it is cheap and stable-ABI.
     let py = obj.py();
     py.import(intern!(py, "builtins"))
@@ -76,7 +77,7 @@ pub(crate) fn has_buffer(obj: &Bound<'_, PyAny>) -> bool {
 }
 
 /// Imports a buffer-protocol object without copying (read-only when the exporter is).
-pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+pub fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let py = obj.py();
     let mut view = Box::new(PyBufferView {
         buf: std::ptr::null_mut(),
@@ -103,18 +104,23 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     if rc != 0 {
         return Err(PyErr::fetch(py));
     }
+    finish_view(view)
+}
+
+/// The tensor over a filled view.
+fn finish_view(view: Box<PyBufferView>) -> PyResult<Tensor> {
     let held = HeldView(view);
     let v = &*held.0;
     let format = if v.format.is_null() {
-        "B".to_owned()
+        "B"
     } else {
         // SAFETY: a non-NULL `format` is a NUL-terminated string the exporter owns while the
-        // view is held.
+        // view is held (and `held` is not dropped before `format`'s last use).
         unsafe { CStr::from_ptr(v.format) }
-            .to_string_lossy()
-            .into_owned()
+            .to_str()
+            .unwrap_or("?invalid")
     };
-    let dtype = dtype_of_format(&format).ok_or_else(|| {
+    let dtype = dtype_of_format(format).ok_or_else(|| {
         PyBufferError::new_err(format!("buffer format {format:?} has no DLPack dtype"))
     })?;
     if v.itemsize as usize != dtype.itemsize() {
@@ -163,16 +169,57 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         shape.push(d);
         strides.push(s / v.itemsize);
     }
-    let layout = Layout::new(&shape, &strides, 0).py()?;
-    let itemsize = dtype.itemsize();
-    let (lo, hi) = layout.element_extent().unwrap_or((0, -1));
-    let base = v.buf as usize as i128 + lo * itemsize as i128;
-    let len = ((hi - lo + 1) * itemsize as i128).max(0) as usize;
-    let first = (-lo) as usize * itemsize;
     let read_only = v.readonly != 0;
+    let buf = v.buf;
+    // SAFETY: the exporter guarantees the elements the view addresses are valid host memory
+    // while the view is held, and `held` is the keep-alive.
+    unsafe {
+        host_tensor(
+            buf.cast(),
+            dtype,
+            &shape,
+            &strides,
+            read_only,
+            Box::new(held),
+        )
+    }
+}
+
+/// A tensor over foreign host memory: `first` is the address of the element at index zero,
+/// `strides` are in elements; the buffer covers exactly the bytes the view can address.
+///
+/// # Safety
+/// Every element the shape and strides address from `first` must be valid host memory (writable
+/// unless `read_only`) while `keep_alive` lives.
+pub(crate) unsafe fn host_tensor(
+    first: *mut u8,
+    dtype: DType,
+    shape: &[usize],
+    strides: &[isize],
+    read_only: bool,
+    keep_alive: Box<dyn std::any::Any + Send + Sync>,
+) -> PyResult<Tensor> {
+    // The layout checks the shape and strides (rank, overflow); the buffer holds exactly the
+    // bytes they address (from the lowest to the highest element, relative to `first`), which
+    // `Tensor::new` checks again.
+    let layout = Layout::new(shape, strides, 0).py()?;
+    let itemsize = dtype.itemsize() as i128;
+    let (base, len, offset) = match layout.element_extent() {
+        Some((lo, hi)) => (
+            first as usize as i128 + lo * itemsize,
+            ((hi - lo + 1) * itemsize) as usize,
+            (-lo * itemsize) as usize,
+        ),
+        None => (first as usize as i128, 0, 0),
+    };
+    let layout = if offset == 0 {
+        layout
+    } else {
+        layout.with_byte_offset(offset)
+    };
     let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base.max(1) as usize);
-    // SAFETY: the exporter guarantees `[buf + lo, buf + hi]` (in elements) is valid host memory
-    // while the view is held, and `held` keeps the view until the buffer is dropped.
+    // SAFETY: the caller guarantees the addressed elements, `[first + lo, first + hi]`, are valid
+    // host memory while `keep_alive` lives, and the buffer holds it until it is dropped.
     let buffer = unsafe {
         dlbridge::Buffer::from_foreign(
             handle,
@@ -181,10 +228,9 @@ pub(crate) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             Device::CPU,
             StorageMode::Shared,
             read_only,
-            Box::new(held),
+            keep_alive,
         )
     };
-    let layout = layout.with_byte_offset(if len == 0 { 0 } else { first });
     Tensor::new(buffer, dtype, layout).py()
 }
 

@@ -1,9 +1,12 @@
 //! The DLPack 1.3 C exchange API (`__dlpack_c_exchange_api__`): tensors cross between libraries
 //! through a table of C functions on the type, with no Python method call.
 //!
-//! * Consumer: `dlbridge.from_dlpack(x)` looks the table up on `type(x)` (cached per type) and,
-//!   when present, takes the tensor through `managed_tensor_from_py_object_no_sync`.
-//! * Producer: `dlbridge.Array.__dlpack_c_exchange_api__` publishes dlbridge's own table.
+//! * Consumer: an [`ArrayArg`](crate::ArrayArg) or `dlbridge.from_dlpack` looks the table up on
+//!   `type(x)` ([`type_info`], cached per type with the other facts the consumer needs of a
+//!   type) and, when present, takes the tensor through `managed_tensor_from_py_object_no_sync`
+//!   ([`take_via_table`]).
+//! * Producer: any class holding a tensor ([`TensorClass`]: [`PyTensor`], `dlbridge.Array`)
+//!   publishes an [`ExchangeTable`] of its own as `__dlpack_c_exchange_api__`.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::ptr::NonNull;
@@ -14,30 +17,38 @@ use dlbridge::dlpack::ffi::{
     DLDeviceType, DLManagedTensorVersioned, DLPackExchangeAPI, DLPackExchangeAPIHeader, DLTensor,
 };
 use dlbridge::{DType, Device, Tensor};
+use pyo3::PyClass;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyType};
 use pyo3::{ffi, intern};
 
-use crate::array::PyArray;
+use crate::error::{exception_name, to_py};
+use crate::tensor::PyTensor;
 
 const API_NAME: &CStr = c"dlpack_exchange_api";
 
 // ---------------------------------------------------------------------------------------------
 // Consumer side.
 
-/// What `from_dlpack` knows of a producer's type: its exchange table (if any) and whether its
-/// instances can be in states a DLPack descriptor cannot express.
+/// What the consumer knows of a producer's type: its exchange table (if any), whether its
+/// instances can be in states a DLPack descriptor cannot express, and which path its instances
+/// take.
 #[derive(Clone, Copy)]
-pub(crate) struct TypeInfo {
+pub struct TypeInfo {
     table: Option<TableRef>,
     /// The type has PyTorch's tensor-state API (`requires_grad`, `is_conj`, `is_neg`), so its
-    /// instances can require grad or carry lazy bits: [`super::consumer::refuse_inexpressible`]
+    /// instances can require grad or carry lazy bits: [`crate::exchange::consumer::refuse_inexpressible`]
     /// asks each one.
     pub(crate) has_tensor_state: bool,
+    /// The type has `__dlpack__`.
+    pub(crate) has_dlpack: bool,
+    /// The type is exactly `numpy.ndarray`, whose instance struct NumPy documents
+    /// ([`crate::numpy`]).
+    pub(crate) is_numpy: bool,
 }
 
-/// Types seen by `from_dlpack`, with what is known of them. The type objects are held, so an
+/// Types seen by the consumer, with what is known of them. The type objects are held, so an
 /// address in the cache can never be reused by a different type.
 static TYPES: Mutex<Vec<(Py<PyType>, TypeInfo)>> = Mutex::new(Vec::new());
 
@@ -56,7 +67,7 @@ unsafe impl Sync for TableRef {}
 const CACHE_LIMIT: usize = 32;
 
 /// What is known of `type(x)`, looked up once per type.
-pub(crate) fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
+pub fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
     let ty = x.get_type();
     {
         let cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
@@ -71,6 +82,8 @@ pub(crate) fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
         has_tensor_state: has(intern!(py, "requires_grad"))
             && has(intern!(py, "is_conj"))
             && has(intern!(py, "is_neg")),
+        has_dlpack: has(intern!(py, "__dlpack__")),
+        is_numpy: crate::numpy::is_ndarray_type(&ty),
     };
     let mut cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
     if cache.len() < CACHE_LIMIT {
@@ -98,12 +111,9 @@ fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
 /// Takes `x`'s tensor through its type's exchange table; `None` when the type has none.
 ///
 /// The caller has refused tensors whose memory does not hold their values
-/// ([`super::consumer::States::Values`]): PyTorch's table hands out a conjugated or negated view's
+/// ([`crate::exchange::consumer::States::Values`]): PyTorch's table hands out a conjugated or negated view's
 /// raw memory without its lazy bit, and a tensor that requires grad without complaint.
-pub(crate) fn take_via_table(
-    x: &Bound<'_, PyAny>,
-    info: TypeInfo,
-) -> Option<PyResult<ManagedTensor>> {
+pub fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<ManagedTensor>> {
     let api = info.table?.0;
     let export = api.managed_tensor_from_py_object_no_sync?;
     let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
@@ -160,9 +170,9 @@ fn order_after_producer(
                 drop(PyErr::take(py));
                 return Err(None);
             }
-            let device = Device::from_dlpack(device).map_err(|e| Some(crate::errors::to_py(e)))?;
+            let device = Device::from_dlpack(device).map_err(|e| Some(to_py(e)))?;
             dlbridge::backend::order_after_producer(device, producer.expose_provenance())
-                .map_err(|e| Some(crate::errors::to_py(e)))
+                .map_err(|e| Some(to_py(e)))
         }
         _ => Err(None),
     }
@@ -211,7 +221,7 @@ unsafe extern "C" fn allocator(
             "dlbridge panicked while allocating".to_owned(),
         ),
     };
-    let kind = crate::errors::exception_name(message.0);
+    let kind = exception_name(message.0);
     let text = std::ffi::CString::new(message.1.replace('\0', " ")).unwrap_or_default();
     if let Some(set_error) = set_error {
         // SAFETY: the caller's error callback, with its context and NUL-terminated strings that
@@ -221,37 +231,59 @@ unsafe extern "C" fn allocator(
     -1
 }
 
-/// Runs `f` on the tensor of the dlbridge array `py_object`, after the "NoSync" handoff (no
-/// stream is named: the consumer orders itself after [`current_work_stream`]; Metal, which has no
-/// stream, still waits for our work). One read of the array's slot, no reference-count traffic:
-/// the table's exports are on the path a consumer takes for every tensor.
+/// A frozen Python class whose instances hold a dlbridge tensor, and whose type publishes an
+/// [`ExchangeTable`] of its own: [`PyTensor`], `dlbridge.Array`.
+pub trait TensorClass: PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync {
+    /// Runs `f` on the instance's tensor, or fails (an array whose memory was freed, say).
+    fn with_tensor<R>(&self, f: impl FnOnce(&Tensor) -> R) -> PyResult<R>;
+
+    /// A new instance holding `tensor`.
+    fn new_object(py: Python<'_>, tensor: Tensor) -> PyResult<Py<PyAny>>;
+}
+
+impl TensorClass for PyTensor {
+    #[inline]
+    fn with_tensor<R>(&self, f: impl FnOnce(&Tensor) -> R) -> PyResult<R> {
+        Ok(f(self.tensor()))
+    }
+
+    fn new_object(py: Python<'_>, tensor: Tensor) -> PyResult<Py<PyAny>> {
+        Ok(Py::new(py, PyTensor::new(tensor))?.into_any())
+    }
+}
+
+/// Runs `f` on the tensor of the `P` instance `py_object`, after the "NoSync" handoff (no stream
+/// is named: the consumer orders itself after [`current_work_stream`]; Metal, which has no
+/// stream, still waits for our work). One read of the object, no reference-count traffic: the
+/// table's exports are on the path a consumer takes for every tensor.
 ///
 /// # Safety
 /// The GIL must be held and `py_object` must be a live object the caller keeps alive for the call.
-unsafe fn with_tensor(py_object: *mut c_void, f: impl FnOnce(&Tensor)) -> c_int {
+unsafe fn with_tensor<P: TensorClass>(py_object: *mut c_void, f: impl FnOnce(&Tensor)) -> c_int {
     // SAFETY: the protocol calls the table with the GIL held.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: a live object the caller holds for the whole call; borrowed, not owned.
     let obj = unsafe { pyo3::Borrowed::from_ptr(py, py_object.cast::<ffi::PyObject>()) };
-    let array = match obj.cast::<PyArray>() {
-        Ok(array) => array,
+    let object = match obj.cast::<P>() {
+        Ok(object) => object,
         Err(e) => return fail(py, e.into()),
     };
-    let tensor = match array.get().tensor() {
-        Ok(t) => t,
-        Err(e) => return fail(py, e),
-    };
-    let device = tensor.device();
-    if device.kind() == dlbridge::DeviceKind::Metal {
-        if let Err(e) = py.detach(|| dlbridge::backend::export_handoff(device, None)) {
-            return fail(py, crate::errors::to_py(e));
+    let done = object.get().with_tensor(|tensor| {
+        let device = tensor.device();
+        if device.kind() == dlbridge::DeviceKind::Metal {
+            py.detach(|| dlbridge::backend::export_handoff(device, None))
+                .map_err(to_py)?;
         }
+        f(tensor);
+        Ok(())
+    });
+    match done.and_then(|r| r) {
+        Ok(()) => 0,
+        Err(e) => fail(py, e),
     }
-    f(&tensor);
-    0
 }
 
-unsafe extern "C" fn from_py_object(
+unsafe extern "C" fn from_py_object<P: TensorClass>(
     py_object: *mut c_void,
     out: *mut *mut DLManagedTensorVersioned,
 ) -> c_int {
@@ -261,22 +293,25 @@ unsafe extern "C" fn from_py_object(
         unsafe { *out = managed.as_ptr() };
     };
     // SAFETY: the caller passes a live object with the GIL held (the protocol's contract).
-    unsafe { with_tensor(py_object, write) }
+    unsafe { with_tensor::<P>(py_object, write) }
 }
 
-unsafe extern "C" fn dltensor_from_py_object(py_object: *mut c_void, out: *mut DLTensor) -> c_int {
-    // The array is alive while the caller holds `py_object`, and its view never changes (only
-    // `Backend.free` can end it, which the caller must not race with its own use), so the shape
-    // and strides its layout owns stay put, as the protocol asks.
+unsafe extern "C" fn dltensor_from_py_object<P: TensorClass>(
+    py_object: *mut c_void,
+    out: *mut DLTensor,
+) -> c_int {
+    // The object is alive while the caller holds `py_object`, and its view never changes (a
+    // `dlbridge.Array` is ended only by `Backend.free`, which the caller must not race with its
+    // own use), so the shape and strides its layout owns stay put, as the protocol asks.
     let write = |t: &Tensor| {
         // SAFETY: `out` is a valid, writable `DLTensor`, per the protocol.
         unsafe { *out = t.borrowed_descriptor() };
     };
     // SAFETY: the caller passes a live object with the GIL held (the protocol's contract).
-    unsafe { with_tensor(py_object, write) }
+    unsafe { with_tensor::<P>(py_object, write) }
 }
 
-unsafe extern "C" fn to_py_object(
+unsafe extern "C" fn to_py_object<P: TensorClass>(
     tensor: *mut DLManagedTensorVersioned,
     out_py_object: *mut *mut c_void,
 ) -> c_int {
@@ -287,10 +322,7 @@ unsafe extern "C" fn to_py_object(
     };
     // SAFETY: the caller hands over ownership of a live tensor.
     let imported = unsafe { Tensor::from_dlpack_versioned(managed) };
-    match imported
-        .map_err(crate::errors::to_py)
-        .and_then(|t| Py::new(py, PyArray::new(t)))
-    {
+    match imported.map_err(to_py).and_then(|t| P::new_object(py, t)) {
         Ok(obj) => {
             // SAFETY: `out_py_object` is a valid place; the new reference goes to the caller.
             unsafe { *out_py_object = obj.into_ptr().cast() };
@@ -317,33 +349,75 @@ unsafe extern "C" fn current_work_stream(
     0
 }
 
-/// dlbridge's table; static, so it lives for the whole process as the protocol requires.
-struct Table(DLPackExchangeAPI);
+/// The DLPack 1.3 C exchange table of a [`TensorClass`]: keep it in a `static`, so it lives for
+/// the whole process as the protocol requires, and publish [`ExchangeTable::capsule`] as the
+/// class's `__dlpack_c_exchange_api__`.
+///
+/// ```
+/// use dlbridge::Tensor;
+/// use dlbridge_pyo3::exchange::c_api::{ExchangeTable, TensorClass};
+/// use pyo3::prelude::*;
+///
+/// #[pyclass(frozen)]
+/// struct MyArray(Tensor);
+///
+/// impl TensorClass for MyArray {
+///     fn with_tensor<R>(&self, f: impl FnOnce(&Tensor) -> R) -> PyResult<R> {
+///         Ok(f(&self.0))
+///     }
+///     fn new_object(py: Python<'_>, tensor: Tensor) -> PyResult<Py<PyAny>> {
+///         Ok(Py::new(py, MyArray(tensor))?.into_any())
+///     }
+/// }
+///
+/// static TABLE: ExchangeTable = ExchangeTable::new::<MyArray>();
+///
+/// #[pymethods]
+/// impl MyArray {
+///     #[classattr]
+///     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+///         TABLE.capsule(py)
+///     }
+/// }
+/// # Python::attach(|py| {
+/// #     let ty = py.get_type::<MyArray>();
+/// #     assert!(ty.getattr("__dlpack_c_exchange_api__").is_ok());
+/// # });
+/// ```
+pub struct ExchangeTable(DLPackExchangeAPI);
 
 // SAFETY: the table is immutable and holds only function pointers and a NULL chain pointer.
-unsafe impl Sync for Table {}
+unsafe impl Sync for ExchangeTable {}
 
-static TABLE: Table = Table(DLPackExchangeAPI {
-    header: DLPackExchangeAPIHeader {
-        version: dlbridge::dlpack::VERSION,
-        prev_api: std::ptr::null_mut(),
-    },
-    managed_tensor_allocator: Some(allocator),
-    managed_tensor_from_py_object_no_sync: Some(from_py_object),
-    managed_tensor_to_py_object_no_sync: Some(to_py_object),
-    dltensor_from_py_object_no_sync: Some(dltensor_from_py_object),
-    current_work_stream: Some(current_work_stream),
-});
-
-/// The capsule published as `dlbridge.Array.__dlpack_c_exchange_api__`.
-pub(crate) fn capsule(py: Python<'_>) -> PyResult<Py<PyAny>> {
-    let ptr = (&raw const TABLE.0).cast_mut().cast::<c_void>();
-    // SAFETY: the pointer is to a static that outlives every capsule; the name is static; no
-    // destructor is needed.
-    let raw = unsafe { ffi::PyCapsule_New(ptr, API_NAME.as_ptr(), None) };
-    if raw.is_null() {
-        return Err(PyErr::fetch(py));
+impl ExchangeTable {
+    /// The table whose exports take `P` instances and whose imports make them.
+    pub const fn new<P: TensorClass>() -> Self {
+        ExchangeTable(DLPackExchangeAPI {
+            header: DLPackExchangeAPIHeader {
+                version: dlbridge::dlpack::VERSION,
+                prev_api: std::ptr::null_mut(),
+            },
+            managed_tensor_allocator: Some(allocator),
+            managed_tensor_from_py_object_no_sync: Some(from_py_object::<P>),
+            managed_tensor_to_py_object_no_sync: Some(to_py_object::<P>),
+            dltensor_from_py_object_no_sync: Some(dltensor_from_py_object::<P>),
+            current_work_stream: Some(current_work_stream),
+        })
     }
-    // SAFETY: a new, owned reference.
-    Ok(unsafe { Bound::from_owned_ptr(py, raw) }.unbind())
+
+    /// The capsule (named `dlpack_exchange_api`) to publish as `__dlpack_c_exchange_api__`.
+    pub fn capsule(&'static self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let ptr = (&raw const self.0).cast_mut().cast::<c_void>();
+        // SAFETY: the pointer is to a static that outlives every capsule; the name is static; no
+        // destructor is needed.
+        let raw = unsafe { ffi::PyCapsule_New(ptr, API_NAME.as_ptr(), None) };
+        if raw.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: a new, owned reference.
+        Ok(unsafe { Bound::from_owned_ptr(py, raw) }.unbind())
+    }
 }
+
+/// [`PyTensor`]'s table (one per extension that links this crate).
+pub(crate) static TABLE: ExchangeTable = ExchangeTable::new::<PyTensor>();

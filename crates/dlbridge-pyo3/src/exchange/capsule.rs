@@ -19,7 +19,7 @@ const LEGACY: &CStr = c"dltensor";
 const USED_LEGACY: &CStr = c"used_dltensor";
 
 /// Takes ownership of the DLPack tensor in `capsule` (renaming it used), for the caller to import.
-pub(crate) fn take(capsule: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+pub fn take(capsule: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
     let Ok(capsule) = capsule.cast::<PyCapsule>() else {
         return Err(PyTypeError::new_err(format!(
             "expected a DLPack capsule or an object with __dlpack__, got {}",
@@ -156,7 +156,7 @@ fn new_capsule<'py>(
 
 /// Wraps an exported tensor in a capsule (versioned or legacy by its flavour) that frees it if no
 /// consumer takes it.
-pub(crate) fn wrap<'py>(py: Python<'py>, managed: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
+pub fn wrap<'py>(py: Python<'py>, managed: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
     match managed {
         ManagedTensor::Versioned(m) => new_capsule(
             py,

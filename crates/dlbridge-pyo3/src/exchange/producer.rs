@@ -1,28 +1,29 @@
-//! The producer: `Array.__dlpack__` turns its Python arguments into the core's
-//! [`ExportRequest`] and wraps the export in a capsule.
+//! The producer: a `__dlpack__` method (`dlbridge.Array`'s, [`PyTensor`](crate::PyTensor)'s)
+//! turns its Python arguments into the core's [`ExportRequest`] and wraps the export in a capsule.
 
 use dlbridge::Tensor;
 use dlbridge::dlpack::ExportRequest;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 
 /// `__dlpack__(stream=, max_version=, dl_device=, copy=)` of `tensor`, as the array API standard
 /// defines it: the core decides the handoff, the copy and the version; this reads the Python
-/// values and makes the capsule.
-pub(crate) fn export<'py>(
+/// values and makes the capsule. `dl_device` is already parsed (each binding has its own
+/// spellings of a device).
+pub fn export<'py>(
     py: Python<'py>,
     tensor: &Tensor,
     stream: Option<&Bound<'py, PyAny>>,
     max_version: Option<(u32, u32)>,
-    dl_device: Option<&Bound<'py, PyAny>>,
+    dl_device: Option<dlbridge::Device>,
     copy: Option<bool>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let request = ExportRequest {
         stream: stream_arg(tensor, stream)?,
         max_version,
-        dl_device: dl_device.map(crate::device::parse).transpose()?,
+        dl_device,
         copy,
     };
     let managed = if tensor.device().kind() == dlbridge::DeviceKind::Metal {

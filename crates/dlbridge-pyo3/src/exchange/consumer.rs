@@ -1,0 +1,293 @@
+//! The consumer: any Python array (a producer's C exchange table, its `__dlpack__`, a DLPack
+//! capsule, NumPy's documented array struct, the buffer protocol) turned into one call of the
+//! core's [`ImportRequest`], which decides device, storage mode and copy.
+
+use dlbridge::dlpack::{ImportRequest, Imported, ManagedTensor};
+use dlbridge::{Device, Tensor};
+use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict, PyTuple};
+
+use crate::error::IntoPyResult;
+
+/// What every import asks of the core: the memory where it is (`copy=False`), so the core
+/// refuses anything that would need a copy (a private Metal buffer, say).
+const REQUEST: ImportRequest = ImportRequest {
+    device: None,
+    storage: None,
+    copy: Some(false),
+};
+
+/// Imports `x` without a copy, by the cheapest path its type offers: a NumPy array is read from
+/// its struct (and becomes a tensor only when one is asked for), anything else is imported.
+#[inline]
+pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
+    use crate::numpy::Viewed;
+    if crate::numpy::is_ndarray(x) {
+        return crate::numpy::view(x);
+    }
+    if x.is_instance_of::<PyCapsule>() {
+        let managed = crate::exchange::capsule::take(x)?;
+        // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
+        let imported = unsafe { REQUEST.import(managed) }.py()?;
+        return Ok(Viewed::Tensor(imported.tensor));
+    }
+    let info = crate::exchange::c_api::type_info(x);
+    if info.is_numpy {
+        return crate::numpy::view(x);
+    }
+    from_producer(x, info).map(Viewed::Tensor)
+}
+
+/// Imports `x` through its type's exchange table or its `__dlpack__`, or else the buffer
+/// protocol (for NumPy arrays the struct path does not take).
+pub(crate) fn import_via_dlpack(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    from_producer(x, crate::exchange::c_api::type_info(x))
+}
+
+fn from_producer(x: &Bound<'_, PyAny>, info: crate::exchange::c_api::TypeInfo) -> PyResult<Tensor> {
+    let Some(managed) = take_from_producer(x, info, None, None)? else {
+        return from_buffer(x);
+    };
+    // SAFETY: the table or capsule handed over a live tensor whose ownership is now ours.
+    unsafe { REQUEST.import(managed) }.py().map(|i| i.tensor)
+}
+
+/// The producer `x`'s tensor, handed over through its type's exchange table (`info`, from
+/// [`type_info`](crate::exchange::c_api::type_info)) or else its `__dlpack__` (asked for
+/// `device` and `copy` as [`call_dlpack`] does); `None` when its type has neither. A tensor in a
+/// state DLPack cannot express is refused first ([`refuse_inexpressible`]).
+#[inline]
+pub fn take_from_producer(
+    x: &Bound<'_, PyAny>,
+    info: crate::exchange::c_api::TypeInfo,
+    device: Option<Device>,
+    copy: Option<bool>,
+) -> PyResult<Option<ManagedTensor>> {
+    refuse_inexpressible(x, info, States::Values)?;
+    match crate::exchange::c_api::take_via_table(x, info) {
+        Some(Ok(managed)) => Ok(Some(managed)),
+        Some(Err(err)) => {
+            refuse_inexpressible(x, info, States::Storage)?;
+            Err(err)
+        }
+        None if info.has_dlpack => {
+            refuse_inexpressible(x, info, States::Storage)?;
+            crate::exchange::capsule::take(&call_dlpack(x.py(), x, device, copy)?).map(Some)
+        }
+        None => Ok(None),
+    }
+}
+
+/// A buffer-protocol object, or a `TypeError` saying what an array argument accepts.
+fn from_buffer(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let tensor = crate::exchange::buffer::from_buffer(x).map_err(|err| {
+        if err.is_instance_of::<PyTypeError>(x.py()) {
+            let name = x
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            PyTypeError::new_err(format!(
+                "expected an array (an object with __dlpack__, a DLPack capsule or a buffer), \
+                 got {name}"
+            ))
+        } else {
+            err
+        }
+    })?;
+    finish(&REQUEST, tensor).map(|i| i.tensor)
+}
+
+/// Applies `request` to memory dlbridge can use as it is (a buffer-protocol view, a tensor of
+/// the binding's own).
+#[inline]
+pub fn finish(request: &ImportRequest, tensor: Tensor) -> PyResult<Imported> {
+    request
+        .finish(Imported {
+            tensor,
+            copied: false,
+        })
+        .py()
+}
+
+/// Which tensor states [`refuse_inexpressible`] asks about.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum States {
+    /// States in which the memory does not hold the tensor's values, or must not be written
+    /// behind its framework's back: requires grad, a lazy conjugate or negative bit. A producer's
+    /// exporter may hand such a tensor out without complaint (PyTorch's C exchange table does, and
+    /// its `__dlpack__` does for negated views), so these are asked before every import.
+    Values,
+    /// States with no strided memory at all: sparse, quantized, nested, MKL-DNN, meta, lazy zero
+    /// tensors. No exporter can hand those out as a descriptor (PyTorch's table fails for them),
+    /// so these are asked where an import would otherwise go on without the table: before
+    /// `__dlpack__` and the buffer protocol, and to explain a failed table export.
+    Storage,
+    /// Both.
+    All,
+}
+
+/// Refuses, with the `BufferError` the array API standard calls for, a producer's tensor in a
+/// state a DLPack descriptor cannot express ([`States`]); the one check every import path (the C
+/// exchange table, `__dlpack__`, the buffer protocol) makes. Only types with PyTorch's
+/// tensor-state API are asked ([`crate::exchange::c_api::TypeInfo`]), and each question is one
+/// attribute read or method call, in the order of how common the state is.
+pub fn refuse_inexpressible(
+    x: &Bound<'_, PyAny>,
+    info: crate::exchange::c_api::TypeInfo,
+    states: States,
+) -> PyResult<()> {
+    if !info.has_tensor_state {
+        return Ok(());
+    }
+    let py = x.py();
+    // A state the running version does not have (an attribute it lacks) is not set.
+    let flag = |name: &Bound<'_, pyo3::types::PyString>| {
+        x.getattr(name).and_then(|v| v.is_truthy()).unwrap_or(false)
+    };
+    let method = |name: &Bound<'_, pyo3::types::PyString>| {
+        x.call_method0(name)
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(false)
+    };
+    let values = states != States::Storage;
+    let storage = states != States::Values;
+    let refusal = if values && flag(intern!(py, "requires_grad")) {
+        "it requires grad, and a DLPack consumer could write to it behind autograd's back; \
+         export x.detach()"
+    } else if values && method(intern!(py, "is_conj")) {
+        "its conjugate bit is set, so its memory does not hold its values; export \
+         x.resolve_conj()"
+    } else if values && method(intern!(py, "is_neg")) {
+        "its negative bit is set, so its memory does not hold its values; export x.resolve_neg()"
+    } else if storage && (flag(intern!(py, "is_sparse")) || flag(intern!(py, "is_sparse_csr"))) {
+        "it is sparse, and DLPack describes only strided memory; export x.to_dense()"
+    } else if storage && flag(intern!(py, "is_quantized")) {
+        "it is quantized, which DLPack cannot describe; export x.dequantize()"
+    } else if storage && flag(intern!(py, "is_nested")) {
+        "it is a nested tensor, which DLPack cannot describe"
+    } else if storage && flag(intern!(py, "is_mkldnn")) {
+        "it is in MKL-DNN layout, which DLPack cannot describe; export x.to_dense()"
+    } else if storage && flag(intern!(py, "is_meta")) {
+        "it is on the meta device and has no memory"
+    } else if storage && method(intern!(py, "_is_zerotensor")) {
+        "it is a lazy zero tensor with no memory of its own; export x.clone()"
+    } else {
+        return Ok(());
+    };
+    Err(PyBufferError::new_err(format!(
+        "cannot import this {} through DLPack: {refusal}",
+        x.get_type().name()?
+    )))
+}
+
+/// Calls the producer's `__dlpack__` as the array API standard lets a consumer: `max_version=(1,
+/// 3)`; for a CUDA producer the consumer's stream (the thread's current dlbridge stream on that
+/// device, the legacy default stream unless the extension set another with
+/// [`dlbridge::backend::cuda::set_current_stream`]); `dl_device` only for a move to the host
+/// (other moves the core makes after importing); `copy` as given. Producers older than DLPack 1.0
+/// that take no keywords are asked again without them (but still with the stream). An object
+/// without `__dlpack__` is a `TypeError`.
+pub fn call_dlpack<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    device: Option<Device>,
+    copy: Option<bool>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let method = match x.getattr(intern!(py, "__dlpack__")) {
+        Ok(m) => m,
+        Err(_) => {
+            return Err(PyTypeError::new_err(format!(
+                "{} does not support DLPack (no __dlpack__ method)",
+                x.get_type().name()?
+            )));
+        }
+    };
+    // The producer's device decides whether a stream must be named (CUDA) or not (elsewhere).
+    let here = producer_device(x)?;
+    let cuda = here.filter(|d| d.kind().is_cuda());
+    if device.is_none() && copy.is_none() && cuda.is_none() {
+        // The common case: a constant `{"max_version": (1, 3)}`. Callees never keep or change
+        // the dict they are called with (CPython copies it into `**kwargs` where one is declared).
+        return match method.call((), Some(plain_kwargs(py))) {
+            Ok(capsule) => Ok(capsule),
+            Err(err) if err.is_instance_of::<PyTypeError>(py) => method.call0(),
+            Err(err) => Err(err),
+        };
+    }
+    // Ask a CUDA producer to order its work before our current stream.
+    let stream = cuda.map(|d| dlbridge::backend::consumer_stream(d).unwrap_or(1));
+    let kwargs = PyDict::new(py);
+    kwargs.set_item(intern!(py, "max_version"), max_version_tuple(py))?;
+    if let Some(stream) = stream {
+        kwargs.set_item(intern!(py, "stream"), stream)?;
+    }
+    if let Some(target) = device {
+        // Only ask the producer to move data to the host, which every producer can do. A
+        // same-device request is a no-op that older producers may not accept.
+        if here != Some(target) && target.is_cpu() {
+            let dl = target.to_dlpack();
+            kwargs.set_item(intern!(py, "dl_device"), (dl.device_type, dl.device_id))?;
+        }
+    }
+    if let Some(copy) = copy {
+        kwargs.set_item(intern!(py, "copy"), copy)?;
+    }
+    match method.call((), Some(&kwargs)) {
+        Ok(capsule) => Ok(capsule),
+        // Producers older than DLPack 1.0 take no keywords (or not these).
+        Err(err) if err.is_instance_of::<PyTypeError>(py) => match stream {
+            // Still name the stream: a CUDA producer must order its work before ours.
+            Some(stream) => {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item(intern!(py, "stream"), stream)?;
+                method.call((), Some(&kwargs))
+            }
+            None => method.call0(),
+        },
+        Err(err) => Err(err),
+    }
+}
+
+/// `{"max_version": (1, 3)}`, built once.
+fn plain_kwargs(py: Python<'_>) -> &Bound<'_, PyDict> {
+    static DICT: pyo3::sync::PyOnceLock<Py<PyDict>> = pyo3::sync::PyOnceLock::new();
+    DICT.get_or_init(py, || {
+        let d = PyDict::new(py);
+        d.set_item(intern!(py, "max_version"), max_version_tuple(py))
+            .expect("inserting into a new dict");
+        d.unbind()
+    })
+    .bind(py)
+}
+
+/// `(1, 3)`, built once.
+fn max_version_tuple(py: Python<'_>) -> &Bound<'_, PyTuple> {
+    static TUPLE: pyo3::sync::PyOnceLock<Py<PyTuple>> = pyo3::sync::PyOnceLock::new();
+    TUPLE
+        .get_or_init(py, || {
+            let v = dlbridge::dlpack::VERSION;
+            PyTuple::new(py, [v.major, v.minor])
+                .expect("a tuple of two ints")
+                .unbind()
+        })
+        .bind(py)
+}
+
+/// The producer's `__dlpack_device__`, if it has one (and it names a device dlbridge knows).
+pub fn producer_device(x: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
+    let py = x.py();
+    match x.call_method0(intern!(py, "__dlpack_device__")) {
+        Ok(pair) => {
+            let (device_type, device_id): (i32, i32) = pair.extract()?;
+            Ok(Device::from_dlpack(dlbridge::dlpack::ffi::DLDevice {
+                device_type,
+                device_id,
+            })
+            .ok())
+        }
+        Err(_) => Ok(None),
+    }
+}

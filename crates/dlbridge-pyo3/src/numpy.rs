@@ -1,0 +1,221 @@
+//! NumPy arrays read from the instance struct NumPy documents as public C API
+//! (`PyArrayObject_fields` and `PyArray_Descr` in `numpy/ndarraytypes.h`): no Python call, no
+//! capsule, which is what makes a NumPy argument as cheap as a NumPy-only binding's.
+//!
+//! Only exact `numpy.ndarray` instances take this path (subclasses may give their data another
+//! meaning, such as a mask), and only for the dtypes below in native byte order; anything else
+//! goes through `__dlpack__`, which gives NumPy's own answer.
+
+use std::ffi::{c_char, c_int};
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use dlbridge::{DType, Tensor};
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+use pyo3::{ffi, intern};
+
+/// The leading fields of NumPy's array struct (NumPy 1.x and 2.x alike; the object header is
+/// this build's, free-threaded or not).
+#[repr(C)]
+struct ArrayFields {
+    ob_base: ffi::PyObject,
+    data: *mut c_char,
+    nd: c_int,
+    dimensions: *const ffi::Py_ssize_t,
+    strides: *const ffi::Py_ssize_t,
+    base: *mut ffi::PyObject,
+    descr: *const DescrFields,
+    flags: c_int,
+}
+
+/// The leading fields of NumPy's dtype struct (NumPy 1.x and 2.x alike: the 2.0 changes come
+/// after `type_num`).
+#[repr(C)]
+struct DescrFields {
+    ob_base: ffi::PyObject,
+    typeobj: *mut ffi::PyObject,
+    kind: c_char,
+    type_: c_char,
+    byteorder: c_char,
+    former_flags: c_char,
+    type_num: c_int,
+}
+
+/// `NPY_ARRAY_WRITEABLE`.
+const WRITEABLE: c_int = 0x0400;
+
+/// `numpy.ndarray` once seen by [`is_ndarray_type`], so later calls know a NumPy array by one
+/// pointer comparison. The type cache holds a reference to it, and the type is static in NumPy's
+/// library, so the address is never reused by another type.
+static NDARRAY: AtomicPtr<ffi::PyTypeObject> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Whether `x` is exactly a `numpy.ndarray` (after the type cache has seen one).
+#[inline]
+pub(crate) fn is_ndarray(x: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: `x` is a live object, whose type pointer is readable.
+    let ty = unsafe { ffi::Py_TYPE(x.as_ptr()) };
+    ty == NDARRAY.load(Ordering::Relaxed)
+}
+
+/// Whether `ty` is exactly `numpy.ndarray` (asked once per type by the type cache).
+pub(crate) fn is_ndarray_type(ty: &Bound<'_, PyType>) -> bool {
+    let py = ty.py();
+    let Ok(numpy) = py.import(intern!(py, "numpy")) else {
+        return false;
+    };
+    let yes = numpy
+        .getattr(intern!(py, "ndarray"))
+        .is_ok_and(|nd| nd.as_ptr() == ty.as_ptr());
+    if yes {
+        NDARRAY.store(ty.as_type_ptr(), Ordering::Relaxed);
+    }
+    yes
+}
+
+/// The dtype of NumPy type number `num`, for those with a DLPack equivalent.
+fn dtype_of(num: c_int) -> Option<DType> {
+    let long = if std::mem::size_of::<std::ffi::c_long>() == 8 {
+        (DType::I64, DType::U64)
+    } else {
+        (DType::I32, DType::U32)
+    };
+    Some(match num {
+        0 => DType::BOOL,
+        1 => DType::I8,
+        2 => DType::U8,
+        3 => DType::I16,
+        4 => DType::U16,
+        5 => DType::I32,
+        6 => DType::U32,
+        7 => long.0,
+        8 => long.1,
+        9 => DType::I64,
+        10 => DType::U64,
+        11 => DType::F32,
+        12 => DType::F64,
+        14 => DType::C64,
+        15 => DType::C128,
+        23 => DType::F16,
+        _ => return None,
+    })
+}
+
+/// A NumPy array read from its struct, not yet wrapped in a [`Tensor`]: the checks and typed
+/// access of an argument need only these facts, so the common call allocates nothing; a tensor
+/// is built when one is asked for ([`NumPyArray::into_tensor`]).
+#[derive(Debug)]
+pub(crate) struct NumPyArray {
+    /// The array, which owns (or keeps alive) the memory.
+    obj: Py<PyAny>,
+    /// The address of the element at index zero.
+    first: *mut u8,
+    /// The element type.
+    pub(crate) dtype: DType,
+    /// Extents and strides in elements (byte offset zero: relative to `first`).
+    pub(crate) layout: dlbridge::Layout,
+    /// NumPy's WRITEABLE flag is clear.
+    pub(crate) read_only: bool,
+}
+
+// SAFETY: the raw pointer addresses memory that `obj` (a strong reference, which is `Send`)
+// keeps alive; nothing here is tied to the creating thread.
+unsafe impl Send for NumPyArray {}
+// SAFETY: shared references only read the plain fields.
+unsafe impl Sync for NumPyArray {}
+
+impl NumPyArray {
+    /// The address of the element at index zero.
+    pub(crate) fn first(&self) -> *mut u8 {
+        self.first
+    }
+
+    /// Another handle to the same array.
+    pub(crate) fn clone_ref(&self, py: Python<'_>) -> NumPyArray {
+        NumPyArray {
+            obj: self.obj.clone_ref(py),
+            first: self.first,
+            dtype: self.dtype,
+            layout: self.layout.clone(),
+            read_only: self.read_only,
+        }
+    }
+
+    /// The array as a tensor over its memory, which keeps it alive.
+    pub(crate) fn into_tensor(self) -> PyResult<Tensor> {
+        // SAFETY: NumPy guarantees the elements its shape and strides address from `first` are
+        // valid (writable unless read-only) while the array lives, and `obj` keeps it alive.
+        unsafe {
+            crate::exchange::buffer::host_tensor(
+                self.first,
+                self.dtype,
+                self.layout.shape(),
+                self.layout.strides(),
+                self.read_only,
+                Box::new(self.obj),
+            )
+        }
+    }
+}
+
+/// What [`view`] gives: the array's facts, or a tensor where NumPy's own `__dlpack__` had to
+/// answer.
+pub(crate) enum Viewed {
+    /// Read from the struct.
+    Struct(NumPyArray),
+    /// Imported through `__dlpack__`.
+    Tensor(Tensor),
+}
+
+/// The NumPy array `x` (an exact `numpy.ndarray`) read from its struct; other arrays (an
+/// unusual dtype, byte order or stride) are imported through `__dlpack__` instead.
+#[inline]
+pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
+    let fields = x.as_ptr().cast::<ArrayFields>();
+    // SAFETY: `x` is exactly a `numpy.ndarray` (the type cache checked), whose instances start
+    // with these fields; the GIL is held, so nothing changes them while they are read.
+    let a = unsafe { &*fields };
+    // SAFETY: every array has a live dtype, which starts with these fields.
+    let descr = unsafe { &*a.descr };
+    let dtype = dtype_of(descr.type_num);
+    let foreign_order = if cfg!(target_endian = "little") {
+        b'>'
+    } else {
+        b'<'
+    };
+    let ndim = usize::try_from(a.nd).unwrap_or(usize::MAX);
+    let (Some(dtype), true, true) = (
+        dtype,
+        descr.byteorder as u8 != foreign_order,
+        ndim <= dlbridge::MAX_NDIM,
+    ) else {
+        return fallback(x);
+    };
+    let itemsize = dtype.itemsize() as isize;
+    let mut shape = [0usize; dlbridge::MAX_NDIM];
+    let mut strides = [0isize; dlbridge::MAX_NDIM];
+    for i in 0..ndim {
+        // SAFETY: an array has `nd` extents.
+        let d = unsafe { a.dimensions.wrapping_add(i).read() };
+        // SAFETY: and `nd` byte strides.
+        let s = unsafe { a.strides.wrapping_add(i).read() };
+        if s % itemsize != 0 {
+            return fallback(x);
+        }
+        shape[i] = d as usize;
+        strides[i] = s / itemsize;
+    }
+    let layout =
+        dlbridge::Layout::new(&shape[..ndim], &strides[..ndim], 0).map_err(crate::error::to_py)?;
+    Ok(Viewed::Struct(NumPyArray {
+        obj: x.clone().unbind(),
+        first: a.data.cast(),
+        dtype,
+        layout,
+        read_only: a.flags & WRITEABLE == 0,
+    }))
+}
+
+/// NumPy's own `__dlpack__`, for arrays the struct path does not take.
+fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
+    crate::exchange::consumer::import_via_dlpack(x).map(Viewed::Tensor)
+}

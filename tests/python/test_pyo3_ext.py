@@ -1,0 +1,385 @@
+"""The example PyO3 extension on dlbridge-pyo3 (examples/pyo3-ext, built by scripts/test.sh):
+every accepted input kind, every constraint violation, borrows, lifetime, deleter counts, and
+return values imported by each framework. CUDA cases run on a CUDA device."""
+
+from __future__ import annotations
+
+import array
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+ext = pytest.importorskip(
+    "dlbridge_pyo3_ext", reason="the example extension is not built (scripts/test.sh builds it)"
+)
+torch = pytest.importorskip("torch")
+
+
+def _cuda_available() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
+
+
+def notes(err: BaseException) -> str:
+    """The exception's message and PyO3's 'while processing' note, which names the argument."""
+    return str(err) + " ".join(getattr(err, "__notes__", []))
+
+
+# --- accepted input kinds, zero copy ------------------------------------------------------------
+
+
+def test_numpy_zero_copy_and_write_seen():
+    x = np.arange(4, dtype=np.float32)
+    assert ext.data_ptr(x) == x.ctypes.data
+    y = np.zeros(4, np.float32)
+    ext.axpy(2.0, x, y)
+    np.testing.assert_array_equal(y, 2 * x)
+
+
+def test_numpy_strided_layouts():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for view in (x, x.T, x[:, ::-1], x[::2, 1::2], x[::-1]):
+        assert ext.total(view) == pytest.approx(float(view.sum()))
+    assert ext.data_ptr(x[:, ::-1]) == x[:, ::-1].ctypes.data
+
+
+def test_numpy_non_native_byte_order_goes_through_dlpack():
+    x = np.arange(3, dtype=">f4")
+    with pytest.raises(BufferError):
+        ext.total(x)
+
+
+def test_torch_zero_copy_and_write_seen():
+    x = torch.arange(4, dtype=torch.float32)
+    assert ext.data_ptr(x) == x.data_ptr()
+    y = torch.zeros(4)
+    ext.axpy(1.0, x, y)
+    assert torch.equal(y, x)
+
+
+def test_jax_input():
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    assert ext.total(x) == 15.0
+    assert ext.total(x.T) == 15.0
+
+
+def test_mlx_input():
+    mx = pytest.importorskip("mlx.core")
+    x = mx.arange(5, dtype=mx.float32)
+    assert ext.total(x) == 10.0
+
+
+def test_dlbridge_array_through_its_exchange_table():
+    dlbridge = pytest.importorskip("dlbridge")
+    base = np.arange(5, dtype=np.float32)
+    a = dlbridge.asarray(base)
+    assert ext.total(a) == 10.0
+    assert ext.data_ptr(a) == base.ctypes.data
+
+
+def test_buffer_protocol_inputs():
+    data = array.array("f", [1, 2, 3])
+    assert ext.total(data) == 6.0
+    assert ext.total(memoryview(data)) == 6.0
+    ext.axpy(1.0, np.ones(3, np.float32), data)
+    assert list(data) == [2, 3, 4]
+
+
+def test_capsule_input_and_used_capsule():
+    capsule = np.arange(3, dtype=np.float32).__dlpack__()
+    assert ext.total(capsule) == 3.0
+    with pytest.raises(BufferError, match="already consumed"):
+        ext.total(capsule)
+
+
+# --- constraint violations ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["abc", 3, None, [1.0, 2.0], object()])
+def test_not_an_array(bad):
+    with pytest.raises(TypeError, match="expected an array") as err:
+        ext.total(bad)
+    assert "'x'" in notes(err.value)
+
+
+def test_wrong_dtype():
+    with pytest.raises(TypeError, match="argument 'x': expected an array of float32, got float64"):
+        ext.total(np.ones(3))
+    with pytest.raises(TypeError, match="argument 'x'"):
+        ext.total(torch.ones(3, dtype=torch.int32))
+
+
+def test_wrong_rank_and_shape():
+    with pytest.raises(ValueError, match="argument 'x': expected 1 axis, got 2"):
+        ext.first(np.ones((2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"argument 'm': expected shape \(\?, 3\), got \(3, 2\)"):
+        ext.row_sums(np.ones((3, 2)))
+
+
+def test_non_contiguous_refused_where_required():
+    with pytest.raises(ValueError, match="argument 'x': expected a C-contiguous array"):
+        ext.first(np.ones(6, np.float32)[::2])
+    with pytest.raises(ValueError, match="argument 'm': expected a C-contiguous"):
+        ext.row_sums(np.ones((3, 3)).T)
+
+
+def test_read_only_refused_for_mutable_access():
+    r = np.ones(3, np.float32)
+    r.flags.writeable = False
+    with pytest.raises(ValueError, match="argument 'y': expected a writable array, got a read-only one"):
+        ext.axpy(1.0, np.ones(3, np.float32), r)
+    with pytest.raises(ValueError, match="argument 'y'"):
+        ext.axpy(1.0, np.ones(3, np.float32), memoryview(bytes(12)).cast("f"))
+
+
+def test_device_refused():
+    with pytest.raises(ValueError, match="argument 'x': expected an array on cuda, got one on cpu"):
+        ext.scale_cuda(torch.ones(3), 2.0)
+
+
+def test_requires_grad_refused():
+    with pytest.raises(BufferError, match="requires grad"):
+        ext.total(torch.ones(3, requires_grad=True))
+
+
+# --- borrows ------------------------------------------------------------------------------------
+
+
+def test_overlapping_mutable_borrows_refused():
+    z = np.ones(4, np.float32)
+    with pytest.raises(BufferError, match="argument 'y': cannot borrow the array mutably"):
+        ext.axpy(1.0, z, z)
+    with pytest.raises(BufferError, match="argument 'y'"):
+        ext.axpy(1.0, z[:2], z[1:3])
+    # Disjoint halves of one array are fine.
+    ext.axpy(1.0, z[:2], z[2:])
+    np.testing.assert_array_equal(z, [1, 1, 2, 2])
+
+
+def test_held_borrow_blocks_writers_until_released():
+    z = np.ones(4, np.float32)
+    held = ext.hold(z)
+    with pytest.raises(BufferError):
+        ext.axpy(1.0, np.ones(2, np.float32), z[2:])
+    # Shared borrows do not conflict with each other.
+    assert ext.total(z) == 4.0
+    held.release()
+    ext.axpy(1.0, np.ones(2, np.float32), z[2:])
+    np.testing.assert_array_equal(z, [1, 1, 2, 2])
+
+
+def test_borrows_are_released_after_errors():
+    z = np.ones(3, np.float32)
+    with pytest.raises(ValueError):
+        ext.axpy(1.0, np.ones(2, np.float32), z)  # length mismatch, after both borrows
+    ext.axpy(1.0, np.ones(3, np.float32), z)
+
+
+def test_registry_is_shared_in_sys_modules():
+    import sys
+
+    ext.total(np.ones(1, np.float32))
+    assert "registry_v1" in dir(sys.modules["_dlbridge_borrows"])
+
+
+# --- lifetime and deleters ----------------------------------------------------------------------
+
+
+def test_producer_kept_alive_while_rust_holds_the_view():
+    x = torch.arange(4, dtype=torch.float32)
+    alive = weakref.ref(x)
+    held = ext.hold(x)
+    del x
+    gc.collect()
+    assert alive() is not None
+    assert held.total() == 6.0
+    held.release()
+    gc.collect()
+    assert alive() is None
+
+
+def test_numpy_kept_alive_through_struct_path():
+    x = np.arange(4, dtype=np.float32)
+    base_refs = __import__("sys").getrefcount(x)
+    held = ext.hold(x)
+    assert __import__("sys").getrefcount(x) == base_refs + 1
+    held.release()
+    assert __import__("sys").getrefcount(x) == base_refs
+
+
+def test_capsule_deleter_runs_exactly_once():
+    x = np.arange(3, dtype=np.float32)
+    before = __import__("sys").getrefcount(x)
+    for _ in range(50):
+        ext.total(x.__dlpack__())
+    gc.collect()
+    assert __import__("sys").getrefcount(x) == before
+
+
+def test_returned_tensor_deleter_runs_once_per_consumer():
+    t = ext.arange(8)
+    views = [np.from_dlpack(t) for _ in range(10)]
+    assert all(v.ctypes.data == views[0].ctypes.data for v in views)
+    del views
+    gc.collect()
+    np.testing.assert_array_equal(np.from_dlpack(t), np.arange(8, dtype=np.float32))
+
+
+# --- return values ------------------------------------------------------------------------------
+
+
+def test_returned_tensor_protocol():
+    t = ext.arange(3)
+    assert t.__dlpack_device__() == (1, 0)
+    assert type(t).__dlpack_c_exchange_api__ is not None
+    assert t.shape == [3] and t.dtype == "float32" and t.device == "cpu"
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "jax", "dlbridge"])
+def test_returned_to_framework(framework):
+    pytest.importorskip({"numpy": "numpy", "torch": "torch", "jax": "jax", "dlbridge": "dlbridge"}[framework])
+    out = ext.arange(5, framework)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(5, dtype=np.float32))
+    assert type(out).__module__.split(".")[0] in {"numpy", "torch", "jaxlib", "jax", "dlbridge"}
+
+
+def test_returned_zero_copy_write_seen():
+    t = ext.arange(4)
+    a = torch.from_dlpack(t)
+    b = np.from_dlpack(t)
+    a[0] = 42
+    assert b[0] == 42
+    assert a.data_ptr() == b.ctypes.data
+
+
+def test_returned_goes_back_into_an_argument():
+    assert ext.total(ext.arange(4)) == 6.0
+
+
+def test_unknown_framework():
+    with pytest.raises(ValueError, match="unknown framework"):
+        ext.arange(3, "tensorflow")
+
+
+def test_cupy_needs_cuda():
+    cupy = pytest.importorskip("cupy", reason="needs a CUDA device")
+    if not _cuda_available():
+        pytest.skip("needs a CUDA device")
+    x = cupy.ones(4, dtype=cupy.float32)
+    ext.scale_cuda(x, 3.0)
+    assert float(x.sum()) == 12.0
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+
+
+@needs_cuda
+def test_cuda_kernel_on_torch_memory_and_stream():
+    x = torch.ones(1000, device="cuda")
+    ptr = x.data_ptr()
+    ext.scale_cuda(x, 2.5)
+    torch.cuda.synchronize()
+    assert x.data_ptr() == ptr
+    assert torch.all(x == 2.5)
+
+
+@needs_cuda
+def test_cuda_refused_for_host_functions():
+    with pytest.raises(ValueError, match="argument 'x': expected an array on cpu"):
+        ext.total(torch.ones(3, device="cuda"))
+
+
+# --- the shared borrow registry, as another extension uses it -----------------------------------
+
+
+def _registry():
+    """The process's borrow registry, called through its C table as any other extension would."""
+    import ctypes
+    import sys
+
+    ext.total(np.ones(1, np.float32))  # publishes it if nothing has yet
+    capsule = sys.modules["_dlbridge_borrows"].registry_v1
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    ptr = get(capsule, b"dlbridge_pyo3.borrows.registry_v1")
+
+    class Range(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                    ("start", ctypes.c_uint64), ("end", ctypes.c_uint64)]
+
+    acquire_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Range), ctypes.c_int)
+    release_t = ctypes.CFUNCTYPE(None, ctypes.POINTER(Range), ctypes.c_int)
+
+    class Registry(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("acquire", acquire_t), ("release", release_t)]
+
+    return Registry.from_address(ptr), Range
+
+
+def test_borrow_by_another_extension_is_respected():
+    registry, Range = _registry()
+    assert registry.version == 1
+    z = np.ones(8, np.float32)
+    theirs = Range(1, 0, z.ctypes.data + 8, z.ctypes.data + 16)  # elements 2 and 3, mutably
+    assert registry.acquire(ctypes_ref(theirs), 1) == 0
+    try:
+        with pytest.raises(BufferError, match="argument 'x'"):
+            ext.total(z)  # a shared borrow overlapping their mutable one
+        assert ext.total(z[4:]) == 4.0  # disjoint: fine
+    finally:
+        registry.release(ctypes_ref(theirs), 1)
+    assert ext.total(z) == 8.0
+    # And ours blocks theirs.
+    held = ext.hold(z)
+    assert registry.acquire(ctypes_ref(theirs), 1) == 1
+    held.release()
+    assert registry.acquire(ctypes_ref(theirs), 1) == 0
+    registry.release(ctypes_ref(theirs), 1)
+
+
+def ctypes_ref(obj):
+    import ctypes
+
+    return ctypes.pointer(obj)
+
+
+# --- deleter counts through the exchange table --------------------------------------------------
+
+
+def test_dlbridge_exports_released_exactly_once():
+    dlbridge = pytest.importorskip("dlbridge")
+    a = dlbridge.asarray(np.arange(8, dtype=np.float32))
+    base = a._buffer_ref_count
+    for _ in range(100):
+        ext.total(a)
+    assert a._buffer_ref_count == base
+    held = ext.hold(a)
+    assert a._buffer_ref_count == base + 1
+    held.release()
+    assert a._buffer_ref_count == base
+
+
+def test_view_dropped_on_another_thread_releases_once():
+    import threading
+
+    dlbridge = pytest.importorskip("dlbridge")
+    a = dlbridge.asarray(np.arange(8, dtype=np.float32))
+    base = a._buffer_ref_count
+    held = [ext.hold(a)]
+    assert a._buffer_ref_count == base + 1
+
+    def drop():
+        held[0].release()
+        held.clear()
+
+    t = threading.Thread(target=drop)
+    t.start()
+    t.join()
+    gc.collect()
+    assert a._buffer_ref_count == base

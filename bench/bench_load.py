@@ -173,6 +173,19 @@ def pinned_h2d_gbps() -> float:
     return n / statistics.median(times) / 1e9
 
 
+def sweep(files: list[str], size: int) -> None:
+    print("\nsweep (warm, dlbridge: reader threads x chunk size; GB/s, median of 2):")
+    chunks = (1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
+    print("threads " + "".join(f"{c >> 20:>7} MiB" for c in chunks))
+    for threads in (2, 4, 8, 12, 16):
+        row = []
+        for chunk in chunks:
+            t = statistics.median(time_once(lambda f: load_dlbridge(f, threads=threads, chunk_bytes=chunk),
+                                            files, False) for _ in range(2))
+            row.append(size / t / 1e9)
+        print(f"{threads:>7} " + "".join(f"{r:>11.2f}" for r in row), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/dlbridge-bench-load")
@@ -181,6 +194,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="warm runs per loader (median)")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep dlbridge's threads and chunk size (warm)")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep (no peers, no cold runs)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     files = generate(args.dir, args.layers, args.shards)
@@ -203,6 +217,8 @@ def main() -> int:
         ("Run:ai Model Streamer SafetensorsStreamer", load_runai),
     ]
     results: dict[str, tuple[float | None, float | None, str]] = {}
+    if args.sweep_only:
+        loaders = []
     for name, fn in loaders:
         try:
             warm = statistics.median(time_once(fn, files, False) for _ in range(args.runs))
@@ -213,6 +229,9 @@ def main() -> int:
         cold_gbps, warm_gbps, err = results[name]
         print(f"  {name}: cold {cold_gbps or 0:.2f} GB/s, warm {warm_gbps or 0:.2f} GB/s {err}", flush=True)
 
+    if args.sweep_only:
+        sweep(files, size)
+        return 0
     raw_warm = []
     for _ in range(2):
         warm_up(files)
@@ -251,12 +270,7 @@ def main() -> int:
           f"time to the first tensor ({first}, warm): {first_s * 1e3:.1f} ms")
 
     if args.sweep:
-        print("\nsweep (warm, dlbridge):")
-        for threads in (4, 8, 12, 16):
-            for chunk in (4 << 20, 16 << 20, 64 << 20):
-                t = statistics.median(time_once(lambda f: load_dlbridge(f, threads=threads, chunk_bytes=chunk),
-                                                files, False) for _ in range(2))
-                print(f"  threads={threads:<3} chunk={chunk >> 20:>3} MiB: {size / t / 1e9:6.2f} GB/s")
+        sweep(files, size)
     return 0
 
 

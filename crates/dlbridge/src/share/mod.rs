@@ -4,7 +4,7 @@
 //! | memory | kind | handle carries | lives while |
 //! | --- | --- | --- | --- |
 //! | host (`cpu`), pinned (`cuda_host:N`) | [`SharedKind::HostFile`] | a descriptor of an anonymous shared file (`memfd_create`) | any process maps it |
-//! | CUDA device memory of dlbridge's shareable pool | [`SharedKind::CudaVmm`] | a POSIX descriptor of a VMM allocation (`cuMemExportToShareableHandle`) | any process maps it |
+//! | CUDA device memory of dlbridge's shareable pool, or opened from such a handle (shared on as the same memory) | [`SharedKind::CudaVmm`] | a POSIX descriptor of a VMM allocation (`cuMemExportToShareableHandle`) | any process maps it |
 //! | other CUDA device memory (dlbridge's ordinary pool, a PyTorch tensor), shared with `copy` `false` | [`SharedKind::CudaIpc`] | a legacy IPC handle (`cuIpcGetMemHandle`) and a descriptor of a shared count of its consumers | **the producer process lives**; it keeps the memory out of reuse until every consumer closed it (one that never opens its handle, or crashes, holds it until the producer exits) |
 //!
 //! [`share`] makes a [`SharedHandle`] of a view of any layout (offset, strides): memory that is
@@ -114,6 +114,10 @@ pub struct SharedHandle {
     boot_id: String,
     pid: u32,
     inode: u64,
+    /// For a VMM allocation, which physical allocation it is (see `ipc::BlockKey`): the creating
+    /// process's token and the allocation's number there; zero otherwise.
+    origin: u64,
+    block: u64,
 }
 
 /// The kernel's identifier of this boot, which tells a handle of a previous boot or another
@@ -129,7 +133,7 @@ fn malformed(why: impl std::fmt::Display) -> Error {
 }
 
 /// Version of the [`SharedHandle::to_bytes`] format.
-const FORMAT: u8 = 1;
+const FORMAT: u8 = 2;
 const MAGIC: &[u8; 4] = b"DLSH";
 
 impl SharedHandle {
@@ -203,6 +207,8 @@ impl SharedHandle {
         w.extend_from_slice(self.boot_id.as_bytes());
         w.extend_from_slice(&self.pid.to_le_bytes());
         w.extend_from_slice(&self.inode.to_le_bytes());
+        w.extend_from_slice(&self.origin.to_le_bytes());
+        w.extend_from_slice(&self.block.to_le_bytes());
         for h in [&self.ipc, &self.event] {
             match h {
                 Some(bytes) => {
@@ -257,6 +263,8 @@ impl SharedHandle {
             String::from_utf8(r.take(boot_len)?.to_vec()).map_err(|_| malformed("boot id"))?;
         let pid = r.u32()?;
         let inode = r.u64()?;
+        let origin = r.u64()?;
+        let block = r.u64()?;
         let mut handles = [None, None];
         for h in &mut handles {
             if r.u8()? == 1 {
@@ -292,6 +300,8 @@ impl SharedHandle {
             boot_id,
             pid,
             inode,
+            origin,
+            block,
         })
     }
 }
@@ -408,13 +418,20 @@ pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
 /// memory is refused with [`Error::CopyRequired`].
 pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
     let device = t.device();
+    let mut key = None;
     let (kind, fd, ipc_handle, alloc_len, start) = match device.kind() {
         DeviceKind::Cpu | DeviceKind::CudaHost => match cpu::export(t.buffer())? {
             Some(e) => (SharedKind::HostFile, Some(e.fd), None, e.len, e.offset),
             None => return share_copy(t, copy),
         },
+        // A block of the shareable pool, or a mapping opened from another handle: the same
+        // physical memory, never a copy.
         DeviceKind::Cuda => match ipc::export(t.buffer())? {
-            Some(e) => (SharedKind::CudaVmm, Some(e.fd), None, e.len, e.offset),
+            Some(v) => {
+                key = Some(v.key);
+                let e = v.exported;
+                (SharedKind::CudaVmm, Some(e.fd), None, e.len, e.offset)
+            }
             // Copying is allowed: a VMM copy, which outlives its producer.
             None if copy => return share_copy(t, copy),
             // No copy: the legacy handle, valid while this process lives (or the driver's
@@ -460,6 +477,8 @@ pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
         boot_id: boot_id(),
         pid: std::process::id(),
         inode,
+        origin: key.map_or(0, |k| k.origin),
+        block: key.map_or(0, |k| k.block),
     })
 }
 
@@ -505,7 +524,14 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
         }
         SharedKind::CudaVmm => {
             let fd = handle.fd.take().ok_or_else(already_opened)?;
-            ipc::import(device, fd, handle.alloc_len)?
+            let key = ipc::BlockKey {
+                origin: handle.origin,
+                block: handle.block,
+            };
+            if key.origin == 0 {
+                return Err(malformed("a VMM handle without its allocation's key"));
+            }
+            ipc::import(device, fd, handle.alloc_len, key)?
         }
         SharedKind::CudaIpc => {
             if handle.pid == std::process::id() {
@@ -518,11 +544,8 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
             ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
         }
     };
-    match &handle.event {
-        // In the producer's own process the driver will not open its event: wait on the host.
-        Some(_) if handle.pid == std::process::id() => crate::backend::synchronize(device)?,
-        Some(event) => ipc::wait_event(device, event)?,
-        None => {}
+    if let Some(event) = &handle.event {
+        ipc::wait_event(device, event, handle.pid == std::process::id())?;
     }
     let t = Tensor::new(buffer, handle.dtype, handle.layout.clone())?;
     Ok(if handle.read_only {

@@ -83,14 +83,29 @@ fn properties(ordinal: i32) -> sys::CUmemAllocationProp {
     prop
 }
 
-/// The driver's allocation granularity for shareable memory (`cuMemGetAllocationGranularity`).
+/// The driver's allocation granularity for shareable memory (`cuMemGetAllocationGranularity`),
+/// asked once per device and cached.
 fn granularity(ordinal: i32) -> DriverResult<usize> {
+    static CACHE: OnceLock<Mutex<HashMap<i32, usize>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Mutex::default);
+    if let Some(&g) = cache
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&ordinal)
+    {
+        return Ok(g);
+    }
     let prop = properties(ordinal);
     let mut g = 0usize;
     let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
     // SAFETY: valid out-pointer and properties.
     unsafe { sys::cuMemGetAllocationGranularity(&mut g, &prop, option) }.result()?;
-    Ok(g.max(1))
+    let g = g.max(1);
+    cache
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(ordinal, g);
+    Ok(g)
 }
 
 /// Maps `handle` at a reserved range `ptr` of `len` bytes and gives `ordinal` read-write access.
@@ -178,8 +193,53 @@ fn create(len: usize, ordinal: i32) -> Result<u64> {
     Ok(handle)
 }
 
+/// A number that tells this process from every other one of this boot (a pid may be reused; this
+/// is random), carried by handles as the origin of the physical memory they describe.
+pub(crate) fn process_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.finish() | 1
+    })
+}
+
+/// A new identifier of a physical allocation of this process (never 0, never reused).
+fn next_block_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Which physical VMM allocation a handle describes: the process that created it
+/// ([`process_token`]) and its number there. Every process that maps the allocation, and every
+/// handle re-shared from such a mapping, carries the same key, so a consumer can tell an
+/// allocation it already maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BlockKey {
+    /// The creating process's [`process_token`].
+    pub origin: u64,
+    /// The allocation's number in that process.
+    pub block: u64,
+}
+
+/// A VMM allocation as [`export`] gives it: the descriptor and place, and the allocation's key.
+pub(crate) struct VmmExported {
+    /// The descriptor, size and offset.
+    pub exported: Exported,
+    /// Which physical allocation it is.
+    pub key: BlockKey,
+}
+
 /// One block of the shareable device pool.
 struct VmmBlock {
+    /// The number of its current physical allocation ([`next_block_id`]).
+    id: u64,
     handle: u64,
     len: usize,
     exported: bool,
@@ -220,6 +280,7 @@ impl Blocks {
         }
         release(block.handle);
         block.handle = fresh;
+        block.id = next_block_id();
         block.exported = false;
         // SAFETY: the range is reserved and now unmapped; `fresh` holds `len` bytes.
         unsafe { map_at(ptr, block.len, fresh, self.ordinal) }
@@ -259,6 +320,7 @@ impl RawAllocator for VmmAllocator {
                 .named("cuMemsetD8")?;
         }
         let block = VmmBlock {
+            id: next_block_id(),
             handle,
             len,
             exported: false,
@@ -394,13 +456,21 @@ pub(crate) fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buf
     })
 }
 
-/// The VMM block `buffer` lies in, as a new POSIX descriptor, marked exported; `None` when the
-/// buffer is not in a shareable pool of this process.
-pub(crate) fn export(buffer: &Buffer) -> Result<Option<Exported>> {
+/// The VMM allocation `buffer` lies in, as a new POSIX descriptor, with its key: a block of this
+/// process's shareable pool (marked exported) or a mapping this process imported (whose kept
+/// descriptor is duplicated: the same physical memory, never a copy). `None` when the buffer is
+/// in neither.
+pub(crate) fn export(buffer: &Buffer) -> Result<Option<VmmExported>> {
+    if buffer.device().kind() != DeviceKind::Cuda {
+        return Ok(None);
+    }
+    let addr = buffer.handle().expose_provenance() as u64;
+    if let Some(found) = export_imported(addr, buffer.len())? {
+        return Ok(Some(found));
+    }
     let Ok(shared) = shareable(buffer.device()) else {
         return Ok(None);
     };
-    let addr = buffer.handle().expose_provenance() as u64;
     let mut map = shared.blocks.lock();
     let Some((&start, block)) = map.range_mut(..=addr).next_back() else {
         return Ok(None);
@@ -419,25 +489,99 @@ pub(crate) fn export(buffer: &Buffer) -> Result<Option<Exported>> {
     // SAFETY: the driver opened this descriptor for us.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     block.exported = true;
-    Ok(Some(Exported {
-        fd,
-        len: block.len,
-        offset,
+    Ok(Some(VmmExported {
+        exported: Exported {
+            fd,
+            len: block.len,
+            offset,
+        },
+        key: BlockKey {
+            origin: process_token(),
+            block: block.id,
+        },
     }))
 }
 
-/// An imported VMM allocation mapped in this process.
-struct Imported {
+/// [`export`] of a buffer that lies in a mapping this process imported.
+fn export_imported(addr: u64, len: usize) -> Result<Option<VmmExported>> {
+    let mapping = {
+        let by_addr = imports()
+            .by_addr
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        by_addr
+            .range(..=addr)
+            .next_back()
+            .and_then(|(_, weak)| weak.upgrade())
+    };
+    let Some(mapping) = mapping else {
+        return Ok(None);
+    };
+    let offset = addr.wrapping_sub(mapping.ptr) as usize;
+    if addr < mapping.ptr || offset.saturating_add(len) > mapping.len {
+        return Ok(None);
+    }
+    // The kept descriptor names the same physical allocation as the exporter's: a duplicate of it
+    // imports that memory again, in this process or any other.
+    let fd = mapping.fd.try_clone().map_err(|e| Error::Driver {
+        backend: super::BACKEND,
+        message: format!("dup of a VMM allocation's descriptor failed: {e}"),
+    })?;
+    Ok(Some(VmmExported {
+        exported: Exported {
+            fd,
+            len: mapping.len,
+            offset,
+        },
+        key: mapping.key,
+    }))
+}
+
+/// An imported VMM allocation mapped in this process, shared by every buffer opened from a handle
+/// of the same allocation while any of them lives.
+struct Mapping {
     ptr: u64,
     len: usize,
     handle: u64,
     ordinal: i32,
+    key: BlockKey,
+    /// The descriptor it was imported from, kept to share the allocation on (see
+    /// [`export_imported`]).
+    fd: OwnedFd,
 }
 
-impl Allocation for Imported {}
+/// The mappings this process imported: by allocation (to map an allocation once however often it
+/// is received) and by address (to share a buffer of one on without a copy). Entries are weak:
+/// a mapping goes when its last buffer does.
+struct Imports {
+    by_key: Mutex<HashMap<(i32, BlockKey), std::sync::Weak<Mapping>>>,
+    by_addr: Mutex<BTreeMap<u64, std::sync::Weak<Mapping>>>,
+}
 
-impl Drop for Imported {
+fn imports() -> &'static Imports {
+    static IMPORTS: OnceLock<Imports> = OnceLock::new();
+    IMPORTS.get_or_init(|| Imports {
+        by_key: Mutex::default(),
+        by_addr: Mutex::default(),
+    })
+}
+
+impl Drop for Mapping {
     fn drop(&mut self) {
+        let table = imports();
+        // A mapping of the same allocation made since this one's last buffer went stays listed.
+        {
+            let mut by_key = table.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+            let key = (self.ordinal, self.key);
+            if by_key.get(&key).is_some_and(|w| w.strong_count() == 0) {
+                by_key.remove(&key);
+            }
+        }
+        table
+            .by_addr
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.ptr);
         let Ok(_ctx) = context(self.ordinal) else {
             return;
         };
@@ -453,14 +597,57 @@ impl Drop for Imported {
     }
 }
 
-/// Imports a VMM allocation of `len` bytes from its POSIX descriptor and maps it on `device`.
-pub(crate) fn import(device: Device, fd: OwnedFd, len: usize) -> Result<Buffer> {
+/// One buffer's share of a [`Mapping`].
+struct Imported(#[allow(dead_code)] Arc<Mapping>);
+
+impl Allocation for Imported {}
+
+/// A buffer over all of `mapping`.
+fn buffer_of(device: Device, mapping: Arc<Mapping>) -> Buffer {
+    let addr = std::ptr::with_exposed_provenance_mut::<c_void>(mapping.ptr as usize);
+    let len = mapping.len;
+    // SAFETY: `len` device bytes are mapped read-write at `addr` until the last `Imported` of
+    // the mapping is dropped; this buffer holds one.
+    unsafe {
+        Buffer::from_allocation(
+            addr,
+            std::ptr::null_mut(),
+            len,
+            device,
+            StorageMode::Private,
+            Box::new(Imported(mapping)),
+        )
+    }
+}
+
+/// Maps the VMM allocation `key` of `len` bytes on `device` from its POSIX descriptor: the
+/// mapping this process already has of that allocation when one lives (the descriptor is then
+/// closed), else a new import of it.
+pub(crate) fn import(device: Device, fd: OwnedFd, len: usize, key: BlockKey) -> Result<Buffer> {
     if device.kind() != DeviceKind::Cuda {
         return Err(Error::UnsupportedDevice(format!(
             "a VMM handle of {device}"
         )));
     }
     let ordinal = device.index() as i32;
+    let table = imports();
+    // Held while importing, so that an allocation received twice at once is mapped once.
+    let mut by_key = table.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(mapping) = by_key
+        .get(&(ordinal, key))
+        .and_then(std::sync::Weak::upgrade)
+    {
+        if mapping.len != len {
+            // Unlocked first: dropping `mapping` may drop the mapping, which takes the lock.
+            drop(by_key);
+            return Err(Error::InvalidArgument(format!(
+                "the handle says its VMM allocation has {len} bytes; this process maps it with {}",
+                mapping.len
+            )));
+        }
+        drop(by_key);
+        return Ok(buffer_of(device, mapping));
+    }
     let _ctx = context(ordinal)?;
     let g = granularity(ordinal).named("cuMemGetAllocationGranularity")?;
     if len == 0 || len % g != 0 {
@@ -475,7 +662,6 @@ pub(crate) fn import(device: Device, fd: OwnedFd, len: usize) -> Result<Buffer> 
     unsafe { sys::cuMemImportFromShareableHandle(&mut handle, os_handle, kind) }
         .result()
         .named("cuMemImportFromShareableHandle")?;
-    drop(fd);
     // SAFETY: `handle` is a live allocation of `len` bytes (the exporter's block size).
     let ptr = match unsafe { reserve_and_map(len, handle, ordinal) } {
         Ok(ptr) => ptr,
@@ -484,24 +670,24 @@ pub(crate) fn import(device: Device, fd: OwnedFd, len: usize) -> Result<Buffer> 
             return Err(e);
         }
     };
-    let imported = Imported {
+    let mapping = Arc::new(Mapping {
         ptr,
         len,
         handle,
         ordinal,
-    };
-    let addr = std::ptr::with_exposed_provenance_mut::<c_void>(ptr as usize);
-    // SAFETY: `len` device bytes are mapped read-write at `addr` until `imported` is dropped.
-    Ok(unsafe {
-        Buffer::from_allocation(
-            addr,
-            std::ptr::null_mut(),
-            len,
-            device,
-            StorageMode::Private,
-            Box::new(imported),
-        )
-    })
+        key,
+        fd,
+    });
+    by_key.insert((ordinal, key), Arc::downgrade(&mapping));
+    // Entries of mappings whose last buffer went while this lock was held elsewhere.
+    by_key.retain(|_, w| w.strong_count() > 0);
+    drop(by_key);
+    table
+        .by_addr
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(ptr, Arc::downgrade(&mapping));
+    Ok(buffer_of(device, mapping))
 }
 
 /// A buffer exported through a legacy IPC handle, and the count of its consumers.
@@ -640,27 +826,35 @@ pub(crate) fn open_legacy(
     })
 }
 
-/// An interprocess event, kept for the process's lifetime.
+/// An interprocess event (made here or opened from another process), kept while it may be used.
 struct IpcEvent(sys::CUevent);
 
 // SAFETY: a CUevent is a driver handle usable from any thread.
 unsafe impl Send for IpcEvent {}
 
+/// This process's interprocess events, one per (device, stream), with the IPC handle last given
+/// for each.
+fn own_events()
+-> std::sync::MutexGuard<'static, HashMap<(i32, usize), (IpcEvent, [u8; IPC_HANDLE_BYTES])>> {
+    static EVENTS: OnceLock<Mutex<HashMap<(i32, usize), (IpcEvent, [u8; IPC_HANDLE_BYTES])>>> =
+        OnceLock::new();
+    EVENTS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
 /// Records an interprocess event on the calling thread's current stream of `device` and returns
 /// its IPC handle. One event per (device, stream) is re-recorded: a consumer that waits on a
 /// later record of the same stream waits at least as long as it must, never less.
 pub(crate) fn record_event(device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
-    static EVENTS: OnceLock<Mutex<HashMap<(i32, usize), IpcEvent>>> = OnceLock::new();
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
     let stream = current_stream(ordinal);
-    let mut events = EVENTS
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    let event = match events.get(&(ordinal, stream)) {
-        Some(e) => e.0,
-        None => {
+    let mut events = own_events();
+    let entry = match events.entry((ordinal, stream)) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
             let mut e: sys::CUevent = std::ptr::null_mut();
             let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
                 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
@@ -668,10 +862,10 @@ pub(crate) fn record_event(device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
             unsafe { sys::cuEventCreate(&mut e, flags) }
                 .result()
                 .named("cuEventCreate")?;
-            events.insert((ordinal, stream), IpcEvent(e));
-            e
+            v.insert((IpcEvent(e), [0; IPC_HANDLE_BYTES]))
         }
     };
+    let event = entry.0.0;
     // SAFETY: `event` is live (never destroyed); the stream is the thread's current one.
     unsafe { sys::cuEventRecord(event, raw(stream)) }
         .result()
@@ -682,32 +876,77 @@ pub(crate) fn record_event(device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
     unsafe { sys::cuIpcGetEventHandle(&mut handle, event) }
         .result()
         .named("cuIpcGetEventHandle")?;
-    Ok(handle.reserved.map(|b| b as u8))
+    let bytes = handle.reserved.map(|b| b as u8);
+    entry.1 = bytes;
+    Ok(bytes)
 }
 
-/// Makes the calling thread's current stream of `device` wait for an IPC event of another
-/// process (`cuStreamWaitEvent`, no host synchronize).
-pub(crate) fn wait_event(device: Device, event: &[u8; IPC_HANDLE_BYTES]) -> Result<()> {
+/// The most events of other processes kept open; past it, all are closed and opened again as
+/// needed.
+const MAX_OPEN_EVENTS: usize = 256;
+
+/// Makes the calling thread's current stream of `device` wait for an IPC event recorded by
+/// [`record_event`] (`cuStreamWaitEvent`, no host synchronize): this process's own event when the
+/// handle is one of ours, else the other process's event, opened once and kept (the producer
+/// re-records one event per stream, so its handle comes again). `same_process`: the handle was
+/// made here; if its event is no longer known the device is synchronized instead (the driver does
+/// not open a process's own IPC event).
+pub(crate) fn wait_event(
+    device: Device,
+    event: &[u8; IPC_HANDLE_BYTES],
+    same_process: bool,
+) -> Result<()> {
+    static OPENED: OnceLock<Mutex<HashMap<(i32, [u8; IPC_HANDLE_BYTES]), IpcEvent>>> =
+        OnceLock::new();
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
-    let raw_handle = sys::CUipcEventHandle {
-        reserved: event.map(|b| b as std::ffi::c_char),
-    };
-    let mut e: sys::CUevent = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; the driver checks the handle.
-    let opened = unsafe { sys::cuIpcOpenEventHandle(&mut e, raw_handle) }.result();
-    if let Err(err) = opened {
-        return Err(Error::Driver {
-            backend: super::BACKEND,
-            message: super::driver::failed("cuIpcOpenEventHandle", err),
-        });
+    let stream = raw(current_stream(ordinal));
+    let own = own_events()
+        .iter()
+        .find(|((o, _), (_, bytes))| *o == ordinal && bytes == event)
+        .map(|(_, (e, _))| e.0);
+    if let Some(e) = own {
+        // SAFETY: our events are never destroyed; the stream is the thread's current one.
+        return unsafe { sys::cuStreamWaitEvent(stream, e, 0) }
+            .result()
+            .named("cuStreamWaitEvent");
     }
-    // SAFETY: `e` was just opened; the stream is the thread's current one.
-    let waited = unsafe { sys::cuStreamWaitEvent(raw(current_stream(ordinal)), e, 0) }
+    if same_process {
+        return super::super::synchronize(device);
+    }
+    let mut opened = OPENED
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let e = match opened.get(&(ordinal, *event)) {
+        Some(e) => e.0,
+        None => {
+            if opened.len() >= MAX_OPEN_EVENTS {
+                for (_, old) in opened.drain() {
+                    // SAFETY: destroying an event after queueing waits on it is allowed; the
+                    // waits keep their snapshot. Nothing else holds these events.
+                    let _ = unsafe { sys::cuEventDestroy_v2(old.0) };
+                }
+            }
+            let raw_handle = sys::CUipcEventHandle {
+                reserved: event.map(|b| b as std::ffi::c_char),
+            };
+            let mut e: sys::CUevent = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; the driver checks the handle.
+            let result = unsafe { sys::cuIpcOpenEventHandle(&mut e, raw_handle) }.result();
+            if let Err(err) = result {
+                return Err(Error::Driver {
+                    backend: super::BACKEND,
+                    message: super::driver::failed("cuIpcOpenEventHandle", err),
+                });
+            }
+            opened.insert((ordinal, *event), IpcEvent(e));
+            e
+        }
+    };
+    // SAFETY: `e` is open (kept in `opened`, whose lock is held); the stream is the thread's
+    // current one.
+    unsafe { sys::cuStreamWaitEvent(stream, e, 0) }
         .result()
-        .named("cuStreamWaitEvent");
-    // SAFETY: destroying an event after queueing a wait on it is allowed; the wait keeps its
-    // snapshot.
-    let _ = unsafe { sys::cuEventDestroy_v2(e) };
-    waited
+        .named("cuStreamWaitEvent")
 }

@@ -358,6 +358,26 @@ pub(crate) struct Exported {
     pub offset: usize,
 }
 
+/// Which physical VMM allocation a handle describes: the process that created it
+/// (`process_token` of the CUDA backend) and its number there. Every process that maps the allocation, and every
+/// handle re-shared from such a mapping, carries the same key, so a consumer can tell an
+/// allocation it already maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BlockKey {
+    /// The creating process's `process_token`.
+    pub origin: u64,
+    /// The allocation's number in that process.
+    pub block: u64,
+}
+
+/// A VMM allocation as [`export`] gives it: the descriptor and place, and the allocation's key.
+pub(crate) struct VmmExported {
+    /// The descriptor, size and offset.
+    pub exported: Exported,
+    /// Which physical allocation it is.
+    pub key: BlockKey,
+}
+
 /// CUDA memory exported through a legacy IPC handle.
 pub(crate) struct LegacyExported {
     /// The `CUipcMemHandle`'s bytes.
@@ -524,7 +544,7 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
         }
         SharedKind::CudaVmm => {
             let fd = handle.fd.take().ok_or_else(already_opened)?;
-            let key = ipc::BlockKey {
+            let key = BlockKey {
                 origin: handle.origin,
                 block: handle.block,
             };

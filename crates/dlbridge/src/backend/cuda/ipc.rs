@@ -37,7 +37,7 @@ use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
 use crate::share::cpu::SharedCounter;
-use crate::share::{Exported, IPC_HANDLE_BYTES, LegacyExported};
+use crate::share::{BlockKey, Exported, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
 
 type DriverResult<T> = std::result::Result<T, DriverError>;
 
@@ -214,26 +214,6 @@ pub(crate) fn process_token() -> u64 {
 fn next_block_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Which physical VMM allocation a handle describes: the process that created it
-/// ([`process_token`]) and its number there. Every process that maps the allocation, and every
-/// handle re-shared from such a mapping, carries the same key, so a consumer can tell an
-/// allocation it already maps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct BlockKey {
-    /// The creating process's [`process_token`].
-    pub origin: u64,
-    /// The allocation's number in that process.
-    pub block: u64,
-}
-
-/// A VMM allocation as [`export`] gives it: the descriptor and place, and the allocation's key.
-pub(crate) struct VmmExported {
-    /// The descriptor, size and offset.
-    pub exported: Exported,
-    /// Which physical allocation it is.
-    pub key: BlockKey,
 }
 
 /// One block of the shareable device pool.

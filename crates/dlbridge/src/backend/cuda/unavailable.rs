@@ -343,7 +343,7 @@ pub mod ipc {
     use crate::buffer::Buffer;
     use crate::device::Device;
     use crate::error::Result;
-    use crate::share::{Exported, IPC_HANDLE_BYTES, LegacyExported};
+    use crate::share::{BlockKey, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
 
     /// Whether CUDA device `ordinal` exists: never, in this build.
     pub(crate) fn check_device(_ordinal: i32) -> Result<()> {
@@ -381,7 +381,7 @@ pub mod ipc {
     }
 
     /// The VMM allocation a buffer lies in: none in this build.
-    pub(crate) fn export(_buffer: &Buffer) -> Result<Option<Exported>> {
+    pub(crate) fn export(_buffer: &Buffer) -> Result<Option<VmmExported>> {
         Ok(None)
     }
 
@@ -396,7 +396,12 @@ pub mod ipc {
     }
 
     /// Imports a VMM allocation.
-    pub(crate) fn import(_device: Device, _fd: OwnedFd, _len: usize) -> Result<Buffer> {
+    pub(crate) fn import(
+        _device: Device,
+        _fd: OwnedFd,
+        _len: usize,
+        _key: BlockKey,
+    ) -> Result<Buffer> {
         Err(no_cuda())
     }
 
@@ -411,7 +416,11 @@ pub mod ipc {
     }
 
     /// Makes the current stream wait for an IPC event.
-    pub(crate) fn wait_event(_device: Device, _event: &[u8; IPC_HANDLE_BYTES]) -> Result<()> {
+    pub(crate) fn wait_event(
+        _device: Device,
+        _event: &[u8; IPC_HANDLE_BYTES],
+        _same_process: bool,
+    ) -> Result<()> {
         Err(no_cuda())
     }
 }

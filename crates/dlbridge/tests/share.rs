@@ -389,3 +389,95 @@ fn an_opened_array_is_shared_on_without_a_copy() {
     second.as_mut_slice::<u8>().unwrap()[0] = 20;
     assert_eq!(t.to_vec::<u8>().unwrap(), vec![1, 20, 3, 4]);
 }
+
+/// `n` copies of `value` on `device`.
+fn filled(value: f32, n: usize, device: Device) -> Tensor {
+    Tensor::from_slice(&vec![value; n], &[n])
+        .unwrap()
+        .copy_to(device)
+        .unwrap()
+}
+
+fn on_host(t: &Tensor) -> Vec<f32> {
+    t.copy_to(Device::CPU).unwrap().to_vec::<f32>().unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_an_opened_vmm_array_is_shared_on_as_the_same_memory() {
+    let device = gpu();
+    let n = 1024;
+    // The producer's own mapping of a pool block, and an import of it: two mappings of one
+    // allocation in this process.
+    let pooled = share::to_shareable(&filled(0.0, n, device)).unwrap();
+    let h = share::share(&pooled, false).unwrap();
+    assert_eq!(h.kind(), SharedKind::CudaVmm);
+    let mut first = share::open(h).unwrap();
+    assert_ne!(first.buffer().handle(), pooled.buffer().handle());
+    first.copy_from(&filled(1.0, n, device)).unwrap();
+    assert_eq!(on_host(&pooled), vec![1.0; n], "a write through the import");
+
+    // Sharing the opened array again, copy refused: were the import not recognised as VMM
+    // memory this would be a legacy IPC handle (or, with copies allowed, a copy).
+    let again = share::share(&first, false).unwrap();
+    assert_eq!(again.kind(), SharedKind::CudaVmm);
+    assert_eq!(again.allocation_len(), first.buffer().len());
+    let mut second = share::open(again).unwrap();
+    // The allocation is mapped once per process: the same addresses.
+    assert_eq!(second.buffer().handle(), first.buffer().handle());
+    second.copy_from(&filled(2.0, n, device)).unwrap();
+    assert_eq!(on_host(&first), vec![2.0; n]);
+    assert_eq!(on_host(&pooled), vec![2.0; n]);
+
+    // A view of the opened array, shared with copies allowed: still no copy.
+    let view = first.slice(0, SliceArg::range(8, 16)).unwrap();
+    let mut third = share::open(share::share(&view, true).unwrap()).unwrap();
+    assert_eq!(third.buffer().handle(), first.buffer().handle());
+    third.copy_from(&filled(3.0, 8, device)).unwrap();
+    let seen = on_host(&pooled);
+    assert_eq!(&seen[8..16], &[3.0; 8]);
+    assert_eq!(seen[7], 2.0);
+    assert_eq!(seen[16], 2.0);
+
+    // Once every opened buffer is gone, a new open imports afresh, the same memory still.
+    let h = share::share(&first, false).unwrap();
+    drop((first, second, third, view));
+    let fourth = share::open(h).unwrap();
+    assert_eq!(on_host(&fourth)[8], 3.0);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_an_opened_array_sent_on_is_written_and_read_in_both_directions() {
+    if let Some((role, s)) = child() {
+        if role != "cuda-reshared" {
+            return;
+        }
+        let mut t = share::open(share::recv_handle(&s).unwrap()).unwrap();
+        assert_eq!(
+            on_host(&t),
+            vec![4.0; 1024],
+            "the parent's write, read here"
+        );
+        t.copy_from(&filled(5.0, 1024, t.device())).unwrap();
+        dlbridge::backend::synchronize(t.device()).unwrap();
+        ack(&s);
+        wait_ack(&s);
+        return;
+    }
+    let device = gpu();
+    // As `open_shared(zeros(...).share())`: the parent holds an import, not a pool block.
+    let mut a = share::open(share::share(&filled(0.0, 1024, device), true).unwrap()).unwrap();
+    a.copy_from(&filled(4.0, 1024, device)).unwrap();
+    let h = share::share(&a, false).unwrap();
+    assert_eq!(h.kind(), SharedKind::CudaVmm);
+    let (mut child_, s) = spawn(
+        "cuda_an_opened_array_sent_on_is_written_and_read_in_both_directions",
+        "cuda-reshared",
+    );
+    share::send_handle(&s, h).unwrap();
+    wait_ack(&s);
+    assert_eq!(on_host(&a), vec![5.0; 1024], "the child's write, read here");
+    ack(&s);
+    assert!(child_.wait().unwrap().success());
+}

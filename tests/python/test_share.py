@@ -417,6 +417,35 @@ def test_cuda_write_in_child_is_seen_by_parent(device):
     assert np.asarray(a.to("cpu")).tolist() == [5.0] * 1024
 
 
+def _cuda_check_then_write(q_in, q_out) -> None:
+    a = q_in.get()
+    q_out.put(np.asarray(a.to("cpu")).tolist())  # the parent's write
+    a[...] = dlbridge.full(a.shape, 6.0, "float32", device=str(a.device))
+    dlbridge.synchronize(a.device)
+    q_out.put("written")
+
+
+@needs_cuda
+def test_cuda_opened_array_is_sent_on_as_the_same_memory_both_ways():
+    """Parent writes, child reads; child writes, parent reads: one allocation, never a copy."""
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_cuda_check_then_write, args=(q_in, q_out))
+    p.start()
+    a = dlbridge.open_shared(dlbridge.zeros((1024,), dtype="float32", device="cuda:0").share())
+    h = a.share(copy=False)  # an opened array is shareable as it is: VMM, not a legacy handle
+    assert h.kind == "cuda_vmm"
+    a[...] = dlbridge.full(a.shape, 4.0, "float32", device="cuda:0")
+    dlbridge.synchronize("cuda:0")
+    q_in.put(a)
+    assert q_out.get(timeout=120) == [4.0] * 1024
+    assert q_out.get(timeout=120) == "written"
+    p.join(60)
+    assert np.asarray(a.to("cpu")).tolist() == [6.0] * 1024
+    b = dlbridge.open_shared(h)  # the same allocation, already mapped here
+    assert np.asarray(b.to("cpu")).tolist() == [6.0] * 1024
+
+
 def _gpu_reader() -> str:
     import importlib.util
 

@@ -23,7 +23,8 @@ device memory) and sees the sender's writes. The module re-exports everything of
 
 An array that is not in shareable memory yet is copied into it once when it is sent (see
 ``Array.share``); send the array that ``dlbridge.open_shared`` or an earlier send produced to avoid
-the copy. File descriptors travel with ``multiprocessing.reduction.DupFd`` (the resource sharer,
+the copy: such an array (CPU, pinned or CUDA) is sent on as the same memory, so writes are seen
+in every direction. File descriptors travel with ``multiprocessing.reduction.DupFd`` (the resource sharer,
 or the child's inherited descriptors while a process starts), with the ``spawn``, ``forkserver``
 and ``fork`` start methods.
 

@@ -19,6 +19,13 @@
 //! memory, until the count is back to zero (a consumer that never opens its handle, or dies
 //! before closing it, holds the buffer until the producer exits), so that the memory is never
 //! reused under a consumer.
+//!
+//! # Re-sharing and caching
+//! A process maps each VMM allocation once ([`import`] keys mappings by the allocation's
+//! [`BlockKey`], which every handle of it carries) and keeps the descriptor it imported from, so
+//! that an opened buffer is shared on as the same physical memory ([`export`] duplicates that
+//! descriptor): never a copy. Opened IPC events of other processes are kept and waited on again
+//! (each producer re-records one event per stream); a process waits on its own events directly.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_void};

@@ -819,12 +819,19 @@ struct IpcEvent(sys::CUevent);
 // SAFETY: a CUevent is a driver handle usable from any thread.
 unsafe impl Send for IpcEvent {}
 
-/// This process's interprocess events, one per (device, stream), with the IPC handle last given
+/// An IPC event handle's bytes.
+type EventHandle = [u8; IPC_HANDLE_BYTES];
+
+/// This process's interprocess events by (device ordinal, stream), with the IPC handle last given
 /// for each.
-fn own_events()
--> std::sync::MutexGuard<'static, HashMap<(i32, usize), (IpcEvent, [u8; IPC_HANDLE_BYTES])>> {
-    static EVENTS: OnceLock<Mutex<HashMap<(i32, usize), (IpcEvent, [u8; IPC_HANDLE_BYTES])>>> =
-        OnceLock::new();
+type OwnEvents = HashMap<(i32, usize), (IpcEvent, EventHandle)>;
+
+/// Events of other processes opened here, by (device ordinal, handle).
+type OpenedEvents = HashMap<(i32, EventHandle), IpcEvent>;
+
+/// This process's interprocess events, one per (device, stream).
+fn own_events() -> std::sync::MutexGuard<'static, OwnEvents> {
+    static EVENTS: OnceLock<Mutex<OwnEvents>> = OnceLock::new();
     EVENTS
         .get_or_init(Mutex::default)
         .lock()
@@ -883,8 +890,7 @@ pub(crate) fn wait_event(
     event: &[u8; IPC_HANDLE_BYTES],
     same_process: bool,
 ) -> Result<()> {
-    static OPENED: OnceLock<Mutex<HashMap<(i32, [u8; IPC_HANDLE_BYTES]), IpcEvent>>> =
-        OnceLock::new();
+    static OPENED: OnceLock<Mutex<OpenedEvents>> = OnceLock::new();
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
     let stream = raw(current_stream(ordinal));

@@ -10,12 +10,15 @@
 //! | layout | [`Layout`] | shape, strides in elements, byte offset; every extent computed with overflow checks |
 //! | element type | [`DType`] | DLPack's code, bits and lanes (`float32`, `bfloat16`, `float8_e4m3fn`, ...) |
 //! | device | [`Device`] | a [`DeviceKind`] (CPU, CUDA, CUDA host, CUDA managed, Metal, or any other DLPack device, held opaquely) and an index |
-//! | foreign tensor in | [`Tensor::from_dlpack_versioned`] | validate a producer's descriptor once, at the border; share its memory |
-//! | our tensor out | [`Tensor::to_dlpack_versioned`] | hand a consumer a view that keeps our buffer alive |
+//! | foreign tensor in | [`dlpack::ImportRequest`], [`Tensor::from_dlpack_versioned`] | validate a producer's descriptor once, at the border; share its memory, or copy as the request's device, storage mode and `copy` decide |
+//! | our tensor out | [`dlpack::ExportRequest`], [`Tensor::to_dlpack_versioned`] | hand a consumer a view that keeps our buffer alive, after the stream handoff, moving or copying as asked |
 //! | host access | [`Tensor::as_slice`] / [`Tensor::as_mut_slice`] | checked typed access honouring the view's offset and bounds |
 //! | storage mode | [`StorageMode`], [`storage_mode`] | private, shared or managed memory: asked for, else `DLBRIDGE_STORAGE_MODE`, else the device's default ([`storage`]) |
 //! | compute | [`compute`] | element-wise ops with broadcasting, reductions, matmul and casts on any backend; run-time user kernels ([`compute::kernel`]) |
 //! | caching pool | [`Pool`], [`memory_stats`] | freed blocks kept per (device, storage mode) and reused without a driver call; limits and statistics ([`pool`]) |
+//! | backends | [`backend`] | the seam: one implementation per backend (CPU, CUDA, Metal), stubs where one is not compiled in |
+//! | checkpoints | [`safetensors`] | safetensors files parsed once, CPU views of the mapped files, loads onto any device, saving |
+//! | across processes | [`share`] | shareable host and CUDA memory, handles another process opens without a copy |
 //!
 //! ```
 //! use dlbridge::{DType, Device, SliceArg, Tensor};

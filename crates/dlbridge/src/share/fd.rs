@@ -97,6 +97,19 @@ pub fn send_fds(socket: &UnixStream, data: &[u8], fds: &[BorrowedFd<'_>]) -> Res
     Ok(())
 }
 
+/// `recvmsg` flags that mark received descriptors close-on-exec atomically, where the system has
+/// one (Linux); elsewhere [`set_cloexec`] marks each one right after it arrives.
+#[cfg(target_os = "linux")]
+const RECV_CLOEXEC: libc::c_int = libc::MSG_CMSG_CLOEXEC;
+#[cfg(not(target_os = "linux"))]
+const RECV_CLOEXEC: libc::c_int = 0;
+
+/// Marks `fd` close-on-exec.
+fn set_cloexec(fd: &OwnedFd) {
+    // SAFETY: F_SETFD on a descriptor this process owns changes only its close-on-exec flag.
+    unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+}
+
 /// Receives one message of at most `buf.len()` bytes and its descriptors (closed on `exec`);
 /// returns the byte count and the descriptors. Descriptors beyond what this process may open
 /// are refused by the kernel: the call then fails and nothing is leaked.
@@ -115,7 +128,7 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
     // SAFETY: `msg` points at live, writable buffers for the duration of the call.
-    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, RECV_CLOEXEC) };
     if n < 0 {
         return Err(os_error("recvmsg"));
     }
@@ -137,7 +150,11 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
                 // CMSG_DATA guarantees no alignment.
                 let raw = unsafe { at.read_unaligned() };
                 // SAFETY: the kernel installed this descriptor for us; we own it alone.
-                fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
+                let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+                if RECV_CLOEXEC == 0 {
+                    set_cloexec(&fd);
+                }
+                fds.push(fd);
             }
         }
         // SAFETY: `cmsg` is a valid header of `msg`.

@@ -62,10 +62,14 @@ def test_torch_zero_copy_and_write_seen():
 
 
 def test_jax_input():
+    jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
-    x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    # `total` takes host arrays; JAX puts new arrays on its default device, a GPU where it has one,
+    # so both arrays are committed to the CPU.
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(jnp.arange(6, dtype=jnp.float32).reshape(2, 3), cpu)
     assert ext.total(x) == 15.0
-    assert ext.total(x.T) == 15.0
+    assert ext.total(jax.device_put(x.T, cpu)) == 15.0
 
 
 def test_mlx_input():

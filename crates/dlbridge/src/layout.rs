@@ -36,9 +36,11 @@ pub(crate) fn row_major_strides(shape: &[usize], out: &mut [isize]) {
 /// every operand, what position `i` (row-major) of `shape` addressed.
 ///
 /// Every planner that walks strided operands (copies, element-wise kernels, reductions) merges
-/// with this one routine. Strides and extents multiply with wrapping: a merge is then exact in
-/// the modular arithmetic addresses are computed in, and the extents of an empty shape (which
-/// address nothing) cannot overflow.
+/// with this one routine. An axis folds only where `n` inner steps are exactly one outer step
+/// without overflow, so a merged axis never reaches an offset the layout does not (found by the
+/// `layout` fuzz target: strides `[isize::MIN, 2^62]` over `[2, 2]` "merged" by wrapping into one
+/// axis whose last offset overflowed). Extents multiply with wrapping: only an empty shape's
+/// extents can overflow, and they address nothing.
 pub(crate) fn merge_axes(shape: &[usize], strides: &[&[isize]]) -> (Vec<usize>, Vec<Vec<isize>>) {
     debug_assert!(strides.iter().all(|s| s.len() == shape.len()));
     let mut extents: Vec<usize> = Vec::with_capacity(shape.len());
@@ -46,8 +48,8 @@ pub(crate) fn merge_axes(shape: &[usize], strides: &[&[isize]]) -> (Vec<usize>, 
     for (axis, &n) in shape.iter().enumerate().filter(|&(_, &n)| n != 1) {
         let folds = extents.last().is_some()
             && strides.iter().zip(&merged).all(|(s, m)| {
-                m.last()
-                    .is_some_and(|&outer| outer == s[axis].wrapping_mul(n as isize))
+                let step = isize::try_from(n).ok().and_then(|n| s[axis].checked_mul(n));
+                m.last().is_some_and(|&outer| step == Some(outer))
             });
         if folds {
             let last = extents.len() - 1;
@@ -684,14 +686,17 @@ mod tests {
     }
 
     #[test]
-    fn merging_wraps_instead_of_overflowing() {
-        // Strides whose products wrap: the merge is exact modulo 2^64, as addresses are.
-        let big = isize::MIN / 2;
-        let (extents, merged) = merge_axes(&[2, 4], &[&[0, big]]);
-        assert_eq!(extents, vec![8]);
-        assert_eq!(merged, vec![vec![big]]);
+    fn merging_never_overflows() {
+        // Found by the `layout` fuzz target: two inner steps of 2^62 wrap to isize::MIN, the
+        // outer stride; merged, the last offset (3 * 2^62) would overflow although every offset
+        // of the layout fits. Such axes stay apart.
+        let quarter = 1isize << 62;
+        let (extents, merged) = merge_axes(&[2, 2], &[&[isize::MIN, quarter]]);
+        assert_eq!(extents, vec![2, 2]);
+        assert_eq!(merged, vec![vec![isize::MIN, quarter]]);
+        // An empty shape stays empty, whatever its other extents.
         let (extents, _) = merge_axes(&[0, usize::MAX, 3], &[&[0, 0, 0]]);
-        assert_eq!(extents.len(), 1);
+        assert_eq!(extents.first(), Some(&0));
     }
 
     fn offsets_bytes(l: &Layout, itemsize: i128) -> Vec<i128> {

@@ -211,13 +211,7 @@ impl SafeTensors {
 
     /// The tensors named in `names` (each must exist), as [`SafeTensors::tensor`] loads them.
     pub fn load<S: AsRef<str>>(&self, names: &[S], copy: bool) -> Result<BTreeMap<String, Tensor>> {
-        names
-            .iter()
-            .map(|name| {
-                let name = name.as_ref();
-                Ok((name.to_owned(), self.tensor(name, copy)?))
-            })
-            .collect()
+        by_name(names, |name| self.tensor(name, copy))
     }
 
     /// The tensors whose names `select` accepts.
@@ -441,13 +435,7 @@ impl Checkpoint {
 
     /// The tensors named in `names` (each must exist).
     pub fn load<S: AsRef<str>>(&self, names: &[S], copy: bool) -> Result<BTreeMap<String, Tensor>> {
-        names
-            .iter()
-            .map(|name| {
-                let name = name.as_ref();
-                Ok((name.to_owned(), self.tensor(name, copy)?))
-            })
-            .collect()
+        by_name(names, |name| self.tensor(name, copy))
     }
 
     /// The tensors whose names `select` accepts.
@@ -487,4 +475,19 @@ fn read_index(path: &Path) -> Result<String> {
             ),
         )
     })
+}
+
+/// The tensors named in `names`, each loaded by `load`: the one loop behind
+/// [`SafeTensors::load`] and [`Checkpoint::load`].
+fn by_name<S: AsRef<str>>(
+    names: &[S],
+    mut load: impl FnMut(&str) -> Result<Tensor>,
+) -> Result<BTreeMap<String, Tensor>> {
+    names
+        .iter()
+        .map(|name| {
+            let name = name.as_ref();
+            Ok((name.to_owned(), load(name)?))
+        })
+        .collect()
 }

@@ -124,14 +124,16 @@ impl Checkpoint {
             done: &done,
         };
         let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();
-        let finished = std::sync::atomic::AtomicBool::new(false);
+        let caller = std::thread::current();
         let outcome = std::thread::scope(|scope| {
             let reader = scope.spawn(|| {
                 let r = backend::read_file(device, &reads, &read_options);
-                finished.store(true, Ordering::Release);
+                // Wake the caller now rather than at its next progress tick.
+                caller.unpark();
                 r
             });
-            while !finished.load(Ordering::Acquire) {
+            // `is_finished` also ends the wait when the reader panicked.
+            while !reader.is_finished() {
                 progress(done.load(Ordering::Relaxed), total);
                 std::thread::park_timeout(Duration::from_millis(100));
             }

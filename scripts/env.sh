@@ -26,7 +26,7 @@ fi
 
 # The peers dlbridge is tested against. Versions are floors: a fresh machine gets the newest.
 DEMO_PACKAGES=(pip "maturin>=1.9,<2" "numpy>=2" "torch>=2.5")
-TEST_PACKAGES=("pytest>=8" "mypy>=1.11" "ml_dtypes>=0.4" "safetensors>=0.4" "tqdm>=4" "types-tqdm" "jax[cpu]>=0.4.30" "mlx[cpu]>=0.29" "apache-tvm-ffi>=0.1.10")
+TEST_PACKAGES=("ray>=2.60" "pytest>=8" "mypy>=1.11" "ml_dtypes>=0.4" "safetensors>=0.4" "tqdm>=4" "types-tqdm" "jax[cpu]>=0.4.30" "mlx[cpu]>=0.29" "apache-tvm-ffi>=0.1.10")
 
 packages=("${DEMO_PACKAGES[@]}")
 if [ "${DLBRIDGE_EXTRAS:-}" = "test" ]; then

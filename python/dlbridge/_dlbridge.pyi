@@ -157,6 +157,9 @@ class Array:
     def share(self, *, copy: _bool | None = None) -> SharedHandle:
         """A picklable handle to this array's memory for another process; copies once into
         shareable memory unless it is there already (`copy=False` refuses with BufferError)."""
+    def to_shareable(self) -> Array:
+        """This array when its memory is shareable already, else a copy in shareable memory (keep
+        it where an array is shared many times, so that no share copies it again)."""
     def __reduce_ex__(self, protocol: SupportsIndex, /) -> tuple[Any, ...]: ...
 
 @final
@@ -194,6 +197,14 @@ def open_shared(handle: SharedHandle) -> Array:
     """Opens a handle made by `Array.share()`: an array over the same memory (opens once)."""
 
 def _handle_from_proc(state: bytes, pid: int, fd: int | None = None) -> SharedHandle: ...
+def _share_many(
+    arrays: Sequence[Array], copy: _bool | None = None
+) -> tuple[list[SharedHandle], list[tuple[int, str, list[int], list[int], int, _bool]]]: ...
+def _open_many(
+    handles: Sequence[SharedHandle],
+    views: Sequence[tuple[int, str, Sequence[int], Sequence[int], int, _bool]],
+    cuda_ordinal: int | None = None,
+) -> list[Array]: ...
 def _array_from_pickle(
     buffer: Any, dtype: _DTypeLike, shape: Sequence[int], readonly: _bool, device: _DeviceLike | None = None
 ) -> Array: ...

@@ -554,3 +554,15 @@ def test_cuda_stale_legacy_handle_is_an_error():
     # The producer is gone, and with it the memory: a clear error, not a crash.
     with pytest.raises(RuntimeError, match="cuIpcOpenMemHandle"):
         dlbridge.open_shared(h)
+
+
+@needs_cuda
+def test_cuda_vmm_handle_refuses_plain_pickle_clearly():
+    """A VMM descriptor cannot be reopened through /proc: plain pickle says how to send it."""
+    import pickle
+
+    h = dlbridge.zeros((16,), dtype="float32", device="cuda:0").share()
+    assert h.kind == "cuda_vmm"
+    data = pickle.dumps(h)
+    with pytest.raises(ValueError, match="dlbridge.multiprocessing"):
+        pickle.loads(data)

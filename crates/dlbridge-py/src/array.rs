@@ -526,6 +526,16 @@ impl PyArray {
         crate::share::share_array(py, &self.tensor()?.clone(), copy)
     }
 
+    /// This array when its memory is shareable already (dlbridge's shareable pool, or memory
+    /// opened from a handle), else a copy there: keep this one where an array is shared many
+    /// times (`share`, `dlbridge.multiprocessing`, `dlbridge.ray`) and none of them copies it.
+    fn to_shareable(&self, py: Python<'_>) -> PyResult<PyArray> {
+        let t = self.tensor()?.clone();
+        Ok(PyArray::new(
+            py.detach(|| dlbridge::share::into_shareable(&t)).py()?,
+        ))
+    }
+
     /// Pickling: CPU arrays out of band under protocol 5 (no copy into the pickle), other
     /// devices by value.
     fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {

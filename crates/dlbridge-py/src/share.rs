@@ -186,6 +186,15 @@ impl PySharedHandle {
 #[pyfunction]
 #[pyo3(signature = (state, pid, fd=None))]
 fn _handle_from_proc(state: &[u8], pid: u32, fd: Option<i32>) -> PyResult<PySharedHandle> {
+    if SharedHandle::kind_of_bytes(state).py()? == share::SharedKind::CudaVmm {
+        // The driver recognises a VMM allocation's descriptor only as the exporter's open file,
+        // never as a reopening of its path.
+        return Err(PyValueError::new_err(
+            "a CUDA VMM handle cannot travel by plain pickle (its descriptor must be passed, not \
+             reopened through /proc): send it with dlbridge.multiprocessing, or dlbridge.ray's \
+             transport",
+        ));
+    }
     let fd = match fd {
         None => None,
         Some(fd) => {
@@ -314,9 +323,12 @@ pub(crate) fn reduce_array<'py>(
             .call_method1("__mul__", (nbytes,))?;
         let view = char_array.call_method1("from_address", (first.expose_provenance(),))?;
         view.setattr("_dlbridge_owner", PyArray::new(compact.clone()))?;
+        // As plain bytes (format `B`): a ctypes array's own format (`<c`) is one that some
+        // consumers of out-of-band buffers (Ray's object store) cannot unpack.
+        let bytes = pyo3::types::PyMemoryView::from(&view)?.call_method1("cast", ("B",))?;
         py.import("pickle")?
             .getattr("PickleBuffer")?
-            .call1((view,))?
+            .call1((bytes,))?
     } else {
         // SAFETY: `compact` is a live, contiguous host view of `nbytes` bytes at `first`; no
         // one writes it during this copy (the GIL is held and Python code cannot run).
@@ -337,11 +349,101 @@ pub(crate) fn reduce_array<'py>(
     PyTuple::new(py, [ctor, PyTuple::new(py, args)?.into_any()])
 }
 
+/// One array of a group, as Python carries it: (handle index, dtype name, shape, strides in
+/// elements, byte offset, read-only).
+type ViewTuple = (usize, String, Vec<usize>, Vec<isize>, usize, bool);
+
+/// Many arrays shared together (see `dlbridge::share::share_many`): a list of handles, one per
+/// allocation, and a list of view tuples, one per array in order. Arrays not in shareable memory
+/// are packed into one new block per device unless `copy` is `False` (`BufferError`).
+#[pyfunction]
+#[pyo3(signature = (arrays, copy=None))]
+fn _share_many(
+    py: Python<'_>,
+    arrays: Vec<PyRef<'_, PyArray>>,
+    copy: Option<bool>,
+) -> PyResult<(Vec<PySharedHandle>, Vec<ViewTuple>)> {
+    let tensors = arrays
+        .iter()
+        .map(|a| a.tensor().map(|t| t.clone()))
+        .collect::<PyResult<Vec<Tensor>>>()?;
+    let group = py
+        .detach(|| share::share_many(&tensors, copy != Some(false)))
+        .py()?;
+    let views = group
+        .views
+        .iter()
+        .map(|v| {
+            (
+                v.handle,
+                v.dtype.name().to_string(),
+                v.layout.shape().to_vec(),
+                v.layout.strides().to_vec(),
+                v.layout.byte_offset(),
+                v.read_only,
+            )
+        })
+        .collect();
+    let handles = group.handles.into_iter().map(PySharedHandle::new).collect();
+    Ok((handles, views))
+}
+
+/// Opens the handles and views of `_share_many` (in this or another process): the arrays, in
+/// order, over the same memory. Each handle opens once. `cuda_ordinal` names the producer's GPU
+/// as this process numbers it, where the two number GPUs differently (`CUDA_VISIBLE_DEVICES`).
+#[pyfunction]
+#[pyo3(signature = (handles, views, cuda_ordinal=None))]
+fn _open_many(
+    py: Python<'_>,
+    handles: Vec<Bound<'_, PySharedHandle>>,
+    views: Vec<ViewTuple>,
+    cuda_ordinal: Option<u32>,
+) -> PyResult<Vec<PyArray>> {
+    let views = views
+        .into_iter()
+        .map(|(handle, dtype, shape, strides, offset, read_only)| {
+            Ok(share::SharedView {
+                handle,
+                dtype: dtype.parse::<dlbridge::DType>().py()?,
+                layout: Layout::new(&shape, &strides, offset).py()?,
+                read_only,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut taken = Vec::with_capacity(handles.len());
+    for h in &handles {
+        let inner = h
+            .get()
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let mut inner = inner.ok_or_else(|| {
+            PyValueError::new_err(
+                "this handle was already opened: a handle opens once (share the arrays again \
+                 for another)",
+            )
+        })?;
+        if let Some(ordinal) = cuda_ordinal {
+            inner.renumber_cuda_device(ordinal);
+        }
+        taken.push(inner);
+    }
+    let group = share::SharedGroup {
+        handles: taken,
+        views,
+    };
+    let tensors = py.detach(|| share::open_many(group)).py()?;
+    Ok(tensors.into_iter().map(PyArray::new).collect())
+}
+
 /// Registers the natives.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySharedHandle>()?;
     m.add_function(wrap_pyfunction!(open_shared, m)?)?;
     m.add_function(wrap_pyfunction!(_array_from_pickle, m)?)?;
     m.add_function(wrap_pyfunction!(_handle_from_proc, m)?)?;
+    m.add_function(wrap_pyfunction!(_share_many, m)?)?;
+    m.add_function(wrap_pyfunction!(_open_many, m)?)?;
     Ok(())
 }

@@ -481,3 +481,219 @@ fn cuda_an_opened_array_sent_on_is_written_and_read_in_both_directions() {
     ack(&s);
     assert!(child_.wait().unwrap().success());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Many arrays at once.
+
+#[test]
+fn many_small_arrays_are_packed_into_one_allocation() {
+    let arrays: Vec<Tensor> = (0..100)
+        .map(|i| Tensor::from_slice(&[i as f32, -(i as f32)], &[2]).unwrap())
+        .collect();
+    let group = share::share_many(&arrays, true).unwrap();
+    assert_eq!(
+        group.handles.len(),
+        1,
+        "one block (one descriptor) for every copied array"
+    );
+    let mut offsets: Vec<usize> = group.views.iter().map(|v| v.layout.byte_offset()).collect();
+    offsets.dedup();
+    assert_eq!(offsets.len(), 100, "every array has its own slot");
+    assert!(offsets.iter().all(|o| o % 256 == 0));
+    let opened = share::open_many(group).unwrap();
+    assert_eq!(opened.len(), 100);
+    for (i, t) in opened.iter().enumerate() {
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![i as f32, -(i as f32)]);
+        assert_eq!(
+            t.buffer().handle(),
+            opened[0].buffer().handle(),
+            "one mapping"
+        );
+    }
+}
+
+#[test]
+fn views_of_one_shareable_allocation_share_one_handle_and_see_writes() {
+    let data: Vec<i32> = (0..24).collect();
+    let base = share::to_shareable(&Tensor::from_slice(&data, &[4, 6]).unwrap()).unwrap();
+    let rows: Vec<Tensor> = (0..4)
+        .map(|r| base.slice(0, SliceArg::range(r, r + 1)).unwrap())
+        .chain([base.transpose().unwrap(), base.clone().into_read_only()])
+        .collect();
+    let group = share::share_many(&rows, false).unwrap();
+    assert_eq!(
+        group.handles.len(),
+        1,
+        "views of one allocation: one handle"
+    );
+    assert!(group.views[5].read_only && !group.views[0].read_only);
+    let opened = share::open_many(group).unwrap();
+    for (got, want) in opened.iter().zip(&rows) {
+        assert_eq!(got.shape(), want.shape());
+        assert_eq!(got.strides(), want.strides());
+        assert_eq!(got.to_vec::<i32>().unwrap(), want.to_vec::<i32>().unwrap());
+    }
+    assert!(opened[5].is_read_only());
+    // The same memory: a write through an opened row is seen in the producer's array.
+    let row: Vec<i32> = (0..6).map(|i| -i).collect();
+    let row_t = Tensor::from_slice(&row, &[1, 6]).unwrap();
+    // SAFETY: the opened views alias one mapping; nothing reads row 2 during the write.
+    unsafe { opened[2].copy_from_unchecked(&row_t) }.unwrap();
+    assert_eq!(base.to_vec::<i32>().unwrap()[12..18], row[..]);
+}
+
+#[test]
+fn share_many_mixes_packed_and_shared_and_keeps_order() {
+    let shareable = share::to_shareable(&Tensor::from_slice(&[7u16, 8, 9], &[3]).unwrap()).unwrap();
+    let empty = Tensor::from_slice::<f64>(&[], &[0, 3]).unwrap();
+    let scalar = Tensor::from_slice(&[42i8], &[]).unwrap();
+    let strided = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])
+        .unwrap()
+        .transpose()
+        .unwrap();
+    let arrays = [
+        scalar.clone(),
+        shareable.clone(),
+        empty.clone(),
+        strided.clone(),
+    ];
+    let group = share::share_many(&arrays, true).unwrap();
+    assert_eq!(
+        group.handles.len(),
+        2,
+        "the packed block and the shareable array's"
+    );
+    let opened = share::open_many(group).unwrap();
+    assert_eq!(opened[0].shape(), &[] as &[usize]);
+    assert_eq!(opened[0].to_vec::<i8>().unwrap(), vec![42]);
+    assert_eq!(opened[1].to_vec::<u16>().unwrap(), vec![7, 8, 9]);
+    assert_eq!(opened[2].shape(), &[0, 3]);
+    assert_eq!(opened[3].shape(), &[3, 2]);
+    assert!(opened[3].is_contiguous(), "a copied view arrives compact");
+    assert_eq!(
+        opened[3].to_vec::<f32>().unwrap(),
+        strided.to_vec::<f32>().unwrap()
+    );
+}
+
+#[test]
+fn share_many_refuses_a_copy_when_told_not_to_and_rejects_bad_views() {
+    let t = Tensor::from_slice(&[1u8], &[1]).unwrap();
+    let err = share::share_many(&[t], false).unwrap_err();
+    assert!(matches!(err, Error::CopyRequired(_)), "{err}");
+
+    let ok = share::to_shareable(&Tensor::from_slice(&[1u8, 2], &[2]).unwrap()).unwrap();
+    let mut group = share::share_many(&[ok.clone()], false).unwrap();
+    group.views[0].handle = 3;
+    let err = share::open_many(group).unwrap_err();
+    assert!(err.to_string().contains("names handle 3"), "{err}");
+
+    let mut group = share::share_many(&[ok], false).unwrap();
+    let len = group.handles[0].allocation_len();
+    group.views[0].layout = dlbridge::Layout::contiguous_at(&[2], len).unwrap();
+    let err = share::open_many(group).unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds(_)), "{err}");
+    assert!(share::share_many(&[], true).unwrap().handles.is_empty());
+}
+
+#[test]
+fn a_group_is_opened_in_another_process() {
+    if let Some((role, s)) = child() {
+        if role != "group" {
+            return;
+        }
+        use std::io::Read;
+        let mut n = [0u8; 8];
+        (&s).read_exact(&mut n).unwrap();
+        let n = u64::from_le_bytes(n) as usize;
+        let mut handles = Vec::new();
+        for _ in 0..n {
+            handles.push(share::recv_handle(&s).unwrap());
+        }
+        // The views travel as (handle, offset) pairs of f32 arrays of 3.
+        let mut raw = vec![0u8; 16 * 5];
+        (&s).read_exact(&mut raw).unwrap();
+        let views = raw
+            .chunks(16)
+            .map(|c| share::SharedView {
+                handle: u64::from_le_bytes(c[..8].try_into().unwrap()) as usize,
+                dtype: DType::F32,
+                layout: dlbridge::Layout::contiguous_at(
+                    &[3],
+                    u64::from_le_bytes(c[8..].try_into().unwrap()) as usize,
+                )
+                .unwrap(),
+                read_only: false,
+            })
+            .collect();
+        let opened = share::open_many(share::SharedGroup { handles, views }).unwrap();
+        for (i, t) in opened.iter().enumerate() {
+            assert_eq!(t.to_vec::<f32>().unwrap(), vec![i as f32; 3]);
+            let first = t.slice(0, SliceArg::range(0, 1)).unwrap();
+            let value = Tensor::from_slice(&[100.0 + i as f32], &[1]).unwrap();
+            // SAFETY: the views are disjoint and nothing else touches the memory meanwhile.
+            unsafe { first.copy_from_unchecked(&value) }.unwrap();
+        }
+        ack(&s);
+        return;
+    }
+    // Arrays in shareable memory, so the producer sees the child's writes in its own.
+    let arrays: Vec<Tensor> = (0..5)
+        .map(|i| share::to_shareable(&filled(i as f32, 3, Device::CPU)).unwrap())
+        .collect();
+    let group = share::share_many(&arrays, false).unwrap();
+    let (mut child_, s) = spawn("a_group_is_opened_in_another_process", "group");
+    use std::io::Write;
+    (&s).write_all(&(group.handles.len() as u64).to_le_bytes())
+        .unwrap();
+    let mut raw = Vec::new();
+    for v in &group.views {
+        raw.extend_from_slice(&(v.handle as u64).to_le_bytes());
+        raw.extend_from_slice(&(v.layout.byte_offset() as u64).to_le_bytes());
+    }
+    for h in group.handles {
+        share::send_handle(&s, h).unwrap();
+    }
+    (&s).write_all(&raw).unwrap();
+    wait_ack(&s);
+    assert!(child_.wait().unwrap().success());
+    for (i, t) in arrays.iter().enumerate() {
+        assert_eq!(
+            t.to_vec::<f32>().unwrap(),
+            vec![100.0 + i as f32, i as f32, i as f32]
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_many_arrays_are_packed_once_and_a_group_of_views_shares_the_pool_block() {
+    let device = gpu();
+    let arrays: Vec<Tensor> = (0..1000).map(|i| filled(i as f32, 4, device)).collect();
+    let group = share::share_many(&arrays, true).unwrap();
+    assert_eq!(
+        group.handles.len(),
+        1,
+        "one VMM block for 1000 copied arrays"
+    );
+    assert_eq!(group.handles[0].kind(), SharedKind::CudaVmm);
+    let opened = share::open_many(group).unwrap();
+    for (i, t) in opened.iter().enumerate().step_by(97) {
+        assert_eq!(on_host(t), vec![i as f32; 4]);
+    }
+    // Views of one shareable block: one handle, the same memory (a write is seen).
+    let block = share::to_shareable(&filled(1.0, 4096, device)).unwrap();
+    let views: Vec<Tensor> = (0..64)
+        .map(|i| {
+            block
+                .slice(0, SliceArg::range(i * 64, i * 64 + 64))
+                .unwrap()
+        })
+        .collect();
+    let group = share::share_many(&views, false).unwrap();
+    assert_eq!(group.handles.len(), 1);
+    let opened = share::open_many(group).unwrap();
+    // SAFETY: the opened views alias one mapping; nothing reads view 3 during the write.
+    unsafe { opened[3].copy_from_unchecked(&filled(5.0, 64, device)) }.unwrap();
+    assert_eq!(on_host(&block)[3 * 64..4 * 64], vec![5.0; 64]);
+}

@@ -177,6 +177,17 @@ impl SharedHandle {
         self.read_only
     }
 
+    /// Names the device of a CUDA handle (device memory or pinned host memory) by `ordinal`: the
+    /// same GPU as the receiving process numbers it, where its `CUDA_VISIBLE_DEVICES` orders GPUs
+    /// differently from the producer's. Handles of other devices are left as they are.
+    pub fn renumber_cuda_device(&mut self, ordinal: u32) {
+        self.device = match self.device.kind() {
+            DeviceKind::Cuda => Device::cuda(ordinal),
+            DeviceKind::CudaHost => Device::cuda_host(ordinal),
+            _ => return,
+        };
+    }
+
     /// The producer's process id.
     pub fn pid(&self) -> u32 {
         self.pid
@@ -219,6 +230,22 @@ impl SharedHandle {
             }
         }
         w
+    }
+
+    /// The memory kind that [`SharedHandle::to_bytes`] bytes describe, without building the
+    /// handle (to choose how its descriptor must travel).
+    pub fn kind_of_bytes(bytes: &[u8]) -> Result<SharedKind> {
+        let mut r = Reader(bytes);
+        if r.take(4)? != MAGIC {
+            return Err(malformed("bad magic"));
+        }
+        let format = r.u8()?;
+        if format != FORMAT {
+            return Err(malformed(format!(
+                "format {format}, this dlbridge reads {FORMAT}"
+            )));
+        }
+        SharedKind::from_raw(r.u8()?)
     }
 
     /// A handle from [`SharedHandle::to_bytes`] and the descriptor that travelled beside it
@@ -429,6 +456,16 @@ pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
     })
 }
 
+/// `t` itself when its memory is shareable already (the shareable pool, or memory opened from a
+/// handle), else [`to_shareable`]'s copy: the array to keep when it will be shared many times,
+/// so that no share copies it again.
+pub fn into_shareable(t: &Tensor) -> Result<Tensor> {
+    match export_allocation(t, true)? {
+        Some(a) if a.kind != SharedKind::CudaIpc => Ok(t.clone()),
+        _ => to_shareable(t),
+    }
+}
+
 /// A handle to `t`'s memory for another process.
 ///
 /// Shareable memory (see the module table) is shared as it is, with `t`'s offset and strides.
@@ -437,34 +474,105 @@ pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
 /// (valid while this process lives; [`Error::CopyRequired`] where the driver refuses), and host
 /// memory is refused with [`Error::CopyRequired`].
 pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
+    let Some(allocation) = export_allocation(t, copy)? else {
+        return share_copy(t, copy);
+    };
+    let event = record_event(t.device())?;
+    let offset = allocation
+        .start
+        .checked_add(t.byte_offset())
+        .ok_or_else(|| crate::error::overflow("shared byte offset"))?;
+    allocation.into_handle(
+        t.device(),
+        event,
+        t.dtype(),
+        t.layout().with_byte_offset(offset),
+        t.is_read_only(),
+    )
+}
+
+/// An allocation exported for another process: how it is reached and where a buffer lies in it.
+struct Allocation {
+    kind: SharedKind,
+    fd: OwnedFd,
+    ipc: Option<[u8; IPC_HANDLE_BYTES]>,
+    len: usize,
+    /// Where the buffer's byte 0 lies in the allocation.
+    start: usize,
+    key: Option<BlockKey>,
+}
+
+impl Allocation {
+    fn into_handle(
+        self,
+        device: Device,
+        event: Option<[u8; IPC_HANDLE_BYTES]>,
+        dtype: DType,
+        layout: Layout,
+        read_only: bool,
+    ) -> Result<SharedHandle> {
+        let inode = match self.kind {
+            SharedKind::HostFile => cpu::inode(&self.fd)?,
+            _ => 0,
+        };
+        Ok(SharedHandle {
+            device,
+            kind: self.kind,
+            fd: Some(self.fd),
+            ipc: self.ipc,
+            event,
+            alloc_len: self.len,
+            dtype,
+            layout,
+            read_only,
+            boot_id: boot_id(),
+            pid: std::process::id(),
+            inode,
+            origin: self.key.map_or(0, |k| k.origin),
+            block: self.key.map_or(0, |k| k.block),
+        })
+    }
+}
+
+/// The allocation `t`'s buffer lies in, exported; `None` where the memory is not shareable and
+/// `copy` allows a copy. CUDA memory outside the shareable pool goes by a legacy IPC handle when
+/// `copy` is `false`.
+fn export_allocation(t: &Tensor, copy: bool) -> Result<Option<Allocation>> {
     let device = t.device();
-    let mut key = None;
-    let (kind, fd, ipc_handle, alloc_len, start) = match device.kind() {
-        DeviceKind::Cpu | DeviceKind::CudaHost => match cpu::export(t.buffer())? {
-            Some(e) => (SharedKind::HostFile, Some(e.fd), None, e.len, e.offset),
-            None => return share_copy(t, copy),
-        },
+    let exported = match device.kind() {
+        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::export(t.buffer())?.map(|e| Allocation {
+            kind: SharedKind::HostFile,
+            fd: e.fd,
+            ipc: None,
+            len: e.len,
+            start: e.offset,
+            key: None,
+        }),
         // A block of the shareable pool, or a mapping opened from another handle: the same
         // physical memory, never a copy.
         DeviceKind::Cuda => match ipc::export(t.buffer())? {
-            Some(v) => {
-                key = Some(v.key);
-                let e = v.exported;
-                (SharedKind::CudaVmm, Some(e.fd), None, e.len, e.offset)
-            }
+            Some(v) => Some(Allocation {
+                kind: SharedKind::CudaVmm,
+                fd: v.exported.fd,
+                ipc: None,
+                len: v.exported.len,
+                start: v.exported.offset,
+                key: Some(v.key),
+            }),
             // Copying is allowed: a VMM copy, which outlives its producer.
-            None if copy => return share_copy(t, copy),
+            None if copy => None,
             // No copy: the legacy handle, valid while this process lives (or the driver's
             // refusal, as `Error::CopyRequired`).
             None => {
                 let e = ipc::export_legacy(t.buffer())?;
-                (
-                    SharedKind::CudaIpc,
-                    Some(e.users),
-                    Some(e.handle),
-                    e.len,
-                    e.offset,
-                )
+                Some(Allocation {
+                    kind: SharedKind::CudaIpc,
+                    fd: e.users,
+                    ipc: Some(e.handle),
+                    len: e.len,
+                    start: e.offset,
+                    key: None,
+                })
             }
         },
         _ => {
@@ -473,45 +581,216 @@ pub fn share(t: &Tensor, copy: bool) -> Result<SharedHandle> {
             )));
         }
     };
-    let inode = match &fd {
-        Some(fd) if kind == SharedKind::HostFile => cpu::inode(fd)?,
-        _ => 0,
-    };
-    let event = match device.kind() {
-        DeviceKind::Cpu => None,
-        _ => Some(ipc::record_event(device)?),
-    };
-    let offset = start
-        .checked_add(t.byte_offset())
-        .ok_or_else(|| crate::error::overflow("shared byte offset"))?;
-    Ok(SharedHandle {
-        device,
-        kind,
-        fd,
-        ipc: ipc_handle,
-        event,
-        alloc_len,
-        dtype: t.dtype(),
-        layout: t.layout().with_byte_offset(offset),
-        read_only: t.is_read_only(),
-        boot_id: boot_id(),
-        pid: std::process::id(),
-        inode,
-        origin: key.map_or(0, |k| k.origin),
-        block: key.map_or(0, |k| k.block),
-    })
+    Ok(exported)
+}
+
+/// The IPC event a consumer on `device` waits for: recorded on the producer's current stream
+/// after the work queued so far (none for plain host memory).
+fn record_event(device: Device) -> Result<Option<[u8; IPC_HANDLE_BYTES]>> {
+    match device.kind() {
+        DeviceKind::Cpu => Ok(None),
+        _ => ipc::record_event(device).map(Some),
+    }
 }
 
 /// [`share`] of a copy in shareable memory, or the refusal when `copy` is `false`.
 fn share_copy(t: &Tensor, copy: bool) -> Result<SharedHandle> {
     if !copy {
-        return Err(Error::CopyRequired(format!(
-            "this array on {} is not in shareable memory; share it with copy allowed to copy \
-             it once into shareable memory",
-            t.device()
-        )));
+        return Err(copy_required(t));
     }
     share(&to_shareable(t)?, false)
+}
+
+/// The refusal to share memory that is not shareable without a copy.
+fn copy_required(t: &Tensor) -> Error {
+    Error::CopyRequired(format!(
+        "this array on {} is not in shareable memory; share it with copy allowed to copy it \
+         once into shareable memory",
+        t.device()
+    ))
+}
+
+/// Many arrays shared together (see [`share_many`]): one handle per allocation, and each array as
+/// a view of one of them.
+#[derive(Debug)]
+pub struct SharedGroup {
+    /// One handle per allocation, each a byte view of the whole allocation.
+    pub handles: Vec<SharedHandle>,
+    /// The arrays, in the order given, as views of `handles`.
+    pub views: Vec<SharedView>,
+}
+
+/// One array of a [`SharedGroup`]: which handle's allocation it lies in, and its view there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedView {
+    /// The index of the handle in [`SharedGroup::handles`].
+    pub handle: usize,
+    /// The element type.
+    pub dtype: DType,
+    /// Shape, strides and byte offset in the allocation.
+    pub layout: Layout,
+    /// Whether the view is read-only.
+    pub read_only: bool,
+}
+
+/// Where packed arrays start: every slot of a packed block is aligned to this many bytes, enough
+/// for every element type and for vector loads.
+const PACK_ALIGN: usize = 256;
+
+/// Handles to many arrays at once, for a receiver that opens them all ([`open_many`]).
+///
+/// Arrays already in shareable memory are shared as they are, and the views of one allocation
+/// (the rows of one weight matrix, the blocks of one pool slab) share one handle. Arrays that are
+/// not are copied, when `copy` is `true`, into one new shareable block per device, packed at
+/// [`PACK_ALIGN`]-byte slots: a thousand small arrays cost one allocation, one descriptor and one
+/// mapping in the receiver rather than a thousand. With `copy` `false`, host memory that is not
+/// shareable is refused with [`Error::CopyRequired`] and CUDA device memory goes by legacy IPC
+/// handles (one per array; valid while this process lives). Every CUDA device gets one IPC event,
+/// recorded after the copies were queued on the current stream.
+pub fn share_many(tensors: &[Tensor], copy: bool) -> Result<SharedGroup> {
+    use std::collections::HashMap;
+
+    // Allocations by device and address of their byte 0, so views of one share its handle.
+    let mut allocations: Vec<(Device, Allocation)> = Vec::new();
+    let mut by_base: HashMap<(Device, usize), usize> = HashMap::new();
+    let mut views: Vec<Option<SharedView>> = vec![None; tensors.len()];
+    let mut to_pack: Vec<(Device, Vec<usize>)> = Vec::new();
+
+    let mut place = |allocations: &mut Vec<(Device, Allocation)>,
+                     t: &Tensor,
+                     allocation: Allocation,
+                     start_in_buffer: usize|
+     -> Result<SharedView> {
+        let device = t.device();
+        let base = t
+            .buffer()
+            .handle()
+            .expose_provenance()
+            .wrapping_sub(allocation.start);
+        let at = allocation
+            .start
+            .checked_add(start_in_buffer)
+            .ok_or_else(|| crate::error::overflow("shared byte offset"))?;
+        // Legacy IPC handles each carry their own count of consumers: never merged.
+        let merge = allocation.kind != SharedKind::CudaIpc;
+        let index = match by_base.get(&(device, base)) {
+            Some(&i) if merge => i, // `allocation`'s duplicate descriptor closes here
+            _ => {
+                allocations.push((device, allocation));
+                if merge {
+                    by_base.insert((device, base), allocations.len() - 1);
+                }
+                allocations.len() - 1
+            }
+        };
+        Ok(SharedView {
+            handle: index,
+            dtype: t.dtype(),
+            layout: t.layout().with_byte_offset(at),
+            read_only: t.is_read_only(),
+        })
+    };
+
+    for (i, t) in tensors.iter().enumerate() {
+        match export_allocation(t, copy)? {
+            Some(allocation) => {
+                views[i] = Some(place(&mut allocations, t, allocation, t.byte_offset())?);
+            }
+            None if !copy => return Err(copy_required(t)),
+            None => match to_pack.iter_mut().find(|(d, _)| *d == t.device()) {
+                Some((_, list)) => list.push(i),
+                None => to_pack.push((t.device(), vec![i])),
+            },
+        }
+    }
+
+    for (device, list) in &to_pack {
+        let mut slots = Vec::with_capacity(list.len());
+        let mut total = 0usize;
+        for &i in list {
+            slots.push(total);
+            let size = tensors[i].nbytes().div_ceil(PACK_ALIGN) * PACK_ALIGN;
+            total = total
+                .checked_add(size)
+                .ok_or_else(|| crate::error::overflow("packed size"))?;
+        }
+        // An allocation even when every array is empty, so each view has a handle to name.
+        let len = total.max(PACK_ALIGN);
+        let block = allocate(*device, len, false)?;
+        if device.kind() != DeviceKind::Cuda {
+            cpu::prefault(&block);
+        }
+        let whole = Tensor::new(block.clone(), DType::U8, Layout::contiguous(&[len])?)?;
+        let allocation = export_allocation(&whole, false)?.ok_or_else(|| Error::Driver {
+            backend: "share",
+            message: format!("a new block of shareable memory on {device} was not shareable"),
+        })?;
+        let start = allocation.start;
+        allocations.push((*device, allocation));
+        let handle = allocations.len() - 1;
+        for (&i, &slot) in list.iter().zip(&slots) {
+            let src = &tensors[i];
+            let layout = Layout::contiguous_at(src.shape(), slot)?;
+            let dst = Tensor::new(block.clone(), src.dtype(), layout)?;
+            // SAFETY: `dst` is a slot of new memory no one else references.
+            unsafe { dst.copy_from_unchecked(src) }?;
+            let at = start
+                .checked_add(slot)
+                .ok_or_else(|| crate::error::overflow("shared byte offset"))?;
+            views[i] = Some(SharedView {
+                handle,
+                dtype: src.dtype(),
+                layout: dst.layout().with_byte_offset(at),
+                read_only: src.is_read_only(),
+            });
+        }
+    }
+
+    let mut events: HashMap<Device, Option<[u8; IPC_HANDLE_BYTES]>> = HashMap::new();
+    let mut handles = Vec::with_capacity(allocations.len());
+    for (device, allocation) in allocations {
+        let event = match events.get(&device) {
+            Some(e) => *e,
+            None => *events.entry(device).or_insert(record_event(device)?),
+        };
+        let len = allocation.len;
+        let whole = Layout::contiguous(&[len])?;
+        handles.push(allocation.into_handle(device, event, DType::U8, whole, false)?);
+    }
+    Ok(SharedGroup {
+        handles,
+        views: views
+            .into_iter()
+            .map(|v| v.expect("every array placed"))
+            .collect(),
+    })
+}
+
+/// Opens a [`SharedGroup`] (in this process or another): the arrays, in their order, each over
+/// the same memory as the producer's. Every handle opens once (one mapping per allocation); a
+/// view that names no handle or lies outside its allocation fails with a clear error, as does
+/// any handle [`open`] refuses.
+pub fn open_many(group: SharedGroup) -> Result<Vec<Tensor>> {
+    let count = group.handles.len();
+    if let Some(v) = group.views.iter().find(|v| v.handle >= count) {
+        return Err(malformed(format!(
+            "a view names handle {} of {count}",
+            v.handle
+        )));
+    }
+    let opened = group
+        .handles
+        .into_iter()
+        .map(open)
+        .collect::<Result<Vec<_>>>()?;
+    group
+        .views
+        .into_iter()
+        .map(|v| {
+            let t = Tensor::new(opened[v.handle].buffer().clone(), v.dtype, v.layout)?;
+            Ok(if v.read_only { t.into_read_only() } else { t })
+        })
+        .collect()
 }
 
 /// Opens a handle from [`share`] (in this process or another): a [`Tensor`] over the same memory,

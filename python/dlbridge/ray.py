@@ -1,0 +1,387 @@
+"""dlbridge arrays on Ray.
+
+Two ways an array moves between Ray workers:
+
+* **The object store** (nothing to set up). ``ray.put(a)``, task arguments and return values
+  pickle a CPU :class:`dlbridge.Array` under protocol 5 with its memory out of band, so Ray writes
+  the bytes into its shared-memory object store once and the receiver gets a **read-only** array
+  viewing the object store's memory, without a copy (``numpy.from_dlpack`` or ``torch.from_dlpack``
+  of it are views of the same memory). Views with strides arrive as equal, compact arrays (the
+  sender compacts them while pickling). Arrays of other devices go by value (copied through the
+  host).
+
+* **The dlbridge tensor transport** (``import dlbridge.ray``, then
+  ``tensor_transport="dlbridge"``).
+  Ray's direct transport ("RDT") keeps the array in the producing actor and hands the consumer a
+  small description; this transport shares the memory itself (``Array.share``): on one node the
+  consumer maps the producer's CPU or CUDA memory, so a write on either side is seen on the other
+  and a CUDA consumer's stream waits for the producer's queued work (an IPC event), without a
+  host synchronize. Arrays not in shareable memory are copied once, all of one call's arrays
+  into **one** block per device, so a thousand small arrays cost one allocation, one descriptor
+  and one mapping; views of one shareable allocation share one handle::
+
+      import ray, dlbridge, dlbridge.ray
+
+      dlbridge.ray.register()   # importing dlbridge.ray registers it; before defining actors
+
+      @ray.remote(num_gpus=0.5, enable_tensor_transport=True)
+      class Producer:
+          @ray.method(tensor_transport="dlbridge")
+          def weights(self):
+              import jax.numpy as jnp
+              return dlbridge.from_dlpack(jnp.ones((1024, 1024)))
+
+      @ray.remote(num_gpus=0.5, enable_tensor_transport=True)
+      class Consumer:
+          def total(self, w):
+              import torch
+              return float(torch.from_dlpack(w).sum())   # the producer's memory, no copy
+
+      p, c = Producer.remote(), Consumer.remote()
+      print(ray.get(c.total.remote(p.weights.remote())))
+
+  Both actors need ``enable_tensor_transport=True`` (Ray then runs transfers on a thread of
+  their own; without it a second transfer to a busy actor waits forever). The transport is
+  one-sided: the consumer receives the producer's descriptors from a small server in the
+  producer (an abstract Unix socket, ``SCM_RIGHTS``), which needs both on one node. Between nodes it raises a
+  clear error: ship such arrays through the object store, or with a Ray transport that crosses
+  nodes (``nixl``, ``nccl``) on PyTorch tensors.
+
+Memory stays valid while the producer holds the object (until Ray's reference counting frees it,
+which closes the producer's descriptors) and, after that, while any consumer still maps it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+try:
+    import ray
+except ImportError as _e:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "dlbridge.ray needs Ray: install it with `pip install 'dlbridge[ray]'` (or `pip install "
+        "ray`)"
+    ) from _e
+
+try:
+    from ray.experimental.rdt.tensor_transport_manager import (
+        CommunicatorMetadata,
+        TensorTransportManager,
+        TensorTransportMetadata,
+    )
+    from ray.experimental.rdt.util import register_tensor_transport as _register
+except ImportError as _e:  # pragma: no cover - depends on the installed Ray
+    raise ImportError(
+        f"dlbridge.ray needs a Ray with custom tensor transports "
+        f"(ray.experimental.register_tensor_transport; dlbridge is tested with Ray 2.60); this is Ray "
+        f"{getattr(ray, '__version__', '?')}: `pip install -U 'dlbridge[ray]'`"
+    ) from _e
+
+from . import _dlbridge
+from ._dlbridge import Array, SharedHandle
+
+__all__ = ["DEVICES", "TRANSPORT", "DlbridgeTransport", "register", "is_registered"]
+
+#: The transport's name, as ``tensor_transport=`` takes it (case does not matter).
+TRANSPORT = "DLBRIDGE"
+
+#: The device types the transport carries (``cuda_host`` is pinned host memory).
+DEVICES = ("cpu", "cuda", "cuda_host")
+
+
+@dataclass
+class DlbridgeTransportMetadata(TensorTransportMetadata):
+    """What a consumer needs to map a producer's arrays: one handle state per shared allocation
+    (its descriptor comes from the producer's descriptor server), one view tuple per array, and
+    where the producer runs."""
+
+    handles: list[bytes] = field(default_factory=list)
+    views: list[tuple[Any, ...]] = field(default_factory=list)
+    pid: int = 0
+    #: The producer's descriptor server (an abstract Unix socket address).
+    address: str = ""
+    node_id: str = ""
+    #: The Ray GPU ids of the producer, in its CUDA device order (its ``ray.get_gpu_ids()``).
+    gpu_ids: list[Any] = field(default_factory=list)
+
+
+class DlbridgeTransport(TensorTransportManager):
+    """Ray's ``TensorTransportManager`` for :class:`dlbridge.Array` on ``cpu`` and ``cuda``: a
+    one-sided transport over shared memory (see the module's documentation)."""
+
+    def __init__(self) -> None:
+        # The producer's handles per object: their descriptors stay open (for consumers to reopen)
+        # until Ray frees the object.
+        self._held: dict[str, list[SharedHandle]] = {}
+        self._lock = threading.Lock()
+        self._server: Optional[_DescriptorServer] = None
+
+    @property
+    def tensor_transport_backend(self) -> str:  # type: ignore[override]
+        return TRANSPORT
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        # A receive maps memory and returns; nothing can be left blocked, so aborting is a no-op.
+        return True
+
+    def actor_has_tensor_transport(self, actor: Any) -> bool:
+        return True
+
+    def extract_tensor_transport_metadata(
+        self, obj_id: str, rdt_object: list[Any]
+    ) -> DlbridgeTransportMetadata:
+        arrays = list(rdt_object)
+        for a in arrays:
+            if not isinstance(a, Array):
+                raise TypeError(
+                    f"the dlbridge transport carries dlbridge.Array, not {type(a).__name__}: "
+                    f"wrap it with dlbridge.from_dlpack"
+                )
+        kinds = {a.device.type for a in arrays}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"the arrays of one object must be on one kind of device, not {sorted(kinds)}"
+            )
+        device_type = kinds.pop() if kinds else None
+        if device_type not in (None, *DEVICES):
+            raise ValueError(
+                f"the dlbridge transport carries arrays on {', '.join(DEVICES)}, not on "
+                f"{device_type}"
+            )
+        handles, views = _dlbridge._share_many(arrays)
+        with self._lock:
+            self._held[obj_id] = handles
+            if self._server is None:
+                self._server = _DescriptorServer(self)
+        return DlbridgeTransportMetadata(
+            tensor_meta=[(tuple(a.shape), str(a.dtype)) for a in arrays],
+            tensor_device=device_type,
+            handles=[h._state() for h in handles],
+            views=views,
+            pid=_pid(),
+            address=self._server.address,
+            node_id=ray.get_runtime_context().get_node_id(),
+            gpu_ids=list(ray.get_gpu_ids()) if device_type in ("cuda", "cuda_host") else [],
+        )
+
+    def get_communicator_metadata(
+        self, src_actor: Any, dst_actor: Any, backend: Optional[str] = None
+    ) -> CommunicatorMetadata:
+        return CommunicatorMetadata()
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+        target_buffers: Optional[list[Any]] = None,
+    ) -> list[Any]:
+        meta = tensor_transport_metadata
+        if not isinstance(meta, DlbridgeTransportMetadata):
+            raise TypeError(
+                f"the dlbridge transport got {type(meta).__name__}, not its own metadata"
+            )
+        if target_buffers:
+            raise ValueError(
+                "the dlbridge transport maps the producer's memory; it does not receive into "
+                "buffers (copy the received arrays into yours)"
+            )
+        if not meta.views:
+            return []
+        here = ray.get_runtime_context().get_node_id()
+        if here != meta.node_id:
+            raise ValueError(
+                f"the dlbridge transport shares memory on one node: this worker runs on node "
+                f"{here}, the producer on {meta.node_id}. Send such arrays through the object "
+                f"store (a plain return value), or as PyTorch tensors with a Ray transport that "
+                f"crosses nodes (nixl, nccl)"
+            )
+        fds = _fetch_descriptors(meta.address, obj_id, len(meta.handles), meta.pid)
+        handles = [SharedHandle._rebuild(state, fd) for state, fd in zip(meta.handles, fds)]
+        ordinal = None
+        if meta.tensor_device in ("cuda", "cuda_host"):
+            ordinal = _local_cuda_ordinal(meta.gpu_ids, {h.device.index for h in handles})
+        return list(_dlbridge._open_many(handles, meta.views, ordinal))
+
+    def send_multiple_tensors(
+        self,
+        tensors: list[Any],
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+    ) -> None:
+        raise NotImplementedError(
+            "the dlbridge transport is one-sided: the consumer maps the memory, nothing is sent"
+        )
+
+    def garbage_collect(
+        self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: list[Any]
+    ) -> None:
+        with self._lock:
+            self._held.pop(obj_id, None)  # closes the producer's descriptors
+
+    def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata) -> None:
+        return None
+
+    def _descriptors(self, obj_id: str) -> Optional[list[int]]:
+        """The producer's descriptors of an object it holds (for the descriptor server)."""
+        with self._lock:
+            handles = self._held.get(obj_id)
+            return None if handles is None else [h.fd for h in handles]
+
+    def held_objects(self) -> int:
+        """How many objects this process holds descriptors for (a diagnostic for leak tests)."""
+        with self._lock:
+            return len(self._held)
+
+
+#: Descriptors per message (the kernel takes at most 253 per `SCM_RIGHTS` message).
+_FDS_PER_MESSAGE = 200
+
+
+class _DescriptorServer:
+    """Hands the descriptors of the objects a producer holds to the consumers that ask, over an
+    abstract Unix socket with ``SCM_RIGHTS``: the consumer receives the producer's open files
+    themselves (a CUDA VMM handle must be the exporter's file, not a reopening of its path)."""
+
+    def __init__(self, transport: DlbridgeTransport) -> None:
+        import os
+        import socket
+        import uuid
+
+        self.address = f"\0dlbridge-ray-{os.getpid()}-{uuid.uuid4().hex}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.address)
+        self._sock.listen(64)
+        self._transport = transport
+        threading.Thread(target=self._serve, name="dlbridge-ray-fds", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: Any) -> None:
+        import socket
+
+        with conn:
+            try:
+                obj_id = _read_line(conn)
+                fds = self._transport._descriptors(obj_id)
+                if fds is None:
+                    conn.sendall(b"\x00")
+                    return
+                for i in range(0, len(fds), _FDS_PER_MESSAGE):
+                    chunk = fds[i : i + _FDS_PER_MESSAGE]
+                    socket.send_fds(conn, [b"\x01"], chunk)
+                _read_line(conn)  # the consumer's acknowledgement: it holds them all
+            except OSError:
+                return
+
+
+def _read_line(conn: Any) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise OSError("the peer closed the connection")
+        data += chunk
+    return data[:-1].decode()
+
+
+def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[int]:
+    """The descriptors of ``obj_id`` from the producer's descriptor server (owned by the caller)."""
+    import os
+    import socket
+
+    fds: list[int] = []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(address)
+            sock.sendall(obj_id.encode() + b"\n")
+            while len(fds) < count:
+                msg, got, _, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+                fds.extend(got)
+                if msg != b"\x01":
+                    raise OSError(
+                        f"the producer (process {pid}) no longer holds the object: it was freed"
+                    )
+            sock.sendall(b"ok\n")
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(
+            f"cannot reach the producer's memory (process {pid} may have exited, or freed the "
+            f"object): {e}"
+        ) from e
+    return fds
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _local_cuda_ordinal(producer_gpu_ids: list[Any], ordinals: set[int]) -> Optional[int]:
+    """The CUDA ordinal in this process of the producer's GPU, from both sides' Ray GPU ids
+    (Ray gives each actor its own ``CUDA_VISIBLE_DEVICES``, so ordinals differ between them)."""
+    import os
+
+    if len(ordinals) != 1:
+        raise ValueError("the arrays of one object must be on one CUDA device")
+    if not producer_gpu_ids:
+        return None  # the producer was given no GPU by Ray: ordinals are the same everywhere
+    (producer_ordinal,) = ordinals
+    physical = str(producer_gpu_ids[producer_ordinal])
+    mine = [str(g) for g in ray.get_gpu_ids()]
+    if physical in mine:
+        return mine.index(physical)
+    if not mine and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return int(physical)
+    raise ValueError(
+        f"this actor receives a CUDA array on GPU {physical}, which Ray did not give it (its GPUs: "
+        f"{', '.join(mine) or 'none'}): give it that GPU (num_gpus; fractional GPUs share one), or "
+        f"send the array through the object store"
+    )
+
+
+_registered = False
+_registered_lock = threading.Lock()
+
+
+def register() -> None:
+    """Registers the dlbridge transport with Ray, for :class:`dlbridge.Array` on ``cpu``,
+    ``cuda`` and ``cuda_host`` (idempotent; importing ``dlbridge.ray`` calls it). It must run in
+    the driver before the classes that name the transport are defined; Ray registers it in the
+    actors itself. Then ``@ray.method(tensor_transport="dlbridge")`` (or
+    ``ray.put(a, _tensor_transport="dlbridge")`` in an actor) sends arrays through it."""
+    global _registered
+    with _registered_lock:
+        if _registered:
+            return
+        try:
+            _register(TRANSPORT, list(DEVICES), DlbridgeTransport, Array)
+        except ValueError as e:
+            if "already registered" not in str(e):
+                raise
+        _registered = True
+
+
+def is_registered() -> bool:
+    """Whether the transport is registered in this process."""
+    return _registered
+
+
+# Importing the module registers the transport: `@ray.method(tensor_transport="dlbridge")` is
+# checked when the class is defined, so it must be known by then.
+register()

@@ -160,8 +160,11 @@ class DlbridgeTransport(TensorTransportManager):
             self._held[obj_id] = handles
             if self._server is None:
                 self._server = _DescriptorServer(self)
+        # Ray types `tensor_meta` for PyTorch and NumPy dtypes; dlbridge's dtype names carry more
+        # (bfloat16, float8 kinds), so they go as names.
+        tensor_meta: list[Any] = [(tuple(a.shape), str(a.dtype)) for a in arrays]
         return DlbridgeTransportMetadata(
-            tensor_meta=[(tuple(a.shape), str(a.dtype)) for a in arrays],
+            tensor_meta=tensor_meta,
             tensor_device=device_type,
             handles=[h._state() for h in handles],
             views=views,
@@ -233,7 +236,10 @@ class DlbridgeTransport(TensorTransportManager):
         """The producer's descriptors of an object it holds (for the descriptor server)."""
         with self._lock:
             handles = self._held.get(obj_id)
-            return None if handles is None else [h.fd for h in handles]
+            if handles is None:
+                return None
+            # Every handle owns a descriptor until it is opened, and held handles never are.
+            return [fd for h in handles if (fd := h.fd) is not None]
 
     def held_objects(self) -> int:
         """How many objects this process holds descriptors for (a diagnostic for leak tests)."""

@@ -277,10 +277,20 @@ class _DescriptorServer:
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: Any) -> None:
+        import os
         import socket
+        import struct
 
         with conn:
             try:
+                # Abstract socket names are visible to every user of the machine: hand
+                # descriptors only to processes of this user (who could read this process's
+                # memory anyway).
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                _, uid, _ = struct.unpack("3i", creds)
+                if uid != os.getuid():
+                    conn.sendall(b"\x02")
+                    return
                 obj_id = _read_line(conn)
                 fds = self._transport._descriptors(obj_id)
                 if fds is None:
@@ -317,6 +327,11 @@ def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[
             while len(fds) < count:
                 msg, got, _, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
                 fds.extend(got)
+                if msg == b"\x02":
+                    raise PermissionError(
+                        f"the producer (process {pid}) runs as another user and does not hand "
+                        f"its memory to this one"
+                    )
                 if msg != b"\x01":
                     raise OSError(
                         f"the producer (process {pid}) no longer holds the object: it was freed"
@@ -325,6 +340,8 @@ def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[
     except OSError as e:
         for fd in fds:
             os.close(fd)
+        if isinstance(e, PermissionError):
+            raise
         raise OSError(
             f"cannot reach the producer's memory (process {pid} may have exited, or freed the "
             f"object): {e}"

@@ -427,3 +427,37 @@ def test_cuda_an_actor_without_a_gpu_is_refused_clearly(actors):
     p, c = actors(_GpuProducer), actors(_HostOnly)
     with pytest.raises(ray.exceptions.RayTaskError, match="GPU"):
         ray.get(c.sums.remote(p.arrays.remote(1, 4, "cuda")), timeout=120)
+
+
+def test_the_descriptor_server_serves_held_objects_to_this_user_only(cluster):
+    t = dray.DlbridgeTransport()
+    arrays = [dlbridge.asarray(np.arange(4, dtype=np.float32))]
+    meta = t.extract_tensor_transport_metadata("obj-1", arrays)
+    got = t.recv_multiple_tensors("obj-1", meta, None)
+    assert np.from_dlpack(got[0]).tolist() == [0.0, 1.0, 2.0, 3.0]
+    # An object the producer does not hold (freed, or never made) is refused.
+    with pytest.raises(OSError, match="no longer holds"):
+        dray._fetch_descriptors(meta.address, "obj-2", 1, os.getpid())
+    t.garbage_collect("obj-1", meta, arrays)
+    with pytest.raises(OSError, match="no longer holds"):
+        t.recv_multiple_tensors("obj-1", meta, None)
+    if os.getuid() != 0:
+        return  # the other-user half needs root to become another user
+    t.extract_tensor_transport_metadata("obj-3", arrays)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.setuid(65534)
+            dray._fetch_descriptors(meta.address, "obj-3", 1, os.getppid())
+            os.write(w, b"served")
+        except PermissionError:
+            os.write(w, b"refused")
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, repr(e).encode()[:200])
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    answer = os.read(r, 300)
+    os.close(r)
+    assert answer == b"refused", answer

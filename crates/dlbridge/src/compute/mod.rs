@@ -357,6 +357,7 @@ impl<'a> MapRequest<'a> {
     ///
     /// # Errors
     /// The copy's (memory, mostly).
+    #[cfg_attr(not(any(cuda, metal)), allow(dead_code))] // the device backends use it
     pub(crate) fn staged_inputs(
         &self,
         max_axes: usize,
@@ -378,6 +379,7 @@ impl<'a> MapRequest<'a> {
 
     /// This request with its inputs replaced by `copies` where there is one (from
     /// [`MapRequest::staged_inputs`]), and planned again.
+    #[cfg_attr(not(any(cuda, metal)), allow(dead_code))] // the device backends use it
     pub(crate) fn with_inputs<'b>(&self, copies: &'b [Option<Tensor>]) -> MapRequest<'b>
     where
         'a: 'b,
@@ -431,6 +433,7 @@ impl<'a> ReduceRequest<'a> {
     ///
     /// # Errors
     /// The copy's (memory, mostly).
+    #[cfg_attr(not(any(cuda, metal)), allow(dead_code))] // the device backends use it
     pub(crate) fn staged_input(&self) -> Result<(Tensor, ReducePlan)> {
         let ndim = self.input.ndim();
         let reduced = |a: &usize| self.plan.keepdims_shape[*a] == 1;
@@ -447,6 +450,7 @@ impl<'a> ReduceRequest<'a> {
     }
 
     /// This request over `input` and `plan` (from [`ReduceRequest::staged_input`]).
+    #[cfg_attr(not(any(cuda, metal)), allow(dead_code))] // the device backends use it
     pub(crate) fn with_input<'b>(&self, input: &'b Tensor, plan: ReducePlan) -> ReduceRequest<'b>
     where
         'a: 'b,

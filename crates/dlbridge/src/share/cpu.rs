@@ -523,6 +523,7 @@ pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
 
 /// A count in a page of shared memory that several processes update atomically: how many
 /// consumers still use memory that only its producer can keep alive (legacy CUDA IPC).
+#[cfg_attr(not(cuda), allow(dead_code))] // legacy CUDA IPC is its only user
 pub(crate) struct SharedCounter {
     ptr: NonNull<c_void>,
     fd: OwnedFd,
@@ -534,6 +535,7 @@ unsafe impl Send for SharedCounter {}
 // SAFETY: as above; `&self` methods only perform atomic operations.
 unsafe impl Sync for SharedCounter {}
 
+#[cfg_attr(not(cuda), allow(dead_code))]
 impl SharedCounter {
     /// A new counter at zero.
     pub(crate) fn new() -> Result<Self> {

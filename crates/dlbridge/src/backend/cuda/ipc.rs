@@ -230,6 +230,9 @@ struct VmmBlock {
     handle: u64,
     len: usize,
     exported: bool,
+    /// The descriptor of its first export, kept while the physical allocation is the same: a
+    /// later export duplicates it (a `dup`) instead of asking the driver again.
+    fd: Option<OwnedFd>,
 }
 
 /// The blocks of one device's shareable pool by address.
@@ -269,6 +272,7 @@ impl Blocks {
         block.handle = fresh;
         block.id = next_block_id();
         block.exported = false;
+        block.fd = None;
         // SAFETY: the range is reserved and now unmapped; `fresh` holds `len` bytes.
         unsafe { map_at(ptr, block.len, fresh, self.ordinal) }
     }
@@ -311,6 +315,7 @@ impl RawAllocator for VmmAllocator {
             handle,
             len,
             exported: false,
+            fd: None,
         };
         self.blocks.lock().insert(ptr, block);
         NonNull::new(std::ptr::with_exposed_provenance_mut(ptr as usize))
@@ -466,15 +471,30 @@ pub(crate) fn export(buffer: &Buffer) -> Result<Option<VmmExported>> {
     if offset.saturating_add(buffer.len()) > block.len {
         return Ok(None);
     }
-    let _ctx = context(shared.blocks.ordinal)?;
-    let mut fd: c_int = -1;
-    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    // SAFETY: for a POSIX descriptor the driver writes an `int` at the pointer.
-    unsafe { sys::cuMemExportToShareableHandle((&raw mut fd).cast(), block.handle, kind, 0) }
-        .result()
-        .named("cuMemExportToShareableHandle")?;
-    // SAFETY: the driver opened this descriptor for us.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    if block.fd.is_none() {
+        let _ctx = context(shared.blocks.ordinal)?;
+        let mut fd: c_int = -1;
+        let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        // SAFETY: for a POSIX descriptor the driver writes an `int` at the pointer.
+        unsafe { sys::cuMemExportToShareableHandle((&raw mut fd).cast(), block.handle, kind, 0) }
+            .result()
+            .named("cuMemExportToShareableHandle")?;
+        // SAFETY: the driver opened this descriptor for us.
+        block.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+    let fd = block
+        .fd
+        .as_ref()
+        .map(OwnedFd::try_clone)
+        .transpose()
+        .map_err(|e| Error::Driver {
+            backend: super::BACKEND,
+            message: format!("dup of a VMM allocation's descriptor failed: {e}"),
+        })?
+        .ok_or_else(|| Error::Driver {
+            backend: super::BACKEND,
+            message: "a VMM allocation's descriptor was not kept".into(),
+        })?;
     block.exported = true;
     Ok(Some(VmmExported {
         exported: Exported {
@@ -856,7 +876,19 @@ pub(crate) fn record_event(device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
             unsafe { sys::cuEventCreate(&mut e, flags) }
                 .result()
                 .named("cuEventCreate")?;
-            v.insert((IpcEvent(e), [0; IPC_HANDLE_BYTES]))
+            // The event's IPC handle names the event, not one recording: asked once.
+            // SAFETY: an all-zero handle is a valid value of this plain C struct.
+            let mut handle: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+            // SAFETY: valid out-pointer; an interprocess event.
+            if let Err(err) = unsafe { sys::cuIpcGetEventHandle(&mut handle, e) }
+                .result()
+                .named("cuIpcGetEventHandle")
+            {
+                // SAFETY: `e` was just created and is used nowhere else.
+                let _ = unsafe { sys::cuEventDestroy_v2(e) };
+                return Err(err);
+            }
+            v.insert((IpcEvent(e), handle.reserved.map(|b| b as u8)))
         }
     };
     let event = entry.0.0;
@@ -864,15 +896,7 @@ pub(crate) fn record_event(device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
     unsafe { sys::cuEventRecord(event, raw(stream)) }
         .result()
         .named("cuEventRecord")?;
-    // SAFETY: an all-zero handle is a valid value of this plain C struct.
-    let mut handle: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-    // SAFETY: valid out-pointer; an interprocess event.
-    unsafe { sys::cuIpcGetEventHandle(&mut handle, event) }
-        .result()
-        .named("cuIpcGetEventHandle")?;
-    let bytes = handle.reserved.map(|b| b as u8);
-    entry.1 = bytes;
-    Ok(bytes)
+    Ok(entry.1)
 }
 
 /// The most events of other processes kept open; past it, all are closed and opened again as

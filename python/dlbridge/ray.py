@@ -53,7 +53,11 @@ which closes the producer's descriptors) and, after that, while any consumer sti
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -168,7 +172,7 @@ class DlbridgeTransport(TensorTransportManager):
             tensor_device=device_type,
             handles=[h._state() for h in handles],
             views=views,
-            pid=_pid(),
+            pid=os.getpid(),
             address=self._server.address,
             node_id=ray.get_runtime_context().get_node_id(),
             gpu_ids=list(ray.get_gpu_ids()) if device_type in ("cuda", "cuda_host") else [],
@@ -257,10 +261,6 @@ class _DescriptorServer:
     themselves (a CUDA VMM handle must be the exporter's file, not a reopening of its path)."""
 
     def __init__(self, transport: DlbridgeTransport) -> None:
-        import os
-        import socket
-        import uuid
-
         self.address = f"\0dlbridge-ray-{os.getpid()}-{uuid.uuid4().hex}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
@@ -277,10 +277,6 @@ class _DescriptorServer:
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: Any) -> None:
-        import os
-        import socket
-        import struct
-
         with conn:
             try:
                 # Abstract socket names are visible to every user of the machine: hand
@@ -316,9 +312,6 @@ def _read_line(conn: Any) -> str:
 
 def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[int]:
     """The descriptors of ``obj_id`` from the producer's descriptor server (owned by the caller)."""
-    import os
-    import socket
-
     fds: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -349,17 +342,9 @@ def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[
     return fds
 
 
-def _pid() -> int:
-    import os
-
-    return os.getpid()
-
-
 def _local_cuda_ordinal(producer_gpu_ids: list[Any], ordinals: set[int]) -> Optional[int]:
     """The CUDA ordinal in this process of the producer's GPU, from both sides' Ray GPU ids
     (Ray gives each actor its own ``CUDA_VISIBLE_DEVICES``, so ordinals differ between them)."""
-    import os
-
     if len(ordinals) != 1:
         raise ValueError("the arrays of one object must be on one CUDA device")
     if not producer_gpu_ids:

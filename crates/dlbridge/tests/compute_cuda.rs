@@ -6,6 +6,7 @@
 //! on a GPU machine `scripts/test.sh` asks, and they run for real.
 
 mod common;
+use common::gpu;
 
 use common::Rng;
 use dlbridge::compute::kernel::{self, KernelArg, LaunchConfig};
@@ -17,19 +18,6 @@ use half::{bf16, f16};
 // The device. Every test here is `#[ignore = "needs a CUDA device"]`: `cargo test` lists them as
 // ignored, and `cargo test --features cuda -- --include-ignored` runs them on a GPU machine
 // (scripts/test.sh does when `nvidia-smi -L` finds a device or `DLBRIDGE_GPU_TESTS=1`).
-
-/// CUDA device 0; panics, saying why, where there is none (a test asked to run without a device
-/// fails rather than passing without having run).
-fn gpu() -> Device {
-    #[cfg(feature = "cuda")]
-    match dlbridge::backend::cuda::device_count() {
-        Ok(n) if n > 0 => Device::cuda(0),
-        Ok(_) => panic!("this test needs a CUDA device: the CUDA driver found no devices"),
-        Err(e) => panic!("this test needs a CUDA device: {e}"),
-    }
-    #[cfg(not(feature = "cuda"))]
-    panic!("this test needs a CUDA device: dlbridge was built without feature `cuda`")
-}
 
 // ---------------------------------------------------------------------------------------------
 // Values, dtypes and the reference arithmetic.

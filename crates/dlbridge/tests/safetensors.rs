@@ -1,6 +1,9 @@
 //! safetensors: round trips of every dtype, zero-copy loading, shards, and every malformed input
 //! the parser must refuse (written byte by byte here).
 
+mod common;
+use common::gpu;
+
 use std::collections::BTreeMap;
 use std::io::ErrorKind as IoKind;
 use std::path::{Path, PathBuf};
@@ -754,18 +757,6 @@ fn save_errors_leave_no_file() {
 
 // ---------------------------------------------------------------------------------------------
 // Device tensors (run with `--include-ignored` on a GPU machine)
-
-/// CUDA device 0; panics, saying why, where there is none.
-fn gpu() -> Device {
-    #[cfg(feature = "cuda")]
-    match dlbridge::backend::cuda::device_count() {
-        Ok(n) if n > 0 => Device::cuda(0),
-        Ok(_) => panic!("this test needs a CUDA device: the CUDA driver found no devices"),
-        Err(e) => panic!("this test needs a CUDA device: {e}"),
-    }
-    #[cfg(not(feature = "cuda"))]
-    panic!("this test needs a CUDA device: dlbridge was built without feature `cuda`")
-}
 
 #[test]
 #[ignore = "needs a CUDA device"]

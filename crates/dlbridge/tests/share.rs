@@ -5,6 +5,9 @@
 //! talk to it over a Unix socket, handles travelling with `SCM_RIGHTS`. CUDA tests are
 //! `#[ignore = "needs a CUDA device"]`: a GPU machine runs them with `-- --include-ignored`.
 
+mod common;
+use common::gpu;
+
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -291,17 +294,6 @@ fn descriptors_travel_over_a_socket() {
 
 // ---------------------------------------------------------------------------------------------
 // CUDA: run on a GPU machine with `-- --include-ignored`.
-
-fn gpu() -> Device {
-    #[cfg(feature = "cuda")]
-    match dlbridge::backend::cuda::device_count() {
-        Ok(n) if n > 0 => Device::cuda(0),
-        Ok(_) => panic!("this test needs a CUDA device: the CUDA driver found no devices"),
-        Err(e) => panic!("this test needs a CUDA device: {e}"),
-    }
-    #[cfg(not(feature = "cuda"))]
-    panic!("this test needs a CUDA device: dlbridge was built without feature `cuda`")
-}
 
 #[test]
 #[ignore = "needs a CUDA device"]

@@ -235,17 +235,7 @@ impl SharedHandle {
     /// The memory kind that [`SharedHandle::to_bytes`] bytes describe, without building the
     /// handle (to choose how its descriptor must travel).
     pub fn kind_of_bytes(bytes: &[u8]) -> Result<SharedKind> {
-        let mut r = Reader(bytes);
-        if r.take(4)? != MAGIC {
-            return Err(malformed("bad magic"));
-        }
-        let format = r.u8()?;
-        if format != FORMAT {
-            return Err(malformed(format!(
-                "format {format}, this dlbridge reads {FORMAT}"
-            )));
-        }
-        SharedKind::from_raw(r.u8()?)
+        Reader(bytes).header()
     }
 
     /// A handle from [`SharedHandle::to_bytes`] and the descriptor that travelled beside it
@@ -253,16 +243,7 @@ impl SharedHandle {
     /// handle, and on a missing or wrong descriptor.
     pub fn from_bytes(bytes: &[u8], fd: Option<OwnedFd>) -> Result<Self> {
         let mut r = Reader(bytes);
-        if r.take(4)? != MAGIC {
-            return Err(malformed("bad magic"));
-        }
-        let format = r.u8()?;
-        if format != FORMAT {
-            return Err(malformed(format!(
-                "format {format}, this dlbridge reads {FORMAT}"
-            )));
-        }
-        let kind = SharedKind::from_raw(r.u8()?)?;
+        let kind = r.header()?;
         let device = Device::new(DeviceKind::from_raw(r.i32()?), r.u32()?);
         let code = DTypeCode::from_raw(r.u8()?).ok_or_else(|| malformed("dtype code"))?;
         let dtype = DType::new(code, r.u8()?, r.u16()?)?;
@@ -337,6 +318,20 @@ impl SharedHandle {
 struct Reader<'a>(&'a [u8]);
 
 impl<'a> Reader<'a> {
+    /// The magic, the format version and the memory kind that start every handle's bytes.
+    fn header(&mut self) -> Result<SharedKind> {
+        if self.take(4)? != MAGIC {
+            return Err(malformed("bad magic"));
+        }
+        let format = self.u8()?;
+        if format != FORMAT {
+            return Err(malformed(format!(
+                "format {format}, this dlbridge reads {FORMAT}"
+            )));
+        }
+        SharedKind::from_raw(self.u8()?)
+    }
+
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.0.len() < n {
             return Err(malformed("truncated"));
@@ -656,45 +651,37 @@ pub fn share_many(tensors: &[Tensor], copy: bool) -> Result<SharedGroup> {
     let mut views: Vec<Option<SharedView>> = vec![None; tensors.len()];
     let mut to_pack: Vec<(Device, Vec<usize>)> = Vec::new();
 
-    let mut place = |allocations: &mut Vec<(Device, Allocation)>,
-                     t: &Tensor,
-                     allocation: Allocation,
-                     start_in_buffer: usize|
-     -> Result<SharedView> {
-        let device = t.device();
-        let base = t
-            .buffer()
-            .handle()
-            .expose_provenance()
-            .wrapping_sub(allocation.start);
-        let at = allocation
-            .start
-            .checked_add(start_in_buffer)
-            .ok_or_else(|| crate::error::overflow("shared byte offset"))?;
-        // Legacy IPC handles each carry their own count of consumers: never merged.
-        let merge = allocation.kind != SharedKind::CudaIpc;
-        let index = match by_base.get(&(device, base)) {
-            Some(&i) if merge => i, // `allocation`'s duplicate descriptor closes here
-            _ => {
-                allocations.push((device, allocation));
-                if merge {
-                    by_base.insert((device, base), allocations.len() - 1);
-                }
-                allocations.len() - 1
-            }
-        };
-        Ok(SharedView {
-            handle: index,
-            dtype: t.dtype(),
-            layout: t.layout().with_byte_offset(at),
-            read_only: t.is_read_only(),
-        })
-    };
-
     for (i, t) in tensors.iter().enumerate() {
         match export_allocation(t, copy)? {
             Some(allocation) => {
-                views[i] = Some(place(&mut allocations, t, allocation, t.byte_offset())?);
+                let device = t.device();
+                let base = t
+                    .buffer()
+                    .handle()
+                    .expose_provenance()
+                    .wrapping_sub(allocation.start);
+                let at = allocation
+                    .start
+                    .checked_add(t.byte_offset())
+                    .ok_or_else(|| crate::error::overflow("shared byte offset"))?;
+                // Legacy IPC handles each carry their own count of consumers: never merged.
+                let merge = allocation.kind != SharedKind::CudaIpc;
+                let handle = match by_base.get(&(device, base)) {
+                    Some(&h) if merge => h, // `allocation`'s duplicate descriptor closes here
+                    _ => {
+                        allocations.push((device, allocation));
+                        if merge {
+                            by_base.insert((device, base), allocations.len() - 1);
+                        }
+                        allocations.len() - 1
+                    }
+                };
+                views[i] = Some(SharedView {
+                    handle,
+                    dtype: t.dtype(),
+                    layout: t.layout().with_byte_offset(at),
+                    read_only: t.is_read_only(),
+                });
             }
             None if !copy => return Err(copy_required(t)),
             None => match to_pack.iter_mut().find(|(d, _)| *d == t.device()) {

@@ -540,3 +540,16 @@ impl Rng {
         p
     }
 }
+
+/// CUDA device 0; panics, saying why, where there is none (a test asked to run without a device
+/// fails rather than passing without having run).
+pub(crate) fn gpu() -> dlbridge::Device {
+    #[cfg(feature = "cuda")]
+    match dlbridge::backend::cuda::device_count() {
+        Ok(n) if n > 0 => dlbridge::Device::cuda(0),
+        Ok(_) => panic!("this test needs a CUDA device: the CUDA driver found no devices"),
+        Err(e) => panic!("this test needs a CUDA device: {e}"),
+    }
+    #[cfg(not(feature = "cuda"))]
+    panic!("this test needs a CUDA device: dlbridge was built without feature `cuda`")
+}

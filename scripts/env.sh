@@ -19,6 +19,15 @@ if ! command -v cargo >/dev/null 2>&1; then
     fi
 fi
 
+# On CI (a fresh clone, built once, on a machine whose free disk varies): keep no caches that
+# only a second build would use. pip's wheel cache would hold a second copy of PyTorch and its
+# CUDA libraries (about 4 GB), cargo's incremental state about 1 GB, full debug info about 1.5 GB.
+if [ -n "${CI:-}" ]; then
+    export PIP_NO_CACHE_DIR=1 CARGO_INCREMENTAL=0
+    export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+    export CARGO_PROFILE_TEST_DEBUG="${CARGO_PROFILE_TEST_DEBUG:-line-tables-only}"
+fi
+
 if [ ! -x "$PY" ]; then
     step "creating the virtual environment in $VENV"
     python3 -m venv "$VENV"

@@ -61,6 +61,32 @@ def test_torch_zero_copy_and_write_seen():
     assert torch.equal(y, x)
 
 
+def test_torch_strided_layouts_zero_d_and_empty():
+    # PyTorch tensors are read from the descriptor their exchange table fills (no export): each
+    # view's element zero is the tensor's own data pointer, and every layout reads its values.
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for view in (x, x.T, x[::2, 1::2], x[1:], x[:, 1:3], x.expand(2, 3, 4)):
+        assert ext.total(view) == pytest.approx(float(view.sum()))
+        assert ext.data_ptr(view) == view.data_ptr()
+    assert ext.total(torch.tensor(3.0)) == 3.0
+    assert ext.total(torch.empty(0)) == 0.0
+    assert ext.total(torch.empty(3, 0)) == 0.0
+
+
+def test_torch_lazy_bits_refused():
+    # The exchange table describes a conjugated or negated view's raw memory without saying so:
+    # those are refused before their memory is read, with the way out named.
+    z = torch.tensor([1 + 2j, 3 + 4j])
+    with pytest.raises(BufferError, match="conjugate"):
+        ext.total(z.conj())
+    negated = z.conj().imag  # a real tensor with the negative bit set
+    assert negated.is_neg() and negated.dtype == torch.float32
+    for x in (negated, negated.detach()):
+        with pytest.raises(BufferError, match="negative bit"):
+            ext.total(x)
+    assert ext.total(negated.resolve_neg()) == pytest.approx(-6.0)
+
+
 def test_jax_input():
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 
 use crate::borrow::{Borrow, Range};
 use crate::error::named;
+use crate::exchange::c_api::TableView;
 use crate::numpy::{NumPyArray, Viewed};
 
 /// Any array, as a `#[pyfunction]` argument: an object with a DLPack C exchange table (PyTorch,
@@ -31,6 +32,7 @@ pub struct ArrayArg {
 enum Source {
     Tensor(Tensor),
     NumPy(NumPyArray),
+    Table(TableView),
 }
 
 impl Source {
@@ -39,6 +41,7 @@ impl Source {
         match self {
             Source::Tensor(t) => t.dtype(),
             Source::NumPy(a) => a.dtype,
+            Source::Table(b) => b.described.dtype(),
         }
     }
 
@@ -47,6 +50,7 @@ impl Source {
         match self {
             Source::Tensor(t) => t.layout(),
             Source::NumPy(a) => &a.layout,
+            Source::Table(b) => b.described.layout(),
         }
     }
 
@@ -55,6 +59,7 @@ impl Source {
         match self {
             Source::Tensor(t) => t.device(),
             Source::NumPy(_) => Device::CPU,
+            Source::Table(b) => b.described.device(),
         }
     }
 
@@ -63,6 +68,7 @@ impl Source {
         match self {
             Source::Tensor(t) => t.is_read_only(),
             Source::NumPy(a) => a.read_only,
+            Source::Table(b) => b.described.is_read_only(),
         }
     }
 
@@ -73,6 +79,7 @@ impl Source {
         match self {
             Source::Tensor(t) => (t.buffer().handle() as usize).wrapping_add(t.byte_offset()),
             Source::NumPy(a) => a.first() as usize,
+            Source::Table(b) => b.first(),
         }
     }
 
@@ -88,6 +95,13 @@ impl Source {
                 Ok(Some(base.as_ptr().wrapping_add(t.byte_offset())))
             }
             Source::NumPy(a) => Ok(Some(a.first())),
+            // Host memory, or CUDA device memory (the only kinds a borrowed descriptor takes).
+            Source::Table(b) => Ok(b
+                .described
+                .device()
+                .kind()
+                .is_host_accessible()
+                .then(|| std::ptr::with_exposed_provenance_mut(b.first()))),
         }
     }
 
@@ -95,6 +109,7 @@ impl Source {
         match self {
             Source::Tensor(t) => Ok(t),
             Source::NumPy(a) => a.into_tensor(),
+            Source::Table(b) => b.into_tensor(),
         }
     }
 }
@@ -107,6 +122,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ArrayArg {
         let source = match crate::exchange::consumer::import(&obj)? {
             Viewed::Tensor(t) => Source::Tensor(t),
             Viewed::Struct(a) => Source::NumPy(a),
+            Viewed::Table(b) => Source::Table(b),
         };
         Ok(ArrayArg { source })
     }
@@ -395,7 +411,7 @@ fn borrow(
 #[derive(Debug)]
 pub struct ReadArray<T: Element> {
     source: Source,
-    /// The tensor of a NumPy source, made when [`ReadArray::tensor`] first asks.
+    /// The tensor of a NumPy or borrowed source, made when [`ReadArray::tensor`] first asks.
     tensor: OnceLock<Box<Tensor>>,
     name: &'static str,
     _borrow: Option<Borrow>,
@@ -404,18 +420,20 @@ pub struct ReadArray<T: Element> {
 
 impl<T: Element> ReadArray<T> {
     /// The memory as a tensor (for [`dlbridge::compute::kernel::KernelArg::Tensor`] and other
-    /// core calls); for a NumPy array, made on the first call.
+    /// core calls); for a NumPy array or a borrowed descriptor, made on the first call.
     pub fn tensor(&self) -> PyResult<&Tensor> {
-        match &self.source {
-            Source::Tensor(t) => Ok(t),
-            Source::NumPy(a) => {
-                if let Some(t) = self.tensor.get() {
-                    return Ok(t);
-                }
-                let t = Python::attach(|py| a.clone_ref(py).into_tensor())?;
-                Ok(self.tensor.get_or_init(|| Box::new(t)))
-            }
+        if let Source::Tensor(t) = &self.source {
+            return Ok(t);
         }
+        if let Some(t) = self.tensor.get() {
+            return Ok(t);
+        }
+        let t = Python::attach(|py| match &self.source {
+            Source::NumPy(a) => a.clone_ref(py).into_tensor(),
+            Source::Table(b) => b.clone_ref(py).into_tensor(),
+            Source::Tensor(_) => unreachable!("answered above"),
+        })?;
+        Ok(self.tensor.get_or_init(|| Box::new(t)))
     }
 
     /// Extents.

@@ -162,6 +162,8 @@ impl NumPyArray {
 pub(crate) enum Viewed {
     /// Read from the struct.
     Struct(NumPyArray),
+    /// Described by a producer's exchange table ([`crate::exchange::c_api::borrow_via_table`]).
+    Table(crate::exchange::c_api::TableView),
     /// Imported through `__dlpack__`.
     Tensor(Tensor),
 }

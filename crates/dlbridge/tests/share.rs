@@ -575,7 +575,7 @@ fn share_many_refuses_a_copy_when_told_not_to_and_rejects_bad_views() {
     assert!(matches!(err, Error::CopyRequired(_)), "{err}");
 
     let ok = share::to_shareable(&Tensor::from_slice(&[1u8, 2], &[2]).unwrap()).unwrap();
-    let mut group = share::share_many(&[ok.clone()], false).unwrap();
+    let mut group = share::share_many(std::slice::from_ref(&ok), false).unwrap();
     group.views[0].handle = 3;
     let err = share::open_many(group).unwrap_err();
     assert!(err.to_string().contains("names handle 3"), "{err}");

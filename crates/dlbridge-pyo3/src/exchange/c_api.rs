@@ -146,6 +146,99 @@ pub fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<M
     Some(Ok(ManagedTensor::Versioned(managed)))
 }
 
+/// A producer's tensor known by its descriptor alone (DLPack 1.3's
+/// `dltensor_from_py_object_no_sync`: nothing exported, nothing to release), with the object
+/// whose life keeps the memory valid. A tensor is made only when one is asked for
+/// ([`TableView::into_tensor`]), so the common argument call allocates nothing.
+#[derive(Debug)]
+pub(crate) struct TableView {
+    obj: Py<PyAny>,
+    /// Boxed: an argument's source is moved several times on its way to the function, and NumPy
+    /// arrays (the most common source) should not pay for copying the larger descriptor.
+    pub(crate) described: Box<dlbridge::dlpack::Described>,
+}
+
+impl TableView {
+    /// Another handle to the same memory.
+    pub(crate) fn clone_ref(&self, py: Python<'_>) -> TableView {
+        TableView {
+            obj: self.obj.clone_ref(py),
+            described: self.described.clone(),
+        }
+    }
+
+    /// The address of element zero (host or CUDA device memory: the only kinds this path takes).
+    pub(crate) fn first(&self) -> usize {
+        self.described.first_address().unwrap_or(0)
+    }
+
+    /// A tensor over the memory, which keeps the producer's object alive.
+    pub(crate) fn into_tensor(self) -> PyResult<Tensor> {
+        // SAFETY: the producer's object owns the described memory while it lives unchanged, and
+        // the tensor holds it.
+        unsafe { (*self.described).into_tensor(Box::new(self.obj)) }.map_err(to_py)
+    }
+}
+
+/// `x`'s memory described through its type's exchange table, with dlbridge's current stream
+/// ordered after the producer's. `None` where this path does not apply and the owning export
+/// ([`take_via_table`]) should answer instead: a table without
+/// `dltensor_from_py_object_no_sync`, a type whose instances may be read-only (a descriptor
+/// carries no flags, so only types with PyTorch's tensor-state API, which DLPack never marks
+/// read-only, take this path), memory that is not host or CUDA device memory, or a producer
+/// that refused.
+///
+/// This is the argument path ([`crate::ArrayArg`]): the memory stays valid while `x` lives
+/// unchanged, which holds for a call's arguments as it does for NumPy's own struct. The
+/// producer's tensor states are checked here, once the descriptor has told the element type
+/// (the conjugate bit exists only on complex tensors).
+pub(crate) fn borrow_via_table(
+    x: &Bound<'_, PyAny>,
+    info: TypeInfo,
+) -> Option<PyResult<TableView>> {
+    use crate::exchange::consumer::{States, refuse_inexpressible};
+    use dlbridge::dlpack::ffi::{K_DL_COMPLEX, K_DL_CPU, K_DL_CUDA};
+    if !info.has_tensor_state {
+        return None;
+    }
+    let api = info.table?.0;
+    let describe = api.dltensor_from_py_object_no_sync?;
+    let mut dl = std::mem::MaybeUninit::<DLTensor>::zeroed();
+    // SAFETY: `x` is an object of the type the table was found on, as the protocol requires; the
+    // GIL is held; `dl` is a valid place for the descriptor.
+    let rc = unsafe { describe(x.as_ptr().cast(), dl.as_mut_ptr()) };
+    if rc != 0 {
+        // The owning export, then `__dlpack__`, give the answer the standard specifies.
+        drop(PyErr::take(x.py()));
+        return None;
+    }
+    // SAFETY: the producer filled it (rc 0).
+    let dl = unsafe { dl.assume_init() };
+    if !matches!(dl.device.device_type, K_DL_CPU | K_DL_CUDA) {
+        return None;
+    }
+    let states = if dl.dtype.code == K_DL_COMPLEX {
+        States::Values
+    } else {
+        States::RealValues
+    };
+    Some((|| {
+        refuse_inexpressible(x, info, states)?;
+        if let Err(fallback) = order_after_producer(api, dl.device) {
+            return Err(fallback.unwrap_or_else(|| {
+                PyBufferError::new_err("the producer's exchange table has no current stream")
+            }));
+        }
+        // SAFETY: the producer just filled the descriptor, which stays readable during this call.
+        let described = unsafe { dlbridge::dlpack::describe_borrowed(&dl, api.header.version) }
+            .map_err(to_py)?;
+        Ok(TableView {
+            obj: x.clone().unbind(),
+            described: Box::new(described),
+        })
+    })())
+}
+
 /// Orders dlbridge's current stream after the producer's current work stream for a tensor on
 /// `device`. `Err(None)` means this cannot be done here and the caller should fall back to
 /// `__dlpack__`; `Err(Some(e))` is a real failure.

@@ -20,7 +20,8 @@ const REQUEST: ImportRequest = ImportRequest {
 };
 
 /// Imports `x` without a copy, by the cheapest path its type offers: a NumPy array is read from
-/// its struct (and becomes a tensor only when one is asked for), anything else is imported.
+/// its struct, a PyTorch tensor from the descriptor its exchange table fills (either becomes a
+/// tensor only when one is asked for), anything else is imported.
 #[inline]
 pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
     use crate::numpy::Viewed;
@@ -36,6 +37,9 @@ pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
     let info = crate::exchange::c_api::type_info(x);
     if info.is_numpy {
         return crate::numpy::view(x);
+    }
+    if let Some(borrowed) = crate::exchange::c_api::borrow_via_table(x, info) {
+        return borrowed.map(Viewed::Table);
     }
     from_producer(x, info).map(Viewed::Tensor)
 }
@@ -120,6 +124,9 @@ pub enum States {
     /// exporter may hand such a tensor out without complaint (PyTorch's C exchange table does, and
     /// its `__dlpack__` does for negated views), so these are asked before every import.
     Values,
+    /// [`States::Values`] of a tensor known to be real: the conjugate bit exists only on complex
+    /// tensors (a real tensor's `conj()` is itself), so it is not asked.
+    RealValues,
     /// States with no strided memory at all: sparse, quantized, nested, MKL-DNN, meta, lazy zero
     /// tensors. No exporter can hand those out as a descriptor (PyTorch's table fails for them),
     /// so these are asked where an import would otherwise go on without the table: before
@@ -153,11 +160,12 @@ pub fn refuse_inexpressible(
             .unwrap_or(false)
     };
     let values = states != States::Storage;
-    let storage = states != States::Values;
+    let complex = states != States::RealValues;
+    let storage = matches!(states, States::Storage | States::All);
     let refusal = if values && flag(intern!(py, "requires_grad")) {
         "it requires grad, and a DLPack consumer could write to it behind autograd's back; \
          export x.detach()"
-    } else if values && method(intern!(py, "is_conj")) {
+    } else if values && complex && method(intern!(py, "is_conj")) {
         "its conjugate bit is set, so its memory does not hold its values; export \
          x.resolve_conj()"
     } else if values && method(intern!(py, "is_neg")) {

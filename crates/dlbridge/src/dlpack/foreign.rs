@@ -147,16 +147,46 @@ unsafe fn read_i64s(ptr: *const i64, n: usize) -> layout::Dims<i64> {
         .collect()
 }
 
-/// Validates `dl` and builds a tensor over the producer's memory, owned by `owner`.
+/// Validates `dl` and builds a tensor over the producer's memory, kept alive by `keep_alive`.
 ///
 /// # Safety
-/// `dl` must be the descriptor of the live tensor `owner` keeps alive.
-unsafe fn import<M: Managed + 'static>(
+/// `dl` must describe memory that `keep_alive` keeps valid while it lives.
+unsafe fn import(
     dl: &DLTensor,
-    owner: ForeignTensor<M>,
+    keep_alive: Box<dyn std::any::Any + Send + Sync>,
     version: Option<DLPackVersion>,
     flags: u64,
 ) -> Result<Tensor> {
+    // SAFETY: forwarded contract.
+    let described = unsafe { describe(dl, version, flags) }?;
+    // SAFETY: forwarded contract.
+    unsafe { described.into_tensor(keep_alive) }
+}
+
+/// A producer's descriptor, validated, before any buffer is made of it: what a consumer checks
+/// an argument against (device, element type, layout, writability) and where its first element
+/// is. [`Described::into_tensor`] makes the tensor.
+#[derive(Clone, Debug)]
+pub struct Described {
+    device: Device,
+    dtype: DType,
+    /// Extents and strides in elements, with the descriptor's `byte_offset`.
+    layout: Layout,
+    /// The descriptor's `data`, as an address.
+    data: usize,
+    /// Sub-byte elements packed (not padded to a byte each).
+    packed: bool,
+    read_only: bool,
+    /// The addressed bytes relative to `data + byte_offset`: `[lo, hi)`.
+    lo: i128,
+    hi: i128,
+}
+
+/// Validates `dl` (of a producer following `version`, `None` for a legacy tensor, with `flags`).
+///
+/// # Safety
+/// `dl` must be readable as DLPack specifies during this call.
+unsafe fn describe(dl: &DLTensor, version: Option<DLPackVersion>, flags: u64) -> Result<Described> {
     let ndim = usize::try_from(dl.ndim)
         .ok()
         .filter(|&n| n <= MAX_NDIM)
@@ -253,19 +283,12 @@ unsafe fn import<M: Managed + 'static>(
         )));
     }
     let first = offset as i128;
-    let storage = match device.kind() {
-        DeviceKind::Cpu | DeviceKind::CudaHost => StorageMode::Shared,
-        DeviceKind::CudaManaged => StorageMode::Managed,
-        _ => StorageMode::Private,
-    };
-    let keep_alive: Box<dyn std::any::Any + Send + Sync> = Box::new(owner);
-    let (buffer, layout) = if device.kind().is_addressable() {
-        // Rebase onto the lowest addressed byte, so the buffer is exactly the addressed range.
-        let base = dl.data as usize as i128 + first + lo;
-        let end = dl.data as usize as i128 + first + hi;
+    if device.kind().is_addressable() && numel > 0 {
         // User-space pointers (host and CUDA alike) lie in the lower half of the address space;
         // a range reaching past `isize::MAX` wrapped or names kernel addresses.
-        if numel > 0 && (base <= 0 || end > isize::MAX as i128) {
+        let base = dl.data as usize as i128 + first + lo;
+        let end = dl.data as usize as i128 + first + hi;
+        if base <= 0 || end > isize::MAX as i128 {
             return Err(Error::MalformedTensor(format!(
                 "data {:p} with byte_offset {offset} and strides {:?} addresses memory outside \
                  the user address space",
@@ -273,68 +296,142 @@ unsafe fn import<M: Managed + 'static>(
                 layout.strides()
             )));
         }
-        let (base, len) = if numel == 0 {
-            let first = (dl.data as usize)
-                .checked_add(offset)
-                .filter(|&a| a <= isize::MAX as usize)
-                .ok_or_else(|| {
-                    Error::MalformedTensor(format!(
-                        "data {:p} with byte_offset {offset} lies outside the user address space",
-                        dl.data
-                    ))
-                })?;
-            (first, 0)
-        } else {
-            (base as usize, (hi - lo) as usize)
+    } else if device.kind().is_addressable() {
+        (dl.data as usize)
+            .checked_add(offset)
+            .filter(|&a| a <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::MalformedTensor(format!(
+                    "data {:p} with byte_offset {offset} lies outside the user address space",
+                    dl.data
+                ))
+            })?;
+    } else if first + lo < 0 {
+        // An opaque handle is never offset: offsets stay relative to it.
+        return Err(Error::OutOfBounds(format!(
+            "byte_offset {offset} with strides {:?} reaches before the start of the {device} \
+             buffer",
+            layout.strides()
+        )));
+    }
+    Ok(Described {
+        device,
+        dtype,
+        layout,
+        data: dl.data as usize,
+        packed,
+        read_only,
+        lo,
+        hi,
+    })
+}
+
+impl Described {
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Extents and strides (in elements); its byte offset is the descriptor's.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Whether the producer marked the memory read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The address of element zero (`data + byte_offset`) of memory on an addressable device
+    /// (host or CUDA); `None` for an opaque handle (Metal).
+    pub fn first_address(&self) -> Option<usize> {
+        self.device
+            .kind()
+            .is_addressable()
+            .then(|| self.data.wrapping_add(self.layout.byte_offset()))
+    }
+
+    /// A tensor over the described memory, kept alive by `keep_alive`.
+    ///
+    /// # Safety
+    /// The memory the descriptor described must stay valid while `keep_alive` lives.
+    pub unsafe fn into_tensor(
+        self,
+        keep_alive: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Tensor> {
+        let Described {
+            device,
+            dtype,
+            layout,
+            data,
+            packed,
+            read_only,
+            lo,
+            hi,
+        } = self;
+        let numel = layout.numel();
+        let offset = layout.byte_offset();
+        let first = offset as i128;
+        let storage = match device.kind() {
+            DeviceKind::Cpu | DeviceKind::CudaHost => StorageMode::Shared,
+            DeviceKind::CudaManaged => StorageMode::Managed,
+            _ => StorageMode::Private,
         };
-        if len > 0 {
-            crate::backend::validate_foreign(device, base, len)?;
-        }
-        let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base);
-        let host = match device.kind().is_host_accessible() {
-            false => std::ptr::null_mut(),
-            // A zero-size tensor may have a NULL `data`; no byte is ever read through it, but host
-            // access should still succeed (with no elements), so give it a non-NULL address.
-            true if handle.is_null() => std::ptr::without_provenance_mut::<u8>(64),
-            true => handle.cast::<u8>(),
-        };
-        // SAFETY: the producer guarantees the tensor's elements are valid memory on `device` while
-        // its managed tensor lives, which `keep_alive` ensures; `[base, base + len)` is exactly
-        // the bytes the elements occupy; `host` is set only for host-accessible device kinds.
-        let buffer = unsafe {
-            Buffer::from_foreign(handle, host, len, device, storage, read_only, keep_alive)
-        };
-        let first_elem = (-lo) as usize;
-        (
-            buffer,
-            layout.with_byte_offset(if numel == 0 { 0 } else { first_elem }),
-        )
-    } else {
-        // An opaque handle: never offset it; offsets stay relative to the handle.
-        if first + lo < 0 {
-            return Err(Error::OutOfBounds(format!(
-                "byte_offset {offset} with strides {:?} reaches before the start of the {device} \
-                 buffer",
-                layout.strides()
-            )));
-        }
-        let len = usize::try_from(first + hi).map_err(|_| crate::error::overflow("extent"))?;
-        // SAFETY: the handle is only ever handed back out, never dereferenced by generic code;
-        // `host` is NULL; the producer keeps the handle valid while `keep_alive` lives.
-        let buffer = unsafe {
-            Buffer::from_foreign(
-                dl.data,
-                std::ptr::null_mut(),
-                len,
-                device,
-                storage,
-                read_only,
-                keep_alive,
+        let (buffer, layout) = if device.kind().is_addressable() {
+            // Rebase onto the lowest addressed byte, so the buffer is exactly the addressed
+            // range (`describe` checked it lies in the user address space).
+            let (base, len) = if numel == 0 {
+                (data + offset, 0)
+            } else {
+                ((data as i128 + first + lo) as usize, (hi - lo) as usize)
+            };
+            if len > 0 {
+                crate::backend::validate_foreign(device, base, len)?;
+            }
+            let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base);
+            let host = match device.kind().is_host_accessible() {
+                false => std::ptr::null_mut(),
+                // A zero-size tensor may have a NULL `data`; no byte is ever read through it, but
+                // host access should still succeed (with no elements), so give it a non-NULL
+                // address.
+                true if handle.is_null() => std::ptr::without_provenance_mut::<u8>(64),
+                true => handle.cast::<u8>(),
+            };
+            // SAFETY: the caller guarantees the described elements are valid memory on `device`
+            // while `keep_alive` lives; `[base, base + len)` is exactly the bytes the elements
+            // occupy; `host` is set only for host-accessible device kinds.
+            let buffer = unsafe {
+                Buffer::from_foreign(handle, host, len, device, storage, read_only, keep_alive)
+            };
+            let first_elem = (-lo) as usize;
+            (
+                buffer,
+                layout.with_byte_offset(if numel == 0 { 0 } else { first_elem }),
             )
+        } else {
+            let len = usize::try_from(first + hi).map_err(|_| crate::error::overflow("extent"))?;
+            // SAFETY: the handle is only ever handed back out, never dereferenced by generic
+            // code; `host` is NULL; the producer keeps the handle valid while `keep_alive` lives.
+            let buffer = unsafe {
+                Buffer::from_foreign(
+                    std::ptr::with_exposed_provenance_mut::<c_void>(data),
+                    std::ptr::null_mut(),
+                    len,
+                    device,
+                    storage,
+                    read_only,
+                    keep_alive,
+                )
+            };
+            (buffer, layout)
         };
-        (buffer, layout)
-    };
-    Tensor::with_packing(buffer, dtype, layout, packed)
+        Tensor::with_packing(buffer, dtype, layout, packed)
+    }
 }
 
 /// Takes ownership of a versioned producer tensor and validates it: the tensor over the
@@ -361,7 +458,7 @@ pub(crate) unsafe fn take_versioned(
     // SAFETY: `managed` is live while `owner` lives, and `owner` moves into the tensor.
     let dl = unsafe { DLManagedTensorVersioned::tensor(managed) };
     // SAFETY: `dl` belongs to the tensor `owner` keeps alive.
-    let tensor = unsafe { import(dl, owner, Some(version), flags) }?;
+    let tensor = unsafe { import(dl, Box::new(owner), Some(version), flags) }?;
     Ok((tensor, flags & DLPACK_FLAG_BITMASK_IS_COPIED != 0))
 }
 
@@ -374,7 +471,25 @@ pub(crate) unsafe fn take_legacy(managed: NonNull<DLManagedTensor>) -> Result<Te
     // SAFETY: `managed` is live while `owner` lives, and `owner` moves into the tensor.
     let dl = unsafe { DLManagedTensor::tensor(managed) };
     // SAFETY: `dl` belongs to the tensor `owner` keeps alive.
-    unsafe { import(dl, owner, None, 0) }
+    unsafe { import(dl, Box::new(owner), None, 0) }
+}
+
+/// Validates a non-owning descriptor (DLPack 1.3's `DLTensorFromPyObjectNoSync` form, of a
+/// producer following `version`). A descriptor carries no flags: the memory counts as writable,
+/// and as not copied. [`Described::into_tensor`] makes a tensor over it, with the owner that
+/// keeps the memory alive (such as the producer's object).
+///
+/// # Safety
+/// `dl` must be readable as DLPack specifies during this call.
+pub unsafe fn describe_borrowed(dl: &DLTensor, version: DLPackVersion) -> Result<Described> {
+    if version.major != ffi::DLPACK_MAJOR_VERSION {
+        return Err(Error::UnsupportedVersion {
+            major: version.major,
+            minor: version.minor,
+        });
+    }
+    // SAFETY: forwarded contract.
+    unsafe { describe(dl, Some(version), 0) }
 }
 
 #[cfg(test)]
@@ -438,5 +553,75 @@ mod tests {
             result.err()
         );
         assert_eq!(DELETED.load(Ordering::SeqCst), 2);
+    }
+
+    /// A borrowed descriptor is validated as an owned one is, tells where its element zero is
+    /// without making a buffer, and becomes a tensor over the same memory that holds its owner.
+    #[test]
+    fn borrowed_descriptor() {
+        let mut values = [0f32, 1., 2., 3., 4., 5.];
+        // Column 1 of a 3 x 2 row-major matrix, reached through `byte_offset`.
+        let mut shape = [3i64];
+        let mut strides = [2i64];
+        let v12 = DLPackVersion { major: 1, minor: 3 };
+        let dl = DLTensor {
+            data: values.as_mut_ptr().cast(),
+            device: Device::CPU.to_dlpack(),
+            ndim: 1,
+            dtype: DType::F32.to_dlpack(),
+            shape: shape.as_mut_ptr(),
+            strides: strides.as_mut_ptr(),
+            byte_offset: 4,
+        };
+        let dl = || DLTensor { ..dl };
+        // SAFETY: the descriptor's pointers are valid for `ndim` entries.
+        let described = unsafe { describe_borrowed(&dl(), v12) }.expect("a valid descriptor");
+        assert_eq!(described.dtype(), DType::F32);
+        assert_eq!(described.layout().shape(), &[3]);
+        assert_eq!(described.layout().strides(), &[2]);
+        assert!(!described.is_read_only());
+        assert_eq!(
+            described.first_address(),
+            Some(values.as_ptr() as usize + 4)
+        );
+        let owner = std::sync::Arc::new(());
+        // SAFETY: `values` outlives the tensor, which is dropped below.
+        let tensor = unsafe { described.into_tensor(Box::new(owner.clone())) }.expect("a tensor");
+        assert_eq!(std::sync::Arc::strong_count(&owner), 2);
+        assert_eq!(
+            tensor.to_vec::<f32>().expect("host values"),
+            vec![1., 3., 5.]
+        );
+        drop(tensor);
+        assert_eq!(std::sync::Arc::strong_count(&owner), 1);
+
+        // What an owned descriptor gets refused for, a borrowed one is too.
+        let mut negative = [-1i64];
+        let bad = DLTensor {
+            shape: negative.as_mut_ptr(),
+            ..dl()
+        };
+        // SAFETY: as above.
+        let result = unsafe { describe_borrowed(&bad, v12) };
+        assert!(
+            matches!(result, Err(Error::MalformedTensor(_))),
+            "{result:?}"
+        );
+        let bad = DLTensor {
+            strides: std::ptr::null_mut(),
+            ..dl()
+        };
+        // SAFETY: as above.
+        let result = unsafe { describe_borrowed(&bad, v12) };
+        assert!(
+            matches!(result, Err(Error::MalformedTensor(_))),
+            "{result:?}"
+        );
+        // SAFETY: as above.
+        let result = unsafe { describe_borrowed(&dl(), DLPackVersion { major: 2, minor: 0 }) };
+        assert!(
+            matches!(result, Err(Error::UnsupportedVersion { major: 2, .. })),
+            "{result:?}"
+        );
     }
 }

@@ -42,7 +42,10 @@ mod local;
 
 pub(crate) use exchange::copy_to;
 pub use exchange::{ExportRequest, ImportRequest, Imported, ManagedTensor};
-pub use foreign::{EXCHANGE_CHAIN_LIMIT, exchange_table_v1, release_legacy, release_versioned};
+pub use foreign::{
+    Described, EXCHANGE_CHAIN_LIMIT, describe_borrowed, exchange_table_v1, release_legacy,
+    release_versioned,
+};
 
 use ffi::DLPackVersion;
 

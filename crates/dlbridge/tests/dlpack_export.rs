@@ -106,6 +106,19 @@ fn export_of_0d_and_empty_tensors() {
     assert_eq!(unsafe { *e.dl().data.cast::<i32>() }, 11);
 }
 
+/// Shapes of 8 axes (the most an export keeps inside its own allocation) and of 9 and 20 axes
+/// (kept on the heap) are described exactly, in both flavours.
+#[test]
+fn export_of_many_axes() {
+    for ndim in [8usize, 9, 20] {
+        let shape: Vec<usize> = (0..ndim).map(|i| 1 + i % 2).collect();
+        let t = Tensor::zeros(&shape, DType::F32, Device::CPU).unwrap();
+        let view = t.transpose().unwrap();
+        assert_describes(&export_versioned(&view, false), &view);
+        assert_describes(&export_legacy(&view).unwrap(), &view);
+    }
+}
+
 /// The dtype descriptor is written as DLPack spells it, vector lanes included.
 #[test]
 fn export_dtype_descriptors() {

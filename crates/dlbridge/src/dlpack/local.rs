@@ -6,6 +6,7 @@
 //! unwinds.
 
 use std::ffi::c_void;
+use std::mem::MaybeUninit;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr::NonNull;
 
@@ -53,17 +54,16 @@ impl Tensor {
         if self.dtype().is_sub_byte() && !self.is_packed() {
             flags |= DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED;
         }
-        let mut exported = Box::new(Exported {
-            managed: DLManagedTensorVersioned {
+        let mut exported = boxed_export(
+            self,
+            DLManagedTensorVersioned {
                 version,
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(delete_versioned),
                 flags,
                 dl_tensor: self.empty_descriptor(),
             },
-            dims: Dims::of(self),
-            buffer: self.buffer().clone(),
-        });
+        );
         let ctx = (&raw mut *exported).cast::<c_void>();
         exported.managed.manager_ctx = ctx;
         let (shape, strides) = exported.dims.pointers(self.ndim());
@@ -93,15 +93,14 @@ impl Tensor {
                     .into(),
             ));
         }
-        let mut exported = Box::new(ExportedLegacy {
-            managed: DLManagedTensor {
+        let mut exported = boxed_export(
+            self,
+            DLManagedTensor {
                 dl_tensor: self.empty_descriptor(),
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(delete_legacy),
             },
-            dims: Dims::of(self),
-            buffer: self.buffer().clone(),
-        });
+        );
         let ctx = (&raw mut *exported).cast::<c_void>();
         exported.managed.manager_ctx = ctx;
         let (shape, strides) = exported.dims.pointers(self.ndim());
@@ -143,60 +142,73 @@ impl Tensor {
 /// export); more go to the heap.
 const INLINE_DIMS: usize = 8;
 
-/// Shape then strides of an export, as `i64`.
-enum Dims {
-    Inline([i64; 2 * INLINE_DIMS]),
-    Heap(Box<[i64]>),
+/// Shape then strides of an export, as `i64`: in the exported struct itself up to
+/// [`INLINE_DIMS`] axes (of which only the first `ndim` of each half are written), else on the
+/// heap.
+struct Dims {
+    inline: [MaybeUninit<i64>; 2 * INLINE_DIMS],
+    heap: Option<Box<[i64]>>,
 }
 
 impl Dims {
-    fn of(t: &Tensor) -> Dims {
-        if t.ndim() <= INLINE_DIMS {
-            let mut inline = [0i64; 2 * INLINE_DIMS];
-            for (slot, &d) in inline.iter_mut().zip(t.shape()) {
-                *slot = d as i64;
-            }
-            for (slot, &s) in inline[INLINE_DIMS..].iter_mut().zip(t.strides()) {
-                *slot = s as i64;
-            }
-            Dims::Inline(inline)
-        } else {
-            let shape = t.shape().iter().map(|&d| d as i64);
-            Dims::Heap(shape.chain(t.strides().iter().map(|&s| s as i64)).collect())
-        }
-    }
-
     /// Pointers to the shape and strides; non-NULL even for `ndim == 0`. They stay valid while
     /// `self` is neither moved nor dropped (it lives in the boxed export).
     fn pointers(&mut self, ndim: usize) -> (*mut i64, *mut i64) {
-        match self {
-            Dims::Inline(a) => {
-                let (shape, strides) = a.split_at_mut(INLINE_DIMS);
-                (shape.as_mut_ptr(), strides.as_mut_ptr())
-            }
-            Dims::Heap(b) => {
+        match &mut self.heap {
+            Some(b) => {
                 let (shape, strides) = b.split_at_mut(ndim);
                 (shape.as_mut_ptr(), strides.as_mut_ptr())
+            }
+            None => {
+                let (shape, strides) = self.inline.split_at_mut(INLINE_DIMS);
+                (shape.as_mut_ptr().cast(), strides.as_mut_ptr().cast())
             }
         }
     }
 }
 
-/// What a versioned export allocates: the struct handed out, its dims, and the buffer it keeps
-/// alive (the descriptor already says everything else about the view).
+/// What an export allocates: the struct handed out (`M`, versioned or legacy), its dims, and the
+/// buffer it keeps alive (the descriptor already says everything else about the view).
 #[repr(C)]
-struct Exported {
-    managed: DLManagedTensorVersioned,
+struct ExportedOf<M> {
+    managed: M,
     dims: Dims,
     buffer: Buffer,
 }
 
-/// The legacy counterpart of [`Exported`].
-#[repr(C)]
-struct ExportedLegacy {
-    managed: DLManagedTensor,
-    dims: Dims,
-    buffer: Buffer,
+/// A versioned export.
+type Exported = ExportedOf<DLManagedTensorVersioned>;
+
+/// A legacy export.
+type ExportedLegacy = ExportedOf<DLManagedTensor>;
+
+/// `managed` with `t`'s dims and buffer, boxed. The inline dims start uninitialised (nothing to
+/// zero or copy for the axes a view does not have) and are written in the allocation.
+#[inline]
+fn boxed_export<M>(t: &Tensor, managed: M) -> Box<ExportedOf<M>> {
+    let (shape, strides) = (t.shape(), t.strides());
+    let heap = (shape.len() > INLINE_DIMS).then(|| {
+        let all = shape.iter().map(|&d| d as i64);
+        all.chain(strides.iter().map(|&s| s as i64)).collect()
+    });
+    let mut exported = Box::new(ExportedOf {
+        managed,
+        dims: Dims {
+            inline: [MaybeUninit::uninit(); 2 * INLINE_DIMS],
+            heap,
+        },
+        buffer: t.buffer().clone(),
+    });
+    if exported.dims.heap.is_none() {
+        let (inline_shape, inline_strides) = exported.dims.inline.split_at_mut(INLINE_DIMS);
+        for (slot, &d) in inline_shape.iter_mut().zip(shape) {
+            slot.write(d as i64);
+        }
+        for (slot, &s) in inline_strides.iter_mut().zip(strides) {
+            slot.write(s as i64);
+        }
+    }
+    exported
 }
 
 /// Runs `f`, containing any panic: deleters are called from C and must never unwind.

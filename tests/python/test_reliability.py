@@ -197,6 +197,9 @@ def _torch_states():
         "parameter": torch.nn.Parameter(torch.zeros(3)),
         "neg_view": torch._neg_view(base),
         "conj_view": torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        # A real tensor with the negative bit, from a complex conjugate's imaginary part: PyTorch's
+        # exchange table hands it out; the check after the table's export must catch it.
+        "imag_of_conj": torch.tensor([1 + 2j, 3 - 1j]).conj().imag.detach(),
         "sparse_coo": torch.eye(3).to_sparse(),
         "sparse_csr": torch.eye(3).to_sparse_csr(),
         "meta": torch.empty(3, device="meta"),
@@ -211,6 +214,7 @@ STATES = [
     "parameter",
     "neg_view",
     "conj_view",
+    "imag_of_conj",
     "sparse_coo",
     "sparse_csr",
     "meta",
@@ -258,6 +262,25 @@ def test_a_negative_view_is_refused_not_imported_with_wrong_values():
     with pytest.raises(BufferError, match="negative bit"):
         dlbridge.from_dlpack(neg)
     assert dlbridge.from_dlpack(neg.resolve_neg()).tolist() == [-1.0, -2.0]
+
+
+def test_a_refused_export_goes_back_to_its_producer():
+    # The table exports before the tensor's states are asked (the element type decides which):
+    # a refused export is released at once, holding none of the storage.
+    torch = _torch()
+    neg = torch._neg_view(torch.tensor([1.0, 2.0]))
+    uses = neg._use_count()  # references to the tensor's C++ object; an export holds one
+    for _ in range(3):
+        with pytest.raises(BufferError, match="negative bit"):
+            dlbridge.from_dlpack(neg)
+    assert neg._use_count() == uses
+    held = dlbridge.from_dlpack(neg.resolve_neg())  # another tensor: `neg` is not held
+    assert neg._use_count() == uses
+    plain = torch.ones(2)
+    held = dlbridge.from_dlpack(plain)
+    assert plain._use_count() == 2  # the export this array holds, until it goes
+    del held
+    assert plain._use_count() == 1
 
 
 def test_plain_tensors_still_import_zero_copy():

@@ -61,7 +61,9 @@ fn from_producer(x: &Bound<'_, PyAny>, info: crate::exchange::c_api::TypeInfo) -
 /// The producer `x`'s tensor, handed over through its type's exchange table (`info`, from
 /// [`type_info`](crate::exchange::c_api::type_info)) or else its `__dlpack__` (asked for
 /// `device` and `copy` as [`call_dlpack`] does); `None` when its type has neither. A tensor in a
-/// state DLPack cannot express is refused first ([`refuse_inexpressible`]).
+/// state DLPack cannot express is refused ([`refuse_inexpressible`]): through the table, once
+/// the exported descriptor has told the element type (the conjugate bit exists only on complex
+/// tensors; a refused export goes straight back to its producer), and before any other path.
 #[inline]
 pub fn take_from_producer(
     x: &Bound<'_, PyAny>,
@@ -69,19 +71,46 @@ pub fn take_from_producer(
     device: Option<Device>,
     copy: Option<bool>,
 ) -> PyResult<Option<ManagedTensor>> {
-    refuse_inexpressible(x, info, States::Values)?;
     match crate::exchange::c_api::take_via_table(x, info) {
-        Some(Ok(managed)) => Ok(Some(managed)),
+        Some(Ok(managed)) => {
+            let states = if is_complex(&managed) {
+                States::Values
+            } else {
+                States::RealValues
+            };
+            match refuse_inexpressible(x, info, states) {
+                Ok(()) => Ok(Some(managed)),
+                Err(err) => {
+                    managed.release();
+                    Err(err)
+                }
+            }
+        }
         Some(Err(err)) => {
-            refuse_inexpressible(x, info, States::Storage)?;
+            refuse_inexpressible(x, info, States::All)?;
             Err(err)
         }
         None if info.has_dlpack => {
-            refuse_inexpressible(x, info, States::Storage)?;
+            refuse_inexpressible(x, info, States::All)?;
             crate::exchange::capsule::take(&call_dlpack(x.py(), x, device, copy)?).map(Some)
         }
-        None => Ok(None),
+        None => {
+            refuse_inexpressible(x, info, States::Values)?;
+            Ok(None)
+        }
     }
+}
+
+/// Whether a managed tensor's elements are complex.
+fn is_complex(managed: &ManagedTensor) -> bool {
+    use dlbridge::dlpack::ffi::K_DL_COMPLEX;
+    let code = match managed {
+        // SAFETY: a `ManagedTensor` is live and owned until it is imported or released.
+        ManagedTensor::Versioned(m) => unsafe { (*m.as_ptr()).dl_tensor.dtype.code },
+        // SAFETY: as above.
+        ManagedTensor::Legacy(m) => unsafe { (*m.as_ptr()).dl_tensor.dtype.code },
+    };
+    code == K_DL_COMPLEX
 }
 
 /// A buffer-protocol object, or a `TypeError` saying what an array argument accepts.

@@ -46,6 +46,10 @@ else
         "(or NVRTC, or slow) - set DLBRIDGE_GPU_TESTS=1 on a machine with one"
 fi
 
+step "cargo doc: the three crates' documentation builds without a warning (broken or private links)"
+PYO3_PYTHON="$PY" RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps \
+    -p dlbridge -p dlbridge-pyo3 -p dlbridge-py --features "dlbridge/$backend"
+
 step "Rust tests of dlbridge-pyo3 (unit and doc tests against the venv's Python)"
 PYO3_PYTHON="$PY" cargo test -p dlbridge-pyo3 --features ndarray --quiet
 # Nothing later uses the debug build (the wheel is target/release): CI gives its 3-4 GB back.

@@ -10,6 +10,10 @@
 //! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
 //! | `dlbridge.cuda`, `dlbridge.metal` | [`cuda`], [`metal`] (natives the Python modules wrap) |
 
+// The extension's modules are its own (the Python package is its public face): its docs are
+// for the people who work on it, and link to them.
+#![allow(rustdoc::private_intra_doc_links)]
+
 mod array;
 mod backend;
 mod convert;

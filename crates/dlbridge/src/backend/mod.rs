@@ -1,8 +1,8 @@
 //! The seam between device-independent code and the backends.
 //!
-//! Each backend is a folder that implements [`Backend`], the operations every backend has; the
+//! Each backend is a folder that implements `Backend`, the operations every backend has; the
 //! rest of the crate reaches them only through the functions here, which pick the backend of a
-//! device ([`of`]) and call it. A backend that is not compiled in keeps its module's shape through
+//! device (`of`) and call it. A backend that is not compiled in keeps its module's shape through
 //! a stub (`cuda/unavailable.rs`, `metal/unavailable.rs`) whose operations answer
 //! [`Error::BackendUnavailable`], never a panic; the build script's `cfg(cuda)` / `cfg(metal)` is
 //! tested only where a backend's module is chosen.

@@ -7,8 +7,8 @@
 //! | [`pool`] | one caching pool per device (`cpu`, and `cuda_host:N` for pinned shareable memory) over a file allocator |
 //! | block | one anonymous file, `ftruncate`d to the block size and mapped `MAP_SHARED`; the pool keeps its descriptor |
 //! | [`allocate`] | a [`Buffer`] of a pooled block |
-//! | [`export`] | a duplicate of the descriptor of the block a buffer lies in, and where in the block it starts |
-//! | [`map`] | the receiving side: maps a received descriptor; the mapping alone keeps the memory |
+//! | `export` | a duplicate of the descriptor of the block a buffer lies in, and where in the block it starts |
+//! | `map` | the receiving side: maps a received descriptor; the mapping alone keeps the memory |
 //!
 //! Nothing has a name in the file system, so nothing is left in `/dev/shm` when a process dies:
 //! the kernel frees a file when its last descriptor and mapping go.

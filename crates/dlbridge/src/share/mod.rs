@@ -637,7 +637,7 @@ const PACK_ALIGN: usize = 256;
 /// Arrays already in shareable memory are shared as they are, and the views of one allocation
 /// (the rows of one weight matrix, the blocks of one pool slab) share one handle. Arrays that are
 /// not are copied, when `copy` is `true`, into one new shareable block per device, packed at
-/// [`PACK_ALIGN`]-byte slots: a thousand small arrays cost one allocation, one descriptor and one
+/// `PACK_ALIGN`-byte slots: a thousand small arrays cost one allocation, one descriptor and one
 /// mapping in the receiver rather than a thousand. With `copy` `false`, host memory that is not
 /// shareable is refused with [`Error::CopyRequired`] and CUDA device memory goes by legacy IPC
 /// handles (one per array; valid while this process lives). Every CUDA device gets one IPC event,

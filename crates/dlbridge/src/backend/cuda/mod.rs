@@ -15,7 +15,7 @@
 //! Device memory (`kDLCUDA`), pinned host memory mapped for the device (`kDLCUDAHost`) and
 //! managed memory (`kDLCUDAManaged`), each an [`Allocation`](crate::buffer::Allocation) freed when
 //! its last view is dropped. Memory imported from another library is wrapped with
-//! [`Buffer::from_foreign`] and never freed here.
+//! `Buffer::from_foreign` and never freed here.
 //!
 //! # Streams
 //! Work is enqueued on the calling thread's *current stream* for the device ([`current_stream`]),

@@ -5,14 +5,14 @@
 //! | --- | --- | --- |
 //! | device | [`Device::metal`]`(i)`, [`devices`] | `id<MTLDevice>`: index 0 is the system default, then the rest of `MTLCopyAllDevices()` |
 //! | allocation | [`allocate`] → [`Buffer`] (handle = `id<MTLBuffer>`, host = `contents()` unless private) | `newBufferWithLength:options:` |
-//! | caching pool | [`pool`]: one [`Pool`] per (device, storage mode) over `runtime::MetalAllocator` / `runtime::RawBuffer`, fenced by command-buffer serials ([`fence`]) | buffers kept allocated (and resident) for reuse |
+//! | caching pool | [`pool`]: one [`Pool`] per (device, storage mode) over `runtime::MetalAllocator` / `runtime::RawBuffer`, fenced by command-buffer serials (`fence`) | buffers kept allocated (and resident) for reuse |
 //! | storage mode | [`StorageMode`], [`resolve_storage`], `DLBRIDGE_METAL_STORAGE_MODE` ([`storage`]) | `MTLStorageMode{Private,Shared,Managed}` |
-//! | foreign tensor in | [`import_foreign`], decided by [`import::plan_import`] | share a retained `id<MTLBuffer>`, or blit it |
+//! | foreign tensor in | [`import_foreign`], decided by `import::plan_import` | share a retained `id<MTLBuffer>`, or blit it |
 //! | our tensor out | [`Tensor::to_dlpack_versioned`]: `data` = `id<MTLBuffer>`, offset in `byte_offset` (after [`synchronize`]) | — |
 //! | host view of shared memory | [`host_view`]: a CPU tensor over `contents()` | — |
-//! | host pages, no copy | [`wrap_host`] → [`HostRegion`], arithmetic in [`pages`] | `newBufferWithBytesNoCopy:length:options:deallocator:` |
-//! | copies | [`copy_to`], [`copy_from`]: blits, or the strided-copy kernel ([`kernel`]) | blit and compute encoders |
-//! | ordering | [`synchronize`]; batching in [`batch`]; completion in [`fence::Progress`] | one `MTLCommandQueue` per device, command buffers committed in batches, completion handlers |
+//! | host pages, no copy | [`wrap_host`] → [`HostRegion`], arithmetic in `pages` | `newBufferWithBytesNoCopy:length:options:deallocator:` |
+//! | copies | [`copy_to`], [`copy_from`]: blits, or the strided-copy kernel (`kernel`) | blit and compute encoders |
+//! | ordering | [`synchronize`]; batching in `batch`; completion in `fence::Progress` | one `MTLCommandQueue` per device, command buffers committed in batches, completion handlers |
 //! | residency | automatic for dlbridge's allocations; staging in [`residency`] | `MTLResidencySet` (macOS 15+), attached to the queue |
 //!
 //! # What is platform-free
@@ -38,7 +38,7 @@
 //! [`crate::backend::memory_stats`] and friends reach the pool of the device's default mode,
 //! [`crate::backend::pool_for`] any of them). Released buffers stay allocated, and resident, in the
 //! cache. A block released while dlbridge's GPU work may still use it is fenced with the serial
-//! of the last command buffer encoded so far ([`fence`]): a private block is reused at once (the
+//! of the last command buffer encoded so far (`fence`): a private block is reused at once (the
 //! queue runs the old work first), a shared or managed one only after that serial completed (the
 //! host may write it as soon as it is handed out). Requests for zero-filled memory are zeroed also
 //! when the block comes from the cache (`memset`, or a GPU fill for private storage). Each pool
@@ -379,7 +379,7 @@ pub(crate) fn host_alias(t: &Tensor) -> Result<Tensor> {
 /// Resolves a foreign `kDLMetal` tensor, as [`Tensor::from_dlpack_versioned`] imported it
 /// (an opaque handle), against the real `id<MTLBuffer>`: checks that the handle is a Metal buffer
 /// of a known device and that the view fits in its length, then shares it, copies it on the GPU or
-/// refuses, as [`import::plan_import`] decides for its storage mode and `options`.
+/// refuses, as `import::plan_import` decides for its storage mode and `options`.
 ///
 /// A shared result has the producer's storage mode and host address (`contents()`), and keeps both
 /// the `id<MTLBuffer>` (retained) and the producer alive. A copied result is new shared memory,
@@ -431,7 +431,7 @@ pub fn host_wrote(buffer: &Buffer, range: Range<usize>) -> Result<()> {
 /// Wraps the host memory `[addr, addr + len)` in Metal buffers without copying. The region is
 /// widened to whole pages and split where it exceeds `maxBufferLength`, keeping each of `items`
 /// (byte ranges relative to `addr`, e.g. the tensors of an `mmap`'d checkpoint) inside one buffer;
-/// see [`pages`]. `keep_alive` (the mapping's owner) is released once Metal has released every
+/// see `pages`. `keep_alive` (the mapping's owner) is released once Metal has released every
 /// buffer, i.e. after the GPU work that used them completed. Read-only memory (a `PROT_READ`
 /// mapping) must be wrapped `read_only`.
 ///

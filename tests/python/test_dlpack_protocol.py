@@ -134,6 +134,39 @@ def test_keyword_less_producers_are_supported():
     assert a.tolist() == [0.0, 1.0, 2.0]
 
 
+def _cuda_driver_library_opens() -> bool:
+    for name in ("libcuda.so.1", "libcuda.so", "libcuda.dylib", "nvcuda.dll"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def test_device_asked_only_where_cuda_memory_can_exist():
+    """`__dlpack_device__` is asked to choose a CUDA stream (1 us for a JAX array): a process
+    that cannot open the CUDA driver library holds no CUDA memory, so it is not asked there,
+    unless a device was asked for."""
+    n = np.arange(3.0)
+    asked = []
+
+    class Counted:
+        def __dlpack__(self, **kwargs):
+            return n.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            asked.append(1)
+            return (1, 0)
+
+    a = dlbridge.from_dlpack(Counted())
+    assert a.tolist() == [0.0, 1.0, 2.0] and a.data_ptr == ptr_of(n)
+    assert len(asked) == (1 if _cuda_driver_library_opens() else 0)
+    asked.clear()
+    dlbridge.from_dlpack(Counted(), device="cpu")
+    assert len(asked) == 1
+
+
 def test_consumer_passes_max_version_and_copy_to_producer():
     n = np.arange(3.0)
     seen = []

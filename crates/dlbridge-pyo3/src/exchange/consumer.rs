@@ -221,12 +221,13 @@ pub fn refuse_inexpressible(
 }
 
 /// Calls the producer's `__dlpack__` as the array API standard lets a consumer: `max_version=(1,
-/// 3)`; for a CUDA producer the consumer's stream (the thread's current dlbridge stream on that
-/// device, the legacy default stream unless the extension set another with
-/// [`dlbridge::backend::cuda::set_current_stream`]); `dl_device` only for a move to the host
-/// (other moves the core makes after importing); `copy` as given. Producers older than DLPack 1.0
-/// that take no keywords are asked again without them (but still with the stream). An object
-/// without `__dlpack__` is a `TypeError`.
+/// 3)`; for a CUDA producer (known by `__dlpack_device__`, asked where this process can load the
+/// CUDA driver or where a device was asked for) the consumer's stream (the thread's current
+/// dlbridge stream on that device, the legacy default stream unless the extension set another
+/// with [`dlbridge::backend::cuda::set_current_stream`]); `dl_device` only for a move to the
+/// host (other moves the core makes after importing); `copy` as given. Producers older than
+/// DLPack 1.0 that take no keywords are asked again without them (but still with the stream).
+/// An object without `__dlpack__` is a `TypeError`.
 pub fn call_dlpack<'py>(
     py: Python<'py>,
     x: &Bound<'py, PyAny>,
@@ -243,7 +244,13 @@ pub fn call_dlpack<'py>(
         }
     };
     // The producer's device decides whether a stream must be named (CUDA) or not (elsewhere).
-    let here = producer_device(x)?;
+    // A process that cannot even open the CUDA driver holds no CUDA memory: unless a device was
+    // asked for, there is nothing to learn from `__dlpack_device__` (1 us for a JAX array).
+    let here = if device.is_none() && !dlbridge::backend::cuda::driver_library_present() {
+        None
+    } else {
+        producer_device(x)?
+    };
     let cuda = here.filter(|d| d.kind().is_cuda());
     if device.is_none() && copy.is_none() && cuda.is_none() {
         // The common case: a constant `{"max_version": (1, 3)}`. Callees never keep or change

@@ -128,6 +128,15 @@ fn load_driver() -> std::result::Result<Driver, String> {
     })
 }
 
+/// Whether this process can open the CUDA driver library at all (looked for once; no driver
+/// function is called, so CUDA is not initialised). Where it cannot, no array in the process is
+/// in CUDA memory, whichever library made it: a DLPack consumer need not ask a producer's device
+/// to choose a stream.
+pub fn driver_library_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(driver::is_present)
+}
+
 /// Whether the CUDA driver loads and at least one device is present.
 pub fn is_available() -> bool {
     driver().is_ok_and(|d| !d.devices.is_empty())

@@ -24,6 +24,12 @@ fn no_cuda() -> Error {
     }
 }
 
+/// Whether this process can open the CUDA driver library: this build never looks (it cannot
+/// use CUDA memory, so it never names a stream to a producer).
+pub fn driver_library_present() -> bool {
+    false
+}
+
 /// Whether a CUDA driver and at least one device are present: never, in this build.
 pub fn is_available() -> bool {
     false

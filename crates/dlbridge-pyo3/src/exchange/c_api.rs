@@ -185,8 +185,8 @@ impl TableView {
 /// ([`take_via_table`]) should answer instead: a table without
 /// `dltensor_from_py_object_no_sync`, a type whose instances may be read-only (a descriptor
 /// carries no flags, so only types with PyTorch's tensor-state API, which DLPack never marks
-/// read-only, take this path), memory that is not host or CUDA device memory, or a producer
-/// that refused.
+/// read-only, take this path), memory that is not host or CUDA device memory, a producer
+/// that refused, or streams the table cannot order.
 ///
 /// This is the argument path ([`crate::ArrayArg`]): the memory stays valid while `x` lives
 /// unchanged, which holds for a call's arguments as it does for NumPy's own struct. The
@@ -222,21 +222,21 @@ pub(crate) fn borrow_via_table(
     } else {
         States::RealValues
     };
-    Some((|| {
-        refuse_inexpressible(x, info, states)?;
-        if let Err(fallback) = order_after_producer(api, dl.device) {
-            return Err(fallback.unwrap_or_else(|| {
-                PyBufferError::new_err("the producer's exchange table has no current stream")
-            }));
-        }
-        // SAFETY: the producer just filled the descriptor, which stays readable during this call.
-        let described = unsafe { dlbridge::dlpack::describe_borrowed(&dl, api.header.version) }
-            .map_err(to_py)?;
-        Ok(TableView {
-            obj: x.clone().unbind(),
-            described: Box::new(described),
-        })
-    })())
+    if let Err(err) = refuse_inexpressible(x, info, states) {
+        return Some(Err(err));
+    }
+    match order_after_producer(api, dl.device) {
+        Ok(()) => {}
+        // No way to order the streams through the table: `__dlpack__` (with `stream=`) does it.
+        Err(None) => return None,
+        Err(Some(err)) => return Some(Err(err)),
+    }
+    // SAFETY: the producer just filled the descriptor, which stays readable during this call.
+    let described = unsafe { dlbridge::dlpack::describe_borrowed(&dl, api.header.version) };
+    Some(described.map_err(to_py).map(|described| TableView {
+        obj: x.clone().unbind(),
+        described: Box::new(described),
+    }))
 }
 
 /// Orders dlbridge's current stream after the producer's current work stream for a tensor on

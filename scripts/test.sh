@@ -74,9 +74,12 @@ step "python -m dlbridge info"
 "$PY" -m dlbridge info
 
 # The example extension on dlbridge-pyo3 (examples/pyo3-ext, its own crate), built into the venv
-# for tests/python/test_pyo3_ext.py, with its own target directory (no whole-program LTO: quick).
+# for tests/python/test_pyo3_ext.py, with its own target directory (no whole-program LTO: quick;
+# not for timing: bench/bench_pyo3.py wants a build without debug assertions).
 step "examples/pyo3-ext: maturin build into the venv"
-"$PY" -m maturin build --release --quiet --interpreter "$PY" \
+# Debug assertions on: the checks of preconditions in std and ndarray (a NULL pointer for a view,
+# say) then fail the tests instead of passing by luck.
+CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true "$PY" -m maturin build --release --quiet --interpreter "$PY" \
     --manifest-path "$ROOT/examples/pyo3-ext/Cargo.toml" \
     --target-dir "$ROOT/target/pyo3-ext" --out "$ROOT/target/pyo3-ext/dist"
 "$PY" -m pip install --quiet --force-reinstall --no-deps "$ROOT"/target/pyo3-ext/dist/dlbridge_pyo3_ext-*.whl

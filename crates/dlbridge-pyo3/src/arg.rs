@@ -533,26 +533,43 @@ impl<T: Element> ReadArray<T> {
     /// any strided layout.
     #[cfg(feature = "ndarray")]
     pub fn as_array<D: ndarray::Dimension>(&self) -> PyResult<ndarray::ArrayView<'_, T, D>> {
-        let (ptr, shape) = self.ndarray_parts()?;
-        // SAFETY: `ndarray_parts` checked that `ptr` is the aligned address of element zero of
-        // host memory the shape and strides address, alive while `self` (which holds the source
-        // and its keep-alive) is borrowed; `T` is the dtype's element type, so every bit
+        let (ptr, shape, reversed) = self.ndarray_parts()?;
+        // SAFETY: `ndarray_parts` checked that `ptr` is the aligned address of host memory that
+        // the shape and its non-negative strides address, alive while `self` (which holds the
+        // source and its keep-alive) is borrowed; `T` is the dtype's element type, so every bit
         // pattern is valid.
-        let view = unsafe { ndarray::ArrayView::from_shape_ptr(shape, ptr.cast_const()) };
+        let mut view = unsafe { ndarray::ArrayView::from_shape_ptr(shape, ptr.cast_const()) };
+        for axis in reversed {
+            view.invert_axis(ndarray::Axis(axis));
+        }
         view.into_dimensionality::<D>()
             .map_err(|e| PyValueError::new_err(format!("argument '{}': {e}", self.name)))
     }
 
-    /// The address of element zero in host memory, and the `ndarray` shape with strides.
+    /// What an `ndarray` view is made of: `ndarray` takes only non-negative strides, so an axis
+    /// of negative stride is described from its last element with the stride's magnitude and
+    /// listed, to be inverted once the view exists. Returns the address of the view's first
+    /// element in host memory, the shape with strides, and the axes to invert.
     #[cfg(feature = "ndarray")]
-    fn ndarray_parts(&self) -> PyResult<(*mut T, ndarray::StrideShape<ndarray::IxDyn>)> {
+    fn ndarray_parts(
+        &self,
+    ) -> PyResult<(*mut T, ndarray::StrideShape<ndarray::IxDyn>, Vec<usize>)> {
         use ndarray::ShapeBuilder;
-        let first = self.host_first("an ndarray view")?;
+        let mut first = self.host_first("an ndarray view")?;
         let layout = self.source.layout();
-        // ndarray takes strides as `usize`, a negative stride as its two's complement.
-        let strides: Vec<usize> = layout.strides().iter().map(|&s| s as usize).collect();
+        let mut strides = Vec::with_capacity(layout.ndim());
+        let mut reversed = Vec::new();
+        for (axis, (&n, &s)) in layout.shape().iter().zip(layout.strides()).enumerate() {
+            if s < 0 && n > 1 {
+                // The axis's last element, `(n - 1) * s` elements from element zero, lies in the
+                // addressed memory (the layout was validated); no offset overflows `isize`.
+                first = first.wrapping_offset(s * (n as isize - 1));
+                reversed.push(axis);
+            }
+            strides.push(s.unsigned_abs());
+        }
         let shape = ndarray::IxDyn(layout.shape()).strides(ndarray::IxDyn(&strides));
-        Ok((first, shape))
+        Ok((first, shape, reversed))
     }
 }
 
@@ -591,7 +608,7 @@ impl<T: Element> WriteArray<T> {
     pub fn as_array_mut<D: ndarray::Dimension>(
         &mut self,
     ) -> PyResult<ndarray::ArrayViewMut<'_, T, D>> {
-        let (ptr, shape) = self.inner.ndarray_parts()?;
+        let (ptr, shape, reversed) = self.inner.ndarray_parts()?;
         if self.inner.strides().contains(&0) && self.inner.len() > 1 {
             return Err(PyValueError::new_err(format!(
                 "argument '{}': a broadcast (zero-stride) array cannot be written through a view",
@@ -600,7 +617,10 @@ impl<T: Element> WriteArray<T> {
         }
         // SAFETY: as in `ReadArray::as_array`, and the memory is writable with this the only
         // borrow of it (see `as_slice_mut`).
-        let view = unsafe { ndarray::ArrayViewMut::from_shape_ptr(shape, ptr) };
+        let mut view = unsafe { ndarray::ArrayViewMut::from_shape_ptr(shape, ptr) };
+        for axis in reversed {
+            view.invert_axis(ndarray::Axis(axis));
+        }
         let name = self.inner.name;
         view.into_dimensionality::<D>()
             .map_err(|e| PyValueError::new_err(format!("argument '{name}': {e}")))

@@ -217,6 +217,10 @@ pub(crate) fn borrow_via_table(
     if !matches!(dl.device.device_type, K_DL_CPU | K_DL_CUDA) {
         return None;
     }
+    // Read (and copied) at once: `shape` and `strides` point into the producer's tensor, and the
+    // state checks below call into Python, which could change it.
+    // SAFETY: the producer just filled the descriptor, and nothing has run since.
+    let described = unsafe { dlbridge::dlpack::describe_borrowed(&dl, api.header.version) };
     let states = if dl.dtype.code == K_DL_COMPLEX {
         States::Values
     } else {
@@ -225,15 +229,22 @@ pub(crate) fn borrow_via_table(
     if let Err(err) = refuse_inexpressible(x, info, states) {
         return Some(Err(err));
     }
+    let described = match described {
+        Ok(described) => described,
+        Err(err) => return Some(Err(to_py(err))),
+    };
     match order_after_producer(api, dl.device) {
         Ok(()) => {}
         // No way to order the streams through the table: `__dlpack__` (with `stream=`) does it.
         Err(None) => return None,
         Err(Some(err)) => return Some(Err(err)),
     }
-    // SAFETY: the producer just filled the descriptor, which stays readable during this call.
-    let described = unsafe { dlbridge::dlpack::describe_borrowed(&dl, api.header.version) };
-    Some(described.map_err(to_py).map(|described| TableView {
+    // The memory is used without a tensor (a device pointer, a slice): ask the backend now
+    // whether it is what the descriptor says, as making a tensor would.
+    if let Err(err) = described.validate() {
+        return Some(Err(to_py(err)));
+    }
+    Some(Ok(TableView {
         obj: x.clone().unbind(),
         described: Box::new(described),
     }))

@@ -163,6 +163,10 @@ unsafe fn import(
     unsafe { described.into_tensor(keep_alive) }
 }
 
+/// The host address given to a tensor of no elements whose `data` is NULL: non-NULL and aligned
+/// for every element type, and never read through.
+const EMPTY_STAND_IN: usize = 64;
+
 /// A producer's descriptor, validated, before any buffer is made of it: what a consumer checks
 /// an argument against (device, element type, layout, writability) and where its first element
 /// is. [`Described::into_tensor`] makes the tensor.
@@ -348,12 +352,41 @@ impl Described {
     }
 
     /// The address of element zero (`data + byte_offset`) of memory on an addressable device
-    /// (host or CUDA); `None` for an opaque handle (Metal).
+    /// (host or CUDA); `None` for an opaque handle (Metal). Never 0: a tensor of no elements may
+    /// have a NULL `data`, and gets the non-NULL stand-in its tensor would have (no byte is read
+    /// through it).
     pub fn first_address(&self) -> Option<usize> {
-        self.device
-            .kind()
-            .is_addressable()
-            .then(|| self.data.wrapping_add(self.layout.byte_offset()))
+        if !self.device.kind().is_addressable() {
+            return None;
+        }
+        match self.data.wrapping_add(self.layout.byte_offset()) {
+            0 => Some(EMPTY_STAND_IN),
+            first => Some(first),
+        }
+    }
+
+    /// The addressed bytes as `(lowest address, length)` on an addressable device (`None` for an
+    /// opaque handle, and for no elements).
+    fn addressed(&self) -> Option<(usize, usize)> {
+        let numel = self.layout.numel();
+        (self.device.kind().is_addressable() && numel > 0).then(|| {
+            let first = self.layout.byte_offset() as i128;
+            // `describe` checked that this range lies in the user address space.
+            (
+                (self.data as i128 + first + self.lo) as usize,
+                (self.hi - self.lo) as usize,
+            )
+        })
+    }
+
+    /// Asks the device's backend whether the described memory is what the descriptor says
+    /// (CUDA: memory of that device, the whole range inside one allocation). [`Self::into_tensor`]
+    /// asks too; a consumer that uses the memory without a tensor asks this first.
+    pub fn validate(&self) -> Result<()> {
+        match self.addressed() {
+            Some((base, len)) => crate::backend::validate_foreign(self.device, base, len),
+            None => Ok(()),
+        }
     }
 
     /// A tensor over the described memory, kept alive by `keep_alive`.
@@ -364,6 +397,8 @@ impl Described {
         self,
         keep_alive: Box<dyn std::any::Any + Send + Sync>,
     ) -> Result<Tensor> {
+        self.validate()?;
+        let addressed = self.addressed();
         let Described {
             device,
             dtype,
@@ -384,22 +419,15 @@ impl Described {
         };
         let (buffer, layout) = if device.kind().is_addressable() {
             // Rebase onto the lowest addressed byte, so the buffer is exactly the addressed
-            // range (`describe` checked it lies in the user address space).
-            let (base, len) = if numel == 0 {
-                (data + offset, 0)
-            } else {
-                ((data as i128 + first + lo) as usize, (hi - lo) as usize)
-            };
-            if len > 0 {
-                crate::backend::validate_foreign(device, base, len)?;
-            }
+            // range (validated above).
+            let (base, len) = addressed.unwrap_or((data + offset, 0));
             let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base);
             let host = match device.kind().is_host_accessible() {
                 false => std::ptr::null_mut(),
                 // A zero-size tensor may have a NULL `data`; no byte is ever read through it, but
                 // host access should still succeed (with no elements), so give it a non-NULL
                 // address.
-                true if handle.is_null() => std::ptr::without_provenance_mut::<u8>(64),
+                true if handle.is_null() => std::ptr::without_provenance_mut::<u8>(EMPTY_STAND_IN),
                 true => handle.cast::<u8>(),
             };
             // SAFETY: the caller guarantees the described elements are valid memory on `device`
@@ -594,6 +622,22 @@ mod tests {
         );
         drop(tensor);
         assert_eq!(std::sync::Arc::strong_count(&owner), 1);
+
+        // No elements and a NULL `data`: element zero still has a non-NULL (never read) address.
+        let mut none = [0i64];
+        let empty = DLTensor {
+            data: std::ptr::null_mut(),
+            shape: none.as_mut_ptr(),
+            byte_offset: 0,
+            ..dl()
+        };
+        // SAFETY: as above.
+        let described = unsafe { describe_borrowed(&empty, v12) }.expect("an empty descriptor");
+        assert_eq!(described.first_address(), Some(EMPTY_STAND_IN));
+        described.validate().expect("nothing to validate");
+        // SAFETY: no element is ever read.
+        let tensor = unsafe { described.into_tensor(Box::new(())) }.expect("an empty tensor");
+        assert_eq!(tensor.numel(), 0);
 
         // What an owned descriptor gets refused for, a borrowed one is too.
         let mut negative = [-1i64];

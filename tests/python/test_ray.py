@@ -23,21 +23,10 @@ import dlbridge.ray as dray  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not dlbridge.cuda.is_available(), reason="needs a CUDA device")
 
+# dlbridge's element types that NumPy has too (the others cannot be compared through NumPy).
 DTYPES = [
     "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
+    *(name for name in dlbridge._dlbridge.__all__ if isinstance(getattr(np, name, None), type)),
 ]
 
 
@@ -155,7 +144,19 @@ def test_views_zero_d_and_empty_arrays_arrive_equal(cluster):
 # The dlbridge transport.
 
 
-class _ProducerImpl:
+class _Holder:
+    """Writes and reads an element of the array an actor keeps (`self.kept`)."""
+
+    def write(self, index: int, value: float) -> None:
+        self.kept[index] = value
+        dlbridge.synchronize(self.kept.device)
+
+    def read(self, index: int) -> float:
+        dlbridge.synchronize(self.kept.device)
+        return float(np.from_dlpack(dlbridge.asarray(self.kept[index], device="cpu")))
+
+
+class _ProducerImpl(_Holder):
     def __init__(self):
         self.kept = None
 
@@ -180,14 +181,6 @@ class _ProducerImpl:
         )
         return [self.kept[i] for i in range(8)] + [self.kept.T, self.kept[1::2, ::3]]
 
-    def write(self, index: int, value: float) -> None:
-        self.kept[index] = value
-        dlbridge.synchronize(self.kept.device)
-
-    def read(self, index: int) -> float:
-        dlbridge.synchronize(self.kept.device)
-        return float(np.from_dlpack(dlbridge.asarray(self.kept[index], device="cpu")))
-
     def held(self) -> int:
         from ray.experimental.rdt.util import get_tensor_transport_manager
 
@@ -197,7 +190,7 @@ class _ProducerImpl:
         return os.getpid()
 
 
-class _ConsumerImpl:
+class _ConsumerImpl(_Holder):
     def __init__(self):
         self.kept = None
 
@@ -207,14 +200,6 @@ class _ConsumerImpl:
     def keep(self, array):
         self.kept = array
         return (array.shape, str(array.device), array.readonly)
-
-    def write(self, index: int, value: float) -> None:
-        self.kept[index] = value
-        dlbridge.synchronize(self.kept.device)
-
-    def read(self, index: int) -> float:
-        dlbridge.synchronize(self.kept.device)
-        return float(np.from_dlpack(dlbridge.asarray(self.kept[index], device="cpu")))
 
     def views(self, arrays):
         return [np.from_dlpack(a).tolist() for a in arrays]

@@ -36,16 +36,25 @@ impl PySharedHandle {
         }
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<SharedHandle>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Runs `f` on the unopened handle; `ValueError` once it was opened.
     fn with<T>(&self, f: impl FnOnce(&mut SharedHandle) -> T) -> PyResult<T> {
-        let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        guard.as_mut().map(f).ok_or_else(|| {
-            PyValueError::new_err(
-                "this handle was already opened: a handle opens once (share the array again \
-                 for another)",
-            )
-        })
+        self.lock().as_mut().map(f).ok_or_else(already_opened)
     }
+
+    /// Takes the handle to open it; `ValueError` once it was opened.
+    fn take(&self) -> PyResult<SharedHandle> {
+        self.lock().take().ok_or_else(already_opened)
+    }
+}
+
+fn already_opened() -> PyErr {
+    PyValueError::new_err(
+        "this handle was already opened: a handle opens once (share the array again for another)",
+    )
 }
 
 /// Takes ownership of a descriptor number a Python caller handed over.
@@ -120,10 +129,7 @@ impl PySharedHandle {
     /// Whether the handle was opened (it opens once).
     #[getter]
     fn opened(&self) -> bool {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none()
+        self.lock().is_none()
     }
 
     /// Everything but the descriptor, as bytes.
@@ -166,7 +172,7 @@ impl PySharedHandle {
     }
 
     fn __repr__(&self) -> String {
-        match &*self.inner.lock().unwrap_or_else(|p| p.into_inner()) {
+        match &*self.lock() {
             None => "SharedHandle(opened)".into(),
             Some(h) => format!(
                 "SharedHandle(device={}, kind={}, dtype={}, shape={:?}, strides={:?}, byte_offset={})",
@@ -232,18 +238,7 @@ pub(crate) fn share_array(
 /// memory. The handle opens once.
 #[pyfunction]
 fn open_shared(py: Python<'_>, handle: &Bound<'_, PySharedHandle>) -> PyResult<PyArray> {
-    let taken = handle
-        .get()
-        .inner
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
-    let Some(h) = taken else {
-        return Err(PyValueError::new_err(
-            "this handle was already opened: a handle opens once (share the array again for \
-             another)",
-        ));
-    };
+    let h = handle.get().take()?;
     Ok(PyArray::new(py.detach(|| share::open(h)).py()?))
 }
 
@@ -412,18 +407,7 @@ fn _open_many(
         .collect::<PyResult<Vec<_>>>()?;
     let mut taken = Vec::with_capacity(handles.len());
     for h in &handles {
-        let inner = h
-            .get()
-            .inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        let mut inner = inner.ok_or_else(|| {
-            PyValueError::new_err(
-                "this handle was already opened: a handle opens once (share the arrays again \
-                 for another)",
-            )
-        })?;
+        let mut inner = h.get().take()?;
         if let Some(ordinal) = cuda_ordinal {
             inner.renumber_cuda_device(ordinal);
         }

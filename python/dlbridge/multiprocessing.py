@@ -24,9 +24,10 @@ device memory) and sees the sender's writes. The module re-exports everything of
 An array that is not in shareable memory yet is copied into it once when it is sent (see
 ``Array.share``); send the array that ``dlbridge.open_shared`` or an earlier send produced to avoid
 the copy: such an array (CPU, pinned or CUDA) is sent on as the same memory, so writes are seen
-in every direction. File descriptors travel with ``multiprocessing.reduction.DupFd`` (the resource sharer,
-or the child's inherited descriptors while a process starts), with the ``spawn``, ``forkserver``
-and ``fork`` start methods.
+in every direction. File descriptors are lent by the sending process (a native thread answers on
+an abstract Unix socket; the receiver claims the descriptor when it unpickles the array, or only
+says it has the memory mapped already), or inherited while a process starts, with the ``spawn``,
+``forkserver`` and ``fork`` start methods. A message must be received while its sender lives.
 
 Memory lives while any process holds it and is freed when the last one lets go. CUDA memory that
 dlbridge did not allocate in its shareable pool (a PyTorch tensor, say) travels as a legacy CUDA
@@ -49,17 +50,20 @@ from ._dlbridge import open_shared as _open_shared
 # `init_reductions` (a computed `__all__` is one the type checkers cannot follow).
 
 
-def _send_fd(handle: _SharedHandle) -> Any:
-    """The descriptor of ``handle`` as an object that delivers a duplicate to the receiver."""
-    fd = handle.fd
-    if fd is None:
-        return None
+def _state(handle: _SharedHandle) -> tuple[bytes, Any]:
+    """``handle`` as what travels: its bytes and, while a process starts, its descriptor.
+
+    A starting child inherits the descriptor at launch (the handle, which owns it, must then live
+    as long as the starting process object). Otherwise the bytes carry a ticket: the descriptor
+    is lent by this process's descriptor lender (native threads, no Python) and claimed by the
+    receiver when it opens the handle, or forgone when it finds the memory mapped already.
+    """
     popen = _context.get_spawning_popen()
-    if popen is not None:
-        # A process is starting: the child inherits the descriptor at launch, so the handle (which
-        # owns it) must live as long as the starting process object.
+    fd = handle.fd
+    if popen is not None and fd is not None:
         popen.__dict__.setdefault("_dlbridge_handles", []).append(handle)
-    return _reduction.DupFd(fd)
+        return handle._state(), _reduction.DupFd(fd)
+    return handle._lend(), None
 
 
 def _rebuild_handle(state: bytes, dup: Any) -> _SharedHandle:
@@ -72,7 +76,7 @@ def _rebuild_array(state: bytes, dup: Any) -> _Array:
 
 
 def _reduce_handle(handle: _SharedHandle) -> tuple[Callable[..., _SharedHandle], tuple[Any, ...]]:
-    return _rebuild_handle, (handle._state(), _send_fd(handle))
+    return _rebuild_handle, _state(handle)
 
 
 def _reduce_array(array: _Array) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -81,7 +85,7 @@ def _reduce_array(array: _Array) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     except (BufferError, RuntimeError):
         # A device without shareable memory (Metal, a CUDA build without a device): by value.
         return array.__reduce_ex__(5)
-    return _rebuild_array, (handle._state(), _send_fd(handle))
+    return _rebuild_array, _state(handle)
 
 
 def init_reductions() -> None:

@@ -44,6 +44,15 @@ def memfd_count(pid: int | str = "self") -> int:
     return n
 
 
+def memfd_settles_to(count: int, timeout: float = 10.0) -> bool:
+    """Whether this process's shared files come back to ``count`` within ``timeout`` seconds: a
+    receiver's forgo of a lent descriptor is a message the lender's thread handles later."""
+    until = time.monotonic() + timeout
+    while memfd_count() != count and time.monotonic() < until:
+        time.sleep(0.005)
+    return memfd_count() == count
+
+
 # ---------------------------------------------------------------------------------------------
 # Child-process bodies (top level, so that spawn can import them).
 
@@ -260,13 +269,68 @@ def test_pickle_in_band_round_trips(protocol):
     assert np.asarray(b).tolist() == np.asarray(a).tolist()
 
 
-def test_pickle_of_a_handle_reopens_it_through_proc():
+def test_pickle_of_a_handle_travels_by_ticket():
     a = dlbridge.open_shared(dlbridge.zeros((5,), dtype="uint8").share())
     h = a.share()
-    back = pickle.loads(pickle.dumps(h))
-    b = dlbridge.open_shared(back)
+    data = pickle.dumps(h)
+    assert h.fd is not None  # pickling lends a duplicate; the handle keeps its own
+    b = dlbridge.open_shared(pickle.loads(data))
     b[2] = 9
     assert int(a[2]) == 9
+
+
+def test_a_pickled_handle_dropped_unopened_returns_its_descriptor():
+    a = dlbridge.open_shared(dlbridge.zeros((64,), dtype="float32").share())
+    before = memfd_count()
+    data = [pickle.dumps(a.share()) for _ in range(5)]
+    assert memfd_count() == before + 5  # lent until claimed or forgone
+    loaded = [pickle.loads(d) for d in data]
+    del loaded
+    gc.collect()
+    assert memfd_settles_to(before)
+
+
+def _open_pickled(q_in, q_out) -> None:
+    h = pickle.loads(q_in.get())
+    a = dlbridge.open_shared(h)
+    a[3] = 33.0
+    unopened = pickle.loads(q_in.get())
+    del unopened  # forgone: the producer closes what it lent
+    q_out.put(float(a[0]))
+
+
+def test_a_handle_pickled_plainly_opens_in_another_process():
+    a = dlbridge.open_shared(dlbridge.full((8,), 2.0, "float32").share())
+    before = memfd_count()
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_open_pickled, args=(q_in, q_out))
+    p.start()
+    q_in.put(pickle.dumps(a.share()))  # bytes: no reducer of dlbridge's on the way
+    q_in.put(pickle.dumps(a.share()))
+    assert q_out.get(timeout=120) == 2.0
+    p.join(60)
+    assert p.exitcode == 0
+    assert float(a[3]) == 33.0
+    assert memfd_settles_to(before)  # both lent descriptors were claimed or forgone
+
+
+def _pickle_and_exit(q) -> None:
+    a = dlbridge.asarray(np.arange(4, dtype=np.int32)).share()
+    q.put(pickle.dumps(a))
+
+
+def test_a_handle_whose_producer_exited_is_a_clear_error():
+    ctx = dmp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_pickle_and_exit, args=(q,))
+    p.start()
+    data = q.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == 0
+    h = pickle.loads(data)
+    with pytest.raises(RuntimeError, match="has exited"):
+        dlbridge.open_shared(h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,17 +616,30 @@ def test_cuda_stale_legacy_handle_is_an_error():
     p.join(60)
     assert p.exitcode == 0
     # The producer is gone, and with it the memory: a clear error, not a crash.
-    with pytest.raises(RuntimeError, match="cuIpcOpenMemHandle"):
+    with pytest.raises(RuntimeError, match="has exited"):
         dlbridge.open_shared(h)
 
 
 @needs_cuda
-def test_cuda_vmm_handle_refuses_plain_pickle_clearly():
-    """A VMM descriptor cannot be reopened through /proc: plain pickle says how to send it."""
-    import pickle
+def _cuda_open_pickled(q_in, q_out) -> None:
+    a = dlbridge.open_shared(pickle.loads(q_in.get()))
+    b = dlbridge.open_shared(pickle.loads(q_in.get()))  # the same allocation: mapped once
+    q_out.put((a.data_ptr == b.data_ptr, np.asarray(b.to("cpu")).tolist()))
 
-    h = dlbridge.zeros((16,), dtype="float32", device="cuda:0").share()
-    assert h.kind == "cuda_vmm"
-    data = pickle.dumps(h)
-    with pytest.raises(ValueError, match="dlbridge.multiprocessing"):
-        pickle.loads(data)
+
+@needs_cuda
+def test_cuda_vmm_handle_travels_by_plain_pickle():
+    """The exporter's VMM descriptor itself is lent and claimed (a reopening of its path would not
+    do for the driver); a second handle of the same allocation needs no descriptor."""
+    shared = dlbridge.asarray(np.arange(16, dtype=np.float32)).to("cuda:0").to_shareable()
+    assert shared.share().kind == "cuda_vmm"
+    ctx = dmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_cuda_open_pickled, args=(q_in, q_out))
+    p.start()
+    q_in.put(pickle.dumps(shared.share()))
+    q_in.put(pickle.dumps(shared.share()))
+    same, values = q_out.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == 0
+    assert same and values == list(range(16))

@@ -128,6 +128,8 @@ fn memory_stats<'py>(
 }
 
 /// Returns every cached block of the device's pool to the driver; memory in use is untouched.
+/// On a CUDA device, also lets go of memory received from other processes that is kept mapped
+/// after its last array went.
 #[pyfunction]
 #[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn empty_cache(
@@ -136,8 +138,12 @@ fn empty_cache(
     storage: Option<&str>,
 ) -> PyResult<()> {
     let pool = pool_of(device, storage)?;
+    let device = device_or_cpu(device)?;
     // Large blocks take a while to unmap; let other threads run meanwhile.
-    py.detach(|| pool.clear_cache());
+    py.detach(|| {
+        pool.clear_cache();
+        dlbridge::share::release_kept(device);
+    });
     Ok(())
 }
 

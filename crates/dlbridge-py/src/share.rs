@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use dlbridge::share::{self, SharedHandle};
 use dlbridge::{Layout, Tensor};
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
@@ -20,9 +20,10 @@ use crate::errors::IntoPyResult;
 /// by `dlbridge.open_shared()` in this or another process.
 ///
 /// A handle holds one file descriptor until it is opened (the memory's; for a legacy CUDA IPC
-/// handle, the count of its consumers); it opens once. Plain `pickle` carries the descriptor as `/proc/<pid>/fd/<n>` of the
-/// producer, which must still hold the handle when the receiver unpickles it; `dlbridge.multiprocessing`
-/// passes the descriptor itself.
+/// handle, the count of its consumers); it opens once. Pickled (plainly or by
+/// `dlbridge.multiprocessing`), it travels as bytes with a ticket: the producer lends the
+/// descriptor, and the receiver claims it when it opens the handle, which must be while the
+/// producer lives.
 #[pyclass(frozen, module = "dlbridge._dlbridge", name = "SharedHandle")]
 pub(crate) struct PySharedHandle {
     /// The handle; `None` once opened.
@@ -146,28 +147,20 @@ impl PySharedHandle {
         Ok(Self::new(SharedHandle::from_bytes(state, fd).py()?))
     }
 
-    /// Plain pickling: the state, the producer's pid and the descriptor's number there.
+    /// The handle's bytes with a ticket for its descriptor, lent by this process: they travel
+    /// alone (by any means) to another process of this user on this machine, which opens them
+    /// while this process lives. Each call lends anew.
+    fn _lend<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.with(|h| py.detach(|| h.to_bytes_lent()))?.py()?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Plain pickling: the handle's bytes with a ticket for its descriptor (see `_lend`).
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
-        let this = slf.get();
-        let (state, pid, fd) = this.with(|h| {
-            (
-                h.to_bytes(),
-                std::process::id(),
-                h.fd().map(|f| f.as_raw_fd()),
-            )
-        })?;
-        let ctor = py
-            .import("dlbridge._dlbridge")?
-            .getattr("_handle_from_proc")?;
-        let args = PyTuple::new(
-            py,
-            [
-                PyBytes::new(py, &state).into_any(),
-                pid.into_pyobject(py)?.into_any(),
-                fd.into_pyobject(py)?.into_any(),
-            ],
-        )?;
+        let state = slf.get()._lend(py)?;
+        let ctor = py.get_type::<Self>().getattr("_rebuild")?;
+        let args = PyTuple::new(py, [state.into_any(), py.None().into_bound(py)])?;
         PyTuple::new(py, [ctor, args.into_any()])
     }
 
@@ -185,42 +178,6 @@ impl PySharedHandle {
             ),
         }
     }
-}
-
-/// A handle from `_state()` bytes whose descriptor is reopened through the producer's
-/// `/proc/<pid>/fd/<fd>` (plain `pickle`).
-#[pyfunction]
-#[pyo3(signature = (state, pid, fd=None))]
-fn _handle_from_proc(state: &[u8], pid: u32, fd: Option<i32>) -> PyResult<PySharedHandle> {
-    if SharedHandle::kind_of_bytes(state).py()? == share::SharedKind::CudaVmm {
-        // The driver recognises a VMM allocation's descriptor only as the exporter's open file,
-        // never as a reopening of its path.
-        return Err(PyValueError::new_err(
-            "a CUDA VMM handle cannot travel by plain pickle (its descriptor must be passed, not \
-             reopened through /proc): send it with dlbridge.multiprocessing, or dlbridge.ray's \
-             transport",
-        ));
-    }
-    let fd = match fd {
-        None => None,
-        Some(fd) => {
-            let path = format!("/proc/{pid}/fd/{fd}");
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .map_err(|e| {
-                    PyOSError::new_err(format!(
-                        "cannot reopen the shared memory through {path} ({e}): the producer \
-                         must hold the handle until it is unpickled, on this machine"
-                    ))
-                })?;
-            Some(OwnedFd::from(file))
-        }
-    };
-    Ok(PySharedHandle::new(
-        SharedHandle::from_bytes(state, fd).py()?,
-    ))
 }
 
 /// `Array.share`: a handle to the array's memory (see `dlbridge::share::share`).
@@ -426,7 +383,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySharedHandle>()?;
     m.add_function(wrap_pyfunction!(open_shared, m)?)?;
     m.add_function(wrap_pyfunction!(_array_from_pickle, m)?)?;
-    m.add_function(wrap_pyfunction!(_handle_from_proc, m)?)?;
     m.add_function(wrap_pyfunction!(_share_many, m)?)?;
     m.add_function(wrap_pyfunction!(_open_many, m)?)?;
     Ok(())

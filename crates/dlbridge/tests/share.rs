@@ -292,6 +292,88 @@ fn descriptors_travel_over_a_socket() {
     assert!(share::send_fds(&a, b"x", &many).is_err());
 }
 
+/// Sends a handle's bytes alone (no descriptor beside them), after their length.
+fn send_bytes(s: &UnixStream, bytes: &[u8]) {
+    use std::io::Write;
+    (&*s).write_all(&(bytes.len() as u32).to_le_bytes()).unwrap();
+    (&*s).write_all(bytes).unwrap();
+}
+
+fn recv_bytes(s: &UnixStream) -> Vec<u8> {
+    use std::io::Read;
+    let mut len = [0u8; 4];
+    (&*s).read_exact(&mut len).unwrap();
+    let mut buf = vec![0u8; u32::from_le_bytes(len) as usize];
+    (&*s).read_exact(&mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn a_handle_sent_as_bytes_alone_is_claimed_from_its_producer() {
+    use share::broker;
+    if let Some((role, s)) = child() {
+        if role != "claimer" {
+            return;
+        }
+        // Opened: the descriptor is claimed from the producer's lender.
+        let mut t = share::open(SharedHandle::from_bytes(&recv_bytes(&s), None).unwrap()).unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        t.as_mut_slice::<f32>().unwrap()[2] = 7.0;
+        // Dropped unopened: the producer is told, and closes what it kept.
+        drop(SharedHandle::from_bytes(&recv_bytes(&s), None).unwrap());
+        ack(&s);
+        return;
+    }
+    let t = share::to_shareable(&Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap()).unwrap();
+    let before = broker::outstanding();
+    let (mut claimer, s) = spawn(
+        "a_handle_sent_as_bytes_alone_is_claimed_from_its_producer",
+        "claimer",
+    );
+    let mut h = share::share(&t, false).unwrap();
+    let first = h.to_bytes_lent().unwrap();
+    let unopened = h.to_bytes_lent().unwrap();
+    assert_eq!(broker::outstanding(), before + 2);
+    assert!(h.fd().is_some(), "lending keeps the handle's own descriptor");
+    send_bytes(&s, &first);
+    send_bytes(&s, &unopened);
+    wait_ack(&s);
+    assert!(claimer.wait().unwrap().success());
+    assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 7.0]);
+    settles_to(before);
+}
+
+/// Waits (at most 10 s) for this process's lent descriptors to come back to `count`: a forgo is a
+/// message the lender's thread handles after the receiver moved on.
+fn settles_to(count: usize) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while share::broker::outstanding() != count && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(
+        share::broker::outstanding(),
+        count,
+        "every lent descriptor was claimed or forgone"
+    );
+}
+
+#[test]
+fn a_handle_sent_as_bytes_needs_its_producer_alive() {
+    if let Some((role, s)) = child() {
+        if role != "leaver" {
+            return;
+        }
+        let t = share::to_shareable(&Tensor::from_slice(&[5u8; 8], &[8]).unwrap()).unwrap();
+        send_bytes(&s, &share::share(&t, false).unwrap().to_bytes_lent().unwrap());
+        return; // exits with the descriptor unclaimed
+    }
+    let (mut leaver, s) = spawn("a_handle_sent_as_bytes_needs_its_producer_alive", "leaver");
+    let bytes = recv_bytes(&s);
+    assert!(leaver.wait().unwrap().success());
+    let err = share::open(SharedHandle::from_bytes(&bytes, None).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("has exited"), "{err}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // CUDA: run on a GPU machine with `-- --include-ignored`.
 
@@ -322,6 +404,94 @@ fn cuda_vmm_write_is_seen_across_processes_and_outlives_the_producer() {
     assert!(producer.wait().unwrap().success());
     let back = t.copy_to(Device::CPU).unwrap().to_vec::<f32>().unwrap();
     assert_eq!(back[4095], 4095.0);
+}
+
+/// A VMM handle sent as bytes alone: its descriptor is claimed when the receiver first maps the
+/// allocation, and forgone by a second handle of the same allocation, which opens as the same
+/// mapping.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_vmm_handles_sent_as_bytes_claim_once_per_mapping() {
+    use share::broker;
+    if let Some((role, s)) = child() {
+        if role != "cuda-claimer" {
+            return;
+        }
+        let a = share::open(SharedHandle::from_bytes(&recv_bytes(&s), None).unwrap()).unwrap();
+        let b = share::open(SharedHandle::from_bytes(&recv_bytes(&s), None).unwrap()).unwrap();
+        assert_eq!(a.buffer().handle(), b.buffer().handle(), "one mapping of one allocation");
+        assert_eq!(on_host(&b)[..4], [0.0, 1.0, 2.0, 3.0]);
+        ack(&s);
+        return;
+    }
+    let host: Vec<f32> = (0..1024).map(|i| i as f32).collect();
+    let t = share::to_shareable(&Tensor::from_slice(&host, &[1024]).unwrap().copy_to(gpu()).unwrap())
+        .unwrap();
+    let before = broker::outstanding();
+    let (mut claimer, s) = spawn(
+        "cuda_vmm_handles_sent_as_bytes_claim_once_per_mapping",
+        "cuda-claimer",
+    );
+    for _ in 0..2 {
+        let mut h = share::share(&t, false).unwrap();
+        assert_eq!(h.kind(), SharedKind::CudaVmm);
+        send_bytes(&s, &h.to_bytes_lent().unwrap());
+    }
+    wait_ack(&s);
+    assert!(claimer.wait().unwrap().success());
+    settles_to(before);
+}
+
+/// A receiver keeps a small mapping after its last array goes, so that the same memory sent again
+/// maps at once (the same address); the memory stays allocated while it is kept, and
+/// `empty_cache` lets go of it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_a_released_small_mapping_is_kept_until_empty_cache() {
+    use dlbridge::backend::cuda::mem_info;
+    const BYTES: usize = 64 << 20;
+    if let Some((role, s)) = child() {
+        if role != "cuda-keeper" {
+            return;
+        }
+        mem_info(0).unwrap(); // this process's context exists before the parent's baseline
+        ack(&s);
+        let a = share::open(SharedHandle::from_bytes(&recv_bytes(&s), None).unwrap()).unwrap();
+        let first = a.buffer().handle();
+        drop(a);
+        let b = share::open(SharedHandle::from_bytes(&recv_bytes(&s), None).unwrap()).unwrap();
+        assert_eq!(b.buffer().handle(), first, "the kept mapping is reused");
+        drop(b);
+        ack(&s); // kept, not in use
+        wait_ack(&s);
+        dlbridge::empty_cache(gpu()).unwrap();
+        ack(&s);
+        wait_ack(&s);
+        return;
+    }
+    let (mut keeper, s) = spawn(
+        "cuda_a_released_small_mapping_is_kept_until_empty_cache",
+        "cuda-keeper",
+    );
+    mem_info(0).unwrap();
+    wait_ack(&s);
+    let free_before = mem_info(0).unwrap().0;
+    let t = share::to_shareable(&Tensor::zeros(&[BYTES], DType::U8, gpu()).unwrap()).unwrap();
+    dlbridge::empty_cache(gpu()).unwrap(); // the zeros' block
+    for _ in 0..2 {
+        send_bytes(&s, &share::share(&t, false).unwrap().to_bytes_lent().unwrap());
+    }
+    wait_ack(&s);
+    drop(t);
+    share::pool(gpu()).unwrap().clear_cache();
+    let held = free_before.saturating_sub(mem_info(0).unwrap().0);
+    assert!(held >= BYTES, "the receiver keeps the memory: {held} bytes held");
+    ack(&s);
+    wait_ack(&s);
+    let held = free_before.saturating_sub(mem_info(0).unwrap().0);
+    assert!(held < BYTES, "empty_cache let it go: {held} bytes still held");
+    ack(&s);
+    assert!(keeper.wait().unwrap().success());
 }
 
 #[test]

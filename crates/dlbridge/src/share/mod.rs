@@ -15,8 +15,10 @@
 //! any framework through DLPack without a copy.
 //!
 //! A descriptor travels with [`fd::send_handle`] / [`fd::recv_handle`] (`SCM_RIGHTS` over a Unix
-//! socket); Python's `multiprocessing` uses its own descriptor passing. [`SharedHandle::to_bytes`]
-//! / [`SharedHandle::from_bytes`] carry the rest.
+//! socket), where [`SharedHandle::to_bytes`] / [`SharedHandle::from_bytes`] carry the rest; or
+//! the handle travels as bytes alone ([`SharedHandle::to_bytes_lent`], as `dlbridge`'s pickling
+//! does): its descriptor is lent by this process's [`broker`] and claimed by the receiver when it
+//! opens the handle, which must be while this process lives.
 //!
 //! # Streams
 //! A CUDA handle carries an IPC event recorded on the producer's current stream after its work on
@@ -36,6 +38,7 @@
 //! # Ok::<(), dlbridge::Error>(())
 //! ```
 
+pub mod broker;
 pub mod cpu;
 pub mod fd;
 
@@ -118,14 +121,20 @@ pub struct SharedHandle {
     /// process's token and the allocation's number there; zero otherwise.
     origin: u64,
     block: u64,
+    /// In place of `fd`: the claim on it, lent by the producer (see [`broker`]).
+    ticket: Option<broker::Ticket>,
 }
 
 /// The kernel's identifier of this boot, which tells a handle of a previous boot or another
-/// machine (whose memory is gone) from one of this boot.
-fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
+/// machine (whose memory is gone) from one of this boot. Read once: it does not change while the
+/// process lives.
+fn boot_id() -> &'static str {
+    static BOOT_ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BOOT_ID.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default()
+    })
 }
 
 fn malformed(why: impl std::fmt::Display) -> Error {
@@ -133,7 +142,7 @@ fn malformed(why: impl std::fmt::Display) -> Error {
 }
 
 /// Version of the [`SharedHandle::to_bytes`] format.
-const FORMAT: u8 = 2;
+const FORMAT: u8 = 3;
 const MAGIC: &[u8; 4] = b"DLSH";
 
 impl SharedHandle {
@@ -147,7 +156,8 @@ impl SharedHandle {
         self.kind
     }
 
-    /// The handle's descriptor (the memory's, or a legacy IPC handle's count of consumers).
+    /// The handle's descriptor (the memory's, or a legacy IPC handle's count of consumers);
+    /// `None` for a handle received as bytes, whose descriptor is still the producer's to lend.
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         self.fd.as_ref().map(AsFd::as_fd)
     }
@@ -193,8 +203,33 @@ impl SharedHandle {
         self.pid
     }
 
-    /// Everything but the descriptor, as bytes (the descriptor travels beside it).
+    /// The handle as bytes that travel alone, by any means (a pickle, a message queue, a file
+    /// read by another process of this user on this machine): a duplicate of the descriptor is
+    /// lent by this process's [`broker`], and the receiver claims it when it opens the handle
+    /// (or forgoes it when the handle is dropped unopened). The receiver must open it while this
+    /// process lives. Each call lends anew; every one of them is valid once.
+    pub fn to_bytes_lent(&mut self) -> Result<Vec<u8>> {
+        if self.fd.is_none() {
+            // Received as bytes and not opened: its descriptor is claimed here, to be lent on.
+            let fd = self.descriptor()?;
+            self.fd = Some(fd);
+        }
+        let fd = self.fd.as_ref().ok_or_else(already_opened)?;
+        let dup = fd.try_clone().map_err(|e| Error::Driver {
+            backend: "share",
+            message: format!("dup of a shared-memory descriptor failed: {e}"),
+        })?;
+        let ticket = broker::lend(dup)?;
+        Ok(self.encode(Some(&ticket)))
+    }
+
+    /// Everything but the descriptor, as bytes (the descriptor travels beside it); a handle
+    /// received as bytes keeps its ticket in them.
     pub fn to_bytes(&self) -> Vec<u8> {
+        self.encode(self.ticket.as_ref())
+    }
+
+    fn encode(&self, ticket: Option<&broker::Ticket>) -> Vec<u8> {
         let mut w = Vec::with_capacity(256);
         w.extend_from_slice(MAGIC);
         w.push(FORMAT);
@@ -229,7 +264,43 @@ impl SharedHandle {
                 None => w.push(0),
             }
         }
+        match ticket {
+            Some(t) => {
+                w.push(1);
+                w.push(t.lender().len() as u8);
+                w.extend_from_slice(t.lender().as_bytes());
+                w.extend_from_slice(&t.token().to_le_bytes());
+                w.extend_from_slice(&t.fd().to_le_bytes());
+            }
+            None => w.push(0),
+        }
         w
+    }
+
+    /// The handle's descriptor, taken out: its own, or the one its ticket claims from the
+    /// producer.
+    fn descriptor(&mut self) -> Result<OwnedFd> {
+        if let Some(fd) = self.fd.take() {
+            return Ok(fd);
+        }
+        let ticket = self.ticket.take().ok_or_else(already_opened)?;
+        broker::claim(&ticket)
+    }
+
+    /// [`Self::descriptor`] of a shared file: where its ticket's file opens again by path and is
+    /// the handle's file (`inode`), that is one `open` and a message to the producer instead of a
+    /// round trip.
+    fn file_descriptor(&mut self) -> Result<OwnedFd> {
+        if let Some(ticket) = &self.ticket
+            && let Some(fd) = broker::reopen(ticket)
+            && cpu::inode(&fd).is_ok_and(|i| i == self.inode)
+        {
+            if let Some(ticket) = self.ticket.take() {
+                broker::forgo(&ticket);
+            }
+            return Ok(fd);
+        }
+        self.descriptor()
     }
 
     /// The memory kind that [`SharedHandle::to_bytes`] bytes describe, without building the
@@ -239,7 +310,8 @@ impl SharedHandle {
     }
 
     /// A handle from [`SharedHandle::to_bytes`] and the descriptor that travelled beside it
-    /// (which the handle then owns, whatever the outcome). Fails on bytes that describe no
+    /// (which the handle then owns, whatever the outcome), or from
+    /// [`SharedHandle::to_bytes_lent`] alone (`fd` `None`). Fails on bytes that describe no
     /// handle, and on a missing or wrong descriptor.
     pub fn from_bytes(bytes: &[u8], fd: Option<OwnedFd>) -> Result<Self> {
         let mut r = Reader(bytes);
@@ -281,16 +353,32 @@ impl SharedHandle {
                 *h = Some(bytes);
             }
         }
+        let ticket = match r.u8()? {
+            0 => None,
+            _ => {
+                let len = usize::from(r.u8()?);
+                let name = String::from_utf8(r.take(len)?.to_vec())
+                    .map_err(|_| malformed("lender name"))?;
+                let token = r.u64()?;
+                Some(broker::Ticket::new(name, token, r.i32()?)?)
+            }
+        };
         if !r.0.is_empty() {
             return Err(malformed("trailing bytes"));
         }
         let layout = Layout::new(&shape, &strides, offset)?;
         let [ipc, event] = handles;
-        if fd.is_none() {
-            return Err(Error::InvalidArgument(format!(
-                "a {} handle needs its file descriptor",
-                kind.name()
-            )));
+        match (&fd, &ticket) {
+            (None, None) => {
+                return Err(Error::InvalidArgument(format!(
+                    "a {} handle needs its file descriptor",
+                    kind.name()
+                )));
+            }
+            (Some(_), Some(_)) => {
+                return Err(malformed("both a descriptor and a ticket for one"));
+            }
+            _ => {}
         }
         if kind == SharedKind::CudaIpc && ipc.is_none() {
             return Err(malformed("a legacy IPC handle without its IPC handle"));
@@ -310,7 +398,18 @@ impl SharedHandle {
             inode,
             origin,
             block,
+            ticket,
         })
+    }
+}
+
+impl Drop for SharedHandle {
+    /// A handle received as bytes and dropped unopened tells the producer, which closes the
+    /// descriptor it kept for it.
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            broker::forgo(&ticket);
+        }
     }
 }
 
@@ -437,6 +536,17 @@ pub fn pool(device: Device) -> Result<&'static std::sync::Arc<crate::pool::Pool>
     }
 }
 
+/// Lets go of the CUDA memory of `device` received from other processes that this process keeps
+/// mapped after its last array went. A receiver keeps the 64 most recently received mappings of
+/// at most 256 MiB in all (`DLBRIDGE_SHARE_KEEP_MIB` sets the total; `0` keeps none), so that
+/// memory sent again and again maps once; while kept, the memory stays allocated even when every
+/// other process has let go. [`crate::empty_cache`] calls this. Host memory is never kept.
+pub fn release_kept(device: Device) {
+    if device.kind() == DeviceKind::Cuda {
+        ipc::release_kept(device.index() as i32);
+    }
+}
+
 /// A compact copy of `t` in shareable memory of its device (the copy [`share`] makes of memory
 /// that is not shareable).
 pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
@@ -520,11 +630,12 @@ impl Allocation {
             dtype,
             layout,
             read_only,
-            boot_id: boot_id(),
+            boot_id: boot_id().to_owned(),
             pid: std::process::id(),
             inode,
             origin: self.key.map_or(0, |k| k.origin),
             block: self.key.map_or(0, |k| k.block),
+            ticket: None,
         })
     }
 }
@@ -800,7 +911,7 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
     let device = handle.device;
     let buffer = match handle.kind {
         SharedKind::HostFile => {
-            let fd = handle.fd.take().ok_or_else(already_opened)?;
+            let fd = handle.file_descriptor()?;
             if cpu::inode(&fd)? != handle.inode {
                 return Err(Error::InvalidArgument(
                     "the file descriptor is not the handle's shared file".into(),
@@ -809,7 +920,6 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
             cpu::map(fd, handle.alloc_len, device)?
         }
         SharedKind::CudaVmm => {
-            let fd = handle.fd.take().ok_or_else(already_opened)?;
             let key = BlockKey {
                 origin: handle.origin,
                 block: handle.block,
@@ -817,7 +927,10 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
             if key.origin == 0 {
                 return Err(malformed("a VMM handle without its allocation's key"));
             }
-            ipc::import(device, fd, handle.alloc_len, key)?
+            // The descriptor is claimed only when this process does not map the allocation
+            // already; else the handle's drop forgoes it.
+            let len = handle.alloc_len;
+            ipc::import(device, || handle.descriptor(), len, key)?
         }
         SharedKind::CudaIpc => {
             if handle.pid == std::process::id() {
@@ -825,7 +938,7 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
                     "a legacy CUDA IPC handle cannot be opened by the process that made it".into(),
                 ));
             }
-            let users = handle.fd.take().ok_or_else(already_opened)?;
+            let users = handle.descriptor()?;
             let ipc_handle = handle.ipc.ok_or_else(already_opened)?;
             ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
         }

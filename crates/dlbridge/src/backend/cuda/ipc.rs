@@ -563,6 +563,8 @@ struct Mapping {
 struct Imports {
     by_key: Mutex<HashMap<(i32, BlockKey), std::sync::Weak<Mapping>>>,
     by_addr: Mutex<BTreeMap<u64, std::sync::Weak<Mapping>>>,
+    /// The most recently received small mappings, kept past their last buffer (see [`keep`]).
+    kept: Mutex<std::collections::VecDeque<Arc<Mapping>>>,
 }
 
 fn imports() -> &'static Imports {
@@ -570,7 +572,76 @@ fn imports() -> &'static Imports {
     IMPORTS.get_or_init(|| Imports {
         by_key: Mutex::default(),
         by_addr: Mutex::default(),
+        kept: Mutex::default(),
     })
+}
+
+/// How many received mappings stay mapped after their last buffer went.
+const KEPT_MAPPINGS: usize = 64;
+
+/// The most bytes of received mappings kept so, unless `DLBRIDGE_SHARE_KEEP_MIB` says otherwise
+/// (`0` keeps none).
+const KEPT_BYTES: usize = 256 << 20;
+
+fn kept_bytes_limit() -> usize {
+    static LIMIT: OnceLock<usize> = OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        std::env::var("DLBRIDGE_SHARE_KEEP_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .map_or(KEPT_BYTES, |mib| mib.saturating_mul(1 << 20))
+    })
+}
+
+/// Keeps `mapping` mapped after its last buffer goes, among the [`KEPT_MAPPINGS`] most recently
+/// received ones of at most [`kept_bytes_limit`] bytes in all: memory sent again and again (a
+/// pool block of small arrays, weights synchronised each step) is then mapped once, where each
+/// new mapping costs an import, a claim of its descriptor from the producer, and a device
+/// synchronize when it goes. The memory stays allocated while it is kept (the producer's release
+/// does not free it); [`release_kept`] (through `empty_cache`) lets go of them.
+fn keep(mapping: &Arc<Mapping>) {
+    let limit = kept_bytes_limit();
+    if mapping.len > limit {
+        return;
+    }
+    let evicted = {
+        let mut kept = imports()
+            .kept
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(at) = kept.iter().position(|m| Arc::ptr_eq(m, mapping)) {
+            if let Some(m) = kept.remove(at) {
+                kept.push_back(m);
+            }
+            return;
+        }
+        kept.push_back(mapping.clone());
+        let mut evicted = Vec::new();
+        let mut bytes: usize = kept.iter().map(|m| m.len).sum();
+        while kept.len() > KEPT_MAPPINGS || bytes > limit {
+            let Some(old) = kept.pop_front() else { break };
+            bytes -= old.len;
+            evicted.push(old);
+        }
+        evicted
+    };
+    // Dropped unlocked: a mapping's drop takes the other tables' locks.
+    drop(evicted);
+}
+
+/// Lets go of the received mappings kept on device `ordinal` past their last buffer (those still
+/// in use stay mapped until their buffers go).
+pub(crate) fn release_kept(ordinal: i32) {
+    let released: std::collections::VecDeque<Arc<Mapping>> = {
+        let mut kept = imports()
+            .kept
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (gone, stay) = kept.drain(..).partition(|m| m.ordinal == ordinal);
+        *kept = stay;
+        gone
+    };
+    drop(released);
 }
 
 impl Drop for Mapping {
@@ -627,10 +698,15 @@ fn buffer_of(device: Device, mapping: Arc<Mapping>) -> Buffer {
     }
 }
 
-/// Maps the VMM allocation `key` of `len` bytes on `device` from its POSIX descriptor: the
-/// mapping this process already has of that allocation when one lives (the descriptor is then
-/// closed), else a new import of it.
-pub(crate) fn import(device: Device, fd: OwnedFd, len: usize, key: BlockKey) -> Result<Buffer> {
+/// Maps the VMM allocation `key` of `len` bytes on `device`: the mapping this process already has
+/// of that allocation when one lives, else a new import of it from its POSIX descriptor, which
+/// `fd` gives (asked only then).
+pub(crate) fn import(
+    device: Device,
+    fd: impl FnOnce() -> Result<OwnedFd>,
+    len: usize,
+    key: BlockKey,
+) -> Result<Buffer> {
     if device.kind() != DeviceKind::Cuda {
         return Err(Error::UnsupportedDevice(format!(
             "a VMM handle of {device}"
@@ -653,6 +729,7 @@ pub(crate) fn import(device: Device, fd: OwnedFd, len: usize, key: BlockKey) -> 
             )));
         }
         drop(by_key);
+        keep(&mapping);
         return Ok(buffer_of(device, mapping));
     }
     let _ctx = context(ordinal)?;
@@ -662,6 +739,7 @@ pub(crate) fn import(device: Device, fd: OwnedFd, len: usize, key: BlockKey) -> 
             "a VMM allocation of {len} bytes is not a multiple of the granularity {g}"
         )));
     }
+    let fd = fd()?;
     let mut handle = 0u64;
     let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     let os_handle = std::ptr::without_provenance_mut::<c_void>(fd.as_raw_fd() as usize);
@@ -694,6 +772,7 @@ pub(crate) fn import(device: Device, fd: OwnedFd, len: usize, key: BlockKey) -> 
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .insert(ptr, Arc::downgrade(&mapping));
+    keep(&mapping);
     Ok(buffer_of(device, mapping))
 }
 
@@ -906,9 +985,10 @@ const MAX_OPEN_EVENTS: usize = 256;
 /// Makes the calling thread's current stream of `device` wait for an IPC event recorded by
 /// [`record_event`] (`cuStreamWaitEvent`, no host synchronize): this process's own event when the
 /// handle is one of ours, else the other process's event, opened once and kept (the producer
-/// re-records one event per stream, so its handle comes again). `same_process`: the handle was
-/// made here; if its event is no longer known the device is synchronized instead (the driver does
-/// not open a process's own IPC event).
+/// re-records one event per stream, so its handle comes again), which is first queried: one that
+/// has completed needs no wait. `same_process`: the handle was made here; if its event is no
+/// longer known the device is synchronized instead (the driver does not open a process's own IPC
+/// event).
 pub(crate) fn wait_event(
     device: Device,
     event: &[u8; IPC_HANDLE_BYTES],
@@ -961,6 +1041,16 @@ pub(crate) fn wait_event(
             e
         }
     };
+    // An event that has completed (the producer's work on the memory is done, as it mostly is
+    // by the time a handle arrives) needs no wait: a stream's wait on another process's event
+    // costs about 0.2 ms even then (H100, CUDA 13), its query a few microseconds. Completion of
+    // the event's latest record implies that of the one the handle was made after (one event
+    // per producer stream, re-recorded in stream order).
+    // SAFETY: `e` is open (kept in `opened`, whose lock is held).
+    let done = unsafe { cudarc::driver::result::event::query(e) };
+    if super::stream::ready(done, "cuEventQuery")? {
+        return Ok(());
+    }
     // SAFETY: `e` is open (kept in `opened`, whose lock is held); the stream is the thread's
     // current one.
     unsafe { sys::cuStreamWaitEvent(stream, e, 0) }

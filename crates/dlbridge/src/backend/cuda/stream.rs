@@ -349,7 +349,7 @@ impl Drop for Event {
 }
 
 /// `Ok(true)` for success, `Ok(false)` for "not ready", an error otherwise.
-fn ready(result: std::result::Result<(), DriverError>, call: &str) -> Result<bool> {
+pub(super) fn ready(result: std::result::Result<(), DriverError>, call: &str) -> Result<bool> {
     match result {
         Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
         result => result.named(call).map(|()| true),

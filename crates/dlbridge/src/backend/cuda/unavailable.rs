@@ -401,10 +401,13 @@ pub mod ipc {
         Err(no_cuda())
     }
 
+    /// Lets go of kept received mappings (there are none).
+    pub(crate) fn release_kept(_ordinal: i32) {}
+
     /// Imports a VMM allocation.
     pub(crate) fn import(
         _device: Device,
-        _fd: OwnedFd,
+        _fd: impl FnOnce() -> Result<OwnedFd>,
         _len: usize,
         _key: BlockKey,
     ) -> Result<Buffer> {

@@ -99,6 +99,15 @@ def load_dlbridge(files, **kw):
     return out
 
 
+def load_dlbridge_registered(files, **kw):
+    """dlbridge copying from the files' registered pages instead of staging buffers (opt-in)."""
+    os.environ["DLBRIDGE_LOAD_REGISTER"] = "1"
+    try:
+        return load_dlbridge(files, **kw)
+    finally:
+        del os.environ["DLBRIDGE_LOAD_REGISTER"]
+
+
 def load_st_cuda(files):
     from safetensors.torch import load_file
     out = {}
@@ -184,6 +193,20 @@ def sweep(files: list[str], size: int) -> None:
                                             files, False) for _ in range(2))
             row.append(size / t / 1e9)
         print(f"{threads:>7} " + "".join(f"{r:>11.2f}" for r in row), flush=True)
+    sweep_registered(files, size)
+
+
+def sweep_registered(files: list[str], size: int) -> None:
+    print("\nsweep (warm, dlbridge registered pages: threads x window size (16 chunks); GB/s, median of 2):")
+    windows = (64 << 20, 128 << 20, 256 << 20)
+    print("threads " + "".join(f"{c >> 20:>7} MiB" for c in windows))
+    for threads in (1, 2, 4, 8):
+        row = []
+        for window in windows:
+            t = statistics.median(time_once(lambda f: load_dlbridge_registered(f, threads=threads, chunk_bytes=window // 16),
+                                            files, False) for _ in range(2))
+            row.append(size / t / 1e9)
+        print(f"{threads:>7} " + "".join(f"{r:>11.2f}" for r in row), flush=True)
 
 
 def main() -> int:
@@ -195,6 +218,7 @@ def main() -> int:
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep dlbridge's threads and chunk size (warm)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (no peers, no cold runs)")
+    ap.add_argument("--sweep-registered", action="store_true", help="only the registered-pages sweep")
     args = ap.parse_args()
     t0 = time.perf_counter()
     files = generate(args.dir, args.layers, args.shards)
@@ -209,6 +233,7 @@ def main() -> int:
 
     loaders = [
         ("dlbridge.load_file(files, 'cuda:0')", load_dlbridge),
+        ("dlbridge, registered pages (DLBRIDGE_LOAD_REGISTER=1)", load_dlbridge_registered),
         ("safetensors.torch.load_file(f, device='cuda:0')", load_st_cuda),
         ("safetensors to CPU, then .to('cuda:0')", load_st_cpu_then_to),
         ("fastsafetensors fastsafe_open(nogds=True)", load_fastsafetensors),
@@ -217,6 +242,9 @@ def main() -> int:
         ("Run:ai Model Streamer SafetensorsStreamer", load_runai),
     ]
     results: dict[str, tuple[float | None, float | None, str]] = {}
+    if args.sweep_registered:
+        sweep_registered(files, size)
+        return 0
     if args.sweep_only:
         loaders = []
     for name, fn in loaders:

@@ -281,6 +281,32 @@ def test_cuda_load_equals_safetensors(tmp_path):
 
 
 @needs_cuda
+@pytest.mark.parametrize("register", ["1", "0"])
+def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch, register):
+    """Registered file pages (opt-in) and pinned staging (the default) give the
+    same tensors, for every selection: runs with gaps share pages at their edges."""
+    monkeypatch.setenv("DLBRIDGE_LOAD_REGISTER", register)
+    g = torch.Generator().manual_seed(9)
+    tensors = {
+        "a": torch.randn(1001, generator=g),
+        "b": torch.arange(4097, dtype=torch.uint8),
+        "c": torch.randn(7, 7, generator=g).to(torch.float64),
+        "d": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "e": torch.randn(1000, 700, generator=g),  # spans three 1 MiB windows (16 chunks each)
+    }
+    path = tmp_path / "pages.safetensors"
+    st_save_torch(tensors, str(path))
+    expected = st_load_torch(str(path), device="cuda:0")
+    for keys in (None, ["a", "c", "e"], ["b", "d"], ["e"]):
+        for threads in (1, 3):
+            loaded = dlbridge.load_file(path, "cuda:0", keys=keys, threads=threads,
+                                        chunk_bytes=64 << 10)
+            assert sorted(loaded) == sorted(keys or tensors)
+            for name, got in loaded.items():
+                assert torch.equal(torch.from_dlpack(got), expected[name]), (name, keys, threads)
+
+
+@needs_cuda
 def test_cuda_load_of_a_truncated_file_is_an_error(tmp_path):
     path = tmp_path / "t.safetensors"
     st_save_torch({"w": torch.randn(1 << 20)}, str(path))

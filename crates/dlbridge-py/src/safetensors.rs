@@ -109,6 +109,8 @@ impl PyCheckpoint {
             threads,
             chunk_bytes,
             direct_io,
+            // The environment's `DLBRIDGE_LOAD_REGISTER`, else staging buffers.
+            register_pages: None,
         };
         let wanted: Option<std::collections::BTreeSet<String>> =
             keys.map(|k| k.into_iter().collect());

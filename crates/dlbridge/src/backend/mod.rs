@@ -143,6 +143,10 @@ pub(crate) struct ReadOptions<'a> {
     pub(crate) threads: usize,
     /// The largest read (and staging buffer), in bytes.
     pub(crate) chunk: usize,
+    /// Whether the CUDA reader may copy from the files' pages, mapped and registered with the
+    /// driver, where they are read through the page cache (else: pinned staging buffers).
+    #[cfg_attr(not(cuda), allow(dead_code))]
+    pub(crate) register: bool,
     /// Bytes landed so far, for progress reports.
     pub(crate) done: &'a std::sync::atomic::AtomicU64,
 }

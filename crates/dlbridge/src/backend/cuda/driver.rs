@@ -100,6 +100,31 @@ pub(crate) unsafe fn memcpy_htod_async(
     unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, stream) }.result()
 }
 
+/// Registers `len` bytes of host memory at `p` with the driver for copies (`cuMemHostRegister`
+/// with `flags`).
+///
+/// # Safety
+/// `[p, p + len)` is a live host mapping with no page registered yet, and stays mapped until
+/// [`host_unregister`]; the context is current.
+pub(crate) unsafe fn host_register(
+    p: *const c_void,
+    len: usize,
+    flags: u32,
+) -> std::result::Result<(), DriverError> {
+    // SAFETY: the caller's contract.
+    unsafe { sys::cuMemHostRegister_v2(p.cast_mut(), len, flags) }.result()
+}
+
+/// Undoes [`host_register`] (`cuMemHostUnregister`).
+///
+/// # Safety
+/// `p` starts a registered range that no queued device work reads any more; the context is
+/// current.
+pub(crate) unsafe fn host_unregister(p: *const c_void) -> std::result::Result<(), DriverError> {
+    // SAFETY: the caller's contract.
+    unsafe { sys::cuMemHostUnregister(p.cast_mut()) }.result()
+}
+
 /// Enqueues a copy of `bytes` bytes from device address `src` to host address `dst` on `stream`
 /// (`cuMemcpyDtoHAsync`).
 ///

@@ -6,6 +6,14 @@
 //! until the buffer it will fill is no longer being copied from (its event), reads the piece into
 //! it with `pread` (page-aligned, for `O_DIRECT`), and enqueues the host-to-device copy on its
 //! stream. Pinned memory in use is bounded by `threads × 2 × chunk`.
+//!
+//! Asked to (`ReadOptions::register`), files read through the page cache go without the staging
+//! copy: each file is mapped shared and read-only, its pages are registered with the driver a
+//! window at a time, the device copies straight out of the page cache, and each window is
+//! unregistered once its copies ran ([`read_registered`]). No pinned staging memory is used. It
+//! is not the default: on the H100 machine the driver registers pages at about 42 GB/s on one
+//! thread and no faster on several, and a warm 7 GB load ran at 14.2 GB/s against staging's 18.3.
+//! Registered memory in flight is bounded by `threads × (WINDOW_DEPTH + 1) × 16 chunks`.
 
 use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
@@ -54,6 +62,19 @@ pub(crate) fn read_to_device(
         .collect();
     if pieces.is_empty() {
         return Ok(());
+    }
+    if options.register
+        && reads.iter().all(|r| r.direct.is_none())
+        && let Some(maps) = FileMaps::new(reads)
+        && let Some(windows) = plan_windows(
+            reads,
+            |r| maps.base(r.file),
+            chunk.saturating_mul(CHUNKS_PER_WINDOW),
+        )
+        && can_register(ordinal, &windows)
+    {
+        // `maps` outlives every registration: `read_registered` unregisters all before returning.
+        return read_registered(ordinal, &windows, options);
     }
     let threads = options.threads.clamp(1, pieces.len());
     let next = AtomicUsize::new(0);
@@ -235,3 +256,397 @@ fn fill(slot: &Slot, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*co
 // SAFETY: the raw pointer in a `Slot` points into the slot's own pinned `Buffer`, which the
 // worker owns; a `Worker` is created, used and dropped by one thread at a time.
 unsafe impl Send for Worker {}
+
+/// A window of registered pages is this many chunks (64 MiB for the default 4 MiB chunk): large
+/// enough that a registration's fixed cost is small beside its pages'.
+const CHUNKS_PER_WINDOW: usize = 16;
+
+/// Windows a worker keeps registered while their copies may still run, past the one it is
+/// filling.
+const WINDOW_DEPTH: usize = 2;
+
+/// `CU_MEMHOSTREGISTER_READ_ONLY`: the device only reads the pages (a file mapped read-only).
+const REGISTER_READ_ONLY: u32 = 0x08;
+
+/// One copy out of a registered window: host address, device address, bytes.
+#[derive(Clone, Copy)]
+struct Copy {
+    src: usize,
+    dst: u64,
+    len: usize,
+}
+
+/// A page-aligned range of one file's mapping, registered while its copies run.
+struct Window<'a> {
+    start: usize,
+    len: usize,
+    copies: Vec<Copy>,
+    /// The file, for errors.
+    path: &'a std::path::Path,
+}
+
+/// Each file of a load mapped whole, shared and read-only, for the registered reader. (A private
+/// mapping will not do: the kernel copies each private page that is pinned long-term.)
+struct FileMaps {
+    /// `(descriptor, address, length)` of each distinct file's mapping.
+    maps: Vec<(std::os::fd::RawFd, usize, usize)>,
+}
+
+impl FileMaps {
+    /// The mappings of `reads`' files; `None` where a file is empty or cannot be mapped.
+    fn new(reads: &[FileRead<'_>]) -> Option<FileMaps> {
+        use std::os::fd::AsRawFd;
+        let mut maps = FileMaps { maps: Vec::new() };
+        for r in reads {
+            let fd = r.file.as_raw_fd();
+            if maps.maps.iter().any(|m| m.0 == fd) {
+                continue;
+            }
+            let len = usize::try_from(r.file.metadata().ok()?.len()).ok()?;
+            if len == 0 {
+                return None;
+            }
+            // SAFETY: a new read-only shared mapping of an open file; no fixed address.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return None; // `maps` unmaps those made so far
+            }
+            maps.maps.push((fd, p.expose_provenance(), len));
+        }
+        Some(maps)
+    }
+
+    /// The address of `file`'s byte 0 in its mapping.
+    fn base(&self, file: &std::fs::File) -> Option<usize> {
+        use std::os::fd::AsRawFd;
+        let fd = file.as_raw_fd();
+        self.maps.iter().find(|m| m.0 == fd).map(|m| m.1)
+    }
+}
+
+impl Drop for FileMaps {
+    fn drop(&mut self) {
+        for &(_, p, len) in &self.maps {
+            // SAFETY: mapped by `new` with this length; every registration of its pages was
+            // undone (the reader unregisters all windows before it returns).
+            unsafe { libc::munmap(std::ptr::with_exposed_provenance_mut(p), len) };
+        }
+    }
+}
+
+/// The windows that cover `reads` (each range of a mapping registered once, page-aligned, at most
+/// `size` bytes), with every read split into copies at their edges; `base` gives the address of
+/// a read's file in its mapping. `None` when a read has no mapping, is read directly, or lies
+/// beyond its file's end now (the staged reader reports that).
+fn plan_windows<'a>(
+    reads: &[FileRead<'a>],
+    base: impl Fn(&FileRead<'a>) -> Option<usize>,
+    size: usize,
+) -> Option<Vec<Window<'a>>> {
+    let page = crate::backend::cpu::page_size();
+    let size = size.next_multiple_of(page);
+    let mut items = Vec::with_capacity(reads.len());
+    for r in reads {
+        if r.direct.is_some() {
+            return None;
+        }
+        let file_len = r.file.metadata().ok()?.len();
+        if r.offset.checked_add(r.len as u64)? > file_len {
+            return None;
+        }
+        let src = base(r)?.checked_add(usize::try_from(r.offset).ok()?)?;
+        let dst = r.dst.handle() as u64 + r.dst_offset as u64;
+        items.push((src, r.len, dst, r.path));
+    }
+    items.sort_by_key(|i| i.0);
+    let mut windows: Vec<Window<'a>> = Vec::new();
+    for (mut src, mut len, mut dst, path) in items {
+        while len > 0 {
+            let open = windows
+                .last()
+                .is_some_and(|w| src >= w.start && src < w.start + w.len);
+            if !open {
+                let floor = src - src % page;
+                let start = windows.last().map_or(floor, |w| floor.max(w.start + w.len));
+                let end = (start + size).min((src + len).next_multiple_of(page));
+                windows.push(Window {
+                    start,
+                    len: end - start,
+                    copies: Vec::new(),
+                    path,
+                });
+            }
+            let w = windows.last_mut()?;
+            let n = len.min(w.start + w.len - src);
+            w.copies.push(Copy { src, dst, len: n });
+            src += n;
+            dst += n as u64;
+            len -= n;
+        }
+    }
+    Some(windows)
+}
+
+/// Whether the driver registers file pages here: the first page of the first window, registered
+/// and unregistered (a driver or system without read-only registration of file-backed memory
+/// refuses, and the load goes through staging buffers instead).
+fn can_register(ordinal: i32, windows: &[Window<'_>]) -> bool {
+    let Some(first) = windows.first() else {
+        return false;
+    };
+    let Ok(_ctx) = context(ordinal) else {
+        return false;
+    };
+    let p = std::ptr::with_exposed_provenance::<std::ffi::c_void>(first.start);
+    let page = crate::backend::cpu::page_size();
+    // SAFETY: one page of a live read-only mapping of the file (the caller's `FileMaps`), not
+    // registered yet (windows are registered only by this module, after this probe).
+    if unsafe { driver::host_register(p, page, REGISTER_READ_ONLY) }.is_err() {
+        return false;
+    }
+    // SAFETY: registered just above; nothing reads it.
+    unsafe { driver::host_unregister(p) }.is_ok()
+}
+
+/// A worker's stream and its registered windows whose copies may still run, each with its event;
+/// dropping it waits for the stream and unregisters them (also on an error path, where a window's
+/// event may not be recorded yet).
+struct InFlight<'w> {
+    ordinal: i32,
+    stream: Stream,
+    windows: std::collections::VecDeque<(&'w Window<'w>, Event)>,
+}
+
+impl<'w> InFlight<'w> {
+    /// Waits for the oldest window's copies and unregisters it.
+    fn retire(&mut self, done: &AtomicU64) -> Result<()> {
+        let Some((w, event)) = self.windows.pop_front() else {
+            return Ok(());
+        };
+        let waited = event.synchronize();
+        let p = std::ptr::with_exposed_provenance::<std::ffi::c_void>(w.start);
+        // SAFETY: registered by this worker; its event says no copy reads it any more (or the
+        // wait failed, and the context is unusable anyway).
+        let unregistered = unsafe { driver::host_unregister(p) }.named("cuMemHostUnregister");
+        waited?;
+        unregistered?;
+        done.fetch_add(
+            w.copies.iter().map(|c| c.len as u64).sum(),
+            Ordering::Relaxed,
+        );
+        Ok(())
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let Ok(_ctx) = context(self.ordinal) else {
+            return;
+        };
+        if let Err(e) = self.stream.synchronize() {
+            log::warn!("dlbridge: waiting for copies out of registered file pages: {e}");
+        }
+        let ignore = AtomicU64::new(0);
+        while !self.windows.is_empty() {
+            if let Err(e) = self.retire(&ignore) {
+                log::warn!("dlbridge: releasing registered file pages: {e}");
+            }
+        }
+    }
+}
+
+/// Copies every window's ranges to the device from the registered pages, `options.threads`
+/// workers taking windows in turn.
+fn read_registered(ordinal: i32, windows: &[Window<'_>], options: &ReadOptions<'_>) -> Result<()> {
+    let threads = options.threads.clamp(1, windows.len());
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                let outcome = register_and_copy(ordinal, windows, &next, &failed, options.done);
+                if let Err(e) = outcome {
+                    failed.store(true, Ordering::Relaxed);
+                    first_error
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(e);
+                }
+            });
+        }
+    });
+    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// One worker of [`read_registered`].
+fn register_and_copy(
+    ordinal: i32,
+    windows: &[Window<'_>],
+    next: &AtomicUsize,
+    failed: &AtomicBool,
+    done: &AtomicU64,
+) -> Result<()> {
+    let _ctx = context(ordinal)?;
+    let mut in_flight = InFlight {
+        ordinal,
+        stream: Stream::new(ordinal, true)?,
+        windows: std::collections::VecDeque::new(),
+    };
+    let stream = in_flight.stream.handle();
+    loop {
+        if failed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let Some(w) = windows.get(next.fetch_add(1, Ordering::Relaxed)) else {
+            break;
+        };
+        let p = std::ptr::with_exposed_provenance::<std::ffi::c_void>(w.start);
+        // SAFETY: `w` is a page-aligned range of a live read-only mapping of its file (the
+        // caller's `FileMaps`, unmapped after this returns), registered by no one else: windows do not overlap, and each
+        // is taken by one worker.
+        unsafe { driver::host_register(p, w.len, REGISTER_READ_ONLY) }.map_err(|e| Error::Io {
+            path: w.path.to_path_buf(),
+            source: std::io::Error::other(format!(
+                "registering the file's pages with the driver failed ({}): was the file \
+                     truncated while loading?",
+                driver::describe(e)
+            )),
+        })?;
+        let event = Event::new(ordinal, false);
+        let event = match event {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: registered just above; no copy was queued.
+                let _ = unsafe { driver::host_unregister(p) };
+                return Err(e);
+            }
+        };
+        // From here the window is retired (waited for and unregistered) by `in_flight`.
+        in_flight.windows.push_back((w, event));
+        for c in &w.copies {
+            let src = std::ptr::with_exposed_provenance::<std::ffi::c_void>(c.src);
+            // SAFETY: `src` lies in the registered window, which stays registered and mapped
+            // until this copy's event completed; `dst` lies in the destination allocation (the
+            // caller sized it for every read); the stream belongs to the bound context.
+            unsafe { driver::memcpy_htod_async(c.dst, src, c.len, raw(stream)) }
+                .named("cuMemcpyHtoDAsync")?;
+        }
+        if let Some((_, event)) = in_flight.windows.back() {
+            event.record(stream)?;
+        }
+        while in_flight.windows.len() > WINDOW_DEPTH {
+            in_flight.retire(done)?;
+        }
+    }
+    while !in_flight.windows.is_empty() {
+        in_flight.retire(done)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Tensor};
+
+    /// Windows are page-aligned, disjoint, at most the size asked, and their copies cover every
+    /// read exactly once, each inside its window, with the destination following the source.
+    #[test]
+    fn windows_cover_reads_once_inside_disjoint_pages() {
+        let page = crate::backend::cpu::page_size();
+        let path = std::env::temp_dir().join(format!("dlbridge-windows-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; 40 * page + 123]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let dst = Tensor::zeros(&[64 * page], DType::U8, Device::CPU).unwrap();
+        let mapping = 1usize << 32; // page-aligned; only arithmetic is done with it
+        // Runs with gaps, sharing pages at their edges, one ending at the file's last byte.
+        let runs = [
+            (10, 5000),
+            (5020, 3 * page),
+            (9 * page + 7, 17),
+            (12 * page, 28 * page + 123),
+        ];
+        for size in [page, 2 * page, 5 * page + 1, 64 * page] {
+            let reads: Vec<FileRead<'_>> = runs
+                .iter()
+                .enumerate()
+                .map(|(i, &(offset, len))| FileRead {
+                    path: &path,
+                    file: &file,
+                    direct: None,
+                    offset: offset as u64,
+                    len,
+                    dst: dst.buffer(),
+                    dst_offset: i * 8 * page,
+                })
+                .collect();
+            let windows = plan_windows(&reads, |_| Some(mapping), size).unwrap();
+            let limit = size.next_multiple_of(page);
+            for pair in windows.windows(2) {
+                assert!(
+                    pair[0].start + pair[0].len <= pair[1].start,
+                    "disjoint, in order"
+                );
+            }
+            let mut covered = 0;
+            for w in &windows {
+                assert_eq!(w.start % page, 0);
+                assert!(w.len > 0 && w.len <= limit);
+                for c in &w.copies {
+                    assert!(c.src >= w.start && c.src + c.len <= w.start + w.len);
+                    let r = reads
+                        .iter()
+                        .find(|r| {
+                            let s = mapping + r.offset as usize;
+                            c.src >= s && c.src + c.len <= s + r.len
+                        })
+                        .expect("a copy lies in one read");
+                    let into = c.src - (mapping + r.offset as usize);
+                    assert_eq!(
+                        c.dst,
+                        dst.buffer().handle() as u64 + (r.dst_offset + into) as u64
+                    );
+                    covered += c.len;
+                }
+            }
+            assert_eq!(covered, runs.iter().map(|r| r.1).sum::<usize>());
+        }
+        // A read past the file's end, a direct read, a read with no mapping: the staged reader.
+        let past = FileRead {
+            path: &path,
+            file: &file,
+            direct: None,
+            offset: (40 * page) as u64,
+            len: 124,
+            dst: dst.buffer(),
+            dst_offset: 0,
+        };
+        assert!(plan_windows(std::slice::from_ref(&past), |_| Some(mapping), page).is_none());
+        let direct = FileRead {
+            direct: Some(&file),
+            len: 1,
+            dst: dst.buffer(),
+            ..past
+        };
+        assert!(plan_windows(std::slice::from_ref(&direct), |_| Some(mapping), page).is_none());
+        let unmapped = FileRead {
+            direct: None,
+            ..direct
+        };
+        assert!(plan_windows(&[unmapped], |_| None, page).is_none());
+        std::fs::remove_file(&path).unwrap();
+    }
+}

@@ -46,11 +46,7 @@ fn lender() -> Result<(String, Lent)> {
     if let Some(l) = slot.as_ref().filter(|l| l.generation == generation) {
         return Ok((l.name.clone(), l.lent.clone()));
     }
-    let name = format!(
-        "{NAME_PREFIX}{}/{:016x}",
-        std::process::id(),
-        random_u64()?
-    );
+    let name = format!("{NAME_PREFIX}{}/{:016x}", std::process::id(), random_u64()?);
     let listener = SocketAddr::from_abstract_name(name.as_bytes())
         .and_then(|addr| UnixListener::bind_addr(&addr))
         .map_err(|e| io_failed("binding the descriptor lender's socket", &e))?;

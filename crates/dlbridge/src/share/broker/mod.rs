@@ -51,7 +51,6 @@ const NAME_PREFIX: &str = "dlbridge-fds/";
 /// The longest lender name a ticket may carry.
 pub const MAX_NAME: usize = 64;
 
-
 /// A claim on one descriptor lent by another (or this) process: the lender's name, a token, and
 /// the descriptor's number in the lender's process.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -35,6 +35,9 @@ use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
 
 /// The error of a failed system call, naming it, with `errno`'s text.
+/// How `/proc/<pid>/fd/<n>` names a shareable file (`memfd_create`'s name, as the kernel shows it).
+pub(crate) const LINK_PREFIX: &str = "/memfd:dlbridge-shared";
+
 pub(crate) fn os_error(call: &str) -> Error {
     let err = std::io::Error::last_os_error();
     Error::Driver {

@@ -292,7 +292,7 @@ impl SharedHandle {
     /// round trip.
     fn file_descriptor(&mut self) -> Result<OwnedFd> {
         if let Some(ticket) = &self.ticket
-            && let Some(fd) = broker::reopen(ticket)
+            && let Some(fd) = broker::reopen(ticket, cpu::LINK_PREFIX)
             && cpu::inode(&fd).is_ok_and(|i| i == self.inode)
         {
             if let Some(ticket) = self.ticket.take() {

@@ -102,14 +102,27 @@ pub fn forgo(ticket: &Ticket) {
 }
 
 /// The lent file opened again through `/proc/<pid>/fd/<n>` of the lender, read-write, without a
-/// message to the lender; `None` where that fails (the lender is gone, or the system hides its
-/// descriptors, or the file cannot be reopened by path). The ticket stays valid: the caller
-/// checks that the file is the one it expects, then [`forgo`]es the ticket, or [`claim`]s it.
-pub fn reopen(ticket: &Ticket) -> Option<OwnedFd> {
+/// message to the lender, when that descriptor's link starts with `link_prefix` (what the file
+/// must be: a process id reused by another process names other files, which are not opened);
+/// `None` where that fails (the lender is gone, or the system hides its descriptors, or the file
+/// cannot be reopened by path). The ticket stays valid: the caller checks that the file is the
+/// one it expects, then [`forgo`]es the ticket, or [`claim`]s it.
+pub fn reopen(ticket: &Ticket, link_prefix: &str) -> Option<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
     let path = format!("/proc/{}/fd/{}", ticket.lender_pid(), ticket.fd);
+    let link = std::fs::read_link(&path).ok()?;
+    if !link
+        .as_os_str()
+        .as_encoded_bytes()
+        .starts_with(link_prefix.as_bytes())
+    {
+        return None;
+    }
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)
+        // Never blocks (a FIFO) nor takes a terminal, whatever the link turned into meanwhile.
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .ok()
         .map(OwnedFd::from)
@@ -213,11 +226,18 @@ fn checkin(ticket: &Ticket, conn: UnixStream) {
     let mut kept = CONNECTIONS.lock().unwrap_or_else(PoisonError::into_inner);
     let generation = crate::fork::generation();
     let (g, conns) = kept.get_or_insert_with(|| (generation, HashMap::new()));
-    if *g == generation {
-        // A second connection made while the kept one was in use is closed.
-        conns.entry(ticket.lender.clone()).or_insert(conn);
+    if *g != generation || conns.contains_key(&ticket.lender) {
+        return; // a second connection made while the kept one was in use is closed
     }
+    if conns.len() >= MAX_CONNECTIONS {
+        // Lenders whose processes exited keep their entries until then: make room.
+        conns.clear();
+    }
+    conns.insert(ticket.lender.clone(), conn);
 }
+
+/// The most lenders a process keeps a connection to.
+const MAX_CONNECTIONS: usize = 64;
 
 fn connect(ticket: &Ticket) -> Result<UnixStream> {
     SocketAddr::from_abstract_name(ticket.lender.as_bytes())

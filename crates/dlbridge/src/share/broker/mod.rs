@@ -137,7 +137,12 @@ mod tests {
         let file = tempfile_fd();
         let ino = inode(&file);
         let t = lend(file).unwrap();
-        assert_eq!(reopen(&t).map(|fd| inode(&fd)), Some(ino));
+        assert!(
+            reopen(&t, "/proc/").is_none(),
+            "a link of another kind is not opened"
+        );
+        let prefix = std::env::temp_dir().to_string_lossy().into_owned();
+        assert_eq!(reopen(&t, &prefix).map(|fd| inode(&fd)), Some(ino));
         forgo(&t);
         assert!(claim(&t).is_err());
     }

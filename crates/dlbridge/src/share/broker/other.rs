@@ -28,7 +28,7 @@ pub fn claim(_ticket: &Ticket) -> Result<OwnedFd> {
 pub fn forgo(_ticket: &Ticket) {}
 
 /// Never opens anything.
-pub fn reopen(_ticket: &Ticket) -> Option<OwnedFd> {
+pub fn reopen(_ticket: &Ticket, _link_prefix: &str) -> Option<OwnedFd> {
     None
 }
 

@@ -35,6 +35,17 @@ def _consumer(framework: str, q_in, q_out) -> None:
         kind, x = msg
         if kind == "write":
             x[0] = 123  # the producer checks that it sees this: no copy on the way
+            # A CUDA write is queued on this process's stream: finish it before saying so (no
+            # event travels with a plain reply).
+            if framework == "torch":
+                if x.is_cuda:
+                    import torch
+
+                    torch.cuda.synchronize(x.device)
+            elif x.device.type == "cuda":
+                import dlbridge
+
+                dlbridge.synchronize(x.device)
             q_out.put("written")
         elif kind == "count":
             q_out.put(x)

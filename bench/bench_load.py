@@ -184,9 +184,9 @@ def pinned_h2d_gbps() -> float:
 
 def sweep(files: list[str], size: int) -> None:
     print("\nsweep (warm, dlbridge: reader threads x chunk size; GB/s, median of 2):")
-    chunks = (1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
+    chunks = (2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20)
     print("threads " + "".join(f"{c >> 20:>7} MiB" for c in chunks))
-    for threads in (2, 4, 8, 12, 16):
+    for threads in (2, 4, 6, 8, 12, 16):
         row = []
         for chunk in chunks:
             t = statistics.median(time_once(lambda f: load_dlbridge(f, threads=threads, chunk_bytes=chunk),

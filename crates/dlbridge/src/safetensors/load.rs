@@ -62,15 +62,15 @@ impl LoadOptions {
 
 /// The default size of one read and staging buffer: large enough that a read is mostly copying,
 /// small enough that a ring of them per thread stays modest in pinned memory and the first copy
-/// to the device starts early (4 MiB was best of 1 to 16 MiB in `bench/bench_load.py --sweep`).
+/// to the device starts early (4 MiB was best of 1 to 64 MiB in `bench/bench_load.py --sweep`).
 pub const DEFAULT_CHUNK: usize = 4 << 20;
 
-/// Reader threads when none are asked for: a quarter of the machine's parallelism, 2 to 8. On a
-/// 16-core H100 machine, warm loads of a 7 GB checkpoint ran at 19.8 GB/s with 4 threads and 4 MiB
-/// chunks, 12.4 with 2, and 13.7 with 16 threads and 16 MiB chunks (`bench/bench_load.py
-/// --sweep`): past a few threads, page-cache copies contend instead of adding up.
+/// Reader threads when none are asked for: half the machine's parallelism, 2 to 8. On the
+/// 16-core H100 machine, warm loads of a 7 GB checkpoint with 4 MiB chunks ran at 11.0 GB/s with
+/// 2 threads, 19.0 with 4, 27.3 with 6 and 31.6 with 8; chunks of 16 MiB and more were slower at
+/// every thread count (`bench/bench_load.py --sweep`, one sweep).
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| (n.get() / 4).clamp(2, 8))
+    std::thread::available_parallelism().map_or(4, |n| (n.get() / 2).clamp(2, 8))
 }
 
 impl Checkpoint {

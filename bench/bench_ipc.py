@@ -22,12 +22,19 @@ import time
 import numpy as np
 
 
+def multiprocessing_of(framework: str):
+    """``torch.multiprocessing`` or ``dlbridge.multiprocessing``: importing it registers the
+    framework's reducers with ``ForkingPickler``."""
+    if framework == "torch":
+        import torch.multiprocessing as mp
+    else:
+        import dlbridge.multiprocessing as mp
+    return mp
+
+
 def _consumer(framework: str, q_in, q_out) -> None:
     """Reads one element of each tensor received and answers with it; ``None`` stops."""
-    if framework == "torch":
-        import torch.multiprocessing  # noqa: F401  (registers torch's reducers)
-    else:
-        import dlbridge.multiprocessing  # noqa: F401
+    multiprocessing_of(framework)
     while True:
         msg = q_in.get()
         if msg is None:
@@ -83,11 +90,7 @@ def _pickled_bytes(x) -> int:
 
 
 def run_framework(framework: str, device: str, big: int, reps: int, small_msgs: int) -> dict[str, float]:
-    if framework == "torch":
-        import torch.multiprocessing as mp
-    else:
-        import dlbridge.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing_of(framework).get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_consumer, args=(framework, q_in, q_out))
     p.start()

@@ -12,12 +12,11 @@ import argparse
 import statistics
 import time
 
+from bench_ipc import multiprocessing_of  # bench/ is on the path when this file is run
+
 
 def _consumer(framework: str, q_in, q_out) -> None:
-    if framework == "torch":
-        import torch.multiprocessing  # noqa: F401
-    else:
-        import dlbridge.multiprocessing  # noqa: F401
+    multiprocessing_of(framework)
     from multiprocessing.reduction import ForkingPickler
 
     while True:
@@ -46,13 +45,9 @@ def _make(framework: str, n: int, device: str):
 
 
 def run(framework: str, device: str, n: int, reps: int) -> dict[str, float]:
-    if framework == "torch":
-        import torch.multiprocessing as mp
-    else:
-        import dlbridge.multiprocessing as mp
     from multiprocessing.reduction import ForkingPickler
 
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing_of(framework).get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_consumer, args=(framework, q_in, q_out))
     p.start()

@@ -174,41 +174,50 @@ pub(crate) fn read_to_host(reads: &[FileRead<'_>], options: &ReadOptions<'_>) ->
         .flat_map(|(i, r)| (0..r.len.div_ceil(chunk)).map(move |k| (i, k * chunk)))
         .collect();
     let next = AtomicUsize::new(0);
+    run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
+        while !failed.load(Ordering::Relaxed)
+            && let Some(&(i, start)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
+        {
+            let r = &reads[i];
+            let len = chunk.min(r.len - start);
+            let base = r.dst.require_host("reading a file into it")?;
+            // SAFETY: the caller sized `dst` for every read, and pieces of different reads land
+            // in disjoint ranges that nothing else touches meanwhile.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(
+                    base.as_ptr().wrapping_add(r.dst_offset + start),
+                    len,
+                )
+            };
+            r.file
+                .read_exact_at(dst, r.offset + start as u64)
+                .map_err(|source| Error::Io {
+                    path: r.path.to_path_buf(),
+                    source,
+                })?;
+            options.done.fetch_add(len as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    })
+}
+
+/// Runs `work` on `threads` scoped threads and returns the first error any of them met. That
+/// error also sets the flag each worker is given, which tells the others to stop taking work.
+pub(crate) fn run_workers(
+    threads: usize,
+    work: impl Fn(&std::sync::atomic::AtomicBool) -> Result<()> + Sync,
+) -> Result<()> {
+    let failed = std::sync::atomic::AtomicBool::new(false);
     let first_error = std::sync::Mutex::new(None);
     std::thread::scope(|scope| {
-        for _ in 0..options.threads.clamp(1, pieces.len().max(1)) {
+        for _ in 0..threads {
             scope.spawn(|| {
-                while let Some(&(i, start)) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    let r = &reads[i];
-                    let len = chunk.min(r.len - start);
-                    let outcome = r
-                        .dst
-                        .require_host("reading a file into it")
-                        .and_then(|base| {
-                            // SAFETY: the caller sized `dst` for every read, and pieces of different
-                            // reads land in disjoint ranges that nothing else touches meanwhile.
-                            let dst = unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    base.as_ptr().wrapping_add(r.dst_offset + start),
-                                    len,
-                                )
-                            };
-                            r.file
-                                .read_exact_at(dst, r.offset + start as u64)
-                                .map_err(|source| Error::Io {
-                                    path: r.path.to_path_buf(),
-                                    source,
-                                })
-                        });
-                    if let Err(e) = outcome {
-                        first_error
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert(e);
-                        next.store(usize::MAX / 2, Ordering::Relaxed);
-                        return;
-                    }
-                    options.done.fetch_add(len as u64, Ordering::Relaxed);
+                if let Err(e) = work(&failed) {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    first_error
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(e);
                 }
             });
         }

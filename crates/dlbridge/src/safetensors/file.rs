@@ -38,8 +38,9 @@ pub struct TensorLocation {
     pub shape: Vec<usize>,
 }
 
-/// A read-only private memory map of a whole file, unmapped when dropped.
-struct Mapping {
+/// A read-only memory map of a whole file (private, or shared for the CUDA reader that registers
+/// its pages with the driver), unmapped when dropped.
+pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -51,8 +52,13 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps the first `len` (> 0) bytes of `file`.
-    fn new(file: &std::fs::File, len: usize, path: &Path) -> Result<Mapping> {
+    /// Maps the first `len` (> 0) bytes of `file`, privately or `shared`.
+    pub(crate) fn new(
+        file: &std::fs::File,
+        len: usize,
+        path: &Path,
+        shared: bool,
+    ) -> Result<Mapping> {
         use std::os::fd::AsRawFd;
         // SAFETY: a fresh mapping at an address of the kernel's choosing (NULL hint, no
         // MAP_FIXED) replaces no existing memory; `fd` is an open descriptor that outlives the
@@ -62,7 +68,11 @@ impl Mapping {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ,
-                libc::MAP_PRIVATE,
+                if shared {
+                    libc::MAP_SHARED
+                } else {
+                    libc::MAP_PRIVATE
+                },
                 file.as_raw_fd(),
                 0,
             )
@@ -73,6 +83,18 @@ impl Mapping {
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| io_error(path, std::io::Error::other("mmap returned a NULL mapping")))?;
         Ok(Mapping { ptr, len })
+    }
+
+    /// The address of the file's byte 0.
+    #[cfg_attr(not(cuda), allow(dead_code))]
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The mapped length.
+    #[cfg_attr(not(cuda), allow(dead_code))]
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     fn bytes(&self) -> &[u8] {
@@ -126,7 +148,7 @@ impl SafeTensors {
         }
         let map_len = usize::try_from(len)
             .map_err(|_| invalid_file(path, format!("{len} bytes cannot be mapped")))?;
-        let mapping = Mapping::new(&file, map_len, path)?;
+        let mapping = Mapping::new(&file, map_len, path, false)?;
         let header = Header::parse(mapping.bytes(), len, path)?;
         let base = mapping.ptr.as_ptr();
         // SAFETY: `base` addresses the `map_len` bytes of the mapping, readable (never writable:

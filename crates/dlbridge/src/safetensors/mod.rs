@@ -37,6 +37,8 @@ mod load;
 mod save;
 
 pub use dtype::{dtype_from_name, dtype_name, dtype_names};
+#[cfg_attr(not(cuda), allow(unused_imports))] // the CUDA reader's shared mappings
+pub(crate) use file::Mapping;
 pub use file::{Checkpoint, SafeTensors, TensorLocation};
 pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
 pub use load::{DEFAULT_CHUNK, LoadOptions, default_threads};

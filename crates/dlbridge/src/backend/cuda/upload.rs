@@ -16,13 +16,12 @@
 //! Registered memory in flight is bounded by `threads × (WINDOW_DEPTH + 1) × 16 chunks`.
 
 use std::os::unix::fs::FileExt;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::driver::{self, Named};
 use super::stream::raw;
 use super::{Event, Stream, context};
-use crate::backend::{FileRead, ReadOptions};
+use crate::backend::{FileRead, ReadOptions, run_workers};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -68,7 +67,7 @@ pub(crate) fn read_to_device(
         && let Some(maps) = FileMaps::new(reads)
         && let Some(windows) = plan_windows(
             reads,
-            |r| maps.base(r.file),
+            |r| maps.of(r.file),
             chunk.saturating_mul(CHUNKS_PER_WINDOW),
         )
         && can_register(ordinal, &windows)
@@ -76,34 +75,14 @@ pub(crate) fn read_to_device(
         // `maps` outlives every registration: `read_registered` unregisters all before returning.
         return read_registered(ordinal, &windows, options);
     }
-    let threads = options.threads.clamp(1, pieces.len());
     let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                let worker = Worker::new(ordinal, chunk);
-                let outcome = worker.and_then(|mut w| {
-                    let run = w.run(reads, &pieces, &next, &failed, options.done);
-                    // Whatever happened, nothing may still be copying out of our buffers when
-                    // they go back to the pool.
-                    run.and(w.stream.synchronize())
-                });
-                if let Err(e) = outcome {
-                    failed.store(true, Ordering::Relaxed);
-                    first_error
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_or_insert(e);
-                }
-            });
-        }
-    });
-    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    run_workers(options.threads.clamp(1, pieces.len()), |failed| {
+        let mut w = Worker::new(ordinal, chunk)?;
+        let run = w.run(reads, &pieces, &next, failed, options.done);
+        // Whatever happened, nothing may still be copying out of our buffers when they go back
+        // to the pool.
+        run.and(w.stream.synchronize())
+    })
 }
 
 /// One reader thread's staging buffers, stream and events.
@@ -288,68 +267,50 @@ struct Window<'a> {
 /// Each file of a load mapped whole, shared and read-only, for the registered reader. (A private
 /// mapping will not do: the kernel copies each private page that is pinned long-term.)
 struct FileMaps {
-    /// `(descriptor, address, length)` of each distinct file's mapping.
-    maps: Vec<(std::os::fd::RawFd, usize, usize)>,
+    /// Each distinct file's descriptor and mapping.
+    maps: Vec<(std::os::fd::RawFd, crate::safetensors::Mapping)>,
 }
 
 impl FileMaps {
     /// The mappings of `reads`' files; `None` where a file is empty or cannot be mapped.
     fn new(reads: &[FileRead<'_>]) -> Option<FileMaps> {
         use std::os::fd::AsRawFd;
-        let mut maps = FileMaps { maps: Vec::new() };
+        let mut maps = Vec::new();
         for r in reads {
             let fd = r.file.as_raw_fd();
-            if maps.maps.iter().any(|m| m.0 == fd) {
+            if maps.iter().any(|(f, _)| *f == fd) {
                 continue;
             }
             let len = usize::try_from(r.file.metadata().ok()?.len()).ok()?;
             if len == 0 {
                 return None;
             }
-            // SAFETY: a new read-only shared mapping of an open file; no fixed address.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ,
-                    libc::MAP_SHARED,
-                    fd,
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return None; // `maps` unmaps those made so far
-            }
-            maps.maps.push((fd, p.expose_provenance(), len));
+            let map = crate::safetensors::Mapping::new(r.file, len, r.path, true).ok()?;
+            maps.push((fd, map));
         }
-        Some(maps)
+        Some(FileMaps { maps })
     }
 
-    /// The address of `file`'s byte 0 in its mapping.
-    fn base(&self, file: &std::fs::File) -> Option<usize> {
+    /// The address of `file`'s byte 0 in its mapping, and the mapping's length (the file's when
+    /// it was mapped).
+    fn of(&self, file: &std::fs::File) -> Option<(usize, usize)> {
         use std::os::fd::AsRawFd;
         let fd = file.as_raw_fd();
-        self.maps.iter().find(|m| m.0 == fd).map(|m| m.1)
-    }
-}
-
-impl Drop for FileMaps {
-    fn drop(&mut self) {
-        for &(_, p, len) in &self.maps {
-            // SAFETY: mapped by `new` with this length; every registration of its pages was
-            // undone (the reader unregisters all windows before it returns).
-            unsafe { libc::munmap(std::ptr::with_exposed_provenance_mut(p), len) };
-        }
+        self.maps
+            .iter()
+            .find(|(f, _)| *f == fd)
+            .map(|(_, m)| (m.as_ptr().expose_provenance(), m.len()))
     }
 }
 
 /// The windows that cover `reads` (each range of a mapping registered once, page-aligned, at most
-/// `size` bytes), with every read split into copies at their edges; `base` gives the address of
-/// a read's file in its mapping. `None` when a read has no mapping, is read directly, or lies
-/// beyond its file's end now (the staged reader reports that).
+/// `size` bytes), with every read split into copies at their edges; `map` gives the address of a
+/// read's file in its mapping and the mapping's length. `None` when a read has no mapping, is read
+/// directly, or lies beyond its mapping (a file shorter than its header says: the staged reader
+/// reports that).
 fn plan_windows<'a>(
     reads: &[FileRead<'a>],
-    base: impl Fn(&FileRead<'a>) -> Option<usize>,
+    map: impl Fn(&FileRead<'a>) -> Option<(usize, usize)>,
     size: usize,
 ) -> Option<Vec<Window<'a>>> {
     let page = crate::backend::cpu::page_size();
@@ -359,11 +320,12 @@ fn plan_windows<'a>(
         if r.direct.is_some() {
             return None;
         }
-        let file_len = r.file.metadata().ok()?.len();
-        if r.offset.checked_add(r.len as u64)? > file_len {
+        let (base, mapped) = map(r)?;
+        let offset = usize::try_from(r.offset).ok()?;
+        if offset.checked_add(r.len)? > mapped {
             return None;
         }
-        let src = base(r)?.checked_add(usize::try_from(r.offset).ok()?)?;
+        let src = base.checked_add(offset)?;
         let dst = r.dst.handle() as u64 + r.dst_offset as u64;
         items.push((src, r.len, dst, r.path));
     }
@@ -467,28 +429,10 @@ impl Drop for InFlight<'_> {
 /// Copies every window's ranges to the device from the registered pages, `options.threads`
 /// workers taking windows in turn.
 fn read_registered(ordinal: i32, windows: &[Window<'_>], options: &ReadOptions<'_>) -> Result<()> {
-    let threads = options.threads.clamp(1, windows.len());
     let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                let outcome = register_and_copy(ordinal, windows, &next, &failed, options.done);
-                if let Err(e) = outcome {
-                    failed.store(true, Ordering::Relaxed);
-                    first_error
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_or_insert(e);
-                }
-            });
-        }
-    });
-    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    run_workers(options.threads.clamp(1, windows.len()), |failed| {
+        register_and_copy(ordinal, windows, &next, failed, options.done)
+    })
 }
 
 /// One worker of [`read_registered`].
@@ -568,7 +512,8 @@ mod tests {
     fn windows_cover_reads_once_inside_disjoint_pages() {
         let page = crate::backend::cpu::page_size();
         let path = std::env::temp_dir().join(format!("dlbridge-windows-{}", std::process::id()));
-        std::fs::write(&path, vec![0u8; 40 * page + 123]).unwrap();
+        let file_len = 40 * page + 123;
+        std::fs::write(&path, vec![0u8; file_len]).unwrap();
         let file = std::fs::File::open(&path).unwrap();
         let dst = Tensor::zeros(&[64 * page], DType::U8, Device::CPU).unwrap();
         let mapping = 1usize << 32; // page-aligned; only arithmetic is done with it
@@ -593,7 +538,7 @@ mod tests {
                     dst_offset: i * 8 * page,
                 })
                 .collect();
-            let windows = plan_windows(&reads, |_| Some(mapping), size).unwrap();
+            let windows = plan_windows(&reads, |_| Some((mapping, file_len)), size).unwrap();
             let limit = size.next_multiple_of(page);
             for pair in windows.windows(2) {
                 assert!(
@@ -634,14 +579,28 @@ mod tests {
             dst: dst.buffer(),
             dst_offset: 0,
         };
-        assert!(plan_windows(std::slice::from_ref(&past), |_| Some(mapping), page).is_none());
+        assert!(
+            plan_windows(
+                std::slice::from_ref(&past),
+                |_| Some((mapping, file_len)),
+                page
+            )
+            .is_none()
+        );
         let direct = FileRead {
             direct: Some(&file),
             len: 1,
             dst: dst.buffer(),
             ..past
         };
-        assert!(plan_windows(std::slice::from_ref(&direct), |_| Some(mapping), page).is_none());
+        assert!(
+            plan_windows(
+                std::slice::from_ref(&direct),
+                |_| Some((mapping, file_len)),
+                page
+            )
+            .is_none()
+        );
         let unmapped = FileRead {
             direct: None,
             ..direct

@@ -99,13 +99,29 @@ def load_dlbridge(files, **kw):
     return out
 
 
-def load_dlbridge_registered(files, **kw):
-    """dlbridge copying from the files' registered pages instead of staging buffers (opt-in)."""
-    os.environ["DLBRIDGE_LOAD_REGISTER"] = "1"
+def with_env(env: dict[str, str], fn, *args, **kw):
+    """`fn(*args, **kw)` with the environment variables `env` set for the call."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        return load_dlbridge(files, **kw)
+        return fn(*args, **kw)
     finally:
-        del os.environ["DLBRIDGE_LOAD_REGISTER"]
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def load_dlbridge_registered(files, **kw):
+    """dlbridge copying from the files' registered pages alone (opt-in)."""
+    return with_env({"DLBRIDGE_LOAD_REGISTER": "1"}, load_dlbridge, files, **kw)
+
+
+def load_dlbridge_mixed(files, register_threads: int, **kw):
+    """dlbridge's staging workers beside `register_threads` workers copying from registered
+    pages (0: staging alone)."""
+    return with_env({"DLBRIDGE_LOAD_REGISTER_THREADS": str(register_threads)}, load_dlbridge, files, **kw)
 
 
 def load_st_cuda(files):
@@ -209,6 +225,32 @@ def sweep_registered(files: list[str], size: int) -> None:
         print(f"{threads:>7} " + "".join(f"{r:>11.2f}" for r in row), flush=True)
 
 
+def sweep_mixed(files: list[str], size: int) -> None:
+    print("\nsweep (warm, dlbridge: staging threads x workers on registered pages, 4 MiB chunks; "
+          "GB/s, median of 2):")
+    registering = (0, 1, 2, 3)
+    print("staging " + "".join(f"{r:>9} reg" for r in registering))
+    for threads in (4, 6, 8, 10, 12, 14):
+        row = []
+        for r in registering:
+            t = statistics.median(time_once(lambda f: load_dlbridge_mixed(f, r, threads=threads), files, False)
+                                  for _ in range(2))
+            row.append(size / t / 1e9)
+        print(f"{threads:>7} " + "".join(f"{x:>13.2f}" for x in row), flush=True)
+
+
+def sweep_cold(files: list[str], size: int) -> None:
+    print("\nsweep (cold, dlbridge direct reads: threads x chunk size; GB/s, one run each):")
+    chunks = (4 << 20, 16 << 20, 64 << 20)
+    print("threads " + "".join(f"{c >> 20:>7} MiB" for c in chunks))
+    for threads in (8, 16, 32):
+        row = []
+        for chunk in chunks:
+            t = time_once(lambda f: load_dlbridge(f, threads=threads, chunk_bytes=chunk), files, True)
+            row.append(size / t / 1e9)
+        print(f"{threads:>7} " + "".join(f"{x:>11.2f}" for x in row), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/dlbridge-bench-load")
@@ -219,6 +261,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep dlbridge's threads and chunk size (warm)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (no peers, no cold runs)")
     ap.add_argument("--sweep-registered", action="store_true", help="only the registered-pages sweep")
+    ap.add_argument("--sweep-mixed", action="store_true",
+                    help="only the sweep of staging threads x workers on registered pages (warm)")
+    ap.add_argument("--sweep-cold", action="store_true", help="only the cold sweep of direct reads")
     args = ap.parse_args()
     t0 = time.perf_counter()
     files = generate(args.dir, args.layers, args.shards)
@@ -233,7 +278,8 @@ def main() -> int:
 
     loaders = [
         ("dlbridge.load_file(files, 'cuda:0')", load_dlbridge),
-        ("dlbridge, registered pages (DLBRIDGE_LOAD_REGISTER=1)", load_dlbridge_registered),
+        ("dlbridge, staging alone (DLBRIDGE_LOAD_REGISTER_THREADS=0)", lambda f: load_dlbridge_mixed(f, 0)),
+        ("dlbridge, registered pages alone (DLBRIDGE_LOAD_REGISTER=1)", load_dlbridge_registered),
         ("safetensors.torch.load_file(f, device='cuda:0')", load_st_cuda),
         ("safetensors to CPU, then .to('cuda:0')", load_st_cpu_then_to),
         ("fastsafetensors fastsafe_open(nogds=True)", load_fastsafetensors),
@@ -242,8 +288,13 @@ def main() -> int:
         ("Run:ai Model Streamer SafetensorsStreamer", load_runai),
     ]
     results: dict[str, tuple[float | None, float | None, str]] = {}
-    if args.sweep_registered:
-        sweep_registered(files, size)
+    if args.sweep_registered or args.sweep_mixed or args.sweep_cold:
+        if args.sweep_mixed:
+            sweep_mixed(files, size)
+        if args.sweep_registered:
+            sweep_registered(files, size)
+        if args.sweep_cold and can_drop:
+            sweep_cold(files, size)
         return 0
     if args.sweep_only:
         loaders = []
@@ -279,17 +330,17 @@ def main() -> int:
 
     ours_cold, ours_warm, _ = results[loaders[0][0]]
     print()
-    print(f"{'loader':<52} {'cold GB/s':>10} {'warm GB/s':>10} {'dlbridge/peer cold':>19} {'warm':>7}")
+    print(f"{'loader':<60} {'cold GB/s':>10} {'warm GB/s':>10} {'dlbridge/peer cold':>19} {'warm':>7}")
     for name, (cold, warm, err) in results.items():
         if err:
-            print(f"{name:<52} {'-':>10} {'-':>10}   not run: {err}")
+            print(f"{name:<60} {'-':>10} {'-':>10}   not run: {err}")
             continue
         rc = f"{ours_cold / cold:.2f}" if cold and ours_cold else "-"
         rw = f"{ours_warm / warm:.2f}" if warm and ours_warm else "-"
-        print(f"{name:<52} {cold or 0:>10.2f} {warm:>10.2f} {rc:>19} {rw:>7}")
-    print(f"{'raw sequential read of the files (1 thread)':<52} "
+        print(f"{name:<60} {cold or 0:>10.2f} {warm:>10.2f} {rc:>19} {rw:>7}")
+    print(f"{'raw sequential read of the files (1 thread)':<60} "
           f"{(size / raw_cold / 1e9) if raw_cold else 0:>10.2f} {size / min(raw_warm) / 1e9:>10.2f}")
-    print(f"{'pinned host->device (1 GiB, torch)':<52} {'':>10} {h2d:>10.2f}")
+    print(f"{'pinned host->device (1 GiB, torch)':<60} {'':>10} {h2d:>10.2f}")
     if ours_warm:
         print(f"dlbridge warm / pinned H2D: {ours_warm / h2d:.2f}")
     if ours_cold and raw_cold:

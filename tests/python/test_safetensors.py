@@ -4,6 +4,7 @@ CPU, shards with an index, progress, the command line, and every kind of bad fil
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -281,11 +282,15 @@ def test_cuda_load_equals_safetensors(tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("register", ["1", "0"])
-def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch, register):
-    """Registered file pages (opt-in) and pinned staging (the default) give the
-    same tensors, for every selection: runs with gaps share pages at their edges."""
+@pytest.mark.parametrize("register, register_threads", [("1", "0"), ("0", "0"), ("0", "1"), ("0", "2")],
+                         ids=["registered-only", "staging-only", "mixed-1", "mixed-2"])
+def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch, register,
+                                                          register_threads):
+    """Registered file pages alone (opt-in), pinned staging alone, and both at once (staging
+    workers from the front, registering workers from the back: the default) give the same
+    tensors, for every selection: runs with gaps share pages at their edges."""
     monkeypatch.setenv("DLBRIDGE_LOAD_REGISTER", register)
+    monkeypatch.setenv("DLBRIDGE_LOAD_REGISTER_THREADS", register_threads)
     g = torch.Generator().manual_seed(9)
     tensors = {
         "a": torch.randn(1001, generator=g),
@@ -301,6 +306,46 @@ def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch,
         for threads in (1, 3):
             loaded = dlbridge.load_file(path, "cuda:0", keys=keys, threads=threads,
                                         chunk_bytes=64 << 10)
+            assert sorted(loaded) == sorted(keys or tensors)
+            for name, got in loaded.items():
+                assert torch.equal(torch.from_dlpack(got), expected[name]), (name, keys, threads)
+
+
+def _cufile_present() -> bool:
+    for name in ("libcufile.so.0", "libcufile.so"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            pass
+    return False
+
+
+@needs_cuda
+@pytest.mark.parametrize("direct", [True, False])
+def test_cuda_load_through_cufile(tmp_path, monkeypatch, direct):
+    """GPUDirect Storage asked for (DLBRIDGE_LOAD_GDS=1): cuFile reads straight into the device
+    allocation (in its compatibility mode where nvidia-fs is not loaded) and gives the same
+    tensors, for every selection; where libcufile is missing, asking for it is a clear error."""
+    monkeypatch.setenv("DLBRIDGE_LOAD_GDS", "1")
+    g = torch.Generator().manual_seed(11)
+    tensors = {
+        "a": torch.randn(1001, generator=g),
+        "b": torch.arange(4097, dtype=torch.uint8),
+        "c": torch.randn(300, 1000, generator=g).to(torch.bfloat16),
+        "d": torch.zeros(0, 3),
+    }
+    path = tmp_path / "gds.safetensors"
+    st_save_torch(tensors, str(path))
+    if not _cufile_present():
+        with pytest.raises(RuntimeError, match="cuFile"):
+            dlbridge.load_file(path, "cuda:0", direct_io=direct)
+        return
+    expected = st_load_torch(str(path), device="cuda:0")
+    for keys in (None, ["a", "c"], ["b"]):
+        for threads in (1, 3):
+            loaded = dlbridge.load_file(path, "cuda:0", keys=keys, threads=threads,
+                                        chunk_bytes=64 << 10, direct_io=direct)
             assert sorted(loaded) == sorted(keys or tensors)
             for name, got in loaded.items():
                 assert torch.equal(torch.from_dlpack(got), expected[name]), (name, keys, threads)

@@ -109,8 +109,12 @@ impl PyCheckpoint {
             threads,
             chunk_bytes,
             direct_io,
-            // The environment's `DLBRIDGE_LOAD_REGISTER`, else staging buffers.
+            // The environment's `DLBRIDGE_LOAD_REGISTER` and `DLBRIDGE_LOAD_REGISTER_THREADS`,
+            // else the defaults.
             register_pages: None,
+            register_threads: None,
+            // The environment's `DLBRIDGE_LOAD_GDS`, else cuFile where it reads without a copy.
+            gds: None,
         };
         let wanted: Option<std::collections::BTreeSet<String>> =
             keys.map(|k| k.into_iter().collect());

@@ -43,6 +43,17 @@ pub struct LoadOptions {
     /// checkpoint at 14.2 GB/s against staging's 18.3 in the same run (`bench/bench_load.py`):
     /// the driver registers pages at about 42 GB/s on one thread and not faster on more.
     pub register_pages: Option<bool>,
+    /// Otherwise, how many workers of a CUDA load copy from the files' registered pages beside
+    /// the `threads` staging workers, where the files are read through the page cache (`0`:
+    /// staging alone). `None`: the environment variable `DLBRIDGE_LOAD_REGISTER_THREADS`, else
+    /// [`DEFAULT_REGISTER_THREADS`].
+    pub register_threads: Option<usize>,
+    /// Whether a CUDA load reads through GPUDirect Storage (cuFile, loaded at run time where
+    /// present): `Some(true)` always (an error where cuFile cannot be used), `Some(false)` never.
+    /// `None`: the environment variable `DLBRIDGE_LOAD_GDS` (`1` or `0`), else for direct (cold)
+    /// reads where the `nvidia-fs` kernel module lets the storage write GPU memory without a host
+    /// copy; cuFile without it (its compatibility mode) is no faster than the staging reader.
+    pub gds: Option<bool>,
 }
 
 impl LoadOptions {
@@ -56,9 +67,15 @@ impl LoadOptions {
             chunk_bytes: None,
             direct_io: None,
             register_pages: None,
+            register_threads: None,
+            gds: None,
         }
     }
 }
+
+/// Workers copying from registered file pages beside the staging workers when none are asked
+/// for.
+pub const DEFAULT_REGISTER_THREADS: usize = 1;
 
 /// The default size of one read and staging buffer: large enough that a read is mostly copying,
 /// small enough that a ring of them per thread stays modest in pinned memory and the first copy
@@ -133,6 +150,19 @@ impl Checkpoint {
             register: options.register_pages.unwrap_or_else(|| {
                 std::env::var("DLBRIDGE_LOAD_REGISTER").is_ok_and(|v| v.trim() == "1")
             }),
+            register_threads: options.register_threads.unwrap_or_else(|| {
+                std::env::var("DLBRIDGE_LOAD_REGISTER_THREADS")
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(DEFAULT_REGISTER_THREADS)
+            }),
+            gds: options
+                .gds
+                .or_else(|| match std::env::var("DLBRIDGE_LOAD_GDS").as_deref() {
+                    Ok("1") => Some(true),
+                    Ok("0") => Some(false),
+                    _ => None,
+                }),
             done: &done,
         };
         let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();

@@ -30,6 +30,7 @@ mod codegen;
 pub(crate) mod compute;
 mod copy;
 mod driver;
+mod gds;
 mod hooks;
 pub(crate) mod ipc;
 pub(crate) mod launch;

@@ -11,7 +11,10 @@
 pinned staging buffers and copies each to the GPU asynchronously while the next is read, into one
 allocation per file; every tensor is a view of it and goes to PyTorch, JAX, CuPy or NumPy with no
 copy (``torch.from_dlpack(weights[name])``). Files mostly in the page cache are read through it;
-others with direct I/O (``direct_io=`` overrides).
+others with direct I/O (``direct_io=`` overrides). ``device="metal"`` reads nothing: the mapped
+files are wrapped in Metal buffers, and in shared storage (the default on Apple silicon) every
+tensor is a read-only view of the file's pages; private storage (``DLBRIDGE_METAL_STORAGE_MODE``)
+and ``copy=True`` get copies made on the GPU.
 """
 
 from __future__ import annotations
@@ -85,8 +88,10 @@ def load_file(
 
     ``device``: where the tensors go (``"cpu"``, ``"cuda:0"``, ...). On the CPU the arrays are
     read-only views of the mapped files (zero-copy) unless ``copy=True`` asks for writable
-    memory; elsewhere they are views of one allocation per file. ``keys``: only these tensors are
-    read. ``dtype``: floating-point tensors are converted on the device after loading.
+    memory; so are they on Metal in shared storage (the files' pages wrapped in Metal buffers),
+    while private storage gets GPU copies; elsewhere they are views of one allocation per file.
+    ``keys``: only these tensors are read. ``dtype``: floating-point tensors are converted on the
+    device after loading.
     ``progress``: ``None`` shows a bar on a terminal for loads that last over a second, ``False``
     none, a callable gets ``(bytes_done, bytes_total)``. ``threads``, ``chunk_bytes`` and
     ``direct_io`` tune the reader (defaults come from the machine and the page cache).

@@ -402,6 +402,78 @@ def test_mps_through_dlbridge_to_mlx_keeps_one_buffer(shared_mps, mx):
 
 
 # ---------------------------------------------------------------------------------------------
+# safetensors checkpoints onto Metal: the mapped file wrapped in MTLBuffers, no copy
+
+
+def _checkpoint(tmp_path):
+    """A checkpoint written by ``safetensors`` (pages of weights, small tensors beside them, an
+    empty one), and what ``safetensors`` loads from it on the CPU."""
+    st = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(11)
+    tensors = {"w": rng.standard_normal((300, 129)).astype(np.float32),
+               "bias": rng.standard_normal(129).astype(np.float16),
+               "idx": np.arange(-5, 12, dtype=np.int64),
+               "mask": np.array([True, False, True]),
+               "empty": np.zeros((0, 3), np.float32)}
+    path = tmp_path / "model.safetensors"
+    st.save_file(tensors, str(path))
+    return path, st.load_file(str(path))
+
+
+@needs_metal
+def test_load_file_onto_metal_equals_safetensors(tmp_path):
+    path, expected = _checkpoint(tmp_path)
+    info = dlbridge.metal.device_info()
+    loaded = dlbridge.load_file(path, device="metal:0")
+    assert sorted(loaded) == sorted(expected)
+    checkpoint = dlbridge._dlbridge._Checkpoint(str(path))
+    bases = set()
+    for name, ref in expected.items():
+        a = loaded[name]
+        assert (a.device, a.storage) == ("metal:0", info["default_storage"]), name
+        np.testing.assert_array_equal(np.asarray(a), ref)
+        if info["default_storage"] == "shared" and ref.size:
+            # No copy: read-only views of one mapping of the file, each at its file offset.
+            start = checkpoint.info(name)[2][0]
+            address = np.asarray(a).ctypes.data
+            assert a.readonly and a.is_foreign, name
+            assert address % info["page_size"] == start % info["page_size"], name
+            bases.add(address - start)
+    assert len(bases) <= 1, bases
+    # copy=True: writable memory of its own.
+    copies = dlbridge.load_file(path, device="metal:0", copy=True)
+    for name, ref in expected.items():
+        a = copies[name]
+        assert not a.readonly and not a.is_foreign, name
+        np.testing.assert_array_equal(np.asarray(a), ref)
+    # A dtype conversion runs on the GPU after the load; integers and booleans stay as they are.
+    halves = dlbridge.load_file(path, device="metal:0", dtype="float16")
+    assert (halves["w"].dtype, halves["idx"].dtype, halves["mask"].dtype) == (
+        "float16", "int64", "bool")
+    np.testing.assert_allclose(np.asarray(halves["w"]), expected["w"].astype(np.float16),
+                               rtol=1e-3, atol=1e-4)
+
+
+@needs_metal
+def test_load_file_into_private_storage_is_a_gpu_copy(tmp_path):
+    """The storage mode is read once per process: a child interpreter loads with private
+    storage, and hands the values back in a NumPy file."""
+    path, expected = _checkpoint(tmp_path)
+    got = tmp_path / "got.npz"
+    code = ("import sys, numpy as np, dlbridge\n"
+            "w = dlbridge.load_file(sys.argv[1], device='metal')\n"
+            "print(sorted({a.storage for a in w.values()}), any(a.readonly for a in w.values()))\n"
+            "np.savez(sys.argv[2], **{k: np.asarray(a) for k, a in w.items()})\n")
+    env = dict(os.environ, DLBRIDGE_METAL_STORAGE_MODE="private")
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(got)], capture_output=True,
+                         text=True, env=env, check=True)
+    assert out.stdout.split() == ["['private']", "False"], out.stdout
+    with np.load(got) as arrays:
+        for name, ref in expected.items():
+            np.testing.assert_array_equal(arrays[name], ref)
+
+
+# ---------------------------------------------------------------------------------------------
 # Environment switches (read once per process: checked in a child interpreter)
 
 

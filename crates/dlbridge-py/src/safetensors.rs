@@ -105,6 +105,8 @@ impl PyCheckpoint {
         let options = LoadOptions {
             device,
             copy,
+            // The environment's storage mode, else the device's default.
+            storage: None,
             dtype,
             threads,
             chunk_bytes,

@@ -846,3 +846,148 @@ fn export_hands_out_the_buffer_and_offset() {
     // SAFETY: the export is ours and released once.
     unsafe { dlbridge::dlpack::release_versioned(exported) };
 }
+
+/// A safetensors file written byte by byte (`save_file` orders tensors so that every one is
+/// aligned): `u8` "a" [1, 2, 3], then `f32` "b" [1.5, -2.0] three bytes in, misaligned for its
+/// elements, then an empty `f32` "e".
+fn misaligned_safetensors(path: &std::path::Path) {
+    let mut header = String::from(
+        r#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[2],"data_offsets":[3,11]},"e":{"dtype":"F32","shape":[0],"data_offsets":[11,11]}}"#,
+    );
+    while (8 + header.len()) % 8 != 0 {
+        header.push(' ');
+    }
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&[1, 2, 3]);
+    for v in [1.5f32, -2.0] {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+#[ignore = "needs a Metal device"]
+fn checkpoint_loads_as_views_of_the_mapped_file() {
+    use dlbridge::safetensors::{Checkpoint, LoadOptions, save_file};
+    let (device, _serial) = gpu();
+    let page = metal::device_info(device).unwrap().page_size;
+    let dir = std::env::temp_dir().join(format!("dlbridge-metal-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Several pages of weights, and small tensors that share pages with them and the header.
+    let n = 3 * page / 4 + 77;
+    let w = Tensor::from_slice(&iota_f32(n), &[n]).unwrap();
+    let bias = Tensor::from_slice(&[0.5f32, -1.0, 2.0, 4.0, 8.0, -0.25, 3.0], &[7]).unwrap();
+    let idx = Tensor::from_slice(&[5i64, -6, 7, 8, 9], &[5]).unwrap();
+    let saved = dir.join("model-00001-of-00002.safetensors");
+    save_file(&[("w", &w), ("bias", &bias), ("idx", &idx)], None, &saved).unwrap();
+    let odd = dir.join("model-00002-of-00002.safetensors");
+    misaligned_safetensors(&odd);
+    let checkpoint = Checkpoint::open_files(&[&saved, &odd]).unwrap();
+    // Gone before the loads: they use the mapped pages, never a read of the files (the reader
+    // would fail to open them).
+    std::fs::remove_dir_all(&dir).unwrap();
+    let load = |storage: Option<StorageMode>, copy: bool, dtype: Option<DType>| {
+        let options = LoadOptions {
+            storage,
+            copy,
+            dtype,
+            ..LoadOptions::new(device)
+        };
+        checkpoint
+            .load_to(|_| true, &options, &mut |_, _| {})
+            .unwrap()
+    };
+    let cpu = checkpoint
+        .load_to(|_| true, &LoadOptions::new(Device::CPU), &mut |_, _| {})
+        .unwrap();
+    let same_values = |loaded: &std::collections::BTreeMap<String, Tensor>| {
+        assert_eq!(read::<f32>(&loaded["w"]), cpu["w"].to_vec::<f32>().unwrap());
+        assert_eq!(
+            read::<f32>(&loaded["bias"]),
+            cpu["bias"].to_vec::<f32>().unwrap()
+        );
+        assert_eq!(
+            read::<i64>(&loaded["idx"]),
+            cpu["idx"].to_vec::<i64>().unwrap()
+        );
+        assert_eq!(read::<u8>(&loaded["a"]), vec![1, 2, 3]);
+        assert_eq!(read::<f32>(&loaded["b"]), vec![1.5, -2.0]);
+        assert_eq!(loaded["e"].numel(), 0);
+        for t in loaded.values() {
+            assert_eq!(t.device(), device);
+        }
+    };
+
+    // Shared storage: read-only views of the mapped pages, each at its file offset.
+    let shared = load(Some(StorageMode::Shared), false, None);
+    same_values(&shared);
+    for name in ["w", "bias", "idx", "a"] {
+        let t = &shared[name];
+        let (shard, info) = checkpoint.info(name).unwrap();
+        let in_file = shard
+            .buffer()
+            .host_ptr()
+            .unwrap()
+            .as_ptr()
+            .wrapping_add(info.byte_range().start as usize);
+        let contents = t.buffer().host_ptr().unwrap().as_ptr();
+        assert_eq!(
+            contents.wrapping_add(t.byte_offset()),
+            in_file,
+            "{name}: no copy"
+        );
+        assert_eq!(
+            contents as usize % page,
+            0,
+            "{name}: whole pages are wrapped"
+        );
+        assert!(t.buffer().is_foreign(), "{name}: the file's memory");
+        assert!(t.is_read_only(), "{name}: the mapping is read-only");
+        assert_eq!(t.buffer().storage_mode(), StorageMode::Shared);
+    }
+    assert!(
+        !shared["b"].buffer().is_foreign(),
+        "misaligned bytes are copied"
+    );
+    let ones = on_metal(device, &[1.0; 7], &[7], StorageMode::Private);
+    // SAFETY: no host reference into the view is alive.
+    let write = unsafe { metal::copy_unchecked(&ones, &shared["bias"]) };
+    assert!(matches!(write, Err(Error::ReadOnly(_))), "{write:?}");
+    // The GPU reads the file's pages: a blit of a view into private memory.
+    let blitted = metal::copy_to(&shared["w"], device, Some(StorageMode::Private)).unwrap();
+    assert_eq!(read::<f32>(&blitted), iota_f32(n));
+
+    // Private and managed storage, or a copy asked for: memory of their own, by a GPU blit.
+    let mut own = vec![
+        (Some(StorageMode::Private), false),
+        (Some(StorageMode::Shared), true),
+    ];
+    if MANAGED_AVAILABLE {
+        own.push((Some(StorageMode::Managed), false));
+    }
+    for (storage, copy) in own {
+        let loaded = load(storage, copy, None);
+        same_values(&loaded);
+        for (name, t) in &loaded {
+            assert_eq!(t.buffer().storage_mode(), storage.unwrap(), "{name}");
+            assert!(!t.buffer().is_foreign(), "{name}: {storage:?} copy={copy}");
+            assert!(!t.is_read_only(), "{name}: writable");
+        }
+    }
+
+    // A dtype conversion runs after the load, on the device.
+    let halves = load(None, false, Some(DType::F16));
+    assert_eq!(halves["bias"].dtype(), DType::F16);
+    assert_eq!(
+        halves["idx"].dtype(),
+        DType::I64,
+        "integers are not converted"
+    );
+    let back = halves["bias"].cast(DType::F32).unwrap();
+    assert_eq!(read::<f32>(&back), cpu["bias"].to_vec::<f32>().unwrap());
+
+    // The views keep the mapping alive after the checkpoint is gone.
+    drop((checkpoint, cpu));
+    assert_eq!(read::<f32>(&shared["w"]), iota_f32(n));
+}

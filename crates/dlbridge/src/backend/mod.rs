@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod metal;
 pub mod plan;
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, StorageMode};
@@ -114,10 +115,25 @@ pub(crate) trait Backend: Sync {
     ) -> Result<()> {
         read_to_host(reads, options)
     }
+
+    /// Makes byte ranges `items` of `host`, a CPU buffer (a file's read-only mapping, say),
+    /// addressable by `device` without a copy: item by item, the device buffer that holds it and
+    /// the byte offset of its start there. The device buffers keep `host` alive and are as
+    /// read-only as it is. `None` where the backend cannot share host memory so (the caller
+    /// copies instead); an error where it could but this time did not.
+    fn wrap_host(
+        &self,
+        _device: Device,
+        _host: &Buffer,
+        _items: &[Range<usize>],
+    ) -> Option<Result<Vec<(Buffer, usize)>>> {
+        None
+    }
 }
 
 /// One range of a file headed for a buffer: `len` bytes at `offset` of `file` (or of `direct`, the
 /// same file opened for direct I/O, where that is wanted) land at `dst_offset` in `dst`.
+#[derive(Clone, Copy)]
 pub(crate) struct FileRead<'a> {
     /// The file's path, for errors.
     pub(crate) path: &'a std::path::Path,
@@ -170,6 +186,16 @@ pub(crate) fn read_file(
         Some(backend) => backend.read_file(device, reads, options),
         None => Err(no_memory_of_ours(device)),
     }
+}
+
+/// Makes byte ranges of a CPU buffer addressable by `device` without a copy
+/// ([`Backend::wrap_host`]); `None` where its backend cannot.
+pub(crate) fn wrap_host(
+    device: Device,
+    host: &Buffer,
+    items: &[Range<usize>],
+) -> Option<Result<Vec<(Buffer, usize)>>> {
+    of(device)?.wrap_host(device, host, items)
 }
 
 /// Parallel positioned reads straight into host-accessible destinations.

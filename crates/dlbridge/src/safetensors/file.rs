@@ -256,8 +256,7 @@ impl SafeTensors {
         let (start, len) = (range.start as usize, info.nbytes() as usize);
         let base = self.buffer.require_host("loading a tensor")?;
         let packed = info.is_packed();
-        let align = if packed { 1 } else { info.dtype().itemsize() };
-        let aligned = (base.as_ptr() as usize).wrapping_add(start) % align == 0;
+        let aligned = is_aligned((base.as_ptr() as usize).wrapping_add(start), info.dtype());
         if aligned && !copy {
             let layout = Layout::contiguous_at(info.shape(), start)?;
             return Tensor::with_packing(self.buffer.clone(), info.dtype(), layout, packed);
@@ -472,6 +471,12 @@ impl Checkpoint {
         }
         Ok(out)
     }
+}
+
+/// Whether bytes at `address` can be viewed in place as elements of `dtype`: aligned for its
+/// item size (one byte for packed sub-byte elements). Bytes that are not are copied.
+pub(super) fn is_aligned(address: usize, dtype: DType) -> bool {
+    address % dtype.itemsize() == 0
 }
 
 /// The index file's text, at most [`MAX_HEADER_LEN`] bytes.

@@ -1,7 +1,16 @@
-//! Loading a checkpoint onto any device: CPU tensors are views of the mapped files (or private
-//! copies); other devices get the bytes read straight into their memory by the backend
-//! ([`crate::backend`]'s `read_file`: pinned staging and asynchronous copies on CUDA), one
-//! allocation per file, tensors as views of it.
+//! Loading a checkpoint onto any device.
+//!
+//! | device | how | tensors |
+//! | --- | --- | --- |
+//! | CPU | each file mapped read-only | views of the mapping (read-only, zero-copy), or private copies (`copy`) |
+//! | Metal | the mapping wrapped in `MTLBuffer`s over its pages, no copy (`newBufferWithBytesNoCopy:`) | shared storage: read-only views of the file's pages, each with its byte offset; private or managed storage, or `copy`: a GPU blit of each tensor into memory of its own |
+//! | CUDA, and files a backend declines to wrap | the selected bytes read into one allocation per file, in the load's storage mode (CUDA device memory: pinned staging and asynchronous copies; Metal private memory: shared staging and blits) | views of that allocation |
+//!
+//! One rule for every device: a tensor is a view in place where the device addresses the file's
+//! pages and nothing asks for memory of its own, and a copy otherwise, also when its bytes are
+//! not aligned for its element type. Wrapping goes through the backend seam ([`crate::backend`]'s
+//! `wrap_host`; `read_file` for the reads). A backend that cannot wrap host pages, or declines a
+//! file's, leaves that file to the reader: a load never fails for it.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -10,8 +19,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::file::{Checkpoint, SafeTensors, TensorLocation};
+use super::file::{Checkpoint, SafeTensors, TensorLocation, is_aligned};
 use crate::backend::{self, FileRead, ReadOptions};
+use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -23,9 +33,16 @@ use crate::tensor::Tensor;
 pub struct LoadOptions {
     /// Where the tensors go.
     pub device: Device,
-    /// CPU only: `false` gives read-only views of the mapped files (zero-copy), `true` writable
-    /// private memory. Other devices always get memory of their own.
+    /// `false`: read-only views of the mapped files where the device addresses them in place
+    /// (the CPU; Metal in shared storage), memory of their own elsewhere; `true`: writable memory
+    /// of their own everywhere.
     pub copy: bool,
+    /// The storage mode of the tensors' memory (`None`: the device's default, as
+    /// [`backend::resolve_storage`] gives it). On Metal, shared storage (the default on Apple
+    /// silicon) lets the tensors be views of the mapped files, and private or managed storage
+    /// copies them there on the GPU; on CUDA the mode picks the device kind, as
+    /// [`backend::placement`] does. The CPU has one mode.
+    pub storage: Option<StorageMode>,
     /// Convert every floating-point tensor to this dtype after loading, on the device.
     pub dtype: Option<DType>,
     /// Reader threads (`None`: chosen from the machine, see [`default_threads`]).
@@ -62,6 +79,7 @@ impl LoadOptions {
         LoadOptions {
             device,
             copy: false,
+            storage: None,
             dtype: None,
             threads: None,
             chunk_bytes: None,
@@ -134,66 +152,213 @@ impl Checkpoint {
         total: u64,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<BTreeMap<String, Tensor>> {
-        let device = options.device;
+        let device = backend::placement(options.device, options.storage)?;
+        let mut out = BTreeMap::new();
+        let mut wrapped: u64 = 0;
         let mut files: Vec<FileLoad<'_>> = Vec::new();
         for shard in self.shards() {
             let locations: Vec<&TensorLocation> =
                 plan.iter().filter(|l| *l.file == *shard.path()).collect();
-            if !locations.is_empty() {
-                files.push(FileLoad::new(shard, locations, device, options.direct_io)?);
+            if locations.is_empty() {
+                continue;
+            }
+            match wrap_file(shard, &locations, device, options)? {
+                Some(tensors) => {
+                    wrapped += locations
+                        .iter()
+                        .map(|l| l.byte_range.end - l.byte_range.start)
+                        .sum::<u64>();
+                    out.extend(tensors);
+                }
+                None => files.push(FileLoad::new(shard, locations, device, options)?),
             }
         }
-        let done = AtomicU64::new(0);
-        let read_options = ReadOptions {
-            threads: options.threads.unwrap_or_else(default_threads),
-            chunk: options.chunk_bytes.unwrap_or(DEFAULT_CHUNK),
-            register: options.register_pages.unwrap_or_else(|| {
-                std::env::var("DLBRIDGE_LOAD_REGISTER").is_ok_and(|v| v.trim() == "1")
-            }),
-            register_threads: options.register_threads.unwrap_or_else(|| {
-                std::env::var("DLBRIDGE_LOAD_REGISTER_THREADS")
-                    .ok()
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(DEFAULT_REGISTER_THREADS)
-            }),
-            gds: options
-                .gds
-                .or_else(|| match std::env::var("DLBRIDGE_LOAD_GDS").as_deref() {
-                    Ok("1") => Some(true),
-                    Ok("0") => Some(false),
-                    _ => None,
-                }),
-            done: &done,
-        };
-        let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();
-        let caller = std::thread::current();
-        let outcome = std::thread::scope(|scope| {
-            let reader = scope.spawn(|| {
-                let r = backend::read_file(device, &reads, &read_options);
-                // Wake the caller now rather than at its next progress tick.
-                caller.unpark();
-                r
-            });
-            // `is_finished` also ends the wait when the reader panicked.
-            while !reader.is_finished() {
-                progress(done.load(Ordering::Relaxed), total);
-                std::thread::park_timeout(Duration::from_millis(100));
-            }
-            reader.join().unwrap_or_else(|_| {
-                Err(Error::Driver {
-                    backend: "loader",
-                    message: "a reader thread panicked".into(),
-                })
-            })
-        });
-        outcome?;
+        let done = AtomicU64::new(wrapped);
+        if !files.is_empty() {
+            read_files(&files, device, options, &done, total, progress)?;
+        }
         progress(total, total);
-        let mut out = BTreeMap::new();
         for file in &files {
-            file.views(&mut out)?;
+            file.views(options.storage, &mut out)?;
         }
         Ok(out)
     }
+}
+
+/// Reads the files' selected bytes into their allocations, reporting `done` bytes of `total`
+/// about ten times a second while the backend reads.
+fn read_files(
+    files: &[FileLoad<'_>],
+    device: Device,
+    options: &LoadOptions,
+    done: &AtomicU64,
+    total: u64,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
+    let read_options = ReadOptions {
+        threads: options.threads.unwrap_or_else(default_threads),
+        chunk: options.chunk_bytes.unwrap_or(DEFAULT_CHUNK),
+        register: options.register_pages.unwrap_or_else(|| {
+            std::env::var("DLBRIDGE_LOAD_REGISTER").is_ok_and(|v| v.trim() == "1")
+        }),
+        register_threads: options.register_threads.unwrap_or_else(|| {
+            std::env::var("DLBRIDGE_LOAD_REGISTER_THREADS")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(DEFAULT_REGISTER_THREADS)
+        }),
+        gds: options
+            .gds
+            .or_else(|| match std::env::var("DLBRIDGE_LOAD_GDS").as_deref() {
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
+                _ => None,
+            }),
+        done,
+    };
+    let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();
+    let caller = std::thread::current();
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let r = backend::read_file(device, &reads, &read_options);
+            // Wake the caller now rather than at its next progress tick.
+            caller.unpark();
+            r
+        });
+        // `is_finished` also ends the wait when the reader panicked.
+        while !reader.is_finished() {
+            progress(done.load(Ordering::Relaxed), total);
+            std::thread::park_timeout(Duration::from_millis(100));
+        }
+        reader.join().unwrap_or_else(|_| {
+            Err(Error::Driver {
+                backend: "loader",
+                message: "a reader thread panicked".into(),
+            })
+        })
+    })
+}
+
+/// How a tensor whose bytes the device addresses in place (a wrapped file mapping) reaches the
+/// caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    /// A read-only view of the file's pages.
+    View,
+    /// A copy on the device, in memory of its own in the load's storage mode.
+    Copy,
+}
+
+impl Placement {
+    /// A view only in shared storage (the memory the host pages are), when no copy is asked for
+    /// and the bytes are aligned for the tensor's elements.
+    fn of(storage: StorageMode, copy: bool, aligned: bool) -> Placement {
+        if storage == StorageMode::Shared && !copy && aligned {
+            Placement::View
+        } else {
+            Placement::Copy
+        }
+    }
+}
+
+/// The byte ranges of the mapped file the device must address: those of the non-empty tensors
+/// (an empty one needs no bytes, and may sit where no wrapped page is).
+fn wrapped_ranges(locations: &[&TensorLocation]) -> Vec<Range<usize>> {
+    locations
+        .iter()
+        .filter(|l| !l.byte_range.is_empty())
+        // Inside the mapped file (checked by the parser), so both ends fit in usize.
+        .map(|l| l.byte_range.start as usize..l.byte_range.end as usize)
+        .collect()
+}
+
+/// One file's tensors on `device` straight from its mapping, which the backend makes addressable
+/// by the device without a copy ([`backend::wrap_host`]): each a view of the mapping or a copy on
+/// the device, as [`Placement::of`] decides. `None` where the backend cannot wrap host pages or
+/// declines this file's, for the caller to read the file instead.
+fn wrap_file(
+    shard: &SafeTensors,
+    locations: &[&TensorLocation],
+    device: Device,
+    options: &LoadOptions,
+) -> Result<Option<Vec<(String, Tensor)>>> {
+    let mapping = shard.buffer();
+    let ranges = wrapped_ranges(locations);
+    if ranges.is_empty() {
+        return Ok(None);
+    }
+    let wrapped = match backend::wrap_host(device, mapping, &ranges) {
+        None => return Ok(None),
+        Some(Ok(wrapped)) => wrapped,
+        Some(Err(e)) => {
+            log::debug!(
+                "dlbridge: {device} did not wrap the pages of {} ({e}); reading the file instead",
+                shard.path().display()
+            );
+            return Ok(None);
+        }
+    };
+    let storage = backend::resolve_storage(device, options.storage)?.mode;
+    place(mapping, locations, wrapped, storage, options.copy).map(Some)
+}
+
+/// The tensors at `locations` in `mapping`, whose non-empty ranges ([`wrapped_ranges`]) the
+/// device addresses at `wrapped` (a buffer and the byte offset there, range by range): each a
+/// view or a copy in `storage`, as [`Placement::of`] decides.
+fn place(
+    mapping: &Buffer,
+    locations: &[&TensorLocation],
+    wrapped: Vec<(Buffer, usize)>,
+    storage: StorageMode,
+    copy: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let base = mapping.require_host("loading a tensor")?.as_ptr() as usize;
+    // An empty tensor is a view of no bytes of any wrapped buffer.
+    let anywhere = wrapped.first().map(|(buffer, _)| (buffer.clone(), 0));
+    let mut wrapped = wrapped.into_iter();
+    let mut out = Vec::with_capacity(locations.len());
+    for l in locations {
+        let placed = if l.byte_range.is_empty() {
+            anywhere.clone()
+        } else {
+            wrapped.next()
+        };
+        let (buffer, offset) = placed.ok_or_else(|| Error::Driver {
+            backend: "loader",
+            message: "the backend placed fewer tensors than it was given".into(),
+        })?;
+        let aligned = is_aligned(base + l.byte_range.start as usize, l.dtype);
+        let tensor = match Placement::of(storage, copy, aligned) {
+            Placement::View => view(buffer, offset, l)?,
+            Placement::Copy => copy_of(&buffer, offset, l, Some(storage))?,
+        };
+        out.push((l.name.clone(), tensor));
+    }
+    Ok(out)
+}
+
+/// The tensor at `l` as a view of `buffer`, which holds its bytes from `offset`.
+fn view(buffer: Buffer, offset: usize, l: &TensorLocation) -> Result<Tensor> {
+    let layout = Layout::contiguous_at(&l.shape, offset)?;
+    Tensor::with_packing(buffer, l.dtype, layout, l.dtype.is_sub_byte())
+}
+
+/// The tensor at `l` as a copy, on `buffer`'s device in `storage`, of its bytes in `buffer` from
+/// `offset`: compact, in new memory, aligned for any element type.
+fn copy_of(
+    buffer: &Buffer,
+    offset: usize,
+    l: &TensorLocation,
+    storage: Option<StorageMode>,
+) -> Result<Tensor> {
+    let len = (l.byte_range.end - l.byte_range.start) as usize;
+    let bytes = Tensor::new(
+        buffer.clone(),
+        DType::U8,
+        Layout::contiguous_at(&[len], offset)?,
+    )?;
+    let copy = bytes.copy_to_storage(buffer.device(), storage)?;
+    view(copy.buffer().clone(), 0, l)
 }
 
 /// One file's part of a device load: its open handles and one destination allocation covering
@@ -213,7 +378,7 @@ impl<'a> FileLoad<'a> {
         shard: &'a SafeTensors,
         locations: Vec<&'a TensorLocation>,
         device: Device,
-        direct_io: Option<bool>,
+        options: &LoadOptions,
     ) -> Result<FileLoad<'a>> {
         let path = shard.path();
         let io = |source| Error::Io {
@@ -221,7 +386,7 @@ impl<'a> FileLoad<'a> {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        let direct = match direct_io {
+        let direct = match options.direct_io {
             Some(false) => false,
             Some(true) => true,
             None => resident_fraction(shard) < 0.5,
@@ -240,7 +405,7 @@ impl<'a> FileLoad<'a> {
             .unwrap_or(0);
         let len = usize::try_from(end - start)
             .map_err(|_| Error::Overflow(format!("{} bytes do not fit in memory", end - start)))?;
-        let dst = Tensor::empty(&[len], DType::U8, device)?;
+        let dst = Tensor::allocate(&[len], DType::U8, device, options.storage, false)?;
         Ok(FileLoad {
             path,
             file,
@@ -275,28 +440,20 @@ impl<'a> FileLoad<'a> {
             .collect()
     }
 
-    /// Each tensor as a view of the allocation, or a copy of its bytes where they are not
-    /// aligned for its element type.
-    fn views(&self, out: &mut BTreeMap<String, Tensor>) -> Result<()> {
+    /// Each tensor as a view of the allocation, or a copy of its bytes (in `storage`) where they
+    /// are not aligned for its element type.
+    fn views(
+        &self,
+        storage: Option<StorageMode>,
+        out: &mut BTreeMap<String, Tensor>,
+    ) -> Result<()> {
+        let buffer = self.dst.buffer();
         for l in &self.locations {
             let offset = (l.byte_range.start - self.span.start) as usize;
-            let packed = l.dtype.is_sub_byte();
-            let align = if packed { 1 } else { l.dtype.itemsize() };
-            let address = self.dst.buffer().handle() as usize + offset;
-            let tensor = if address % align == 0 {
-                let layout = Layout::contiguous_at(&l.shape, offset)?;
-                Tensor::with_packing(self.dst.buffer().clone(), l.dtype, layout, packed)?
+            let tensor = if is_aligned(buffer.handle() as usize + offset, l.dtype) {
+                view(buffer.clone(), offset, l)?
             } else {
-                let len = (l.byte_range.end - l.byte_range.start) as usize;
-                let bytes = Tensor::new(
-                    self.dst.buffer().clone(),
-                    DType::U8,
-                    Layout::contiguous_at(&[len], offset)?,
-                )?;
-                // A compact copy: new memory, aligned for any element type.
-                let copy = bytes.copy()?;
-                let layout = Layout::contiguous(&l.shape)?;
-                Tensor::with_packing(copy.buffer().clone(), l.dtype, layout, packed)?
+                copy_of(buffer, offset, l, storage)?
             };
             out.insert(l.name.clone(), tensor);
         }
@@ -351,5 +508,169 @@ fn open_direct(path: &Path) -> Option<File> {
     {
         let _ = path;
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file written byte by byte: `u8` "a" [1, 2, 3], then `f32` "b" [1.5, -2.0]
+    /// three bytes in (misaligned for its elements wherever the data starts 8-aligned), then an
+    /// empty `f32` "e".
+    fn misaligned_file(tag: &str) -> std::path::PathBuf {
+        let header = r#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[2],"data_offsets":[3,11]},"e":{"dtype":"F32","shape":[0,4],"data_offsets":[11,11]}}"#;
+        let mut header = header.to_owned();
+        while (8 + header.len()) % 8 != 0 {
+            header.push(' ');
+        }
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(&[1, 2, 3]);
+        for v in [1.5f32, -2.0] {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        let path = std::env::temp_dir().join(format!(
+            "dlbridge-load-{}-{tag}.safetensors",
+            std::process::id()
+        ));
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn placement_rule() {
+        use Placement::{Copy, View};
+        use StorageMode::{Managed, Private, Shared};
+        for (storage, copy, aligned, expected) in [
+            (Shared, false, true, View),
+            (Shared, false, false, Copy),
+            (Shared, true, true, Copy),
+            (Private, false, true, Copy),
+            (Managed, false, true, Copy),
+            (Private, true, false, Copy),
+        ] {
+            assert_eq!(
+                Placement::of(storage, copy, aligned),
+                expected,
+                "{storage} copy={copy} aligned={aligned}"
+            );
+        }
+    }
+
+    #[test]
+    fn alignment_goes_by_item_size() {
+        assert!(is_aligned(0x1000, DType::F32));
+        assert!(!is_aligned(0x1002, DType::F32));
+        assert!(is_aligned(0x1002, DType::BF16));
+        assert!(!is_aligned(0x1004, DType::F64));
+        assert!(is_aligned(0x1003, DType::U8));
+        let fp4: DType = "float4_e2m1fn".parse().unwrap();
+        assert!(is_aligned(0x1003, fp4), "packed elements are read as bytes");
+    }
+
+    /// The placement rule over a file whose "device" addresses the mapping in place (the CPU
+    /// buffer itself, at each tensor's file offset): what a backend's `wrap_host` gives.
+    #[test]
+    fn wrapped_tensors_are_views_or_copies() {
+        let path = misaligned_file("place");
+        let file = SafeTensors::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let plan = file.plan(|_| true);
+        let locations: Vec<&TensorLocation> = plan.iter().collect();
+        let ranges = wrapped_ranges(&locations);
+        assert_eq!(ranges.len(), 2, "the empty tensor is not wrapped");
+        let mapping = file.buffer();
+        let in_place = || ranges.iter().map(|r| (mapping.clone(), r.start)).collect();
+        let by_name = |placed: Vec<(String, Tensor)>| -> BTreeMap<String, Tensor> {
+            placed.into_iter().collect()
+        };
+
+        let shared =
+            by_name(place(mapping, &locations, in_place(), StorageMode::Shared, false).unwrap());
+        assert!(shared["a"].buffer().same_allocation(mapping), "a view");
+        assert!(shared["a"].is_read_only());
+        assert!(
+            !shared["b"].buffer().same_allocation(mapping),
+            "misaligned: a copy"
+        );
+        assert_eq!(shared["b"].to_vec::<f32>().unwrap(), vec![1.5, -2.0]);
+        assert_eq!(shared["e"].shape(), [0, 4]);
+        for (storage, copy) in [(StorageMode::Shared, true), (StorageMode::Private, false)] {
+            let copies = by_name(place(mapping, &locations, in_place(), storage, copy).unwrap());
+            for (name, t) in &copies {
+                assert!(!t.buffer().same_allocation(mapping), "{name}: a copy");
+                assert!(!t.is_read_only(), "{name}: memory of its own");
+            }
+            assert_eq!(copies["a"].to_vec::<u8>().unwrap(), vec![1, 2, 3]);
+            assert_eq!(copies["b"].to_vec::<f32>().unwrap(), vec![1.5, -2.0]);
+            assert_eq!(copies["e"].numel(), 0);
+        }
+        // A backend that placed fewer ranges than it was given is an error, not a panic.
+        let short = vec![(mapping.clone(), ranges[0].start)];
+        assert!(place(mapping, &locations, short, StorageMode::Shared, false).is_err());
+    }
+
+    /// The loader's ranges against Metal's page plan: every tensor lands inside one wrapped
+    /// buffer of whole pages, at its file offset from the mapping's start, also when the
+    /// buffers are small enough that the file needs several.
+    #[test]
+    fn wrapped_ranges_fit_the_page_plan() {
+        use crate::backend::metal::pages::{locate, plan_chunks};
+        const PAGE: usize = 16 * 1024;
+        let big = Tensor::from_slice(&vec![0.25f32; 6000], &[6000]).unwrap();
+        let small = Tensor::from_slice(&[7i64; 3], &[3]).unwrap();
+        let empty = Tensor::zeros(&[0], DType::F16, Device::CPU).unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "dlbridge-load-{}-pages.safetensors",
+            std::process::id()
+        ));
+        crate::safetensors::save_file(
+            &[
+                ("big", &big),
+                ("small", &small),
+                ("empty", &empty),
+                ("big2", &big),
+            ],
+            None,
+            &path,
+        )
+        .unwrap();
+        let file = SafeTensors::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let plan = file.plan(|_| true);
+        let ranges = wrapped_ranges(&plan.iter().collect::<Vec<_>>());
+        assert_eq!(ranges.len(), 3);
+        let base = file.buffer().host_ptr().unwrap().as_ptr() as usize;
+        // The mapping is aligned to the host's pages, not necessarily to 16 KiB: a 24000-byte
+        // item may then touch three 16 KiB pages, and the 48 KiB file four.
+        for max_len in [1 << 30, 3 * PAGE] {
+            let chunks = plan_chunks(base, file.buffer().len(), PAGE, max_len, &ranges).unwrap();
+            assert!(max_len > 3 * PAGE || chunks.len() > 1, "{chunks:?}");
+            for r in &ranges {
+                let (i, offset) = locate(&chunks, base, r.clone()).unwrap();
+                let span = chunks[i].span;
+                assert_eq!(span.start % PAGE, 0);
+                assert_eq!(span.start + offset, base + r.start);
+                assert!(span.start + offset + r.len() <= span.end());
+            }
+        }
+    }
+
+    #[cfg(not(metal))]
+    #[test]
+    fn metal_loads_without_the_backend_answer_unavailable() {
+        let path = misaligned_file("unavailable");
+        let checkpoint = Checkpoint::open(&path).unwrap();
+        let shard = &checkpoint.shards()[0];
+        let items = [0..3, 3..11];
+        assert!(backend::wrap_host(Device::metal(0), shard.buffer(), &items).is_none());
+        assert!(backend::wrap_host(Device::CPU, shard.buffer(), &items).is_none());
+        let options = LoadOptions::new(Device::metal(0));
+        let err = checkpoint
+            .load_to(|_| true, &options, &mut |_, _| {})
+            .unwrap_err();
+        assert!(matches!(err, Error::BackendUnavailable { .. }), "{err}");
+        std::fs::remove_file(&path).unwrap();
     }
 }

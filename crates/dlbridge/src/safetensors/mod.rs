@@ -8,7 +8,7 @@
 //! | shards | [`Checkpoint::open_index`], [`Checkpoint::open_files`] | one name → one shard, from `model.safetensors.index.json` or a list |
 //! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order, for any loader |
 //! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only), or private copies |
-//! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | any device: CUDA through pinned staging buffers and asynchronous copies, with progress |
+//! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | any device, with progress: Metal from the mapped files without a copy (read-only views in shared storage, a GPU blit into private storage), CUDA through pinned staging buffers and asynchronous copies |
 //! | save | [`save_file`], [`write()`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
 //!
 //! ```

@@ -2,13 +2,18 @@
 //! Apple platform, or no device), a `kDLMetal` tensor is held opaquely: it is handed on as it came,
 //! and anything that would touch its memory is refused.
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use crate::backend::{Backend, no_stream_here, unreachable_copy};
+use crate::backend::{
+    Backend, FileRead, ReadOptions, no_stream_here, read_to_host, unreachable_copy,
+};
 use crate::buffer::{Buffer, StorageMode};
 use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
 use crate::device::{Device, DeviceKind};
+use crate::dtype::DType;
 use crate::error::Result;
+use crate::layout::Layout;
 use crate::pool::Pool;
 use crate::storage::Resolved;
 use crate::tensor::Tensor;
@@ -83,6 +88,61 @@ impl Backend for Metal {
             return Ok(None);
         }
         super::host_view(tensor).map(Some)
+    }
+
+    fn read_file(
+        &self,
+        device: Device,
+        reads: &[FileRead<'_>],
+        options: &ReadOptions<'_>,
+    ) -> Result<()> {
+        // The host reads into shared and managed buffers in place (and tells Metal of its writes
+        // into managed ones); a private buffer, which the host cannot address, gets its ranges
+        // through a shared staging buffer and a blit, a piece at a time.
+        let private = |r: &&FileRead<'_>| r.dst.storage_mode() == StorageMode::Private;
+        let visible: Vec<FileRead<'_>> = reads.iter().filter(|r| !private(r)).copied().collect();
+        read_to_host(&visible, options)?;
+        for r in &visible {
+            super::host_wrote(r.dst, r.dst_offset..r.dst_offset + r.len)?;
+        }
+        let piece = options.chunk.max(1).saturating_mul(options.threads.max(1));
+        for r in reads.iter().filter(private) {
+            for start in (0..r.len).step_by(piece) {
+                let len = piece.min(r.len - start);
+                let staging = super::allocate(device, len, Some(StorageMode::Shared), false)?;
+                let staged = FileRead {
+                    offset: r.offset + start as u64,
+                    len,
+                    dst: &staging,
+                    dst_offset: 0,
+                    ..*r
+                };
+                read_to_host(&[staged], options)?;
+                let src = Tensor::new(staging, DType::U8, Layout::contiguous(&[len])?)?;
+                let dst = Tensor::new(
+                    r.dst.clone(),
+                    DType::U8,
+                    Layout::contiguous_at(&[len], r.dst_offset + start)?,
+                )?;
+                // SAFETY: the loader's destination, private memory the host cannot reference;
+                // nothing else uses it until the load returns.
+                unsafe { super::copy_unchecked(&src, &dst)? };
+            }
+        }
+        Ok(())
+    }
+
+    fn wrap_host(
+        &self,
+        device: Device,
+        host: &Buffer,
+        items: &[Range<usize>],
+    ) -> Option<Result<Vec<(Buffer, usize)>>> {
+        if !super::is_available() {
+            return None;
+        }
+        // `newBufferWithBytesNoCopy:`: the GPU reads the host's pages in place.
+        Some(super::wrap_buffer(device, host, items))
     }
 
     fn map(&self, req: &MapRequest<'_>) -> Result<()> {

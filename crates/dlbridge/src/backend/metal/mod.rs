@@ -11,6 +11,7 @@
 //! | our tensor out | [`Tensor::to_dlpack_versioned`]: `data` = `id<MTLBuffer>`, offset in `byte_offset` (after [`synchronize`]) | — |
 //! | host view of shared memory | [`host_view`]: a CPU tensor over `contents()` | — |
 //! | host pages, no copy | [`wrap_host`] → [`HostRegion`], arithmetic in `pages` | `newBufferWithBytesNoCopy:length:options:deallocator:` |
+//! | checkpoints | [`Checkpoint::load_to`](crate::safetensors::Checkpoint::load_to): each file's read-only mapping wrapped (the backend seam's `wrap_host`), tensors as read-only views with a byte offset in shared storage, blitted into private or managed storage; files Metal declines are read, into private memory through shared staging buffers | no-copy buffers over the mapped pages, blits |
 //! | copies | [`copy_to`], [`copy_from`]: blits, or the strided-copy kernel (`kernel`) | blit and compute encoders |
 //! | ordering | [`synchronize`]; batching in `batch`; completion in `fence::Progress` | one `MTLCommandQueue` per device, command buffers committed in batches, completion handlers |
 //! | residency | automatic for dlbridge's allocations; staging in [`residency`] | `MTLResidencySet` (macOS 15+), attached to the queue |
@@ -210,14 +211,21 @@ impl HostRegion {
                 ))
             })?;
         pages::check_alignment(self.addr + start, element_align(dtype.itemsize()))?;
-        let (i, offset) = pages::locate(&self.chunks, self.addr, start..end).ok_or_else(|| {
+        let (buffer, offset) = self.locate(start..end)?;
+        Tensor::new(buffer.clone(), dtype, Layout::contiguous_at(shape, offset)?)
+    }
+
+    /// The Metal buffer holding region bytes `range`, and the byte offset of `range.start` in
+    /// it; an error where no one buffer holds them all.
+    pub(crate) fn locate(&self, range: Range<usize>) -> Result<(&Buffer, usize)> {
+        let (start, end) = (range.start, range.end);
+        let (i, offset) = pages::locate(&self.chunks, self.addr, range).ok_or_else(|| {
             Error::OutOfBounds(format!(
                 "region bytes {start}..{end} straddle two Metal buffers; name them as an item \
                  when wrapping the region"
             ))
         })?;
-        let buffer = self.buffers[i].clone();
-        Tensor::new(buffer, dtype, Layout::contiguous_at(shape, offset)?)
+        Ok((&self.buffers[i], offset))
     }
 }
 
@@ -448,6 +456,50 @@ pub unsafe fn wrap_host(
 ) -> Result<HostRegion> {
     // SAFETY: forwarded contract.
     unsafe { imp::wrap_host(device, addr, len, items, read_only, keep_alive) }
+}
+
+/// Byte ranges `items` of `host`, a CPU buffer, in Metal buffers that wrap its pages without a
+/// copy ([`wrap_host`]): item by item, the Metal buffer holding it and the byte offset of its
+/// start there. The Metal buffers are read-only where `host` is, and keep a clone of it alive
+/// until Metal releases them. The checkpoint loader's path onto Metal
+/// ([`Checkpoint::load_to`](crate::safetensors::Checkpoint::load_to)).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `host` is not CPU memory; as [`wrap_host`] otherwise.
+pub(crate) fn wrap_buffer(
+    device: Device,
+    host: &Buffer,
+    items: &[Range<usize>],
+) -> Result<Vec<(Buffer, usize)>> {
+    if !host.device().is_cpu() {
+        return Err(Error::InvalidArgument(format!(
+            "wrapping host memory in Metal buffers, but the memory is on {}",
+            host.device()
+        )));
+    }
+    let base = host.require_host("wrapping host memory in Metal buffers")?;
+    let keep_alive: Arc<dyn Any + Send + Sync> = Arc::new(host.clone());
+    // SAFETY: the `host.len()` bytes at `base` are CPU memory that stays mapped and readable
+    // (writable unless the buffer is read-only, which is then passed on) while a clone of `host`
+    // lives, and `keep_alive` is one. The OS maps and protects memory by whole pages of the size
+    // `wrap_host` rounds to, so every page those bytes touch is mapped as they are.
+    let region = unsafe {
+        wrap_host(
+            device,
+            base.as_ptr(),
+            host.len(),
+            items,
+            host.is_read_only(),
+            keep_alive,
+        )
+    }?;
+    items
+        .iter()
+        .map(|item| {
+            let (buffer, offset) = region.locate(item.clone())?;
+            Ok((buffer.clone(), offset))
+        })
+        .collect()
 }
 
 /// How many allocations the device's committed residency set holds (`allocationCount`), or `None`

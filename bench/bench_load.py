@@ -118,12 +118,6 @@ def load_dlbridge_registered(files, **kw):
     return with_env({"DLBRIDGE_LOAD_REGISTER": "1"}, load_dlbridge, files, **kw)
 
 
-def load_dlbridge_mixed(files, register_threads: int, **kw):
-    """dlbridge's staging workers beside `register_threads` workers copying from registered
-    pages (0: staging alone)."""
-    return with_env({"DLBRIDGE_LOAD_REGISTER_THREADS": str(register_threads)}, load_dlbridge, files, **kw)
-
-
 def load_st_cuda(files):
     from safetensors.torch import load_file
     out = {}
@@ -225,20 +219,6 @@ def sweep_registered(files: list[str], size: int) -> None:
         print(f"{threads:>7} " + "".join(f"{r:>11.2f}" for r in row), flush=True)
 
 
-def sweep_mixed(files: list[str], size: int) -> None:
-    print("\nsweep (warm, dlbridge: staging threads x workers on registered pages, 4 MiB chunks; "
-          "GB/s, median of 2):")
-    registering = (0, 1, 2, 3)
-    print("staging " + "".join(f"{r:>9} reg" for r in registering))
-    for threads in (4, 6, 8, 10, 12, 14):
-        row = []
-        for r in registering:
-            t = statistics.median(time_once(lambda f: load_dlbridge_mixed(f, r, threads=threads), files, False)
-                                  for _ in range(2))
-            row.append(size / t / 1e9)
-        print(f"{threads:>7} " + "".join(f"{x:>13.2f}" for x in row), flush=True)
-
-
 def sweep_cold(files: list[str], size: int) -> None:
     print("\nsweep (cold, dlbridge direct reads: threads x chunk size; GB/s, one run each):")
     chunks = (4 << 20, 16 << 20, 64 << 20)
@@ -261,8 +241,6 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep dlbridge's threads and chunk size (warm)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (no peers, no cold runs)")
     ap.add_argument("--sweep-registered", action="store_true", help="only the registered-pages sweep")
-    ap.add_argument("--sweep-mixed", action="store_true",
-                    help="only the sweep of staging threads x workers on registered pages (warm)")
     ap.add_argument("--sweep-cold", action="store_true", help="only the cold sweep of direct reads")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -278,8 +256,7 @@ def main() -> int:
 
     loaders = [
         ("dlbridge.load_file(files, 'cuda:0')", load_dlbridge),
-        ("dlbridge, staging alone (DLBRIDGE_LOAD_REGISTER_THREADS=0)", lambda f: load_dlbridge_mixed(f, 0)),
-        ("dlbridge, registered pages alone (DLBRIDGE_LOAD_REGISTER=1)", load_dlbridge_registered),
+        ("dlbridge, registered pages (DLBRIDGE_LOAD_REGISTER=1)", load_dlbridge_registered),
         ("safetensors.torch.load_file(f, device='cuda:0')", load_st_cuda),
         ("safetensors to CPU, then .to('cuda:0')", load_st_cpu_then_to),
         ("fastsafetensors fastsafe_open(nogds=True)", load_fastsafetensors),
@@ -288,9 +265,7 @@ def main() -> int:
         ("Run:ai Model Streamer SafetensorsStreamer", load_runai),
     ]
     results: dict[str, tuple[float | None, float | None, str]] = {}
-    if args.sweep_registered or args.sweep_mixed or args.sweep_cold:
-        if args.sweep_mixed:
-            sweep_mixed(files, size)
+    if args.sweep_registered or args.sweep_cold:
         if args.sweep_registered:
             sweep_registered(files, size)
         if args.sweep_cold and can_drop:

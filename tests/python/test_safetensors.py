@@ -282,15 +282,11 @@ def test_cuda_load_equals_safetensors(tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("register, register_threads", [("1", "0"), ("0", "0"), ("0", "1"), ("0", "2")],
-                         ids=["registered-only", "staging-only", "mixed-1", "mixed-2"])
-def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch, register,
-                                                          register_threads):
-    """Registered file pages alone (opt-in), pinned staging alone, and both at once (staging
-    workers from the front, registering workers from the back: the default) give the same
-    tensors, for every selection: runs with gaps share pages at their edges."""
+@pytest.mark.parametrize("register", ["1", "0"])
+def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch, register):
+    """Registered file pages (opt-in) and pinned staging (the default) give the
+    same tensors, for every selection: runs with gaps share pages at their edges."""
     monkeypatch.setenv("DLBRIDGE_LOAD_REGISTER", register)
-    monkeypatch.setenv("DLBRIDGE_LOAD_REGISTER_THREADS", register_threads)
     g = torch.Generator().manual_seed(9)
     tensors = {
         "a": torch.randn(1001, generator=g),
@@ -328,6 +324,10 @@ def test_cuda_load_through_cufile(tmp_path, monkeypatch, direct):
     allocation (in its compatibility mode where nvidia-fs is not loaded) and gives the same
     tensors, for every selection; where libcufile is missing, asking for it is a clear error."""
     monkeypatch.setenv("DLBRIDGE_LOAD_GDS", "1")
+    # Without the nvidia-fs module cuFile registers no file unless told to run in its
+    # compatibility mode (it reads the file on the host and copies): this test is of dlbridge's
+    # calls, which are the same in both modes. cuFile reads the variable when it opens.
+    monkeypatch.setenv("CUFILE_FORCE_COMPAT_MODE", "true")
     g = torch.Generator().manual_seed(11)
     tensors = {
         "a": torch.randn(1001, generator=g),

@@ -111,10 +111,8 @@ impl PyCheckpoint {
             threads,
             chunk_bytes,
             direct_io,
-            // The environment's `DLBRIDGE_LOAD_REGISTER` and `DLBRIDGE_LOAD_REGISTER_THREADS`,
-            // else the defaults.
+            // The environment's `DLBRIDGE_LOAD_REGISTER`, else staging buffers.
             register_pages: None,
-            register_threads: None,
             // The environment's `DLBRIDGE_LOAD_GDS`, else cuFile where it reads without a copy.
             gds: None,
         };

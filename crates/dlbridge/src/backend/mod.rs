@@ -159,14 +159,10 @@ pub(crate) struct ReadOptions<'a> {
     pub(crate) threads: usize,
     /// The largest read (and staging buffer), in bytes.
     pub(crate) chunk: usize,
-    /// Whether the CUDA reader copies only from the files' pages, mapped and registered with the
-    /// driver, where they are read through the page cache (no pinned staging buffers).
+    /// Whether the CUDA reader may copy from the files' pages, mapped and registered with the
+    /// driver, where they are read through the page cache (else: pinned staging buffers).
     #[cfg_attr(not(cuda), allow(dead_code))]
     pub(crate) register: bool,
-    /// Otherwise, how many CUDA workers copy from registered file pages beside the `threads`
-    /// staging workers, where the files are read through the page cache (0: staging only).
-    #[cfg_attr(not(cuda), allow(dead_code))]
-    pub(crate) register_threads: usize,
     /// Whether the CUDA reader goes through GPUDirect Storage (cuFile): `Some(true)` always (an
     /// error where cuFile cannot be used), `Some(false)` never, `None` for direct reads where
     /// cuFile reads without a host copy (the `nvidia-fs` module is loaded).
@@ -209,52 +205,47 @@ pub(crate) fn read_to_host(reads: &[FileRead<'_>], options: &ReadOptions<'_>) ->
         .flat_map(|(i, r)| (0..r.len.div_ceil(chunk)).map(move |k| (i, k * chunk)))
         .collect();
     let next = AtomicUsize::new(0);
-    run_workers(
-        options.threads.clamp(1, pieces.len().max(1)),
-        |_, failed| {
-            while !failed.load(Ordering::Relaxed)
-                && let Some(&(i, start)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
-            {
-                let r = &reads[i];
-                let len = chunk.min(r.len - start);
-                let base = r.dst.require_host("reading a file into it")?;
-                // SAFETY: the caller sized `dst` for every read, and pieces of different reads land
-                // in disjoint ranges that nothing else touches meanwhile.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        base.as_ptr().wrapping_add(r.dst_offset + start),
-                        len,
-                    )
-                };
-                r.file
-                    .read_exact_at(dst, r.offset + start as u64)
-                    .map_err(|source| Error::Io {
-                        path: r.path.to_path_buf(),
-                        source,
-                    })?;
-                options.done.fetch_add(len as u64, Ordering::Relaxed);
-            }
-            Ok(())
-        },
-    )
+    run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
+        while !failed.load(Ordering::Relaxed)
+            && let Some(&(i, start)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
+        {
+            let r = &reads[i];
+            let len = chunk.min(r.len - start);
+            let base = r.dst.require_host("reading a file into it")?;
+            // SAFETY: the caller sized `dst` for every read, and pieces of different reads land
+            // in disjoint ranges that nothing else touches meanwhile.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(
+                    base.as_ptr().wrapping_add(r.dst_offset + start),
+                    len,
+                )
+            };
+            r.file
+                .read_exact_at(dst, r.offset + start as u64)
+                .map_err(|source| Error::Io {
+                    path: r.path.to_path_buf(),
+                    source,
+                })?;
+            options.done.fetch_add(len as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    })
 }
 
-/// Runs `work` on `threads` scoped threads, each given its index (`0..threads`), and returns the
-/// first error any of them met. That error also sets the flag each worker is given, which tells
-/// the others to stop taking work.
+/// Runs `work` on `threads` scoped threads and returns the first error any of them met. That
+/// error also sets the flag each worker is given, which tells the others to stop taking work.
 pub(crate) fn run_workers(
     threads: usize,
-    work: impl Fn(usize, &std::sync::atomic::AtomicBool) -> Result<()> + Sync,
+    work: impl Fn(&std::sync::atomic::AtomicBool) -> Result<()> + Sync,
 ) -> Result<()> {
     let failed = std::sync::atomic::AtomicBool::new(false);
     let first_error = std::sync::Mutex::new(None);
-    let (work, failed_ref, first_ref) = (&work, &failed, &first_error);
     std::thread::scope(|scope| {
-        for index in 0..threads {
-            scope.spawn(move || {
-                if let Err(e) = work(index, failed_ref) {
-                    failed_ref.store(true, std::sync::atomic::Ordering::Relaxed);
-                    first_ref
+        for _ in 0..threads {
+            scope.spawn(|| {
+                if let Err(e) = work(&failed) {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    first_error
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .get_or_insert(e);

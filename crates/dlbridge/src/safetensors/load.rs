@@ -45,9 +45,11 @@ pub struct LoadOptions {
     pub storage: Option<StorageMode>,
     /// Convert every floating-point tensor to this dtype after loading, on the device.
     pub dtype: Option<DType>,
-    /// Reader threads (`None`: chosen from the machine, see [`default_threads`]).
+    /// Reader threads (`None`: chosen from the machine, see [`default_threads`], and
+    /// [`default_direct_threads`] where every file is read directly).
     pub threads: Option<usize>,
-    /// The largest single read and staging buffer (`None`: [`DEFAULT_CHUNK`]).
+    /// The largest single read and staging buffer (`None`: [`DEFAULT_CHUNK`], and
+    /// [`DEFAULT_DIRECT_CHUNK`] where every file is read directly).
     pub chunk_bytes: Option<usize>,
     /// `Some(true)`: read around the page cache (`O_DIRECT`); `Some(false)`: buffered reads;
     /// `None`: buffered when most of the file is in the page cache, direct otherwise.
@@ -60,11 +62,6 @@ pub struct LoadOptions {
     /// checkpoint at 14.2 GB/s against staging's 18.3 in the same run (`bench/bench_load.py`):
     /// the driver registers pages at about 42 GB/s on one thread and not faster on more.
     pub register_pages: Option<bool>,
-    /// Otherwise, how many workers of a CUDA load copy from the files' registered pages beside
-    /// the `threads` staging workers, where the files are read through the page cache (`0`:
-    /// staging alone). `None`: the environment variable `DLBRIDGE_LOAD_REGISTER_THREADS`, else
-    /// [`DEFAULT_REGISTER_THREADS`].
-    pub register_threads: Option<usize>,
     /// Whether a CUDA load reads through GPUDirect Storage (cuFile, loaded at run time where
     /// present): `Some(true)` always (an error where cuFile cannot be used), `Some(false)` never.
     /// `None`: the environment variable `DLBRIDGE_LOAD_GDS` (`1` or `0`), else for direct (cold)
@@ -85,15 +82,10 @@ impl LoadOptions {
             chunk_bytes: None,
             direct_io: None,
             register_pages: None,
-            register_threads: None,
             gds: None,
         }
     }
 }
-
-/// Workers copying from registered file pages beside the staging workers when none are asked
-/// for.
-pub const DEFAULT_REGISTER_THREADS: usize = 1;
 
 /// The default size of one read and staging buffer: large enough that a read is mostly copying,
 /// small enough that a ring of them per thread stays modest in pinned memory and the first copy
@@ -103,9 +95,22 @@ pub const DEFAULT_CHUNK: usize = 4 << 20;
 /// Reader threads when none are asked for: half the machine's parallelism, 2 to 8. On the
 /// 16-core H100 machine, warm loads of a 7 GB checkpoint with 4 MiB chunks ran at 11.0 GB/s with
 /// 2 threads, 19.0 with 4, 27.3 with 6 and 31.6 with 8; chunks of 16 MiB and more were slower at
-/// every thread count (`bench/bench_load.py --sweep`, one sweep).
+/// every thread count (`bench/bench_load.py --sweep`, one sweep); a later sweep gave 32.5 with 8,
+/// 34.1 with 10, 32.0 with 12 and 28.2 with 14.
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (n.get() / 2).clamp(2, 8))
+}
+
+/// The read size when every file is read around the page cache (`O_DIRECT`, cold files), where
+/// the storage, not the CPU, sets the pace and larger reads in flight keep it busy.
+pub const DEFAULT_DIRECT_CHUNK: usize = 16 << 20;
+
+/// Reader threads for direct reads when none are asked for: one per core, 4 to 16. On the H100
+/// machine's virtual disk, cold loads of a 7 GB checkpoint ran at 1.32 GB/s with 8 threads of
+/// 4 MiB, 1.55 with 8 of 16 MiB and 1.71 with 16 of 16 MiB (`bench/bench_load.py --sweep-cold`,
+/// one run each); pinned staging is then at most 16 × 2 × 16 MiB.
+pub fn default_direct_threads() -> usize {
+    std::thread::available_parallelism().map_or(8, |n| n.get().clamp(4, 16))
 }
 
 impl Checkpoint {
@@ -195,17 +200,20 @@ fn read_files(
     total: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
+    let direct = files.iter().all(|f| f.direct.is_some());
     let read_options = ReadOptions {
-        threads: options.threads.unwrap_or_else(default_threads),
-        chunk: options.chunk_bytes.unwrap_or(DEFAULT_CHUNK),
+        threads: options.threads.unwrap_or_else(if direct {
+            default_direct_threads
+        } else {
+            default_threads
+        }),
+        chunk: options.chunk_bytes.unwrap_or(if direct {
+            DEFAULT_DIRECT_CHUNK
+        } else {
+            DEFAULT_CHUNK
+        }),
         register: options.register_pages.unwrap_or_else(|| {
             std::env::var("DLBRIDGE_LOAD_REGISTER").is_ok_and(|v| v.trim() == "1")
-        }),
-        register_threads: options.register_threads.unwrap_or_else(|| {
-            std::env::var("DLBRIDGE_LOAD_REGISTER_THREADS")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(DEFAULT_REGISTER_THREADS)
         }),
         gds: options
             .gds

@@ -81,7 +81,12 @@ fn register(read: &FileRead<'_>) -> Result<Handle> {
     cufile::handle_register(&descr).map(Handle).map_err(|e| {
         io_error(
             read,
-            format!("cuFileHandleRegister failed: {}", describe(&e)),
+            format!(
+                "cuFileHandleRegister failed: {} (cuFile reads into GPU memory through the \
+                 nvidia-fs kernel module, or in its compatibility mode where its configuration \
+                 allows it or CUFILE_FORCE_COMPAT_MODE=true)",
+                describe(&e)
+            ),
         )
     })
 }
@@ -136,19 +141,16 @@ pub(crate) fn read_to_device(
         })
         .collect();
     let next = AtomicUsize::new(0);
-    run_workers(
-        options.threads.clamp(1, pieces.len().max(1)),
-        |_, failed| {
-            let _ctx = context(ordinal)?;
-            while !failed.load(Ordering::Relaxed)
-                && let Some(&(i, start, len)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
-            {
-                let handle = &handles[handle_of[i]].1;
-                read_piece(handle, &reads[i], start, len, options.done, failed)?;
-            }
-            Ok(())
-        },
-    )
+    run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
+        let _ctx = context(ordinal)?;
+        while !failed.load(Ordering::Relaxed)
+            && let Some(&(i, start, len)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
+        {
+            let handle = &handles[handle_of[i]].1;
+            read_piece(handle, &reads[i], start, len, options.done, failed)?;
+        }
+        Ok(())
+    })
 }
 
 /// Reads bytes `start..start + len` of `read` into its destination, however many calls that takes.

@@ -7,16 +7,16 @@
 //! it with `pread` (page-aligned, for `O_DIRECT`), and enqueues the host-to-device copy on its
 //! stream. Pinned memory in use is bounded by `threads × 2 × chunk`.
 //!
-//! Files read through the page cache can also go without the staging copy: each file is mapped
-//! shared and read-only, its pages are registered with the driver a window at a time, the device
-//! copies straight out of the page cache, and each window is unregistered once its copies ran
-//! ([`register_and_copy`]). The driver pins pages on one thread at about 42 GB/s on the H100
-//! machine and no faster on several, so registered pages alone are slower than staging (14.2
-//! against 18.3 GB/s for a warm 7 GB load); they are used beside it instead
-//! (`ReadOptions::register_threads`): staging workers take windows from the front of the load,
-//! registering workers from the back ([`read_windows`]), each using a resource the other leaves
-//! idle. `ReadOptions::register` asks for registered pages alone. Registered memory in flight is
-//! bounded by `register_threads × (WINDOW_DEPTH + 1) × 16 chunks`.
+//! Asked to (`ReadOptions::register`), files read through the page cache go without the staging
+//! copy: each file is mapped shared and read-only, its pages are registered with the driver a
+//! window at a time, the device copies straight out of the page cache, and each window is
+//! unregistered once its copies ran ([`read_registered`]). No pinned staging memory is used. It
+//! is not the default: on the H100 machine the driver registers pages at about 42 GB/s on one
+//! thread and no faster on several, and a warm 7 GB load ran at 14.2 GB/s against staging's 18.3.
+//! Nor do they help beside staging: one worker registering windows while 8 staging workers ran
+//! brought a warm load from 32.5 down to 19.3 GB/s (registration holds up the other threads' driver
+//! calls), so the staging workers have the driver to themselves.
+//! Registered memory in flight is bounded by `threads × (WINDOW_DEPTH + 1) × 16 chunks`.
 
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -51,19 +51,27 @@ pub(crate) fn read_to_device(
         .chunk
         .max(DIRECT_ALIGN)
         .next_multiple_of(DIRECT_ALIGN);
-    let direct = reads.iter().all(|r| r.direct.is_some());
     if options
         .gds
-        .unwrap_or_else(|| direct && super::gds::native())
+        .unwrap_or_else(|| reads.iter().all(|r| r.direct.is_some()) && super::gds::native())
     {
         return super::gds::read_to_device(ordinal, reads, chunk, options);
     }
-    let (staging, registering) = if options.register {
-        (0, options.threads)
-    } else {
-        (options.threads, options.register_threads)
-    };
-    if registering > 0
+    let pieces: Vec<Piece> = reads
+        .iter()
+        .enumerate()
+        .flat_map(|(read, r)| {
+            (0..r.len.div_ceil(chunk)).map(move |k| Piece {
+                read,
+                start: k * chunk,
+                len: chunk.min(r.len - k * chunk),
+            })
+        })
+        .collect();
+    if pieces.is_empty() {
+        return Ok(());
+    }
+    if options.register
         && reads.iter().all(|r| r.direct.is_none())
         && let Some(maps) = FileMaps::new(reads)
         && let Some(windows) = plan_windows(
@@ -73,114 +81,16 @@ pub(crate) fn read_to_device(
         )
         && can_register(ordinal, &windows)
     {
-        // `maps` outlives every registration: `read_windows` unregisters all before returning.
-        return read_windows(
-            ordinal,
-            reads,
-            &windows,
-            (staging, registering),
-            chunk,
-            options,
-        );
-    }
-    let pieces: Vec<Piece> = reads
-        .iter()
-        .enumerate()
-        .flat_map(|(read, r)| pieces_of(read, 0, r.len, chunk))
-        .collect();
-    if pieces.is_empty() {
-        return Ok(());
+        // `maps` outlives every registration: `read_registered` unregisters all before returning.
+        return read_registered(ordinal, &windows, options);
     }
     let next = AtomicUsize::new(0);
-    run_workers(options.threads.clamp(1, pieces.len()), |_, failed| {
-        let take = || pieces.get(next.fetch_add(1, Ordering::Relaxed)).copied();
-        stage(ordinal, chunk, reads, take, failed, options.done)
-    })
-}
-
-/// `len` bytes from offset `start` of read `read`, as pieces of at most `chunk` bytes.
-fn pieces_of(read: usize, start: usize, len: usize, chunk: usize) -> impl Iterator<Item = Piece> {
-    (0..len.div_ceil(chunk)).map(move |k| Piece {
-        read,
-        start: start + k * chunk,
-        len: chunk.min(len - k * chunk),
-    })
-}
-
-/// One staging worker: its buffers, taking pieces from `take` until it has none.
-fn stage(
-    ordinal: i32,
-    chunk: usize,
-    reads: &[FileRead<'_>],
-    take: impl FnMut() -> Option<Piece>,
-    failed: &AtomicBool,
-    done: &AtomicU64,
-) -> Result<()> {
-    let mut w = Worker::new(ordinal, chunk)?;
-    let run = w.run(reads, take, failed, done);
-    // Whatever happened, nothing may still be copying out of our buffers when they go back to
-    // the pool.
-    run.and(w.stream.synchronize())
-}
-
-/// The windows of a load shared by its two kinds of worker: staging workers take them from the
-/// front, workers copying from registered pages from the back, until they meet.
-struct Windows<'w> {
-    windows: &'w [Window<'w>],
-    left: std::sync::Mutex<std::ops::Range<usize>>,
-}
-
-impl<'w> Windows<'w> {
-    fn front(&self) -> Option<&'w Window<'w>> {
-        let i = self.left.lock().unwrap_or_else(|p| p.into_inner()).next()?;
-        Some(&self.windows[i])
-    }
-
-    fn back(&self) -> Option<&'w Window<'w>> {
-        let i = self
-            .left
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .next_back()?;
-        Some(&self.windows[i])
-    }
-}
-
-/// Copies every window to the device: `workers.0` staging workers read windows from the front
-/// into their pinned buffers (each window's copies as pieces of at most `chunk` bytes), while
-/// `workers.1` workers register windows from the back and copy straight out of the page cache.
-/// The two use different resources (the CPUs' copy bandwidth, the driver's page pinning), so
-/// together they move more than either alone.
-fn read_windows(
-    ordinal: i32,
-    reads: &[FileRead<'_>],
-    windows: &[Window<'_>],
-    (staging, registering): (usize, usize),
-    chunk: usize,
-    options: &ReadOptions<'_>,
-) -> Result<()> {
-    let staging = staging.min(windows.len());
-    let registering = registering.clamp(1, windows.len());
-    let shared = Windows {
-        windows,
-        left: std::sync::Mutex::new(0..windows.len()),
-    };
-    run_workers(staging + registering, |index, failed| {
-        if index < staging {
-            let mut queued = std::collections::VecDeque::new();
-            let take = || loop {
-                if let Some(piece) = queued.pop_front() {
-                    return Some(piece);
-                }
-                let w = shared.front()?;
-                for c in &w.copies {
-                    queued.extend(pieces_of(c.read, c.at, c.len, chunk));
-                }
-            };
-            stage(ordinal, chunk, reads, take, failed, options.done)
-        } else {
-            register_and_copy(ordinal, || shared.back(), failed, options.done)
-        }
+    run_workers(options.threads.clamp(1, pieces.len()), |failed| {
+        let mut w = Worker::new(ordinal, chunk)?;
+        let run = w.run(reads, &pieces, &next, failed, options.done);
+        // Whatever happened, nothing may still be copying out of our buffers when they go back
+        // to the pool.
+        run.and(w.stream.synchronize())
     })
 }
 
@@ -235,7 +145,8 @@ impl Worker {
     fn run(
         &mut self,
         reads: &[FileRead<'_>],
-        mut take: impl FnMut() -> Option<Piece>,
+        pieces: &[Piece],
+        next: &AtomicUsize,
         failed: &AtomicBool,
         done: &AtomicU64,
     ) -> Result<()> {
@@ -245,7 +156,8 @@ impl Worker {
             if failed.load(Ordering::Relaxed) {
                 return Ok(());
             }
-            let Some(piece) = take() else {
+            let index = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&piece) = pieces.get(index) else {
                 return Ok(());
             };
             let slot = &mut self.slots[turn % 2];
@@ -344,17 +256,12 @@ const WINDOW_DEPTH: usize = 2;
 /// `CU_MEMHOSTREGISTER_READ_ONLY`: the device only reads the pages (a file mapped read-only).
 const REGISTER_READ_ONLY: u32 = 0x08;
 
-/// One copy out of a window: host address in the mapping, device address, bytes, and the same
-/// bytes as a range of a read (for staging workers, which read the file instead).
+/// One copy out of a registered window: host address, device address, bytes.
 #[derive(Clone, Copy)]
 struct Copy {
     src: usize,
     dst: u64,
     len: usize,
-    /// The read the bytes belong to.
-    read: usize,
-    /// Where they start inside it.
-    at: usize,
 }
 
 /// A page-aligned range of one file's mapping, registered while its copies run.
@@ -418,7 +325,7 @@ fn plan_windows<'a>(
     let page = crate::backend::cpu::page_size();
     let size = size.next_multiple_of(page);
     let mut items = Vec::with_capacity(reads.len());
-    for (read, r) in reads.iter().enumerate() {
+    for r in reads {
         if r.direct.is_some() {
             return None;
         }
@@ -429,12 +336,11 @@ fn plan_windows<'a>(
         }
         let src = base.checked_add(offset)?;
         let dst = r.dst.handle() as u64 + r.dst_offset as u64;
-        items.push((src, r.len, dst, r.path, read));
+        items.push((src, r.len, dst, r.path));
     }
     items.sort_by_key(|i| i.0);
     let mut windows: Vec<Window<'a>> = Vec::new();
-    for (mut src, mut len, mut dst, path, read) in items {
-        let mut at = 0;
+    for (mut src, mut len, mut dst, path) in items {
         while len > 0 {
             let open = windows
                 .last()
@@ -452,16 +358,9 @@ fn plan_windows<'a>(
             }
             let w = windows.last_mut()?;
             let n = len.min(w.start + w.len - src);
-            w.copies.push(Copy {
-                src,
-                dst,
-                len: n,
-                read,
-                at,
-            });
+            w.copies.push(Copy { src, dst, len: n });
             src += n;
             dst += n as u64;
-            at += n;
             len -= n;
         }
     }
@@ -536,11 +435,20 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// A worker copying the windows `take` gives out of registered pages: each window registered,
-/// copied from, and unregistered once its copies ran, at most [`WINDOW_DEPTH`] + 1 in flight.
-fn register_and_copy<'w>(
+/// Copies every window's ranges to the device from the registered pages, `options.threads`
+/// workers taking windows in turn.
+fn read_registered(ordinal: i32, windows: &[Window<'_>], options: &ReadOptions<'_>) -> Result<()> {
+    let next = AtomicUsize::new(0);
+    run_workers(options.threads.clamp(1, windows.len()), |failed| {
+        register_and_copy(ordinal, windows, &next, failed, options.done)
+    })
+}
+
+/// One worker of [`read_registered`].
+fn register_and_copy(
     ordinal: i32,
-    mut take: impl FnMut() -> Option<&'w Window<'w>>,
+    windows: &[Window<'_>],
+    next: &AtomicUsize,
     failed: &AtomicBool,
     done: &AtomicU64,
 ) -> Result<()> {
@@ -555,7 +463,7 @@ fn register_and_copy<'w>(
         if failed.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let Some(w) = take() else {
+        let Some(w) = windows.get(next.fetch_add(1, Ordering::Relaxed)) else {
             break;
         };
         let p = std::ptr::with_exposed_provenance::<std::ffi::c_void>(w.start);
@@ -661,9 +569,6 @@ mod tests {
                         })
                         .expect("a copy lies in one read");
                     let into = c.src - (mapping + r.offset as usize);
-                    // The same bytes as a range of their read, for staging workers.
-                    assert!(std::ptr::eq(&reads[c.read], r));
-                    assert_eq!(c.at, into);
                     assert_eq!(
                         c.dst,
                         dst.buffer().handle() as u64 + (r.dst_offset + into) as u64

@@ -242,6 +242,8 @@ def main() -> int:
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (no peers, no cold runs)")
     ap.add_argument("--sweep-registered", action="store_true", help="only the registered-pages sweep")
     ap.add_argument("--sweep-cold", action="store_true", help="only the cold sweep of direct reads")
+    ap.add_argument("--only", default="", help="run only the loaders whose names contain one of these "
+                    "comma-separated words (e.g. 'dlbridge,BUFFERED')")
     args = ap.parse_args()
     t0 = time.perf_counter()
     files = generate(args.dir, args.layers, args.shards)
@@ -264,6 +266,9 @@ def main() -> int:
         ("InstantTensor safe_open (BackendPolicy.BUFFERED)", lambda f: load_instanttensor(f, True)),
         ("Run:ai Model Streamer SafetensorsStreamer", load_runai),
     ]
+    if args.only:
+        words = args.only.split(",")
+        loaders = [(n, f) for n, f in loaders if any(w in n for w in words)]
     results: dict[str, tuple[float | None, float | None, str]] = {}
     if args.sweep_registered or args.sweep_cold:
         if args.sweep_registered:

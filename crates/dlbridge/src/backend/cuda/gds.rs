@@ -105,52 +105,72 @@ fn io_error(read: &FileRead<'_>, message: String) -> Error {
     }
 }
 
-/// Reads every `reads` entry into its device destination on CUDA device `ordinal` with cuFile,
-/// `options.threads` workers taking pieces of at most `chunk` bytes. Fails with
-/// [`Error::BackendUnavailable`] where cuFile cannot be used.
-pub(crate) fn read_to_device(
-    ordinal: i32,
-    reads: &[FileRead<'_>],
-    chunk: usize,
-    options: &ReadOptions<'_>,
-) -> Result<()> {
+/// The files of a load registered with cuFile, ready to read.
+pub(crate) struct Registered {
+    /// One handle per distinct file (reads of one file share its descriptor).
+    handles: Vec<Handle>,
+    /// For each read, the index of its file's handle.
+    handle_of: Vec<usize>,
+}
+
+/// Registers the files of `reads` with cuFile on CUDA device `ordinal`. Fails with
+/// [`Error::BackendUnavailable`] where cuFile cannot be used at all, and with [`Error::Io`] where
+/// it refuses a file (on the H100 machine, whose virtual disk it cannot describe, it refuses every
+/// file, also in its compatibility mode).
+pub(crate) fn register_files(ordinal: i32, reads: &[FileRead<'_>]) -> Result<Registered> {
     found().map_err(|why| Error::BackendUnavailable {
         backend: "GPUDirect Storage",
-        reason: format!("{why}; load without it (gds=False, DLBRIDGE_LOAD_GDS=0)"),
+        reason: format!("{why}; load without it (DLBRIDGE_LOAD_GDS=0, LoadOptions::gds)"),
     })?;
     let _ctx = context(ordinal)?;
-    // One registration per distinct file (reads of one file share its descriptor).
-    let mut handles: Vec<(std::os::fd::RawFd, Handle)> = Vec::new();
+    let mut fds: Vec<std::os::fd::RawFd> = Vec::new();
+    let mut handles = Vec::new();
     let mut handle_of = Vec::with_capacity(reads.len());
     for r in reads {
         let fd = r.direct.unwrap_or(r.file).as_raw_fd();
-        let index = match handles.iter().position(|(f, _)| *f == fd) {
+        let index = match fds.iter().position(|f| *f == fd) {
             Some(i) => i,
             None => {
-                handles.push((fd, register(r)?));
+                handles.push(register(r)?);
+                fds.push(fd);
                 handles.len() - 1
             }
         };
         handle_of.push(index);
     }
-    let pieces: Vec<(usize, usize, usize)> = reads
-        .iter()
-        .enumerate()
-        .flat_map(|(i, r)| {
-            (0..r.len.div_ceil(chunk)).map(move |k| (i, k * chunk, chunk.min(r.len - k * chunk)))
+    Ok(Registered { handles, handle_of })
+}
+
+impl Registered {
+    /// Reads every `reads` entry (those it was registered for) into its device destination,
+    /// `options.threads` workers taking pieces of at most `chunk` bytes.
+    pub(crate) fn read(
+        &self,
+        ordinal: i32,
+        reads: &[FileRead<'_>],
+        chunk: usize,
+        options: &ReadOptions<'_>,
+    ) -> Result<()> {
+        let pieces: Vec<(usize, usize, usize)> = reads
+            .iter()
+            .enumerate()
+            .flat_map(|(i, r)| {
+                (0..r.len.div_ceil(chunk))
+                    .map(move |k| (i, k * chunk, chunk.min(r.len - k * chunk)))
+            })
+            .collect();
+        let next = AtomicUsize::new(0);
+        run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
+            let _ctx = context(ordinal)?;
+            while !failed.load(Ordering::Relaxed)
+                && let Some(&(i, start, len)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
+            {
+                let handle = &self.handles[self.handle_of[i]];
+                read_piece(handle, &reads[i], start, len, options.done, failed)?;
+            }
+            Ok(())
         })
-        .collect();
-    let next = AtomicUsize::new(0);
-    run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
-        let _ctx = context(ordinal)?;
-        while !failed.load(Ordering::Relaxed)
-            && let Some(&(i, start, len)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
-        {
-            let handle = &handles[handle_of[i]].1;
-            read_piece(handle, &reads[i], start, len, options.done, failed)?;
-        }
-        Ok(())
-    })
+    }
 }
 
 /// Reads bytes `start..start + len` of `read` into its destination, however many calls that takes.

@@ -51,11 +51,21 @@ pub(crate) fn read_to_device(
         .chunk
         .max(DIRECT_ALIGN)
         .next_multiple_of(DIRECT_ALIGN);
-    if options
-        .gds
-        .unwrap_or_else(|| reads.iter().all(|r| r.direct.is_some()) && super::gds::native())
-    {
-        return super::gds::read_to_device(ordinal, reads, chunk, options);
+    // GPUDirect Storage where asked, or by default for direct reads where cuFile reads without
+    // a host copy; a default use that cuFile refuses falls back to the staging workers.
+    let direct = reads.iter().all(|r| r.direct.is_some());
+    match options.gds {
+        Some(true) => {
+            let files = super::gds::register_files(ordinal, reads)?;
+            return files.read(ordinal, reads, chunk, options);
+        }
+        None if direct && super::gds::native() => {
+            match super::gds::register_files(ordinal, reads) {
+                Ok(files) => return files.read(ordinal, reads, chunk, options),
+                Err(e) => log::debug!("dlbridge: cuFile declined the load ({e}); staging instead"),
+            }
+        }
+        _ => {}
     }
     let pieces: Vec<Piece> = reads
         .iter()

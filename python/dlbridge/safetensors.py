@@ -95,6 +95,11 @@ def load_file(
     ``progress``: ``None`` shows a bar on a terminal for loads that last over a second, ``False``
     none, a callable gets ``(bytes_done, bytes_total)``. ``threads``, ``chunk_bytes`` and
     ``direct_io`` tune the reader (defaults come from the machine and the page cache).
+    Environment variables tune CUDA loads further: ``DLBRIDGE_LOAD_ALLOCATION=per-tensor`` gives
+    each tensor an allocation of its own (freed when that tensor goes) instead of one per file;
+    ``DLBRIDGE_LOAD_GDS=1`` reads through GPUDirect Storage (cuFile), ``0`` never (by default it
+    is used for cold files where the nvidia-fs module is loaded); ``DLBRIDGE_LOAD_REGISTER=1``
+    copies from the files' registered pages instead of pinned staging buffers.
     """
     checkpoint = _dlbridge._Checkpoint(path if isinstance(path, (str, os.PathLike)) else list(path))
     callback, bar = _progress_callback(progress)

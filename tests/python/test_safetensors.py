@@ -281,11 +281,14 @@ def test_cuda_load_equals_safetensors(tmp_path):
 
 
 @needs_cuda
+@pytest.mark.parametrize("allocation", ["per-file", "per-tensor"])
 @pytest.mark.parametrize("register", ["1", "0"])
-def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch, register):
-    """Registered file pages (opt-in) and pinned staging (the default) give the
-    same tensors, for every selection: runs with gaps share pages at their edges."""
+def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch, register, allocation):
+    """Registered file pages (opt-in) and pinned staging (the default), into one allocation per
+    file (the default) or one per tensor, give the same tensors, for every selection: runs with
+    gaps share pages at their edges."""
     monkeypatch.setenv("DLBRIDGE_LOAD_REGISTER", register)
+    monkeypatch.setenv("DLBRIDGE_LOAD_ALLOCATION", allocation)
     g = torch.Generator().manual_seed(9)
     tensors = {
         "a": torch.randn(1001, generator=g),
@@ -304,7 +307,9 @@ def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch,
             assert sorted(loaded) == sorted(keys or tensors)
             for name, got in loaded.items():
                 assert torch.equal(torch.from_dlpack(got), expected[name]), (name, keys, threads)
-
+            if allocation == "per-tensor":
+                pointers = [got.data_ptr for got in loaded.values() if got.size]
+                assert len(set(pointers)) == len(pointers)
 
 _CUFILE_CHILD = """
 import sys, torch, dlbridge

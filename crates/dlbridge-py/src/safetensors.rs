@@ -115,6 +115,8 @@ impl PyCheckpoint {
             register_pages: None,
             // The environment's `DLBRIDGE_LOAD_GDS`, else cuFile where it reads without a copy.
             gds: None,
+            // The environment's `DLBRIDGE_LOAD_ALLOCATION`, else one allocation per file.
+            allocation: None,
         };
         let wanted: Option<std::collections::BTreeSet<String>> =
             keys.map(|k| k.into_iter().collect());

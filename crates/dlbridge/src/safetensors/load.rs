@@ -68,6 +68,33 @@ pub struct LoadOptions {
     /// reads where the `nvidia-fs` kernel module lets the storage write GPU memory without a host
     /// copy; cuFile without it (its compatibility mode) is no faster than the staging reader.
     pub gds: Option<bool>,
+    /// Devices whose tensors are read (not views of the file): one allocation per file, each
+    /// tensor a view of it, or one per tensor. `None`: the environment variable
+    /// `DLBRIDGE_LOAD_ALLOCATION` (`per-file` or `per-tensor`), else [`Allocation::PerFile`].
+    pub allocation: Option<Allocation>,
+}
+
+/// How a load that reads tensors into device memory allocates it ([`LoadOptions::allocation`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Allocation {
+    /// One allocation for a file's selected tensors, each a view of it: adjacent tensors are one
+    /// read, and the memory is returned when the last of them is dropped.
+    #[default]
+    PerFile,
+    /// One allocation per tensor: each tensor's memory is returned as soon as it is dropped.
+    PerTensor,
+}
+
+impl Allocation {
+    /// `options.allocation`, else the environment's `DLBRIDGE_LOAD_ALLOCATION`, else per file.
+    fn of(options: &LoadOptions) -> Allocation {
+        options.allocation.unwrap_or_else(|| {
+            match std::env::var("DLBRIDGE_LOAD_ALLOCATION").as_deref() {
+                Ok("per-tensor") => Allocation::PerTensor,
+                _ => Allocation::PerFile,
+            }
+        })
+    }
 }
 
 impl LoadOptions {
@@ -83,6 +110,7 @@ impl LoadOptions {
             direct_io: None,
             register_pages: None,
             gds: None,
+            allocation: None,
         }
     }
 }
@@ -369,16 +397,15 @@ fn copy_of(
     view(copy.buffer().clone(), 0, l)
 }
 
-/// One file's part of a device load: its open handles and one destination allocation covering
-/// the selected tensors.
+/// One file's part of a device load: its open handles and the allocations its selected tensors
+/// are read into ([`Allocation`]).
 struct FileLoad<'a> {
     path: &'a Path,
     file: File,
     direct: Option<File>,
     locations: Vec<&'a TensorLocation>,
-    /// The file range the allocation mirrors.
-    span: Range<u64>,
-    dst: Tensor,
+    /// The allocations, in file order, each with the file range it mirrors.
+    dsts: Vec<(Range<u64>, Tensor)>,
 }
 
 impl<'a> FileLoad<'a> {
@@ -401,63 +428,99 @@ impl<'a> FileLoad<'a> {
         };
         // Some file systems (tmpfs) refuse O_DIRECT: read through the page cache there.
         let direct = direct.then(|| open_direct(path)).flatten();
-        let start = locations
-            .iter()
-            .map(|l| l.byte_range.start)
-            .min()
-            .unwrap_or(0);
-        let end = locations
-            .iter()
-            .map(|l| l.byte_range.end)
-            .max()
-            .unwrap_or(0);
-        let len = usize::try_from(end - start)
-            .map_err(|_| Error::Overflow(format!("{} bytes do not fit in memory", end - start)))?;
-        let dst = Tensor::allocate(&[len], DType::U8, device, options.storage, false)?;
+        let mut spans: Vec<Range<u64>> = match Allocation::of(options) {
+            Allocation::PerFile => {
+                let start = locations.iter().map(|l| l.byte_range.start).min();
+                let end = locations.iter().map(|l| l.byte_range.end).max();
+                std::iter::once(start.unwrap_or(0)..end.unwrap_or(0)).collect()
+            }
+            Allocation::PerTensor => locations.iter().map(|l| l.byte_range.clone()).collect(),
+        };
+        spans.sort_by_key(|s| (s.start, s.end));
+        let dsts = spans
+            .into_iter()
+            .map(|span| {
+                let len = usize::try_from(span.end - span.start).map_err(|_| {
+                    Error::Overflow(format!(
+                        "{} bytes do not fit in memory",
+                        span.end - span.start
+                    ))
+                })?;
+                let memory = Tensor::allocate(&[len], DType::U8, device, options.storage, false)?;
+                Ok((span, memory))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(FileLoad {
             path,
             file,
             direct,
             locations,
-            span: start..end,
-            dst,
+            dsts,
         })
     }
 
-    /// The reads: maximal runs of adjacent selected tensors, so a whole checkpoint is read as one
-    /// range per file.
+    /// The index of the allocation holding file range `range` (inside one of them, by
+    /// construction).
+    fn holder(&self, range: &Range<u64>) -> usize {
+        let after = self
+            .dsts
+            .partition_point(|(span, _)| span.start <= range.start);
+        let index = after.saturating_sub(1);
+        debug_assert!({
+            let span = &self.dsts[index].0;
+            span.start <= range.start && range.end <= span.end
+        });
+        index
+    }
+
+    /// The allocation holding file range `range`, and the offset of the range's start there.
+    fn destination(&self, range: &Range<u64>) -> (&Tensor, usize) {
+        let (span, memory) = &self.dsts[self.holder(range)];
+        (memory, (range.start - span.start) as usize)
+    }
+
+    /// The reads: maximal runs of adjacent selected tensors that land in one allocation, so a
+    /// whole checkpoint loaded per file is read as one range per file.
     fn reads(&self) -> Vec<FileRead<'_>> {
-        let mut runs: Vec<Range<u64>> = Vec::new();
+        let mut runs: Vec<(usize, Range<u64>)> = Vec::new();
         for l in &self.locations {
+            if l.byte_range.is_empty() {
+                continue;
+            }
+            let dst = self.holder(&l.byte_range);
             match runs.last_mut() {
-                Some(run) if run.end == l.byte_range.start => run.end = l.byte_range.end,
-                _ if l.byte_range.is_empty() => {}
-                _ => runs.push(l.byte_range.clone()),
+                Some((d, run)) if *d == dst && run.end == l.byte_range.start => {
+                    run.end = l.byte_range.end;
+                }
+                _ => runs.push((dst, l.byte_range.clone())),
             }
         }
         runs.into_iter()
-            .map(|run| FileRead {
-                path: self.path,
-                file: &self.file,
-                direct: self.direct.as_ref(),
-                offset: run.start,
-                len: (run.end - run.start) as usize,
-                dst: self.dst.buffer(),
-                dst_offset: (run.start - self.span.start) as usize,
+            .map(|(_, run)| {
+                let (memory, dst_offset) = self.destination(&run);
+                FileRead {
+                    path: self.path,
+                    file: &self.file,
+                    direct: self.direct.as_ref(),
+                    offset: run.start,
+                    len: (run.end - run.start) as usize,
+                    dst: memory.buffer(),
+                    dst_offset,
+                }
             })
             .collect()
     }
 
-    /// Each tensor as a view of the allocation, or a copy of its bytes (in `storage`) where they
+    /// Each tensor as a view of its allocation, or a copy of its bytes (in `storage`) where they
     /// are not aligned for its element type.
     fn views(
         &self,
         storage: Option<StorageMode>,
         out: &mut BTreeMap<String, Tensor>,
     ) -> Result<()> {
-        let buffer = self.dst.buffer();
         for l in &self.locations {
-            let offset = (l.byte_range.start - self.span.start) as usize;
+            let (memory, offset) = self.destination(&l.byte_range);
+            let buffer = memory.buffer();
             let tensor = if is_aligned(buffer.handle() as usize + offset, l.dtype) {
                 view(buffer.clone(), offset, l)?
             } else {
@@ -544,6 +607,105 @@ mod tests {
         ));
         std::fs::write(&path, bytes).unwrap();
         path
+    }
+
+    /// The read path of device loads (allocations, runs of reads, views or aligned copies), run
+    /// into host memory: per file, every tensor is a view of one allocation and the adjacent
+    /// tensors are one read; per tensor, each non-empty tensor has an allocation of its own. A
+    /// selection with a gap, a misaligned tensor and an empty one, both ways, equal to the file.
+    #[test]
+    fn reads_per_file_and_per_tensor_give_the_file_s_tensors() {
+        let big = Tensor::from_slice(&(0..1000).map(|i| i as f32).collect::<Vec<_>>(), &[10, 100])
+            .unwrap();
+        let small = Tensor::from_slice(&[7i64, -8, 9], &[3]).unwrap();
+        let empty = Tensor::zeros(&[0, 5], DType::F16, Device::CPU).unwrap();
+        let saved = std::env::temp_dir().join(format!(
+            "dlbridge-load-{}-alloc.safetensors",
+            std::process::id()
+        ));
+        crate::safetensors::save_file(
+            &[
+                ("big", &big),
+                ("empty", &empty),
+                ("gap", &small),
+                ("small", &small),
+            ],
+            None,
+            &saved,
+        )
+        .unwrap();
+        let misaligned = misaligned_file("alloc-misaligned");
+        for path in [&saved, &misaligned] {
+            let file = SafeTensors::open(path).unwrap();
+            let names: Vec<&str> = file.keys().collect();
+            let expected = file.load(&names, true).unwrap();
+            // In the saved file, leave out the second tensor in file order, between two others.
+            let mut in_order = file.plan(|_| true);
+            in_order.sort_by_key(|l| l.byte_range.start);
+            let skip = if path == &saved {
+                in_order[1].name.clone()
+            } else {
+                String::new()
+            };
+            let plan = file.plan(|name| name != skip);
+            for allocation in [Allocation::PerFile, Allocation::PerTensor] {
+                let options = LoadOptions {
+                    allocation: Some(allocation),
+                    chunk_bytes: Some(64),
+                    threads: Some(3),
+                    ..LoadOptions::new(Device::CPU)
+                };
+                let load =
+                    FileLoad::new(&file, plan.iter().collect(), Device::CPU, &options).unwrap();
+                let reads = load.reads().len();
+                let runs = match allocation {
+                    // The misaligned file's tensors are adjacent; the gap splits the saved one's.
+                    Allocation::PerFile => 1 + usize::from(path == &saved),
+                    Allocation::PerTensor => {
+                        plan.iter().filter(|l| !l.byte_range.is_empty()).count()
+                    }
+                };
+                assert_eq!(reads, runs, "{allocation:?} {}", path.display());
+                let done = AtomicU64::new(0);
+                read_files(
+                    std::slice::from_ref(&load),
+                    Device::CPU,
+                    &options,
+                    &done,
+                    0,
+                    &mut |_, _| {},
+                )
+                .unwrap();
+                let mut out = BTreeMap::new();
+                load.views(None, &mut out).unwrap();
+                assert_eq!(out.len(), plan.len());
+                for (name, got) in &out {
+                    let want = &expected[name];
+                    assert_eq!(
+                        (got.dtype(), got.shape()),
+                        (want.dtype(), want.shape()),
+                        "{name}"
+                    );
+                    assert_eq!(got.to_vec::<u8>().ok(), want.to_vec::<u8>().ok(), "{name}");
+                    if got.dtype().itemsize() == 4 {
+                        assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+                    }
+                }
+                let nonempty: Vec<&Tensor> = out
+                    .iter()
+                    .filter(|(name, t)| t.numel() > 0 && name.as_str() != "b")
+                    .map(|(_, t)| t)
+                    .collect();
+                for (i, a) in nonempty.iter().enumerate() {
+                    for b in &nonempty[i + 1..] {
+                        let shared = a.buffer().same_allocation(b.buffer());
+                        assert_eq!(shared, allocation == Allocation::PerFile, "{allocation:?}");
+                    }
+                }
+            }
+        }
+        std::fs::remove_file(&saved).unwrap();
+        std::fs::remove_file(&misaligned).unwrap();
     }
 
     #[test]

@@ -42,6 +42,7 @@ pub(crate) use file::Mapping;
 pub use file::{Checkpoint, SafeTensors, TensorLocation};
 pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
 pub use load::{
-    DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, LoadOptions, default_direct_threads, default_threads,
+    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, LoadOptions, default_direct_threads,
+    default_threads,
 };
 pub use save::{save_file, serialize, write};

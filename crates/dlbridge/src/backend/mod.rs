@@ -153,6 +153,25 @@ pub(crate) struct FileRead<'a> {
     pub(crate) dst_offset: usize,
 }
 
+impl FileRead<'_> {
+    /// The error of a read that met the end of the file at byte `at` while reading file bytes
+    /// `range`: the file shrank after its header was read.
+    #[cfg_attr(not(cuda), allow(dead_code))]
+    pub(crate) fn ended_at(&self, at: u64, range: std::ops::Range<u64>) -> Error {
+        Error::Io {
+            path: self.path.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "the file ended at byte {at} while reading bytes {}..{} (was it truncated \
+                     while loading?)",
+                    range.start, range.end
+                ),
+            ),
+        }
+    }
+}
+
 /// How [`read_file`] reads.
 pub(crate) struct ReadOptions<'a> {
     /// Reader threads.

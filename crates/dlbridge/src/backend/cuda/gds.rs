@@ -201,18 +201,8 @@ fn read_piece(
         let n = unsafe { cufile::read(handle.0, base, len - filled, file_offset, dst_offset) };
         match n {
             Ok(0) => {
-                return Err(Error::Io {
-                    path: read.path.to_path_buf(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!(
-                            "the file ended at byte {file_offset} while reading bytes {}..{} \
-                             (was it truncated while loading?)",
-                            read.offset + start as u64,
-                            read.offset + (start + len) as u64
-                        ),
-                    ),
-                });
+                let range = read.offset + start as u64..read.offset + (start + len) as u64;
+                return Err(read.ended_at(file_offset as u64, range));
             }
             Ok(n) => {
                 filled += n as usize;

@@ -224,19 +224,7 @@ fn fill(slot: &Slot, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*co
         match file.read_at(&mut dst[filled..], start + filled as u64) {
             // End of file before the range ended: the file shrank after its header was read.
             Ok(0) => {
-                return Err(Error::Io {
-                    path: read.path.to_path_buf(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!(
-                            "the file ended at byte {} while reading bytes {}..{} (was it \
-                             truncated while loading?)",
-                            start + filled as u64,
-                            offset,
-                            offset + len as u64
-                        ),
-                    ),
-                });
+                return Err(read.ended_at(start + filled as u64, offset..offset + len as u64));
             }
             Ok(n) => filled += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

@@ -12,8 +12,10 @@
 //! Ranges are compared by their device and their byte extent: two views whose extents overlap
 //! conflict even when their strides would interleave without touching (conservative).
 
+use std::cell::UnsafeCell;
 use std::ffi::{CStr, c_int, c_void};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
@@ -57,31 +59,73 @@ struct RegistryV1 {
 
 const CAPSULE_NAME: &CStr = c"dlbridge_pyo3.borrows.registry_v1";
 
-/// The borrows recorded by this library's registry (used only if this library published it).
-static BORROWS: Mutex<Vec<(Range, bool)>> = Mutex::new(Vec::new());
+/// The borrows recorded by this library's registry (used only if this library published it),
+/// behind a spin lock: every critical section is a short scan and a push or a swap-remove, which
+/// the GIL (where there is one) already keeps from contending, and a spin lock's release is a
+/// plain store where a mutex's is a second atomic exchange (one argument call takes and releases
+/// the lock twice).
+static BORROWS: SpinLock<Vec<(Range, bool)>> = SpinLock::new(Vec::new());
 
 unsafe extern "C" fn acquire(range: *const Range, exclusive: c_int) -> c_int {
     // SAFETY: callers pass a valid `Range`.
     let range = unsafe { *range };
     let exclusive = exclusive != 0;
-    let mut borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
-    let conflict = borrows
-        .iter()
-        .any(|(r, x)| (exclusive || *x) && r.overlaps(&range));
-    if conflict {
-        return 1;
-    }
-    borrows.push((range, exclusive));
-    0
+    BORROWS.with(|borrows| {
+        let conflict = borrows
+            .iter()
+            .any(|(r, x)| (exclusive || *x) && r.overlaps(&range));
+        if conflict {
+            return 1;
+        }
+        borrows.push((range, exclusive));
+        0
+    })
 }
 
 unsafe extern "C" fn release(range: *const Range, exclusive: c_int) {
     // SAFETY: callers pass a valid `Range`.
     let range = unsafe { *range };
     let exclusive = exclusive != 0;
-    let mut borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(i) = borrows.iter().rposition(|b| *b == (range, exclusive)) {
-        borrows.swap_remove(i);
+    BORROWS.with(|borrows| {
+        if let Some(i) = borrows.iter().rposition(|b| *b == (range, exclusive)) {
+            borrows.swap_remove(i);
+        }
+    });
+}
+
+/// A lock for short critical sections that never panic: taken by an atomic exchange, released by
+/// a store.
+struct SpinLock<T> {
+    locked: AtomicBool,
+    value: UnsafeCell<T>,
+}
+
+// SAFETY: the value is reached only through `with`, which holds the lock, so one thread at a time
+// has it; `T: Send` lets it be used from whichever thread holds the lock.
+unsafe impl<T: Send> Sync for SpinLock<T> {}
+
+impl<T> SpinLock<T> {
+    const fn new(value: T) -> Self {
+        SpinLock {
+            locked: AtomicBool::new(false),
+            value: UnsafeCell::new(value),
+        }
+    }
+
+    /// Runs `f` on the value with the lock held. `f` must not panic (the lock would stay taken):
+    /// the registry's closures only compare, push and swap-remove (a failed allocation aborts).
+    #[inline]
+    fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        while self.locked.swap(true, Ordering::Acquire) {
+            while self.locked.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        }
+        // SAFETY: the lock is held, so no other reference to the value exists until it is
+        // released below.
+        let r = f(unsafe { &mut *self.value.get() });
+        self.locked.store(false, Ordering::Release);
+        r
     }
 }
 

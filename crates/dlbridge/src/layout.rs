@@ -241,6 +241,20 @@ impl Layout {
     /// A layout from parts; checks the dimension count and that the element count fits.
     #[inline]
     pub fn new(shape: &[usize], strides: &[isize], byte_offset: usize) -> Result<Self> {
+        Layout::from_dims(
+            Dims::from_slice(shape),
+            Dims::from_slice(strides),
+            byte_offset,
+        )
+    }
+
+    /// [`Layout::new`] taking the extents and strides it keeps (no copy of them).
+    #[inline]
+    pub(crate) fn from_dims(
+        shape: Dims<usize>,
+        strides: Dims<isize>,
+        byte_offset: usize,
+    ) -> Result<Self> {
         if shape.len() != strides.len() {
             return Err(Error::Shape(format!(
                 "{} extents but {} strides",
@@ -251,10 +265,10 @@ impl Layout {
         if shape.len() > MAX_NDIM {
             return Err(too_many_axes(shape.len()));
         }
-        checked_numel(shape)?;
+        checked_numel(&shape)?;
         Ok(Layout {
-            shape: Dims::from_slice(shape),
-            strides: Dims::from_slice(strides),
+            shape,
+            strides,
             byte_offset,
         })
     }

@@ -135,16 +135,14 @@ impl<M: Managed> Drop for ForeignTensor<M> {
     }
 }
 
-/// Reads `n` values from a foreign array pointer.
+/// Reads value `i` of a foreign array of `i64`.
 ///
 /// # Safety
-/// `ptr` must be valid for `n` reads of `i64` (the caller checked it is non-NULL).
-unsafe fn read_i64s(ptr: *const i64, n: usize) -> layout::Dims<i64> {
-    (0..n)
-        // SAFETY: within the `n` readable values; unaligned because foreign pointers promise
-        // nothing.
-        .map(|i| unsafe { ptr.wrapping_add(i).read_unaligned() })
-        .collect()
+/// `ptr` must be valid for reads of `i + 1` values of `i64` (the caller checked it is non-NULL).
+unsafe fn read_i64(ptr: *const i64, i: usize) -> i64 {
+    // SAFETY: the caller's `i` is within the readable values; unaligned because foreign pointers
+    // promise nothing.
+    unsafe { ptr.wrapping_add(i).read_unaligned() }
 }
 
 /// Validates `dl` and builds a tensor over the producer's memory, kept alive by `keep_alive`.
@@ -212,14 +210,11 @@ unsafe fn describe(dl: &DLTensor, version: Option<DLPackVersion>, flags: u64) ->
             "shape is NULL with ndim {ndim}"
         )));
     }
-    let raw_shape = if ndim > 0 {
-        // SAFETY: non-NULL (checked) and, by the DLPack contract, `ndim` entries long.
-        unsafe { read_i64s(dl.shape, ndim) }
-    } else {
-        layout::Dims::new()
-    };
     let mut shape = layout::Dims::<usize>::with_capacity(ndim);
-    for (axis, &d) in raw_shape.iter().enumerate() {
+    for axis in 0..ndim {
+        // SAFETY: non-NULL (checked above for `ndim > 0`) and, by the DLPack contract, `ndim`
+        // entries long.
+        let d = unsafe { read_i64(dl.shape, axis) };
         let d = usize::try_from(d).map_err(|_| {
             Error::MalformedTensor(format!("extent {d} of axis {axis} is negative"))
         })?;
@@ -235,15 +230,13 @@ unsafe fn describe(dl: &DLTensor, version: Option<DLPackVersion>, flags: u64) ->
         }
         layout::Dims::from_slice(Layout::contiguous(&shape)?.strides())
     } else {
-        let raw = if ndim > 0 {
+        let mut strides = layout::Dims::<isize>::with_capacity(ndim);
+        for axis in 0..ndim {
             // SAFETY: non-NULL and, by the DLPack contract, `ndim` entries long.
-            unsafe { read_i64s(dl.strides, ndim) }
-        } else {
-            layout::Dims::new()
-        };
-        raw.into_iter()
-            .map(|s| isize::try_from(s).map_err(|_| crate::error::overflow("stride")))
-            .collect::<Result<_>>()?
+            let s = unsafe { read_i64(dl.strides, axis) };
+            strides.push(isize::try_from(s).map_err(|_| crate::error::overflow("stride"))?);
+        }
+        strides
     };
     let offset = usize::try_from(dl.byte_offset)
         .ok()
@@ -251,7 +244,7 @@ unsafe fn describe(dl: &DLTensor, version: Option<DLPackVersion>, flags: u64) ->
         .ok_or_else(|| crate::error::overflow(format!("byte_offset {}", dl.byte_offset)))?;
     let packed = dtype.is_sub_byte() && flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED == 0;
     let read_only = flags & DLPACK_FLAG_BITMASK_READ_ONLY != 0;
-    let layout = Layout::new(&shape, &strides, offset)?;
+    let layout = Layout::from_dims(shape, strides, offset)?;
     let numel = layout.numel();
     if numel > 0 && dl.data.is_null() {
         return Err(Error::MalformedTensor(format!(

@@ -319,6 +319,9 @@ class _Checkpoint:
         chunk_bytes: int | None,
         direct_io: _bool | None,
         progress: Any,
+        storage: str | None = None,
+        allocation: str | None = None,
+        gds: _bool | None = None,
     ) -> dict[str, Array]: ...
 
 def _st_save(tensors: dict[str, Any], path: str, metadata: dict[str, str] | None = None) -> None: ...

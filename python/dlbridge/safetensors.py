@@ -83,6 +83,9 @@ def load_file(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     direct_io: Optional[bool] = None,
+    storage: Optional[str] = None,
+    allocation: Optional[str] = None,
+    gds: Optional[bool] = None,
 ) -> Dict[str, Array]:
     """Loads a safetensors file, a list of shards, or a ``model.safetensors.index.json``.
 
@@ -95,18 +98,22 @@ def load_file(
     ``progress``: ``None`` shows a bar on a terminal for loads that last over a second, ``False``
     none, a callable gets ``(bytes_done, bytes_total)``. ``threads``, ``chunk_bytes`` and
     ``direct_io`` tune the reader (defaults come from the machine and the page cache).
-    Environment variables tune CUDA loads further: ``DLBRIDGE_LOAD_ALLOCATION=per-tensor`` gives
-    each tensor an allocation of its own (freed when that tensor goes) instead of one per file;
-    ``DLBRIDGE_LOAD_GDS=1`` reads through GPUDirect Storage (cuFile), ``0`` never (by default it
-    is used for cold files where the nvidia-fs module is loaded); ``DLBRIDGE_LOAD_REGISTER=1``
-    copies from the files' registered pages instead of pinned staging buffers.
+    ``storage``: the storage mode of the loaded memory (``"private"``, ``"shared"``,
+    ``"managed"``; ``None``: the device's default, or ``DLBRIDGE_METAL_STORAGE_MODE`` on Metal).
+    For devices whose tensors are read (CUDA; Metal where it declines to wrap a file):
+    ``allocation="per-tensor"`` gives each tensor an allocation of its own, freed when that tensor
+    goes, instead of one per file (``None``: ``DLBRIDGE_LOAD_ALLOCATION``, else ``"per-file"``);
+    ``gds=True`` reads through GPUDirect Storage (cuFile) or fails naming the file, ``False``
+    never (``None``: ``DLBRIDGE_LOAD_GDS``, else cuFile for cold files where the nvidia-fs module
+    is loaded). ``DLBRIDGE_LOAD_REGISTER=1`` copies from the files' registered pages instead of
+    pinned staging buffers.
     """
     checkpoint = _dlbridge._Checkpoint(path if isinstance(path, (str, os.PathLike)) else list(path))
     callback, bar = _progress_callback(progress)
     try:
         result: Dict[str, Array] = checkpoint.load(
             None if keys is None else list(keys), device, bool(copy), dtype, threads,
-            chunk_bytes, direct_io, callback)
+            chunk_bytes, direct_io, callback, storage, allocation, gds)
     finally:
         if bar is not None:
             bar.close()

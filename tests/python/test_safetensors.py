@@ -106,6 +106,25 @@ def test_zero_copy_views_of_one_mapping(tmp_path):
     assert torch.from_dlpack(loaded["c"]).data_ptr() == loaded["c"].data_ptr
 
 
+def test_load_options_are_checked_and_leave_cpu_views_alone(tmp_path):
+    """`storage=`, `allocation=` and `gds=` name what they take; a bad value is a ValueError
+    naming it. On the CPU the tensors are views of the mapped file whatever the reader options
+    (they tune devices whose tensors are read)."""
+    path = tmp_path / "o.safetensors"
+    st_save_numpy({"w": np.arange(10, dtype=np.float32), "b": np.ones((2, 3), np.int64)}, str(path))
+    expected = st_load_numpy(str(path))
+    for kw in ({"allocation": "per-tensor"}, {"allocation": "PER-FILE"}, {"gds": False},
+               {"storage": "shared"}, {"allocation": "per_tensor", "gds": True}):
+        loaded = dlbridge.load_file(path, **kw)
+        for name, want in expected.items():
+            assert np.array_equal(np.from_dlpack(loaded[name]), want), (kw, name)
+            assert loaded[name].readonly and loaded[name].is_foreign, kw
+    with pytest.raises(ValueError, match="allocation \"per-array\".*'per-file' or 'per-tensor'"):
+        dlbridge.load_file(path, allocation="per-array")
+    with pytest.raises(ValueError, match="storage \"fast\""):
+        dlbridge.load_file(path, storage="fast")
+
+
 def test_copy_true_gives_writable_private_memory(tmp_path):
     path = tmp_path / "c.safetensors"
     st_save_numpy({"w": np.arange(10, dtype=np.float32)}, str(path))
@@ -288,7 +307,6 @@ def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch,
     file (the default) or one per tensor, give the same tensors, for every selection: runs with
     gaps share pages at their edges."""
     monkeypatch.setenv("DLBRIDGE_LOAD_REGISTER", register)
-    monkeypatch.setenv("DLBRIDGE_LOAD_ALLOCATION", allocation)
     g = torch.Generator().manual_seed(9)
     tensors = {
         "a": torch.randn(1001, generator=g),
@@ -303,7 +321,7 @@ def test_cuda_load_from_registered_pages_or_staging_agree(tmp_path, monkeypatch,
     for keys in (None, ["a", "c", "e"], ["b", "d"], ["e"]):
         for threads in (1, 3):
             loaded = dlbridge.load_file(path, "cuda:0", keys=keys, threads=threads,
-                                        chunk_bytes=64 << 10)
+                                        chunk_bytes=64 << 10, allocation=allocation)
             assert sorted(loaded) == sorted(keys or tensors)
             for name, got in loaded.items():
                 assert torch.equal(torch.from_dlpack(got), expected[name]), (name, keys, threads)

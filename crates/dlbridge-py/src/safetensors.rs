@@ -5,9 +5,9 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use dlbridge::safetensors::{Checkpoint, LoadOptions, dtype_name, save_file};
+use dlbridge::safetensors::{Allocation, Checkpoint, LoadOptions, dtype_name, save_file};
 use dlbridge::{Device, Tensor};
-use pyo3::exceptions::{PyKeyError, PyTypeError};
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 
@@ -76,7 +76,10 @@ impl PyCheckpoint {
 
     /// Loads the tensors named in `keys` (all when `None`) onto `device`; `progress(done, total)`
     /// is called about ten times a second while a device load runs.
-    #[pyo3(signature = (keys, device, copy, dtype, threads, chunk_bytes, direct_io, progress))]
+    #[pyo3(signature = (
+        keys, device, copy, dtype, threads, chunk_bytes, direct_io, progress,
+        storage=None, allocation=None, gds=None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn load<'py>(
         &self,
@@ -89,8 +92,23 @@ impl PyCheckpoint {
         chunk_bytes: Option<usize>,
         direct_io: Option<bool>,
         progress: Option<Py<PyAny>>,
+        storage: Option<&str>,
+        allocation: Option<&str>,
+        gds: Option<bool>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let device: Device = crate::device::parse(device)?;
+        let storage = crate::creation::parse_storage(storage)?;
+        let allocation = match allocation.map(|a| a.trim().to_ascii_lowercase()).as_deref() {
+            None => None,
+            Some("per-file" | "per_file") => Some(Allocation::PerFile),
+            Some("per-tensor" | "per_tensor") => Some(Allocation::PerTensor),
+            Some(_) => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown allocation {:?}: expected 'per-file' or 'per-tensor'",
+                    allocation.unwrap_or_default()
+                )));
+            }
+        };
         let dtype = match dtype.filter(|d| !d.is_none()) {
             Some(d) => Some(crate::dtype::parse(d)?),
             None => None,
@@ -105,18 +123,19 @@ impl PyCheckpoint {
         let options = LoadOptions {
             device,
             copy,
-            // The environment's storage mode, else the device's default.
-            storage: None,
+            // Else the environment's storage mode, else the device's default.
+            storage,
             dtype,
             threads,
             chunk_bytes,
             direct_io,
             // The environment's `DLBRIDGE_LOAD_REGISTER`, else staging buffers.
             register_pages: None,
-            // The environment's `DLBRIDGE_LOAD_GDS`, else cuFile where it reads without a copy.
-            gds: None,
-            // The environment's `DLBRIDGE_LOAD_ALLOCATION`, else one allocation per file.
-            allocation: None,
+            // Else the environment's `DLBRIDGE_LOAD_GDS`, else cuFile where it reads without a
+            // copy.
+            gds,
+            // Else the environment's `DLBRIDGE_LOAD_ALLOCATION`, else one allocation per file.
+            allocation,
         };
         let wanted: Option<std::collections::BTreeSet<String>> =
             keys.map(|k| k.into_iter().collect());

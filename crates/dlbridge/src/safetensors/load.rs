@@ -811,18 +811,29 @@ mod tests {
         let plan = file.plan(|_| true);
         let ranges = wrapped_ranges(&plan.iter().collect::<Vec<_>>());
         assert_eq!(ranges.len(), 3);
-        let base = file.buffer().host_ptr().unwrap().as_ptr() as usize;
-        // The mapping is aligned to the host's pages, not necessarily to 16 KiB: a 24000-byte
-        // item may then touch three 16 KiB pages, and the 48 KiB file four.
-        for max_len in [1 << 30, 3 * PAGE] {
-            let chunks = plan_chunks(base, file.buffer().len(), PAGE, max_len, &ranges).unwrap();
-            assert!(max_len > 3 * PAGE || chunks.len() > 1, "{chunks:?}");
-            for r in &ranges {
-                let (i, offset) = locate(&chunks, base, r.clone()).unwrap();
-                let span = chunks[i].span;
-                assert_eq!(span.start % PAGE, 0);
-                assert_eq!(span.start + offset, base + r.start);
-                assert!(span.start + offset + r.len() <= span.end());
+        // The plan is arithmetic on addresses: every alignment a mapping of 4 KiB pages can have
+        // against 16 KiB pages is tried, since how many 16 KiB pages the file and each item touch
+        // depends on it. The limit is the largest item's pages, less than the whole file's.
+        let len = file.buffer().len();
+        for base in (0..4).map(|k| (1usize << 32) + k * 4096) {
+            let pages = |start: usize, end: usize| (end.div_ceil(PAGE) - start / PAGE) * PAGE;
+            let whole = pages(base, base + len);
+            let largest = ranges
+                .iter()
+                .map(|r| pages(base + r.start, base + r.end))
+                .max()
+                .unwrap();
+            assert!(largest < whole, "{largest} {whole}");
+            for max_len in [1 << 30, largest] {
+                let chunks = plan_chunks(base, len, PAGE, max_len, &ranges).unwrap();
+                assert!(max_len >= whole || chunks.len() > 1, "{chunks:?}");
+                for r in &ranges {
+                    let (i, offset) = locate(&chunks, base, r.clone()).unwrap();
+                    let span = chunks[i].span;
+                    assert_eq!(span.start % PAGE, 0);
+                    assert_eq!(span.start + offset, base + r.start);
+                    assert!(span.start + offset + r.len() <= span.end());
+                }
             }
         }
     }

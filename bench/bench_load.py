@@ -118,11 +118,6 @@ def load_dlbridge_registered(files, **kw):
     return with_env({"DLBRIDGE_LOAD_REGISTER": "1"}, load_dlbridge, files, **kw)
 
 
-def load_dlbridge_per_tensor(files, **kw):
-    """dlbridge with one allocation per tensor instead of one per file."""
-    return with_env({"DLBRIDGE_LOAD_ALLOCATION": "per-tensor"}, load_dlbridge, files, **kw)
-
-
 def load_st_cuda(files):
     from safetensors.torch import load_file
     out = {}
@@ -264,7 +259,8 @@ def main() -> int:
     loaders = [
         ("dlbridge.load_file(files, 'cuda:0')", load_dlbridge),
         ("dlbridge, registered pages (DLBRIDGE_LOAD_REGISTER=1)", load_dlbridge_registered),
-        ("dlbridge, an allocation per tensor (DLBRIDGE_LOAD_ALLOCATION=per-tensor)", load_dlbridge_per_tensor),
+        ("dlbridge, an allocation per tensor (allocation='per-tensor')",
+         lambda f: load_dlbridge(f, allocation="per-tensor")),
         ("safetensors.torch.load_file(f, device='cuda:0')", load_st_cuda),
         ("safetensors to CPU, then .to('cuda:0')", load_st_cpu_then_to),
         ("fastsafetensors fastsafe_open(nogds=True)", load_fastsafetensors),

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use dlbridge::safetensors::{Allocation, Checkpoint, LoadOptions, dtype_name, save_file};
 use dlbridge::{Device, Tensor};
-use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 
@@ -98,17 +98,7 @@ impl PyCheckpoint {
     ) -> PyResult<Bound<'py, PyDict>> {
         let device: Device = crate::device::parse(device)?;
         let storage = crate::creation::parse_storage(storage)?;
-        let allocation = match allocation.map(|a| a.trim().to_ascii_lowercase()).as_deref() {
-            None => None,
-            Some("per-file" | "per_file") => Some(Allocation::PerFile),
-            Some("per-tensor" | "per_tensor") => Some(Allocation::PerTensor),
-            Some(_) => {
-                return Err(PyValueError::new_err(format!(
-                    "unknown allocation {:?}: expected 'per-file' or 'per-tensor'",
-                    allocation.unwrap_or_default()
-                )));
-            }
-        };
+        let allocation = allocation.map(str::parse::<Allocation>).transpose().py()?;
         let dtype = match dtype.filter(|d| !d.is_none()) {
             Some(d) => Some(crate::dtype::parse(d)?),
             None => None,

@@ -85,14 +85,33 @@ pub enum Allocation {
     PerTensor,
 }
 
+impl std::str::FromStr for Allocation {
+    type Err = Error;
+
+    /// `per-file` or `per-tensor` (either case, `_` for `-`).
+    fn from_str(name: &str) -> Result<Allocation> {
+        match name.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "per-file" => Ok(Allocation::PerFile),
+            "per-tensor" => Ok(Allocation::PerTensor),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown allocation {name:?}: expected 'per-file' or 'per-tensor'"
+            ))),
+        }
+    }
+}
+
 impl Allocation {
-    /// `options.allocation`, else the environment's `DLBRIDGE_LOAD_ALLOCATION`, else per file.
+    /// `options.allocation`, else the environment's `DLBRIDGE_LOAD_ALLOCATION` (an unknown value
+    /// is warned about and ignored), else per file.
     fn of(options: &LoadOptions) -> Allocation {
         options.allocation.unwrap_or_else(|| {
-            match std::env::var("DLBRIDGE_LOAD_ALLOCATION").as_deref() {
-                Ok("per-tensor") => Allocation::PerTensor,
-                _ => Allocation::PerFile,
-            }
+            let Ok(name) = std::env::var("DLBRIDGE_LOAD_ALLOCATION") else {
+                return Allocation::PerFile;
+            };
+            name.parse().unwrap_or_else(|e| {
+                log::warn!("dlbridge: DLBRIDGE_LOAD_ALLOCATION: {e}; loading per file");
+                Allocation::PerFile
+            })
         })
     }
 }
@@ -186,6 +205,7 @@ impl Checkpoint {
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<BTreeMap<String, Tensor>> {
         let device = backend::placement(options.device, options.storage)?;
+        let allocation = Allocation::of(options);
         let mut out = BTreeMap::new();
         let mut wrapped: u64 = 0;
         let mut files: Vec<FileLoad<'_>> = Vec::new();
@@ -203,7 +223,9 @@ impl Checkpoint {
                         .sum::<u64>();
                     out.extend(tensors);
                 }
-                None => files.push(FileLoad::new(shard, locations, device, options)?),
+                None => files.push(FileLoad::new(
+                    shard, locations, device, options, allocation,
+                )?),
             }
         }
         let done = AtomicU64::new(wrapped);
@@ -414,6 +436,7 @@ impl<'a> FileLoad<'a> {
         locations: Vec<&'a TensorLocation>,
         device: Device,
         options: &LoadOptions,
+        allocation: Allocation,
     ) -> Result<FileLoad<'a>> {
         let path = shard.path();
         let io = |source| Error::Io {
@@ -428,7 +451,7 @@ impl<'a> FileLoad<'a> {
         };
         // Some file systems (tmpfs) refuse O_DIRECT: read through the page cache there.
         let direct = direct.then(|| open_direct(path)).flatten();
-        let mut spans: Vec<Range<u64>> = match Allocation::of(options) {
+        let mut spans: Vec<Range<u64>> = match allocation {
             Allocation::PerFile => {
                 let start = locations.iter().map(|l| l.byte_range.start).min();
                 let end = locations.iter().map(|l| l.byte_range.end).max();
@@ -655,8 +678,14 @@ mod tests {
                     threads: Some(3),
                     ..LoadOptions::new(Device::CPU)
                 };
-                let load =
-                    FileLoad::new(&file, plan.iter().collect(), Device::CPU, &options).unwrap();
+                let load = FileLoad::new(
+                    &file,
+                    plan.iter().collect(),
+                    Device::CPU,
+                    &options,
+                    Allocation::of(&options),
+                )
+                .unwrap();
                 let reads = load.reads().len();
                 let runs = match allocation {
                     // The misaligned file's tensors are adjacent; the gap splits the saved one's.
@@ -706,6 +735,19 @@ mod tests {
         }
         std::fs::remove_file(&saved).unwrap();
         std::fs::remove_file(&misaligned).unwrap();
+    }
+
+    #[test]
+    fn allocation_names() {
+        for (name, want) in [
+            ("per-file", Allocation::PerFile),
+            ("PER_TENSOR", Allocation::PerTensor),
+            (" per-tensor ", Allocation::PerTensor),
+        ] {
+            assert_eq!(name.parse::<Allocation>().unwrap(), want, "{name}");
+        }
+        let e = "per-array".parse::<Allocation>().unwrap_err();
+        assert!(e.to_string().contains("'per-file' or 'per-tensor'"), "{e}");
     }
 
     #[test]

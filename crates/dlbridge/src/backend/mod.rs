@@ -172,6 +172,34 @@ impl FileRead<'_> {
     }
 }
 
+/// One piece of a [`FileRead`], at most one read's size long: what a reader worker takes at a
+/// time.
+#[derive(Clone, Copy)]
+pub(crate) struct Piece {
+    /// The index of its read.
+    pub(crate) read: usize,
+    /// Offset of the piece inside its read.
+    pub(crate) start: usize,
+    /// Its length.
+    pub(crate) len: usize,
+}
+
+/// `reads` cut into pieces of at most `chunk` bytes, in order.
+pub(crate) fn pieces(reads: &[FileRead<'_>], chunk: usize) -> Vec<Piece> {
+    let chunk = chunk.max(1);
+    reads
+        .iter()
+        .enumerate()
+        .flat_map(|(read, r)| {
+            (0..r.len.div_ceil(chunk)).map(move |k| Piece {
+                read,
+                start: k * chunk,
+                len: chunk.min(r.len - k * chunk),
+            })
+        })
+        .collect()
+}
+
 /// How [`read_file`] reads.
 pub(crate) struct ReadOptions<'a> {
     /// Reader threads.
@@ -217,19 +245,14 @@ pub(crate) fn wrap_host(
 pub(crate) fn read_to_host(reads: &[FileRead<'_>], options: &ReadOptions<'_>) -> Result<()> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let chunk = options.chunk.max(1);
-    let pieces: Vec<(usize, usize)> = reads
-        .iter()
-        .enumerate()
-        .flat_map(|(i, r)| (0..r.len.div_ceil(chunk)).map(move |k| (i, k * chunk)))
-        .collect();
+    let pieces = pieces(reads, options.chunk);
     let next = AtomicUsize::new(0);
     run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
         while !failed.load(Ordering::Relaxed)
-            && let Some(&(i, start)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
+            && let Some(&Piece { read, start, len }) =
+                pieces.get(next.fetch_add(1, Ordering::Relaxed))
         {
-            let r = &reads[i];
-            let len = chunk.min(r.len - start);
+            let r = &reads[read];
             let base = r.dst.require_host("reading a file into it")?;
             // SAFETY: the caller sized `dst` for every read, and pieces of different reads land
             // in disjoint ranges that nothing else touches meanwhile.

@@ -17,7 +17,7 @@ use cudarc::cufile::result::{self as cufile, CufileError};
 use cudarc::cufile::sys;
 
 use super::context;
-use crate::backend::{FileRead, ReadOptions, run_workers};
+use crate::backend::{FileRead, Piece, ReadOptions, pieces, run_workers};
 use crate::error::{Error, Result};
 
 /// What was found of cuFile in this process: `Err` says why it cannot be used.
@@ -155,22 +155,16 @@ impl Registered {
         chunk: usize,
         options: &ReadOptions<'_>,
     ) -> Result<()> {
-        let pieces: Vec<(usize, usize, usize)> = reads
-            .iter()
-            .enumerate()
-            .flat_map(|(i, r)| {
-                (0..r.len.div_ceil(chunk))
-                    .map(move |k| (i, k * chunk, chunk.min(r.len - k * chunk)))
-            })
-            .collect();
+        let pieces = pieces(reads, chunk);
         let next = AtomicUsize::new(0);
         run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
             let _ctx = context(ordinal)?;
             while !failed.load(Ordering::Relaxed)
-                && let Some(&(i, start, len)) = pieces.get(next.fetch_add(1, Ordering::Relaxed))
+                && let Some(&Piece { read, start, len }) =
+                    pieces.get(next.fetch_add(1, Ordering::Relaxed))
             {
-                let handle = &self.handles[self.handle_of[i]];
-                read_piece(handle, &reads[i], start, len, options.done, failed)?;
+                let handle = &self.handles[self.handle_of[read]];
+                read_piece(handle, &reads[read], start, len, options.done, failed)?;
             }
             Ok(())
         })

@@ -24,22 +24,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use super::driver::{self, Named};
 use super::stream::raw;
 use super::{Event, Stream, context};
-use crate::backend::{FileRead, ReadOptions, run_workers};
+use crate::backend::{FileRead, Piece, ReadOptions, pieces, run_workers};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
 /// The alignment `O_DIRECT` asks of file offsets, lengths and buffer addresses.
 const DIRECT_ALIGN: usize = 4096;
-
-/// One piece of a [`FileRead`], at most one chunk long.
-#[derive(Clone, Copy)]
-struct Piece {
-    read: usize,
-    /// Offset of the piece inside its read.
-    start: usize,
-    len: usize,
-}
 
 /// Reads every `reads` entry into its device destination on CUDA device `ordinal`.
 pub(crate) fn read_to_device(
@@ -67,17 +58,7 @@ pub(crate) fn read_to_device(
         }
         _ => {}
     }
-    let pieces: Vec<Piece> = reads
-        .iter()
-        .enumerate()
-        .flat_map(|(read, r)| {
-            (0..r.len.div_ceil(chunk)).map(move |k| Piece {
-                read,
-                start: k * chunk,
-                len: chunk.min(r.len - k * chunk),
-            })
-        })
-        .collect();
+    let pieces = pieces(reads, chunk);
     if pieces.is_empty() {
         return Ok(());
     }

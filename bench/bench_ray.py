@@ -11,10 +11,15 @@
    ``cuda_ipc`` transport for 1,000 PyTorch tensors (CPU: beside 1,000 NumPy arrays through the
    object store).
 
+4. With ``--nccl`` (a machine of two GPUs or more), instead: between two actors on two GPUs, the
+   ``dlbridge_nccl`` transport (NCCL, arrays merged into runs) beside Ray's own ``nccl``
+   transport for PyTorch tensors (``ray.experimental.collective``), for the large array and for
+   the small ones.
+
 Each figure is the median of ``--repeat`` round trips, timed in the driver from the call to the
 consumer's answer (the consumer reads one element, of the last array for the small ones, so the data is
 there).
-Run: ``python bench/bench_ray.py [--mib 1024] [--small 1000] [--repeat 7]``.
+Run: ``python bench/bench_ray.py [--mib 1024] [--small 1000] [--repeat 7] [--nccl]``.
 """
 
 from __future__ import annotations
@@ -109,6 +114,40 @@ class _Producer:
         return self.small
 
 
+class _NcclProducer:
+    """Both kinds of arrays in one actor, so that one pair of actors serves both transports."""
+
+    def __init__(self, nbytes: int, n_small: int):
+        import torch
+
+        n = nbytes // 4
+        self.big_d = dlbridge.full((n,), 1.0, dtype="float32", device="cuda")
+        self.small_d = [dlbridge.full((1024,), float(i), dtype="float32", device="cuda") for i in range(n_small)]
+        self.big_t = torch.ones(n, dtype=torch.float32, device="cuda")
+        self.small_t = [torch.full((1024,), float(i), dtype=torch.float32, device="cuda") for i in range(n_small)]
+        torch.cuda.synchronize()
+        dlbridge.synchronize("cuda")
+
+    def ready(self) -> bool:
+        return True
+
+    @ray.method(tensor_transport="dlbridge_nccl")
+    def big_dlbridge(self):
+        return [self.big_d]
+
+    @ray.method(tensor_transport="dlbridge_nccl")
+    def small_dlbridge(self):
+        return self.small_d
+
+    @ray.method(tensor_transport="nccl")
+    def big_ray(self):
+        return [self.big_t]
+
+    @ray.method(tensor_transport="nccl")
+    def small_ray(self):
+        return self.small_t
+
+
 class _Consumer:
     def ready(self) -> bool:
         return True
@@ -116,10 +155,53 @@ class _Consumer:
     def read(self, x) -> float:
         return _first(x)
 
+    def read_one(self, xs) -> float:
+        return _first(xs[0])
+
     def read_all(self, xs) -> float:
         # Every array arrived (their count), and the data is there (one element of the last):
         # reading one element of each would time a thousand device-to-host copies instead.
         return len(xs) + _first(xs[-1])
+
+
+def nccl_main(args) -> None:
+    """Section 4: two actors on two GPUs, NCCL both ways."""
+    nbytes = args.mib << 20
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    import torch
+    from ray.experimental.collective import create_collective_group
+
+    import dlbridge.nccl
+
+    print(f"Ray {ray.__version__}, dlbridge {dlbridge.__version__}, PyTorch {torch.__version__}, "
+          f"NCCL {'.'.join(map(str, dlbridge.nccl.version()))}")
+    print(f"two actors on two GPUs; large array {args.mib} MiB, {args.small} small arrays of 4 KiB, "
+          f"median of {args.repeat}")
+    opts = {"enable_tensor_transport": True, "num_gpus": 1}
+    p = ray.remote(**opts)(_NcclProducer).remote(nbytes, args.small)
+    c = ray.remote(**opts)(_Consumer).remote()
+    ray.get([p.ready.remote(), c.ready.remote()])
+    dlbridge.ray.create_nccl_group([p, c])
+    create_collective_group([p, c], backend="nccl")
+    rows = [
+        ("large", "dlbridge_nccl", _median(lambda: ray.get(c.read_one.remote(p.big_dlbridge.remote())), args.repeat, "big dlbridge_nccl")),
+        ("large", "Ray nccl, torch", _median(lambda: ray.get(c.read_one.remote(p.big_ray.remote())), args.repeat, "big Ray nccl")),
+        ("small", "dlbridge_nccl", _median(lambda: ray.get(c.read_all.remote(p.small_dlbridge.remote())), args.repeat, "small dlbridge_nccl")),
+        ("small", "Ray nccl, torch", _median(lambda: ray.get(c.read_all.remote(p.small_ray.remote())), args.repeat, "small Ray nccl")),
+    ]
+    print()
+    print("| case | path | time (ms) | GB/s |")
+    print("| --- | --- | ---: | ---: |")
+    for case, path, t in rows:
+        size = nbytes if case == "large" else args.small * 4096
+        label = f"{args.mib} MiB" if case == "large" else f"{args.small} x 4 KiB"
+        print(f"| GPU 0 to GPU 1, {label} | {path} | {t * 1e3:.2f} | {size / t / 1e9:.2f} |")
+    by = {(case, path): t for case, path, t in rows}
+    print()
+    print("ratios (Ray's time / dlbridge's; above 1 means dlbridge is faster):")
+    print(f"  large: {by[('large', 'Ray nccl, torch')] / by[('large', 'dlbridge_nccl')]:.2f}")
+    print(f"  {args.small} small: {by[('small', 'Ray nccl, torch')] / by[('small', 'dlbridge_nccl')]:.2f}")
+    ray.shutdown()
 
 
 def main() -> None:
@@ -127,7 +209,10 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=1024, help="size of the large array in MiB")
     ap.add_argument("--small", type=int, default=1000, help="how many small arrays in one call")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--nccl", action="store_true", help="two actors on two GPUs over NCCL instead")
     args = ap.parse_args()
+    if args.nccl:
+        return nccl_main(args)
     nbytes = args.mib << 20
     gpu = dlbridge.cuda.is_available()
     ray.init(

@@ -86,7 +86,17 @@ except ImportError as _e:  # pragma: no cover - depends on the installed Ray
 from . import _dlbridge
 from ._dlbridge import Array, SharedHandle
 
-__all__ = ["DEVICES", "TRANSPORT", "DlbridgeTransport", "register", "is_registered"]
+__all__ = [
+    "DEVICES",
+    "NCCL_TRANSPORT",
+    "TRANSPORT",
+    "DlbridgeNcclTransport",
+    "DlbridgeTransport",
+    "create_nccl_group",
+    "destroy_nccl_group",
+    "is_registered",
+    "register",
+]
 
 #: The transport's name, as ``tensor_transport=`` takes it (case does not matter).
 TRANSPORT = "DLBRIDGE"
@@ -363,6 +373,280 @@ def _local_cuda_ordinal(producer_gpu_ids: list[Any], ordinals: set[int]) -> Opti
     )
 
 
+
+# --- Between GPUs and hosts: NCCL ------------------------------------------------------------
+
+#: The name of the transport that copies CUDA arrays over NCCL, between GPUs and between nodes.
+NCCL_TRANSPORT = "DLBRIDGE_NCCL"
+
+
+@dataclass
+class DlbridgeNcclMetadata(TensorTransportMetadata):
+    """What a receiver needs before an NCCL transfer: the sender's runs of bytes (length, address
+    phase) and each array's view of them (see ``dlbridge.nccl``)."""
+
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    views: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+@dataclass
+class DlbridgeNcclCommunicatorMetadata(CommunicatorMetadata):
+    """The group both actors are in and their ranks there."""
+
+    group: str = ""
+    src_rank: int = -1
+    dst_rank: int = -1
+    #: Why the transfer cannot happen (no common group), raised by both actors.
+    error: str = ""
+
+
+@dataclass
+class _Group:
+    name: str
+    #: Actor id (hex) to rank.
+    ranks: dict[str, int]
+    actors: list[Any]
+
+
+#: The groups made by `create_nccl_group` in this process (the driver), by name.
+_groups: dict[str, _Group] = {}
+#: This process's communicators, by group name (in the actors).
+_communicators: dict[str, Any] = {}
+_groups_lock = threading.Lock()
+
+
+def _actor_key(actor: Any) -> str:
+    return actor._ray_actor_id.hex()
+
+
+def _nccl_make_id(_self: Any) -> bytes:
+    from . import nccl
+
+    return nccl.unique_id()
+
+
+def _nccl_join(_self: Any, name: str, uid: bytes, size: int, rank: int, device: int) -> str:
+    from . import nccl
+
+    comm = nccl.Communicator(uid, size, rank, device)
+    with _groups_lock:
+        _communicators[name] = comm
+    return ray.get_runtime_context().get_node_id()
+
+
+def _nccl_leave(_self: Any, name: str) -> None:
+    with _groups_lock:
+        _communicators.pop(name, None)  # destroys the communicator
+
+
+def create_nccl_group(
+    actors: list[Any], name: Optional[str] = None, devices: Optional[list[int]] = None
+) -> str:
+    """Joins ``actors`` (rank = position) in one NCCL communicator for the ``dlbridge_nccl``
+    transport, and returns the group's name. Call it in the process that will call the actors'
+    methods (the driver), after the actors exist. Each actor uses CUDA device ``devices[rank]``
+    (an ordinal as that actor numbers its GPUs; default ``0``, the first GPU Ray gave it). Every
+    actor needs a GPU of its own: NCCL refuses two ranks on one GPU."""
+    actors = list(actors)
+    if len(actors) < 2:
+        raise ValueError(f"an NCCL group needs at least two actors, not {len(actors)}")
+    keys = [_actor_key(a) for a in actors]
+    if len(set(keys)) != len(keys):
+        raise ValueError("every actor of an NCCL group must be a different actor")
+    devices = [0] * len(actors) if devices is None else [int(d) for d in devices]
+    if len(devices) != len(actors):
+        raise ValueError(f"{len(devices)} devices for {len(actors)} actors")
+    name = name or f"dlbridge-nccl-{uuid.uuid4().hex}"
+    with _groups_lock:
+        if name in _groups:
+            raise ValueError(f"an NCCL group named {name!r} exists already")
+    uid = ray.get(actors[0].__ray_call__.remote(_nccl_make_id))
+    ray.get(
+        [
+            a.__ray_call__.remote(_nccl_join, name, uid, len(actors), rank, devices[rank])
+            for rank, a in enumerate(actors)
+        ]
+    )
+    with _groups_lock:
+        _groups[name] = _Group(name, {k: r for r, k in enumerate(keys)}, actors)
+    return name
+
+
+def destroy_nccl_group(name: str) -> None:
+    """Destroys the group ``name`` in its actors (those still alive) and forgets it here."""
+    with _groups_lock:
+        group = _groups.pop(name, None)
+    if group is None:
+        raise ValueError(f"no NCCL group named {name!r} was made in this process")
+    refs = [a.__ray_call__.remote(_nccl_leave, name) for a in group.actors]
+    for r in refs:
+        try:
+            ray.get(r)
+        except Exception:
+            pass  # an actor that died took its communicator with it
+
+
+def _group_of(src: Any, dst: Any) -> Optional[tuple[_Group, int, int]]:
+    s, d = _actor_key(src), _actor_key(dst)
+    with _groups_lock:
+        found = [g for g in _groups.values() if s in g.ranks and d in g.ranks]
+    if not found:
+        return None
+    g = found[0]
+    return g, g.ranks[s], g.ranks[d]
+
+
+_NO_GROUP = (
+    "the dlbridge_nccl transport needs both actors in one NCCL group: call "
+    "dlbridge.ray.create_nccl_group([producer, consumer]) in the process that calls their methods "
+    "(the driver) first"
+)
+
+
+class DlbridgeNcclTransport(TensorTransportManager):
+    """Ray's ``TensorTransportManager`` for :class:`dlbridge.Array` in CUDA device memory, over
+    NCCL (two-sided: the producer sends, the consumer receives a copy into its own GPU memory).
+    Works between any two GPUs NCCL connects: one host's (NVLink, PCIe) or two hosts' (InfiniBand,
+    RoCE, TCP). Arrays of one allocation travel as one run of bytes (see ``dlbridge.nccl``)."""
+
+    @property
+    def tensor_transport_backend(self) -> str:  # type: ignore[override]
+        return NCCL_TRANSPORT
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return False
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        # A transfer whose other side failed is interrupted (`abort_transport`): it stops waiting
+        # and aborts the group's communicator, so no actor is left blocked (and Ray need not kill
+        # the actors). One stuck on a peer that died ends by its timeout.
+        return True
+
+    def actor_has_tensor_transport(self, actor: Any) -> bool:
+        # Every actor can run the transport; a pair outside a common group is refused when the
+        # transfer is arranged (`get_communicator_metadata`), with a message naming
+        # `create_nccl_group` (Ray's own refusal here names its collective groups instead).
+        return True
+
+    def extract_tensor_transport_metadata(
+        self, obj_id: str, rdt_object: list[Any]
+    ) -> DlbridgeNcclMetadata:
+        arrays = list(rdt_object)
+        for a in arrays:
+            if not isinstance(a, Array):
+                raise TypeError(
+                    f"the dlbridge_nccl transport carries dlbridge.Array, not "
+                    f"{type(a).__name__}: wrap it with dlbridge.from_dlpack"
+                )
+            if a.device.type != "cuda":
+                raise ValueError(
+                    f"the dlbridge_nccl transport carries CUDA device memory, not an array on "
+                    f"{a.device}: send host arrays through the object store or the dlbridge "
+                    f"transport"
+                )
+        runs, views = _dlbridge._nccl_plan(arrays)
+        # dtype names, as the other transport sends them (Ray types them for PyTorch and NumPy).
+        tensor_meta: list[Any] = [(tuple(a.shape), str(a.dtype)) for a in arrays]
+        return DlbridgeNcclMetadata(
+            tensor_meta=tensor_meta,
+            tensor_device="cuda" if arrays else None,
+            runs=runs,
+            views=views,
+        )
+
+    def get_communicator_metadata(
+        self, src_actor: Any, dst_actor: Any, backend: Optional[str] = None
+    ) -> DlbridgeNcclCommunicatorMetadata:
+        # Never raises here (in the owner, inside Ray's scheduling of the transfer): both actors
+        # raise the reason instead.
+        found = _group_of(src_actor, dst_actor)
+        if found is None:
+            return DlbridgeNcclCommunicatorMetadata(error=_NO_GROUP)
+        group, src, dst = found
+        return DlbridgeNcclCommunicatorMetadata(group=group.name, src_rank=src, dst_rank=dst)
+
+    @staticmethod
+    def _communicator(meta: CommunicatorMetadata) -> Any:
+        if not isinstance(meta, DlbridgeNcclCommunicatorMetadata):
+            raise TypeError(f"the dlbridge_nccl transport got {type(meta).__name__}")
+        if meta.error:
+            raise ValueError(meta.error)
+        with _groups_lock:
+            comm = _communicators.get(meta.group)
+        if comm is None:
+            raise ValueError(
+                f"this actor is not in the NCCL group {meta.group!r} (destroyed, or made "
+                f"before this actor restarted)"
+            )
+        return comm
+
+    def send_multiple_tensors(
+        self,
+        tensors: list[Any],
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+    ) -> None:
+        from . import nccl
+
+        meta = tensor_transport_metadata
+        if not isinstance(meta, DlbridgeNcclMetadata):
+            raise TypeError(f"the dlbridge_nccl transport got {type(meta).__name__}")
+        if not meta.runs:
+            return
+        comm = self._communicator(communicator_metadata)
+        comm.send(
+            list(tensors),
+            communicator_metadata.dst_rank,  # type: ignore[attr-defined]
+            runs=[tuple(r) for r in meta.runs],
+            timeout=nccl._timeout(),
+        )
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+        target_buffers: Optional[list[Any]] = None,
+    ) -> list[Any]:
+        from . import nccl
+
+        meta = tensor_transport_metadata
+        if not isinstance(meta, DlbridgeNcclMetadata):
+            raise TypeError(f"the dlbridge_nccl transport got {type(meta).__name__}")
+        if target_buffers:
+            raise ValueError(
+                "the dlbridge_nccl transport receives into one new block of its own; copy the "
+                "received arrays into yours"
+            )
+        if not meta.views:
+            return []
+        comm = self._communicator(communicator_metadata)
+        return list(
+            comm.recv(
+                [tuple(r) for r in meta.runs],
+                [tuple(v) for v in meta.views],
+                communicator_metadata.src_rank,  # type: ignore[attr-defined]
+                timeout=nccl._timeout(),
+            )
+        )
+
+    def garbage_collect(
+        self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: list[Any]
+    ) -> None:
+        return None  # nothing is held beyond the arrays Ray keeps
+
+    def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata) -> None:
+        if not isinstance(communicator_metadata, DlbridgeNcclCommunicatorMetadata):
+            return None
+        with _groups_lock:
+            comm = _communicators.get(communicator_metadata.group)
+        if comm is not None:
+            comm.interrupt()  # the group's communicator is aborted: make a new group
+        return None
+
+
 _registered = False
 _registered_lock = threading.Lock()
 
@@ -379,6 +663,11 @@ def register() -> None:
             return
         try:
             _register(TRANSPORT, list(DEVICES), DlbridgeTransport, Array)
+        except ValueError as e:
+            if "already registered" not in str(e):
+                raise
+        try:
+            _register(NCCL_TRANSPORT, ["cuda"], DlbridgeNcclTransport, Array)
         except ValueError as e:
             if "already registered" not in str(e):
                 raise

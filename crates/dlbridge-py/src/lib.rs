@@ -27,6 +27,7 @@ mod fastcall;
 mod kernel;
 mod memory;
 mod metal;
+mod nccl;
 mod ml_dtypes;
 mod ops;
 mod safetensors;
@@ -91,6 +92,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     metal::register(m)?;
     ops::register(m)?;
     share::register(m)?;
+    nccl::register(m)?;
     kernel::register(m)?;
     safetensors::register(m)?;
     m.add_class::<backend::PyBackend>()?;

@@ -41,6 +41,7 @@
 pub mod broker;
 pub mod cpu;
 pub mod fd;
+pub mod runs;
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 

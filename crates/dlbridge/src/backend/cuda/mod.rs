@@ -35,6 +35,7 @@ mod hooks;
 pub(crate) mod ipc;
 pub(crate) mod launch;
 mod memory;
+pub mod nccl;
 mod nvrtc;
 mod stream;
 pub(crate) mod upload;

@@ -1,0 +1,615 @@
+//! Arrays sent between processes and machines over NCCL's point-to-point operations
+//! (`ncclSend`/`ncclRecv`), for transports that copy device memory from one GPU to another
+//! rather than share it: two GPUs of one host (NVLink or PCIe), or two hosts (InfiniBand,
+//! RoCE, TCP), whichever NCCL finds.
+//!
+//! # Loading
+//! `libnccl` is opened at run time on first use and never required: from the path in
+//! `DLBRIDGE_NCCL_LIBRARY` if set, else from the paths given to [`add_library_path`] (the Python
+//! package adds the copy that the `nvidia-nccl` wheel installs, the one PyTorch uses), else by its
+//! name (`libnccl.so.2`, found through the loader's search path or already loaded by another
+//! library). Only entry points present since NCCL 2.7 are called; a machine without the library
+//! gets [`Error::BackendUnavailable`].
+//!
+//! # Many arrays at once
+//! [`Communicator::send`] plans the arrays as runs ([`crate::share::runs`]): arrays carved from
+//! one pool slab travel as one operation, so a thousand small arrays cost one send, not a
+//! thousand. The operations of one call are grouped (`ncclGroupStart`/`ncclGroupEnd`).
+//! [`Communicator::recv`] allocates **one** block from the caching pool for all of them.
+//!
+//! # Streams and waiting
+//! Both sides enqueue on the calling thread's current stream of the communicator's device (after
+//! the work already queued there, so a producer's pending kernels finish before its bytes leave)
+//! and then wait for the transfer to finish, polling NCCL for asynchronous errors: a peer that
+//! fails, or that does not take part within the timeout, aborts the communicator
+//! (`ncclCommAbort`) and the call fails with a clear error instead of hanging. An aborted
+//! communicator refuses further use.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+
+use super::driver::Named;
+use super::{context, current_stream, memory, stream};
+use crate::device::{Device, DeviceKind};
+use crate::error::{Error, Result};
+use crate::share::runs::{self, RunPlan, RunView};
+use crate::tensor::Tensor;
+
+const BACKEND: &str = "NCCL";
+
+/// The size of NCCL's unique id (`ncclUniqueId`): the bootstrap address every rank joins.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [c_char; UNIQUE_ID_BYTES],
+}
+
+type Comm = *mut c_void;
+type NcclResult = c_int;
+const SUCCESS: NcclResult = 0;
+/// `ncclInProgress`: an operation of a non-blocking communicator still running.
+const IN_PROGRESS: NcclResult = 7;
+/// `ncclUint8`: every transfer here is bytes.
+const UINT8: c_int = 1;
+
+/// NCCL's entry points, resolved once.
+struct Api {
+    _lib: libloading::Library,
+    version: c_int,
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
+    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> NcclResult,
+    comm_destroy: unsafe extern "C" fn(Comm) -> NcclResult,
+    comm_abort: unsafe extern "C" fn(Comm) -> NcclResult,
+    comm_async_error: unsafe extern "C" fn(Comm, *mut NcclResult) -> NcclResult,
+    send:
+        unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, sys::CUstream) -> NcclResult,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, sys::CUstream) -> NcclResult,
+    group_start: unsafe extern "C" fn() -> NcclResult,
+    group_end: unsafe extern "C" fn() -> NcclResult,
+    error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
+    last_error: Option<unsafe extern "C" fn(Comm) -> *const c_char>,
+}
+
+fn extra_paths() -> &'static Mutex<Vec<PathBuf>> {
+    static PATHS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    &PATHS
+}
+
+/// Adds a path to try for `libnccl` before its name (ignored once the library is loaded).
+pub fn add_library_path(path: impl Into<PathBuf>) {
+    extra_paths()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(path.into());
+}
+
+fn api() -> Result<&'static Api> {
+    static API: OnceLock<Api> = OnceLock::new();
+    if let Some(api) = API.get() {
+        return Ok(api);
+    }
+    // Not cached on failure: a path added later (by the Python package) is tried next time.
+    let api = load().map_err(|reason| Error::BackendUnavailable {
+        backend: BACKEND,
+        reason,
+    })?;
+    Ok(API.get_or_init(|| api))
+}
+
+fn load() -> std::result::Result<Api, String> {
+    let candidates: Vec<PathBuf> = match std::env::var_os("DLBRIDGE_NCCL_LIBRARY") {
+        Some(path) => vec![path.into()],
+        None => {
+            let mut c = extra_paths()
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            c.extend(["libnccl.so.2", "libnccl.so"].map(PathBuf::from));
+            c
+        }
+    };
+    let mut tried = Vec::new();
+    for path in &candidates {
+        // SAFETY: loading NCCL runs its initialisers, which only set up its own state.
+        match unsafe { libloading::Library::new(path) } {
+            Ok(lib) => return resolve(lib).map_err(|e| format!("{}: {e}", path.display())),
+            Err(e) => tried.push(format!("{} ({e})", path.display())),
+        }
+    }
+    Err(format!(
+        "the NCCL library (libnccl) was not found; install it (`pip install nvidia-nccl-cu13`, \
+         or the cu12 one, which PyTorch's CUDA wheels bring) or set DLBRIDGE_NCCL_LIBRARY to its \
+         path. Tried: {}",
+        tried.join("; ")
+    ))
+}
+
+fn resolve(lib: libloading::Library) -> std::result::Result<Api, String> {
+    macro_rules! sym {
+        ($name:literal) => {
+            // SAFETY: the symbol is NCCL's, declared above with its C signature.
+            *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                .map_err(|e| format!("{} is missing: {e}", $name))?
+        };
+    }
+    let get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult = sym!("ncclGetVersion");
+    let mut version = 0;
+    // SAFETY: valid out-pointer.
+    unsafe { get_version(&mut version) };
+    if version < 20700 {
+        return Err(format!(
+            "NCCL {version} is too old (2.7 or newer is needed)"
+        ));
+    }
+    let last_error = {
+        // SAFETY: as above; only present since NCCL 2.13.
+        unsafe { lib.get::<unsafe extern "C" fn(Comm) -> *const c_char>(b"ncclGetLastError\0") }
+            .ok()
+            .map(|s| *s)
+    };
+    Ok(Api {
+        version,
+        get_unique_id: sym!("ncclGetUniqueId"),
+        comm_init_rank: sym!("ncclCommInitRank"),
+        comm_destroy: sym!("ncclCommDestroy"),
+        comm_abort: sym!("ncclCommAbort"),
+        comm_async_error: sym!("ncclCommGetAsyncError"),
+        send: sym!("ncclSend"),
+        recv: sym!("ncclRecv"),
+        group_start: sym!("ncclGroupStart"),
+        group_end: sym!("ncclGroupEnd"),
+        error_string: sym!("ncclGetErrorString"),
+        last_error,
+        _lib: lib,
+    })
+}
+
+/// Whether NCCL can be loaded here.
+pub fn is_available() -> bool {
+    api().is_ok()
+}
+
+/// NCCL's version as `(major, minor, patch)`.
+pub fn version() -> Result<(u32, u32, u32)> {
+    let v = api()?.version as u32;
+    Ok((v / 10000, (v / 100) % 100, v % 100))
+}
+
+fn failed(api: &Api, call: &str, code: NcclResult, comm: Option<Comm>) -> Error {
+    // SAFETY: NCCL's own function, defined for every result code.
+    let text = unsafe { (api.error_string)(code) };
+    // SAFETY: NCCL returns a static NUL-terminated string for every code.
+    let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+    let detail = match (comm, api.last_error) {
+        (Some(c), Some(last)) => {
+            // SAFETY: a live communicator.
+            let s = unsafe { last(c) };
+            // SAFETY: NCCL returns a NUL-terminated string it owns (possibly empty).
+            let s = unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned();
+            if s.is_empty() {
+                String::new()
+            } else {
+                format!(": {s}")
+            }
+        }
+        _ => String::new(),
+    };
+    Error::Driver {
+        backend: BACKEND,
+        message: format!("{call} failed: {text} (NCCL error {code}){detail}"),
+    }
+}
+
+fn check(api: &Api, call: &str, code: NcclResult, comm: Option<Comm>) -> Result<()> {
+    if code == SUCCESS {
+        Ok(())
+    } else {
+        Err(failed(api, call, code, comm))
+    }
+}
+
+/// A new unique id (`ncclGetUniqueId`): the bootstrap address of a communicator, made by the
+/// process of rank 0 (which serves the bootstrap while the ranks join) and handed to every rank.
+pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
+    let api = api()?;
+    let mut id = UniqueId {
+        internal: [0; UNIQUE_ID_BYTES],
+    };
+    // SAFETY: valid out-pointer.
+    let code = unsafe { (api.get_unique_id)(&mut id) };
+    check(api, "ncclGetUniqueId", code, None)?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// One rank of an NCCL communicator on one CUDA device; destroyed on drop. Every pair of ranks is
+/// connected when the communicator is made ([`Communicator::new`]).
+pub struct Communicator {
+    /// The communicator, `None` once aborted.
+    comm: Mutex<Option<SendComm>>,
+    /// Set by [`Communicator::interrupt`]: the transfer waiting now (or the next) gives up.
+    interrupted: std::sync::atomic::AtomicBool,
+    rank: usize,
+    size: usize,
+    ordinal: i32,
+}
+
+struct SendComm(Comm);
+// SAFETY: an NCCL communicator may be used from any thread; `Communicator` serialises its use
+// with a mutex (NCCL does not allow concurrent operations on one communicator).
+unsafe impl Send for SendComm {}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.ordinal)
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// Joins the communicator `id` as `rank` of `size`, on CUDA device `ordinal`
+    /// (`ncclCommInitRank`), and connects it with every other rank. Blocks until every rank has
+    /// joined.
+    pub fn new(id: &[u8; UNIQUE_ID_BYTES], size: usize, rank: usize, ordinal: i32) -> Result<Self> {
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} is not a rank of a communicator of {size}"
+            )));
+        }
+        let n = |v: usize, what: &str| {
+            c_int::try_from(v)
+                .map_err(|_| Error::InvalidArgument(format!("{what} {v} is too large")))
+        };
+        let (c_size, c_rank) = (n(size, "size")?, n(rank, "rank")?);
+        let api = api()?;
+        // NCCL takes the device from the runtime's current device, which follows the bound
+        // primary context.
+        let _ctx = context(ordinal)?;
+        let id = UniqueId {
+            internal: id.map(|b| b as c_char),
+        };
+        let mut comm: Comm = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and id; the device's context is bound.
+        let code = unsafe { (api.comm_init_rank)(&mut comm, c_size, id, c_rank) };
+        check(api, "ncclCommInitRank", code, None)?;
+        let joined = Communicator {
+            comm: Mutex::new(Some(SendComm(comm))),
+            interrupted: std::sync::atomic::AtomicBool::new(false),
+            rank,
+            size,
+            ordinal,
+        };
+        joined.connect_all()?;
+        Ok(joined)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The CUDA device the communicator runs on.
+    pub fn device(&self) -> Device {
+        Device::cuda(self.ordinal as u32)
+    }
+
+    /// Makes the transfer that waits now (or the next one) give up, which aborts the
+    /// communicator: for a caller that knows the peer will not take part (its side failed).
+    pub fn interrupt(&self) {
+        self.interrupted
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the communicator was aborted (after a failed or timed-out transfer).
+    pub fn is_aborted(&self) -> bool {
+        self.comm
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+
+    /// The runs of `tensors` as [`Communicator::send`] sends them (what the receiver needs to
+    /// know beforehand: run lengths and phases, and the views).
+    pub fn plan(&self, tensors: &[Tensor]) -> Result<RunPlan> {
+        for t in tensors {
+            self.check_device(t)?;
+        }
+        plan(tensors)
+    }
+
+    /// Sends `tensors` to rank `peer` as the runs of [`Communicator::plan`], on the calling
+    /// thread's current stream, and waits until they are sent (see the module's documentation).
+    /// `expected` is the plan the receiver was told of: a different one (the arrays changed
+    /// since) is refused before anything is sent.
+    pub fn send(
+        &self,
+        tensors: &[Tensor],
+        peer: usize,
+        expected: Option<&[(usize, usize)]>,
+        timeout: Option<Duration>,
+    ) -> Result<RunPlan> {
+        let plan = self.plan(tensors)?;
+        if let Some(expected) = expected {
+            let now: Vec<(usize, usize)> = plan.runs.iter().map(|r| (r.len, r.phase())).collect();
+            if now != expected {
+                return Err(Error::InvalidArgument(
+                    "the arrays' memory changed since their transfer was announced (other runs \
+                     of bytes than the receiver expects)"
+                        .into(),
+                ));
+            }
+        }
+        self.check_peer(peer)?;
+        let ops: Vec<Op> = plan
+            .runs
+            .iter()
+            .map(|r| Op::Send(r.start, r.len, peer))
+            .collect();
+        self.run(&ops, timeout)?;
+        Ok(plan)
+    }
+
+    /// Receives from rank `peer` the arrays it sends with [`Communicator::send`]: `runs` are the
+    /// sender's run lengths and phases, `views` its views. Allocates one block on this device
+    /// from the caching pool, receives every run into it, waits, and returns the arrays (writable,
+    /// owned by this process).
+    pub fn recv(
+        &self,
+        runs: &[(usize, usize)],
+        views: &[RunView],
+        peer: usize,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<Tensor>> {
+        let (offsets, total) = runs::place(runs)?;
+        let block = memory::allocate(self.device(), total, false)?;
+        let base = block.handle().expose_provenance();
+        let ops: Vec<Op> = runs
+            .iter()
+            .zip(&offsets)
+            .map(|(&(len, _), &at)| Op::Recv(base + at, len, peer))
+            .collect();
+        self.check_peer(peer)?;
+        // Views are checked before anything is received.
+        let layouts = views
+            .iter()
+            .map(|v| runs::placed_layout(v, &offsets))
+            .collect::<Result<Vec<_>>>()?;
+        let tensors = views
+            .iter()
+            .zip(layouts)
+            .map(|(v, layout)| {
+                let t = Tensor::new(block.clone(), v.dtype, layout)?;
+                let bytes = t.byte_range();
+                if let Some(r) = v.run
+                    && !bytes.is_empty()
+                    && (bytes.start < offsets[r] || bytes.end > offsets[r] + runs[r].0)
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "a view reaches outside run {r}, which it names"
+                    )));
+                }
+                Ok(t)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.run(&ops, timeout)?;
+        Ok(tensors)
+    }
+
+    fn check_device(&self, t: &Tensor) -> Result<()> {
+        let d = t.device();
+        if d.kind() != DeviceKind::Cuda || d.index() as i32 != self.ordinal {
+            return Err(Error::InvalidArgument(format!(
+                "this communicator sends from {}; an array on {d} must be moved there first",
+                self.device()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer >= self.size || peer == self.rank {
+            return Err(Error::InvalidArgument(format!(
+                "rank {peer} is not another rank of this communicator of {} (this is rank {})",
+                self.size, self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Connects this rank with every other (one byte each way, in one group), while all of them
+    /// are known to be there: NCCL sets up a pair's connection on its first transfer, inside
+    /// `ncclGroupEnd`, which blocks the host until the peer takes part too. Connected up front,
+    /// a later transfer only enqueues, and a peer that is gone is caught by the timeout.
+    fn connect_all(&self) -> Result<()> {
+        let block = memory::allocate(self.device(), 2 * self.size, true)?;
+        let base = block.handle().expose_provenance();
+        let ops: Vec<Op> = (0..self.size)
+            .filter(|&p| p != self.rank)
+            .flat_map(|p| {
+                [
+                    Op::Send(base + p, 1, p),
+                    Op::Recv(base + self.size + p, 1, p),
+                ]
+            })
+            .collect();
+        self.run(&ops, None)
+    }
+
+    /// Enqueues `ops` as one group on the current stream and waits for them.
+    fn run(&self, ops: &[Op], timeout: Option<Duration>) -> Result<()> {
+        let api = api()?;
+        let mut guard = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        let comm = guard.as_ref().ok_or_else(aborted)?.0;
+        let _ctx = context(self.ordinal)?;
+        let handle = current_stream(self.ordinal);
+        let s = stream::raw(handle);
+        // SAFETY: group calls bracket the operations below.
+        let code = unsafe { (api.group_start)() };
+        check(api, "ncclGroupStart", code, Some(comm))?;
+        let mut posted = Ok(());
+        for op in ops {
+            let code = match *op {
+                // SAFETY (both): each range lies in device memory of this communicator's device
+                // that the caller keeps alive until `run` returns (the wait below outlasts the
+                // transfer).
+                Op::Send(addr, len, peer) => {
+                    let buf = addr as *const c_void;
+                    // SAFETY: as above.
+                    unsafe { (api.send)(buf, len, UINT8, peer as c_int, comm, s) }
+                }
+                Op::Recv(addr, len, peer) => {
+                    let buf = addr as *mut c_void;
+                    // SAFETY: as above.
+                    unsafe { (api.recv)(buf, len, UINT8, peer as c_int, comm, s) }
+                }
+            };
+            if code != SUCCESS {
+                posted = Err(failed(api, "ncclSend/ncclRecv", code, Some(comm)));
+                break;
+            }
+        }
+        // The group is always closed, even after a failed post.
+        // SAFETY: closes the group opened above.
+        let ended = check(
+            api,
+            "ncclGroupEnd",
+            unsafe { (api.group_end)() },
+            Some(comm),
+        );
+        if let Err(e) = posted.and(ended) {
+            abort(api, &mut guard);
+            return Err(e);
+        }
+        // Wait: an event after the operations, polled with NCCL's asynchronous error state.
+        let done = wait(api, comm, self.ordinal, handle, timeout, &self.interrupted);
+        if done.is_err() {
+            abort(api, &mut guard);
+        }
+        done
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        let guard = self.comm.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let (Some(SendComm(comm)), Ok(api)) = (guard.take(), api()) {
+            let _ctx = context(self.ordinal);
+            // SAFETY: the communicator is live and used by no one else (we own it).
+            let code = unsafe { (api.comm_destroy)(comm) };
+            if code != SUCCESS {
+                log::warn!("dlbridge: ncclCommDestroy failed with NCCL error {code}");
+            }
+        }
+    }
+}
+
+/// One operation of a group: (address, length in bytes, peer rank).
+#[derive(Clone, Copy)]
+enum Op {
+    Send(usize, usize, usize),
+    Recv(usize, usize, usize),
+}
+
+fn aborted() -> Error {
+    Error::InvalidArgument(
+        "this NCCL communicator was aborted after a failed transfer; make a new one".into(),
+    )
+}
+
+fn abort(api: &Api, guard: &mut Option<SendComm>) {
+    if let Some(SendComm(comm)) = guard.take() {
+        // SAFETY: the communicator is live; after the abort it is never used again.
+        let code = unsafe { (api.comm_abort)(comm) };
+        if code != SUCCESS {
+            log::warn!("dlbridge: ncclCommAbort failed with NCCL error {code}");
+        }
+    }
+}
+
+/// Waits until the work queued on stream `handle` so far is done, failing on an asynchronous NCCL
+/// error or after `timeout`.
+fn wait(
+    api: &Api,
+    comm: Comm,
+    ordinal: i32,
+    handle: usize,
+    timeout: Option<Duration>,
+    interrupted: &std::sync::atomic::AtomicBool,
+) -> Result<()> {
+    let event = super::Event::new(ordinal, false)?;
+    event.record(handle)?;
+    let began = Instant::now();
+    let mut pause = Duration::from_micros(5);
+    loop {
+        if event.query()? {
+            return Ok(());
+        }
+        let mut state: NcclResult = SUCCESS;
+        // SAFETY: a live communicator and a valid out-pointer.
+        let code = unsafe { (api.comm_async_error)(comm, &mut state) };
+        check(api, "ncclCommGetAsyncError", code, Some(comm))?;
+        if state != SUCCESS && state != IN_PROGRESS {
+            return Err(failed(api, "an NCCL transfer", state, Some(comm)));
+        }
+        if interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Driver {
+                backend: BACKEND,
+                message: "the transfer was interrupted (the other side failed); the communicator \
+                          was aborted"
+                    .into(),
+            });
+        }
+        if let Some(limit) = timeout
+            && began.elapsed() > limit
+        {
+            return Err(Error::Driver {
+                backend: BACKEND,
+                message: format!(
+                    "the transfer did not finish within {:.1} s: the peer did not take part (it \
+                     may have failed or exited); the communicator was aborted",
+                    limit.as_secs_f64()
+                ),
+            });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(1));
+    }
+}
+
+/// The runs of CUDA device memory arrays (see [`crate::share::runs`]): spans merge across a gap
+/// only inside one driver allocation (`cuMemGetAddressRange`), such as one slab of a caching
+/// pool, so a run never covers unmapped addresses.
+pub fn plan(tensors: &[Tensor]) -> Result<RunPlan> {
+    runs::plan(tensors, runs::MAX_GAP, allocation_range)
+}
+
+fn allocation_range(t: &Tensor, addr: usize) -> Result<Range<usize>> {
+    let (mut base, mut size) = (0u64, 0usize);
+    let _ctx = context(t.device().index() as i32)?;
+    // SAFETY: valid out-pointers; an unknown address makes the call fail.
+    let found = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr as u64) }
+        .result()
+        .named("cuMemGetAddressRange");
+    Ok(match found {
+        Ok(()) => base as usize..base as usize + size,
+        // Memory the driver cannot place (a mapping it does not report): the array's own buffer.
+        Err(_) => {
+            let start = t.buffer().handle().expose_provenance();
+            start..start + t.buffer().len()
+        }
+    })
+}

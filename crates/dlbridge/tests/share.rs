@@ -326,6 +326,7 @@ fn a_handle_sent_as_bytes_alone_is_claimed_from_its_producer() {
         ack(&s);
         return;
     }
+    let _lending = lending();
     let t = share::to_shareable(&Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap()).unwrap();
     let before = broker::outstanding();
     let (mut claimer, s) = spawn(
@@ -346,6 +347,15 @@ fn a_handle_sent_as_bytes_alone_is_claimed_from_its_producer() {
     assert!(claimer.wait().unwrap().success());
     assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 7.0]);
     settles_to(before);
+}
+
+/// Serialises the tests of this process that lend descriptors or count them: the count of lent
+/// descriptors is the process's, and tests run in parallel threads.
+fn lending() -> std::sync::MutexGuard<'static, ()> {
+    static LENDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LENDING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Waits (at most 10 s) for this process's lent descriptors to come back to `count`: a forgo is a
@@ -436,6 +446,7 @@ fn cuda_vmm_handles_sent_as_bytes_claim_once_per_mapping() {
         ack(&s);
         return;
     }
+    let _lending = lending();
     let host: Vec<f32> = (0..1024).map(|i| i as f32).collect();
     let t = share::to_shareable(
         &Tensor::from_slice(&host, &[1024])
@@ -485,6 +496,7 @@ fn cuda_a_released_small_mapping_is_kept_until_empty_cache() {
         ack(&s);
         return;
     }
+    let _lending = lending();
     let (mut keeper, s) = spawn(
         "cuda_a_released_small_mapping_is_kept_until_empty_cache",
         "cuda-keeper",
@@ -678,6 +690,35 @@ fn many_small_arrays_are_packed_into_one_allocation() {
             "one mapping"
         );
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_many_small_arrays_are_packed_into_one_block() {
+    let dev = Device::cuda(0);
+    let mut arrays: Vec<Tensor> = (0..300)
+        .map(|i| {
+            let v = [i as f32, -(i as f32), 0.5];
+            Tensor::from_slice(&v, &[3]).unwrap().copy_to(dev).unwrap()
+        })
+        .collect();
+    // A strided view and an empty one among them.
+    let m: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    let m = Tensor::from_slice(&m, &[3, 4])
+        .unwrap()
+        .copy_to(dev)
+        .unwrap();
+    arrays.push(m.index(1, 1).unwrap());
+    arrays.push(m.slice(0, SliceArg::range(1, 1)).unwrap());
+    let group = share::share_many(&arrays, true).unwrap();
+    assert_eq!(group.handles.len(), 1, "one block for every copied array");
+    let opened = share::open_many(group).unwrap();
+    let host = |t: &Tensor| t.copy_to(Device::CPU).unwrap().to_vec::<f32>().unwrap();
+    for (i, t) in opened.iter().take(300).enumerate() {
+        assert_eq!(host(t), vec![i as f32, -(i as f32), 0.5], "array {i}");
+    }
+    assert_eq!(host(&opened[300]), vec![1.0, 5.0, 9.0]);
+    assert_eq!(opened[301].shape(), &[0, 4]);
 }
 
 #[test]

@@ -831,8 +831,33 @@ pub fn share_many(tensors: &[Tensor], copy: bool) -> Result<SharedGroup> {
             let src = &tensors[i];
             let layout = Layout::contiguous_at(src.shape(), slot)?;
             let dst = Tensor::new(block.clone(), src.dtype(), layout)?;
-            // SAFETY: `dst` is a slot of new memory no one else references.
-            unsafe { dst.copy_from_unchecked(src) }?;
+            let host = match (block.host_ptr(), src.buffer().host_ptr()) {
+                // Plain host memory only: pinned and managed memory may still be written by queued
+                // device work, which the copy machinery waits for.
+                (Some(d), Some(s))
+                    if device.kind() == DeviceKind::Cpu
+                        && src.device().kind() == DeviceKind::Cpu
+                        && src.is_contiguous()
+                        && !src.is_packed() =>
+                {
+                    Some((d, s))
+                }
+                _ => None,
+            };
+            if let Some((d, s)) = host {
+                // Host memory on both sides: the bytes directly (a thousand small arrays would
+                // otherwise cost a thousand trips through the copy machinery).
+                // SAFETY: the offset lies inside `src`'s live host buffer.
+                let from = unsafe { s.as_ptr().add(src.byte_offset()) };
+                // SAFETY: the slot lies inside the new block.
+                let to = unsafe { d.as_ptr().add(slot) };
+                // SAFETY: `src` addresses `nbytes` compact bytes from `from`; the slot holds as
+                // many and is new memory no one else references (the two cannot overlap).
+                unsafe { std::ptr::copy_nonoverlapping(from, to, src.nbytes()) };
+            } else {
+                // SAFETY: `dst` is a slot of new memory no one else references.
+                unsafe { dst.copy_from_unchecked(src) }?;
+            }
             let at = start
                 .checked_add(slot)
                 .ok_or_else(|| crate::error::overflow("shared byte offset"))?;

@@ -44,8 +44,18 @@ Two ways an array moves between Ray workers:
   their own; without it a second transfer to a busy actor waits forever). The transport is
   one-sided: the consumer receives the producer's descriptors from a small server in the
   producer (an abstract Unix socket, ``SCM_RIGHTS``), which needs both on one node. Between nodes it raises a
-  clear error: ship such arrays through the object store, or with a Ray transport that crosses
-  nodes (``nixl``, ``nccl``) on PyTorch tensors.
+  clear error: ship such arrays through the object store, or with the NCCL transport below.
+
+* **The dlbridge NCCL transport** (``tensor_transport="dlbridge_nccl"``), for CUDA arrays between
+  GPUs that do not share memory: two GPUs of a node, or two nodes. Two-sided over NCCL: the
+  producer sends, the consumer receives a copy into one new block of its own GPU memory (arrays
+  of one allocation, and a pool's blocks laid end to end, travel as one NCCL operation; see
+  ``dlbridge.nccl``). The actors must first be joined in a group, once, by the process that calls
+  their methods::
+
+      p, c = Producer.remote(), Consumer.remote()      # a GPU each (num_gpus=1)
+      dlbridge.ray.create_nccl_group([p, c])
+      ray.get(c.total.remote(p.weights_nccl.remote()))  # a method with tensor_transport="dlbridge_nccl"
 
 Memory stays valid while the producer holds the object (until Ray's reference counting frees it,
 which closes the producer's descriptors) and, after that, while any consumer still maps it.
@@ -216,9 +226,9 @@ class DlbridgeTransport(TensorTransportManager):
         if here != meta.node_id:
             raise ValueError(
                 f"the dlbridge transport shares memory on one node: this worker runs on node "
-                f"{here}, the producer on {meta.node_id}. Send such arrays through the object "
-                f"store (a plain return value), or as PyTorch tensors with a Ray transport that "
-                f"crosses nodes (nixl, nccl)"
+                f"{here}, the producer on {meta.node_id}. Send CUDA arrays between nodes with "
+                f"tensor_transport='dlbridge_nccl' (after dlbridge.ray.create_nccl_group), and "
+                f"host arrays through the object store (a plain return value)"
             )
         fds = _fetch_descriptors(meta.address, obj_id, len(meta.handles), meta.pid)
         handles = [SharedHandle._rebuild(state, fd) for state, fd in zip(meta.handles, fds)]

@@ -161,24 +161,7 @@ class DlbridgeTransport(TensorTransportManager):
     def extract_tensor_transport_metadata(
         self, obj_id: str, rdt_object: list[Any]
     ) -> DlbridgeTransportMetadata:
-        arrays = list(rdt_object)
-        for a in arrays:
-            if not isinstance(a, Array):
-                raise TypeError(
-                    f"the dlbridge transport carries dlbridge.Array, not {type(a).__name__}: "
-                    f"wrap it with dlbridge.from_dlpack"
-                )
-        kinds = {a.device.type for a in arrays}
-        if len(kinds) > 1:
-            raise ValueError(
-                f"the arrays of one object must be on one kind of device, not {sorted(kinds)}"
-            )
-        device_type = kinds.pop() if kinds else None
-        if device_type not in (None, *DEVICES):
-            raise ValueError(
-                f"the dlbridge transport carries arrays on {', '.join(DEVICES)}, not on "
-                f"{device_type}"
-            )
+        arrays, device_type = _arrays_of(rdt_object, "dlbridge", DEVICES)
         handles, views = _dlbridge._share_many(arrays)
         with self._lock:
             self._held[obj_id] = handles
@@ -269,6 +252,32 @@ class DlbridgeTransport(TensorTransportManager):
         """How many objects this process holds descriptors for (a diagnostic for leak tests)."""
         with self._lock:
             return len(self._held)
+
+
+def _arrays_of(
+    rdt_object: list[Any], transport: str, devices: tuple[str, ...], hint: str = ""
+) -> tuple[list[Array], Optional[str]]:
+    """The arrays of an object a transport sends, checked: dlbridge arrays, all on one kind of
+    device, one the transport carries; and that device type (``None`` for no arrays)."""
+    arrays = list(rdt_object)
+    for a in arrays:
+        if not isinstance(a, Array):
+            raise TypeError(
+                f"the {transport} transport carries dlbridge.Array, not {type(a).__name__}: "
+                f"wrap it with dlbridge.from_dlpack"
+            )
+    kinds = {a.device.type for a in arrays}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"the arrays of one object must be on one kind of device, not {sorted(kinds)}"
+        )
+    device_type = kinds.pop() if kinds else None
+    if device_type not in (None, *devices):
+        raise ValueError(
+            f"the {transport} transport carries arrays on {', '.join(devices)}, not on "
+            f"{device_type}{hint}"
+        )
+    return arrays, device_type
 
 
 #: Descriptors per message (the kernel takes at most 253 per `SCM_RIGHTS` message).
@@ -543,19 +552,13 @@ class DlbridgeNcclTransport(TensorTransportManager):
     def extract_tensor_transport_metadata(
         self, obj_id: str, rdt_object: list[Any]
     ) -> DlbridgeNcclMetadata:
-        arrays = list(rdt_object)
-        for a in arrays:
-            if not isinstance(a, Array):
-                raise TypeError(
-                    f"the dlbridge_nccl transport carries dlbridge.Array, not "
-                    f"{type(a).__name__}: wrap it with dlbridge.from_dlpack"
-                )
-            if a.device.type != "cuda":
-                raise ValueError(
-                    f"the dlbridge_nccl transport carries CUDA device memory, not an array on "
-                    f"{a.device}: send host arrays through the object store or the dlbridge "
-                    f"transport"
-                )
+        arrays, _ = _arrays_of(
+            rdt_object,
+            "dlbridge_nccl",
+            ("cuda",),
+            ": it copies CUDA device memory; send host arrays through the object store or the "
+            "dlbridge transport",
+        )
         runs, views = _dlbridge._nccl_plan(arrays)
         # dtype names, as the other transport sends them (Ray types them for PyTorch and NumPy).
         tensor_meta: list[Any] = [(tuple(a.shape), str(a.dtype)) for a in arrays]
@@ -627,8 +630,8 @@ class DlbridgeNcclTransport(TensorTransportManager):
             raise TypeError(f"the dlbridge_nccl transport got {type(meta).__name__}")
         if target_buffers:
             raise ValueError(
-                "the dlbridge_nccl transport receives into one new block of its own; copy the "
-                "received arrays into yours"
+                "the dlbridge_nccl transport does not receive into given buffers: it receives "
+                "into one new block of its own; copy the received arrays into yours"
             )
         if not meta.views:
             return []

@@ -144,3 +144,26 @@ def test_the_nccl_transport_is_registered_by_name(cluster):
 
     info = transport_manager_info["DLBRIDGE_NCCL"]
     assert info.transport_manager_class is dray.DlbridgeNcclTransport
+
+
+def test_the_nccl_transport_refuses_what_it_cannot_carry():
+    t = dray.DlbridgeNcclTransport()
+    with pytest.raises(TypeError, match="dlbridge.Array"):
+        t.extract_tensor_transport_metadata("x", [np.zeros(3)])
+    with pytest.raises(ValueError, match="CUDA device memory"):
+        t.extract_tensor_transport_metadata("x", [dlbridge.zeros((3,), device="cpu")])
+    # Without a common group the owner's metadata carries the reason, which both sides raise.
+    no_group = dray.DlbridgeNcclCommunicatorMetadata(error="no group here")
+    meta = dray.DlbridgeNcclMetadata(
+        tensor_meta=[((64,), "uint8")],
+        tensor_device="cuda",
+        runs=[(64, 0)],
+        views=[(0, "uint8", [64], [1], 0, False)],
+    )
+    with pytest.raises(ValueError, match="no group here"):
+        t.send_multiple_tensors([], meta, no_group)
+    with pytest.raises(ValueError, match="no group here"):
+        t.recv_multiple_tensors("x", meta, no_group)
+    with pytest.raises(ValueError, match="buffers"):
+        t.recv_multiple_tensors("x", meta, no_group, target_buffers=[object()])
+    assert t.is_one_sided() is False and t.can_abort_transport() is True

@@ -32,8 +32,9 @@ fn tensors(arrays: &[PyRef<'_, PyArray>]) -> PyResult<Vec<Tensor>> {
 fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
     seconds
         .map(|s| {
-            Duration::try_from_secs_f64(s)
-                .map_err(|_| PyValueError::new_err(format!("timeout={s} is not a duration in seconds")))
+            Duration::try_from_secs_f64(s).map_err(|_| {
+                PyValueError::new_err(format!("timeout={s} is not a duration in seconds"))
+            })
         })
         .transpose()
 }
@@ -48,7 +49,13 @@ pub(crate) struct PyCommunicator {
 #[pymethods]
 impl PyCommunicator {
     #[new]
-    fn new(py: Python<'_>, unique_id: &[u8], size: usize, rank: usize, device: u32) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        unique_id: &[u8],
+        size: usize,
+        rank: usize,
+        device: u32,
+    ) -> PyResult<Self> {
         let id: [u8; UNIQUE_ID_BYTES] = unique_id.try_into().map_err(|_| {
             PyValueError::new_err(format!(
                 "an NCCL unique id is {UNIQUE_ID_BYTES} bytes, not {}",
@@ -56,7 +63,9 @@ impl PyCommunicator {
             ))
         })?;
         let ordinal = i32::try_from(device).map_err(|_| PyValueError::new_err("device"))?;
-        let inner = py.detach(|| Communicator::new(&id, size, rank, ordinal)).py()?;
+        let inner = py
+            .detach(|| Communicator::new(&id, size, rank, ordinal))
+            .py()?;
         Ok(PyCommunicator { inner })
     }
 
@@ -181,7 +190,10 @@ fn _nccl_plan(
     arrays: Vec<PyRef<'_, PyArray>>,
 ) -> PyResult<(Vec<RunTuple>, Vec<ViewTuple>)> {
     let tensors = tensors(&arrays)?;
-    if let Some(t) = tensors.iter().find(|t| t.device().kind() != dlbridge::DeviceKind::Cuda) {
+    if let Some(t) = tensors
+        .iter()
+        .find(|t| t.device().kind() != dlbridge::DeviceKind::Cuda)
+    {
         return Err(PyValueError::new_err(format!(
             "NCCL sends CUDA device memory, not an array on {}",
             t.device()

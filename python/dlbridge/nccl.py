@@ -14,8 +14,8 @@ sender share them on the receiver::
     runs, views = comm.plan(arrays)            # (runs, views handed over)
     comm.send(arrays, peer=1, runs=runs)       out = comm.recv(runs, views, peer=0)
 
-Both sides work on the calling thread's current stream of the communicator's GPU and return
-once the transfer is done; a peer that fails or does not take part within ``timeout`` seconds
+Both sides work on the communicator's own stream, after the work queued on the calling
+thread's current stream of its GPU, and return once the transfer is done; a peer that fails or does not take part within ``timeout`` seconds
 aborts the communicator and raises ``RuntimeError`` instead of hanging. ``dlbridge.ray`` builds
 its transport between GPUs and hosts on this (``tensor_transport="dlbridge_nccl"``).
 
@@ -111,6 +111,12 @@ def _timeout(default: Optional[float] = 300.0) -> Optional[float]:
     if raw.strip().lower() in ("0", "none", ""):
         return None
     try:
-        return float(raw)
+        seconds = float(raw)
     except ValueError:
-        raise ValueError(f"DLBRIDGE_NCCL_TIMEOUT={raw!r} is not a number of seconds") from None
+        seconds = float("nan")
+    if not (0 < seconds < float("inf")):
+        raise ValueError(
+            f"DLBRIDGE_NCCL_TIMEOUT={raw!r} is not a positive number of seconds (0 or none: wait "
+            f"forever)"
+        )
+    return seconds

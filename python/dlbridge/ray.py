@@ -406,6 +406,8 @@ class DlbridgeNcclMetadata(TensorTransportMetadata):
 
     runs: list[tuple[int, int]] = field(default_factory=list)
     views: list[tuple[Any, ...]] = field(default_factory=list)
+    #: The object's id (what `abort_transport` names).
+    obj_id: str = ""
 
 
 @dataclass
@@ -455,17 +457,23 @@ def _nccl_join(_self: Any, name: str, uid: bytes, size: int, rank: int, device: 
 
 def _nccl_leave(_self: Any, name: str) -> None:
     with _groups_lock:
-        _communicators.pop(name, None)  # destroys the communicator
+        comm = _communicators.pop(name, None)
+    del comm  # destroyed here, outside the lock
 
 
 def create_nccl_group(
-    actors: list[Any], name: Optional[str] = None, devices: Optional[list[int]] = None
+    actors: list[Any],
+    name: Optional[str] = None,
+    devices: Optional[list[int]] = None,
+    timeout: Optional[float] = 120.0,
 ) -> str:
     """Joins ``actors`` (rank = position) in one NCCL communicator for the ``dlbridge_nccl``
     transport, and returns the group's name. Call it in the process that will call the actors'
     methods (the driver), after the actors exist. Each actor uses CUDA device ``devices[rank]``
     (an ordinal as that actor numbers its GPUs; default ``0``, the first GPU Ray gave it). Every
-    actor needs a GPU of its own: NCCL refuses two ranks on one GPU."""
+    actor needs a GPU of its own: NCCL refuses two ranks on one GPU. Joining that takes longer
+    than ``timeout`` seconds (an actor that failed or cannot start) raises ``GetTimeoutError``,
+    and the actors that joined leave the group."""
     actors = list(actors)
     if len(actors) < 2:
         raise ValueError(f"an NCCL group needs at least two actors, not {len(actors)}")
@@ -479,13 +487,27 @@ def create_nccl_group(
     with _groups_lock:
         if name in _groups:
             raise ValueError(f"an NCCL group named {name!r} exists already")
-    uid = ray.get(actors[0].__ray_call__.remote(_nccl_make_id))
-    ray.get(
-        [
-            a.__ray_call__.remote(_nccl_join, name, uid, len(actors), rank, devices[rank])
-            for rank, a in enumerate(actors)
-        ]
-    )
+        # Reserved now (with no ranks yet, so no transfer picks it), made below.
+        _groups[name] = _Group(name, {}, [])
+    try:
+        uid = ray.get(actors[0].__ray_call__.remote(_nccl_make_id), timeout=timeout)
+        ray.get(
+            [
+                a.__ray_call__.remote(_nccl_join, name, uid, len(actors), rank, devices[rank])
+                for rank, a in enumerate(actors)
+            ],
+            timeout=timeout,
+        )
+    except BaseException:
+        # Those that joined let go; one stuck in NCCL's join stays so until its peers exist.
+        with _groups_lock:
+            _groups.pop(name, None)
+        for a in actors:
+            try:
+                a.__ray_call__.remote(_nccl_leave, name)
+            except Exception:
+                pass
+        raise
     with _groups_lock:
         _groups[name] = _Group(name, {k: r for r, k in enumerate(keys)}, actors)
     return name
@@ -511,7 +533,7 @@ def _group_of(src: Any, dst: Any) -> Optional[tuple[_Group, int, int]]:
         found = [g for g in _groups.values() if s in g.ranks and d in g.ranks]
     if not found:
         return None
-    g = found[0]
+    g = found[-1]  # the newest (one made after an abort replaces the dead one)
     return g, g.ranks[s], g.ranks[d]
 
 
@@ -527,6 +549,16 @@ class DlbridgeNcclTransport(TensorTransportManager):
     NCCL (two-sided: the producer sends, the consumer receives a copy into its own GPU memory).
     Works between any two GPUs NCCL connects: one host's (NVLink, PCIe) or two hosts' (InfiniBand,
     RoCE, TCP). Arrays of one allocation travel as one run of bytes (see ``dlbridge.nccl``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # The object each communicator (by id) moves now, and objects aborted before their
+        # transfer began here.
+        self._current: dict[int, str] = {}
+        self._aborted: set[str] = set()
+        # Per object, an event after the producer's queued work on the arrays (recorded on the
+        # producing thread's stream; the send, on Ray's transfer thread, waits for it).
+        self._ready: dict[str, Any] = {}
 
     @property
     def tensor_transport_backend(self) -> str:  # type: ignore[override]
@@ -559,7 +591,17 @@ class DlbridgeNcclTransport(TensorTransportManager):
             ": it copies CUDA device memory; send host arrays through the object store or the "
             "dlbridge transport",
         )
+        ordinals = {a.device.index for a in arrays}
+        if len(ordinals) > 1:
+            raise ValueError(
+                f"the arrays of one object must be on one CUDA device, not on {sorted(ordinals)}"
+            )
         runs, views = _dlbridge._nccl_plan(arrays)
+        if arrays:
+            ready = _dlbridge.Event(arrays[0].device)
+            ready.record()  # after the work queued on this thread's current stream
+            with self._lock:
+                self._ready[obj_id] = ready
         # dtype names, as the other transport sends them (Ray types them for PyTorch and NumPy).
         tensor_meta: list[Any] = [(tuple(a.shape), str(a.dtype)) for a in arrays]
         return DlbridgeNcclMetadata(
@@ -567,6 +609,7 @@ class DlbridgeNcclTransport(TensorTransportManager):
             tensor_device="cuda" if arrays else None,
             runs=runs,
             views=views,
+            obj_id=obj_id,
         )
 
     def get_communicator_metadata(
@@ -606,14 +649,25 @@ class DlbridgeNcclTransport(TensorTransportManager):
         meta = tensor_transport_metadata
         if not isinstance(meta, DlbridgeNcclMetadata):
             raise TypeError(f"the dlbridge_nccl transport got {type(meta).__name__}")
+        with self._lock:
+            ready = self._ready.pop(meta.obj_id, None)
         if not meta.runs:
             return
         comm = self._communicator(communicator_metadata)
-        comm.send(
-            list(tensors),
-            communicator_metadata.dst_rank,  # type: ignore[attr-defined]
-            runs=[tuple(r) for r in meta.runs],
-            timeout=nccl._timeout(),
+        if ready is not None:
+            # This thread's stream waits for the producer's work on the arrays.
+            device = comm.device
+            stream = _dlbridge.Stream.from_handle(_dlbridge._cuda_current_stream(device), device)
+            stream.wait_event(ready)
+        self._transfer(
+            meta.obj_id,
+            comm,
+            lambda: comm.send(
+                list(tensors),
+                communicator_metadata.dst_rank,  # type: ignore[attr-defined]
+                runs=[tuple(r) for r in meta.runs],
+                timeout=nccl._timeout(),
+            ),
         )
 
     def recv_multiple_tensors(
@@ -637,26 +691,53 @@ class DlbridgeNcclTransport(TensorTransportManager):
             return []
         comm = self._communicator(communicator_metadata)
         return list(
-            comm.recv(
-                [tuple(r) for r in meta.runs],
-                [tuple(v) for v in meta.views],
-                communicator_metadata.src_rank,  # type: ignore[attr-defined]
-                timeout=nccl._timeout(),
+            self._transfer(
+                obj_id,
+                comm,
+                lambda: comm.recv(
+                    [tuple(r) for r in meta.runs],
+                    [tuple(v) for v in meta.views],
+                    communicator_metadata.src_rank,  # type: ignore[attr-defined]
+                    timeout=nccl._timeout(),
+                ),
             )
         )
+
+    def _transfer(self, obj_id: str, comm: Any, run: Any) -> Any:
+        """Runs one side of the transfer of ``obj_id`` on ``comm``, where `abort_transport` can
+        find it (and refuses it if the object was aborted before it began here)."""
+        with self._lock:
+            if obj_id in self._aborted:
+                self._aborted.discard(obj_id)
+                raise RuntimeError(
+                    f"the transfer of object {obj_id} was aborted: its other side failed"
+                )
+            self._current[id(comm)] = obj_id
+        try:
+            return run()
+        finally:
+            with self._lock:
+                self._current.pop(id(comm), None)
 
     def garbage_collect(
         self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: list[Any]
     ) -> None:
-        return None  # nothing is held beyond the arrays Ray keeps
+        with self._lock:
+            self._ready.pop(obj_id, None)  # an object freed unsent
 
     def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata) -> None:
+        # Interrupts this side's transfer of `obj_id` if it is waiting now (which aborts the
+        # group's communicator: make a new group), or refuses it if it has not begun; other
+        # objects' transfers are not touched.
         if not isinstance(communicator_metadata, DlbridgeNcclCommunicatorMetadata):
             return None
         with _groups_lock:
             comm = _communicators.get(communicator_metadata.group)
-        if comm is not None:
-            comm.interrupt()  # the group's communicator is aborted: make a new group
+        with self._lock:
+            if comm is not None and self._current.get(id(comm)) == obj_id:
+                comm.interrupt()
+            else:
+                self._aborted.add(obj_id)
         return None
 
 

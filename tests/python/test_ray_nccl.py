@@ -167,3 +167,40 @@ def test_the_nccl_transport_refuses_what_it_cannot_carry():
     with pytest.raises(ValueError, match="buffers"):
         t.recv_multiple_tensors("x", meta, no_group, target_buffers=[object()])
     assert t.is_one_sided() is False and t.can_abort_transport() is True
+
+
+def test_an_abort_reaches_only_its_own_object():
+    t = dray.DlbridgeNcclTransport()
+    meta = dray.DlbridgeNcclCommunicatorMetadata(group="not-here")
+
+    class Comm:
+        interrupted = 0
+
+        def interrupt(self):
+            self.interrupted += 1
+
+    comm = Comm()
+    # Aborted before its transfer began here: that transfer is refused, others run.
+    t.abort_transport("a", meta)
+    with pytest.raises(RuntimeError, match="aborted"):
+        t._transfer("a", comm, lambda: "sent")
+    assert t._transfer("b", comm, lambda: "sent") == "sent"
+    # Aborted while another object's transfer waits: that one is not interrupted.
+    seen = []
+
+    def waiting():
+        with dray._groups_lock:
+            dray._communicators["g"] = comm
+        try:
+            t.abort_transport("c", dray.DlbridgeNcclCommunicatorMetadata(group="g"))
+            seen.append(comm.interrupted)
+            t.abort_transport("d", dray.DlbridgeNcclCommunicatorMetadata(group="g"))
+            seen.append(comm.interrupted)
+        finally:
+            with dray._groups_lock:
+                dray._communicators.pop("g")
+
+    t._transfer("d", comm, waiting)
+    assert seen == [0, 1]
+    with pytest.raises(RuntimeError, match="aborted"):
+        t._transfer("c", comm, lambda: "sent")

@@ -67,18 +67,25 @@ pub struct RunPlan {
 
 /// The runs of `tensors` (see the module's documentation). `region_of(address)` names the mapped
 /// region holding `address` (for CUDA, the driver allocation); two spans separated by a gap of at
-/// most `max_gap` bytes merge only where the gap is known to be mapped: inside one region, or
-/// inside a chain of the arrays' buffers that touch or overlap. A run never covers unmapped bytes.
-/// Spans that overlap or touch always merge.
+/// most `max_gap` bytes merge only where the gap is known to be mapped (inside a chain of the
+/// arrays' buffers and regions that touch or overlap), and while a run carries no more gap bytes
+/// than array bytes. A run never covers unmapped bytes. Spans that overlap or touch always merge.
+/// Packed sub-byte arrays are refused (`Error::UnsupportedDType`).
 pub fn plan(
     tensors: &[Tensor],
     max_gap: usize,
     mut region_of: impl FnMut(&Tensor, usize) -> Result<Range<usize>>,
 ) -> Result<RunPlan> {
-    // (first byte, end, tensor index, address of element 0, end of its buffer, start of its
-    // buffer), by first byte.
+    // (first byte, end, tensor index, address of element 0, start and end of its buffer), by
+    // first byte.
     let mut spans = Vec::with_capacity(tensors.len());
     for (i, t) in tensors.iter().enumerate() {
+        if t.is_packed() {
+            return Err(crate::Error::UnsupportedDType(format!(
+                "packed sub-byte {} elements cannot travel as runs of bytes; unpack them first",
+                t.dtype()
+            )));
+        }
         let base = t.buffer().handle().expose_provenance();
         let bytes = t.byte_range();
         if bytes.is_empty() {
@@ -88,46 +95,51 @@ pub fn plan(
             base.checked_add(offset)
                 .ok_or_else(|| overflow("an array's address"))
         };
-        let buffer_end = at(t.buffer().len())?;
-        spans.push((
-            at(bytes.start)?,
-            at(bytes.end)?,
-            i,
-            at(t.byte_offset())?,
-            buffer_end,
-            base,
-        ));
+        let (lo, hi) = (at(bytes.start)?, at(bytes.end)?);
+        spans.push((lo, hi, i, at(t.byte_offset())?, base, at(t.buffer().len())?));
     }
     spans.sort_unstable_by_key(|s| s.0);
 
     let mut runs: Vec<Run> = Vec::new();
     let mut run_of = vec![None; tensors.len()];
-    // The mapped region of the current run's first span, and how far the bytes from the run's
-    // start are known to be mapped through a chain of touching buffers (a pool's blocks are
-    // driver allocations of their own, often laid end to end).
-    let mut region = 0..0;
-    let mut covered = 0usize;
-    for &(lo, hi, i, _, buffer_end, buffer_start) in &spans {
-        let joins = runs.last().is_some_and(|r| {
-            let end = r.start + r.len;
-            lo <= end || (lo - end <= max_gap && (buffer_start <= covered || hi <= region.end))
-        });
+    // How far the bytes from the current run's start are known to be mapped: a chain of the
+    // spans' buffers and mapped regions that touch or overlap (a pool's blocks are driver
+    // allocations of their own, often laid end to end). And the run's payload and gap bytes.
+    let (mut covered, mut payload, mut gaps) = (0usize, 0usize, 0usize);
+    for &(lo, hi, i, _, buffer_start, buffer_end) in &spans {
+        let t = &tensors[i];
+        let joins = match runs.last() {
+            None => false,
+            Some(r) if lo <= r.start + r.len => true,
+            Some(r) => {
+                let gap = lo - (r.start + r.len);
+                // A gap travels too: at most `max_gap` bytes, and never more gap than payload.
+                let affordable = gap <= max_gap && gaps + gap <= payload + (hi - lo);
+                let mapped =
+                    lo <= covered || buffer_start <= covered || region_of(t, lo)?.start <= covered;
+                if affordable && mapped {
+                    gaps += gap;
+                }
+                affordable && mapped
+            }
+        };
         if joins {
             let r = runs.last_mut().expect("joins a run");
-            if hi > region.end && buffer_start > covered {
-                region = region_of(&tensors[i], lo)?;
-            }
             r.len = r.len.max(hi - r.start);
         } else {
-            region = region_of(&tensors[i], lo)?;
             covered = 0;
+            payload = 0;
+            gaps = 0;
             runs.push(Run {
                 start: lo,
                 len: hi - lo,
             });
         }
-        if buffer_start <= covered || covered == 0 {
-            covered = covered.max(buffer_end);
+        payload += hi - lo;
+        // The span's buffer and its mapped region extend the chain (both hold `lo`, which lies
+        // inside the chain or starts it).
+        if buffer_end > covered {
+            covered = covered.max(buffer_end).max(region_of(t, lo)?.end);
         }
         run_of[i] = Some(runs.len() - 1);
     }
@@ -246,23 +258,17 @@ mod tests {
     #[test]
     fn gaps_across_regions_or_over_the_limit_split_runs() {
         let a = Tensor::from_slice(&[1u8; 4096], &[4096]).unwrap();
-        let head = a.slice(0, SliceArg::range(0, 16)).unwrap();
-        let tail = a.slice(0, SliceArg::range(4000, 4096)).unwrap();
-        // A gap of 3,984 bytes: merged under a 4 KiB limit, split under a 1 KiB one.
-        assert_eq!(
-            plan(&[head.clone(), tail.clone()], 4096, own_buffer)
-                .unwrap()
-                .runs
-                .len(),
-            1
-        );
-        assert_eq!(
-            plan(&[head.clone(), tail.clone()], 1024, own_buffer)
-                .unwrap()
-                .runs
-                .len(),
-            2
-        );
+        let head = a.slice(0, SliceArg::range(0, 2048)).unwrap();
+        let tail = a.slice(0, SliceArg::range(3000, 4096)).unwrap();
+        let runs =
+            |arrays: &[Tensor], max_gap| plan(arrays, max_gap, own_buffer).unwrap().runs.len();
+        // A gap of 952 bytes: merged under a 1 KiB limit, split under a 512-byte one.
+        assert_eq!(runs(&[head.clone(), tail.clone()], 1024), 1);
+        assert_eq!(runs(&[head.clone(), tail.clone()], 512), 2);
+        // Never more gap than payload: 16 + 96 bytes across a gap of 3,984 stay two runs.
+        let small_head = a.slice(0, SliceArg::range(0, 16)).unwrap();
+        let small_tail = a.slice(0, SliceArg::range(4000, 4096)).unwrap();
+        assert_eq!(runs(&[small_head, small_tail], usize::MAX), 2);
         // Regions of one byte each: a gap merges only inside one buffer (here, `a`'s).
         let tiny = |_: &Tensor, addr: usize| Ok(addr..addr + 1);
         assert_eq!(
@@ -295,9 +301,9 @@ mod tests {
             Tensor::new(b, crate::DType::U8, Layout::contiguous(&[512]).unwrap()).unwrap()
         };
         let (p0, p1, p2) = (part(0), part(1), part(2));
-        let start = p0.slice(0, SliceArg::range(0, 8)).unwrap();
-        let mid = p1.slice(0, SliceArg::range(500, 512)).unwrap();
-        let far = p2.slice(0, SliceArg::range(500, 512)).unwrap();
+        let start = p0.slice(0, SliceArg::range(0, 400)).unwrap();
+        let mid = p1.slice(0, SliceArg::range(100, 512)).unwrap();
+        let far = p2.slice(0, SliceArg::range(100, 512)).unwrap();
         assert_eq!(
             plan(&[start.clone(), mid], MAX_GAP, tiny)
                 .unwrap()
@@ -314,6 +320,22 @@ mod tests {
             p.views.iter().filter_map(|v| v.run).max(),
             Some(p.runs.len() - 1)
         );
+    }
+
+    #[test]
+    fn packed_sub_byte_arrays_are_refused() {
+        let bytes = Tensor::from_slice(&[0u8; 8], &[8]).unwrap();
+        let int4: DType = "int4".parse().unwrap();
+        let packed = Tensor::with_packing(
+            bytes.buffer().clone(),
+            int4,
+            Layout::contiguous(&[16]).unwrap(),
+            true,
+        )
+        .unwrap();
+        assert!(packed.is_packed());
+        let e = plan(&[bytes.clone(), packed], MAX_GAP, own_buffer).unwrap_err();
+        assert!(e.to_string().contains("packed"), "{e}");
     }
 
     #[test]

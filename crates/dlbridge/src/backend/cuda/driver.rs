@@ -237,3 +237,14 @@ pub(crate) unsafe fn func_param_info(
     unsafe { sys::cuFuncGetParamInfo(f, index, &mut offset, &mut size) }.result()?;
     Ok((offset, size))
 }
+
+/// The driver allocation holding device address `addr`: its base and size
+/// (`cuMemGetAddressRange`); an error for an address the driver did not allocate.
+pub(crate) fn address_range(
+    addr: sys::CUdeviceptr,
+) -> std::result::Result<(sys::CUdeviceptr, usize), DriverError> {
+    let (mut base, mut size) = (0, 0usize);
+    // SAFETY: valid out-pointers; an unknown address makes the call fail.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }.result()?;
+    Ok((base, size))
+}

@@ -802,11 +802,7 @@ pub(crate) fn export_legacy(buffer: &Buffer) -> Result<LegacyExported> {
     // Let go of memory that every consumer has closed.
     legacy_exports().retain(|kept| kept.users.get() > 0);
     let addr = buffer.handle().expose_provenance() as u64;
-    let (mut base, mut size) = (0u64, 0usize);
-    // SAFETY: valid out-pointers; an unknown address makes the call fail.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
-        .result()
-        .named("cuMemGetAddressRange")?;
+    let (base, size) = super::driver::address_range(addr).named("cuMemGetAddressRange")?;
     // SAFETY: an all-zero handle is a valid value of this plain C struct.
     let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer; `base` is the start of a driver allocation.

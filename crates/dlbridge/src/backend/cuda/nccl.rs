@@ -18,9 +18,9 @@
 //! [`Communicator::recv`] allocates **one** block from the caching pool for all of them.
 //!
 //! # Streams and waiting
-//! Both sides enqueue on the calling thread's current stream of the communicator's device (after
-//! the work already queued there, so a producer's pending kernels finish before its bytes leave)
-//! and then wait for the transfer to finish, polling NCCL for asynchronous errors: a peer that
+//! Both sides enqueue on the communicator's own non-blocking stream, ordered after the work
+//! already queued on the calling thread's current stream of the device (so a producer's pending
+//! kernels finish before its bytes leave), and then wait for the transfer to finish, polling NCCL for asynchronous errors: a peer that
 //! fails, or that does not take part within the timeout, aborts the communicator
 //! (`ncclCommAbort`) and the call fails with a clear error instead of hanging. An aborted
 //! communicator refuses further use.
@@ -28,12 +28,12 @@
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use super::driver::Named;
 use super::{context, current_stream, memory, stream};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
@@ -119,12 +119,15 @@ fn load() -> std::result::Result<Api, String> {
     for path in &candidates {
         // SAFETY: loading NCCL runs its initialisers, which only set up its own state.
         match unsafe { libloading::Library::new(path) } {
-            Ok(lib) => return resolve(lib).map_err(|e| format!("{}: {e}", path.display())),
+            Ok(lib) => match resolve(lib) {
+                Ok(api) => return Ok(api),
+                Err(e) => tried.push(format!("{} ({e})", path.display())),
+            },
             Err(e) => tried.push(format!("{} ({e})", path.display())),
         }
     }
     Err(format!(
-        "the NCCL library (libnccl) was not found; install it (`pip install nvidia-nccl-cu13`, \
+        "no usable NCCL library (libnccl) was found; install it (`pip install nvidia-nccl-cu13`, \
          or the cu12 one, which PyTorch's CUDA wheels bring) or set DLBRIDGE_NCCL_LIBRARY to its \
          path. Tried: {}",
         tried.join("; ")
@@ -191,8 +194,12 @@ fn failed(api: &Api, call: &str, code: NcclResult, comm: Option<Comm>) -> Error 
         (Some(c), Some(last)) => {
             // SAFETY: a live communicator.
             let s = unsafe { last(c) };
-            // SAFETY: NCCL returns a NUL-terminated string it owns (possibly empty).
-            let s = unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned();
+            let s = if s.is_null() {
+                String::new()
+            } else {
+                // SAFETY: NCCL returns a NUL-terminated string it owns (possibly empty).
+                unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+            };
             if s.is_empty() {
                 String::new()
             } else {
@@ -233,8 +240,14 @@ pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
 pub struct Communicator {
     /// The communicator, `None` once aborted.
     comm: Mutex<Option<SendComm>>,
-    /// Set by [`Communicator::interrupt`]: the transfer waiting now (or the next) gives up.
-    interrupted: std::sync::atomic::AtomicBool,
+    /// A non-blocking stream of the device for the transfers, ordered after the caller's current
+    /// stream: a transfer waiting for its peer stalls neither the legacy default stream nor the
+    /// caller's other work.
+    stream: super::Stream,
+    /// Set by [`Communicator::interrupt`]: the transfer waiting now gives up.
+    interrupted: AtomicBool,
+    /// Whether the communicator was aborted (readable without waiting for a transfer).
+    aborted: AtomicBool,
     rank: usize,
     size: usize,
     ordinal: i32,
@@ -274,6 +287,9 @@ impl Communicator {
         // NCCL takes the device from the runtime's current device, which follows the bound
         // primary context.
         let _ctx = context(ordinal)?;
+        // The communicator's own stream, made before the communicator so that nothing leaks
+        // when it cannot be made.
+        let stream = super::Stream::new(ordinal, true)?;
         let id = UniqueId {
             internal: id.map(|b| b as c_char),
         };
@@ -283,7 +299,9 @@ impl Communicator {
         check(api, "ncclCommInitRank", code, None)?;
         let joined = Communicator {
             comm: Mutex::new(Some(SendComm(comm))),
-            interrupted: std::sync::atomic::AtomicBool::new(false),
+            stream,
+            interrupted: AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
             rank,
             size,
             ordinal,
@@ -307,19 +325,16 @@ impl Communicator {
         Device::cuda(self.ordinal as u32)
     }
 
-    /// Makes the transfer that waits now (or the next one) give up, which aborts the
-    /// communicator: for a caller that knows the peer will not take part (its side failed).
+    /// Makes the transfer that waits now give up, which aborts the communicator: for a caller
+    /// that knows the peer will not take part (its side failed). A transfer that starts later
+    /// is not affected.
     pub fn interrupt(&self) {
-        self.interrupted
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.interrupted.store(true, Ordering::SeqCst);
     }
 
     /// Whether the communicator was aborted (after a failed or timed-out transfer).
     pub fn is_aborted(&self) -> bool {
-        self.comm
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_none()
+        self.aborted.load(Ordering::SeqCst)
     }
 
     /// The runs of `tensors` as [`Communicator::send`] sends them (what the receiver needs to
@@ -365,8 +380,8 @@ impl Communicator {
 
     /// Receives from rank `peer` the arrays it sends with [`Communicator::send`]: `runs` are the
     /// sender's run lengths and phases, `views` its views. Allocates one block on this device
-    /// from the caching pool, receives every run into it, waits, and returns the arrays (writable,
-    /// owned by this process).
+    /// from the caching pool, receives every run into it, waits, and returns the arrays (owned by
+    /// this process; read-only where the sender's were).
     pub fn recv(
         &self,
         runs: &[(usize, usize)],
@@ -377,6 +392,11 @@ impl Communicator {
         let (offsets, total) = runs::place(runs)?;
         let block = memory::allocate(self.device(), total, false)?;
         let base = block.handle().expose_provenance();
+        debug_assert_eq!(
+            base % runs::RUN_ALIGN,
+            0,
+            "pool blocks are whole driver allocations"
+        );
         let ops: Vec<Op> = runs
             .iter()
             .zip(&offsets)
@@ -402,7 +422,8 @@ impl Communicator {
                         "a view reaches outside run {r}, which it names"
                     )));
                 }
-                Ok(t)
+                // A copy, but it keeps the sender's read-only flag, as every DLPack exchange does.
+                Ok(if v.read_only { t.into_read_only() } else { t })
             })
             .collect::<Result<Vec<_>>>()?;
         self.run(&ops, timeout)?;
@@ -454,8 +475,12 @@ impl Communicator {
         let api = api()?;
         let mut guard = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
         let comm = guard.as_ref().ok_or_else(aborted)?.0;
+        // An interrupt meant for an earlier transfer does not reach this one.
+        self.interrupted.store(false, Ordering::SeqCst);
         let _ctx = context(self.ordinal)?;
-        let handle = current_stream(self.ordinal);
+        // After the work the caller queued so far (a producer's writes to what is sent).
+        let handle = self.stream.handle();
+        super::order_streams(self.ordinal, current_stream(self.ordinal), handle)?;
         let s = stream::raw(handle);
         // SAFETY: group calls bracket the operations below.
         let code = unsafe { (api.group_start)() };
@@ -491,15 +516,34 @@ impl Communicator {
             Some(comm),
         );
         if let Err(e) = posted.and(ended) {
-            abort(api, &mut guard);
+            self.abort(api, &mut guard, handle);
             return Err(e);
         }
         // Wait: an event after the operations, polled with NCCL's asynchronous error state.
         let done = wait(api, comm, self.ordinal, handle, timeout, &self.interrupted);
         if done.is_err() {
-            abort(api, &mut guard);
+            self.abort(api, &mut guard, handle);
         }
         done
+    }
+}
+
+impl Communicator {
+    /// Aborts the communicator (its kernels see the abort flag and exit), then waits for the
+    /// stream's work, so that no NCCL kernel still reads or writes the transfer's memory when
+    /// the caller lets go of it.
+    fn abort(&self, api: &Api, guard: &mut Option<SendComm>, handle: usize) {
+        if let Some(SendComm(comm)) = guard.take() {
+            self.aborted.store(true, Ordering::SeqCst);
+            // SAFETY: the communicator is live; after the abort it is never used again.
+            let code = unsafe { (api.comm_abort)(comm) };
+            if code != SUCCESS {
+                log::warn!("dlbridge: ncclCommAbort failed with NCCL error {code}");
+            }
+            if let Err(e) = super::stream::synchronize_stream(self.ordinal, handle) {
+                log::warn!("dlbridge: waiting for an aborted NCCL transfer failed: {e}");
+            }
+        }
     }
 }
 
@@ -526,18 +570,10 @@ enum Op {
 
 fn aborted() -> Error {
     Error::InvalidArgument(
-        "this NCCL communicator was aborted after a failed transfer; make a new one".into(),
+        "this NCCL communicator was aborted after a failed transfer; make a new one (with Ray: \
+         dlbridge.ray.destroy_nccl_group, then create_nccl_group)"
+            .into(),
     )
-}
-
-fn abort(api: &Api, guard: &mut Option<SendComm>) {
-    if let Some(SendComm(comm)) = guard.take() {
-        // SAFETY: the communicator is live; after the abort it is never used again.
-        let code = unsafe { (api.comm_abort)(comm) };
-        if code != SUCCESS {
-            log::warn!("dlbridge: ncclCommAbort failed with NCCL error {code}");
-        }
-    }
 }
 
 /// Waits until the work queued on stream `handle` so far is done, failing on an asynchronous NCCL
@@ -548,7 +584,7 @@ fn wait(
     ordinal: i32,
     handle: usize,
     timeout: Option<Duration>,
-    interrupted: &std::sync::atomic::AtomicBool,
+    interrupted: &AtomicBool,
 ) -> Result<()> {
     let event = super::Event::new(ordinal, false)?;
     event.record(handle)?;
@@ -565,7 +601,7 @@ fn wait(
         if state != SUCCESS && state != IN_PROGRESS {
             return Err(failed(api, "an NCCL transfer", state, Some(comm)));
         }
-        if interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+        if interrupted.load(Ordering::SeqCst) {
             return Err(Error::Driver {
                 backend: BACKEND,
                 message: "the transfer was interrupted (the other side failed); the communicator \
@@ -599,14 +635,9 @@ pub fn plan(tensors: &[Tensor]) -> Result<RunPlan> {
 }
 
 fn allocation_range(t: &Tensor, addr: usize) -> Result<Range<usize>> {
-    let (mut base, mut size) = (0u64, 0usize);
     let _ctx = context(t.device().index() as i32)?;
-    // SAFETY: valid out-pointers; an unknown address makes the call fail.
-    let found = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr as u64) }
-        .result()
-        .named("cuMemGetAddressRange");
-    Ok(match found {
-        Ok(()) => base as usize..base as usize + size,
+    Ok(match super::driver::address_range(addr as u64) {
+        Ok((base, size)) => base as usize..base as usize + size,
         // Memory the driver cannot place (a mapping it does not report): the array's own buffer.
         Err(_) => {
             let start = t.buffer().handle().expose_provenance();

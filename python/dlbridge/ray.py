@@ -657,7 +657,8 @@ class DlbridgeNcclTransport(TensorTransportManager):
         if ready is not None:
             # This thread's stream waits for the producer's work on the arrays.
             device = comm.device
-            stream = _dlbridge.Stream.from_handle(_dlbridge._cuda_current_stream(device), device)
+            handle = _dlbridge._cuda_current_stream(device) or 1  # 0: the legacy stream, 1
+            stream = _dlbridge.Stream.from_handle(handle, device)
             stream.wait_event(ready)
         self._transfer(
             meta.obj_id,

@@ -20,10 +20,16 @@
 //! # Streams and waiting
 //! Both sides enqueue on the communicator's own non-blocking stream, ordered after the work
 //! already queued on the calling thread's current stream of the device (so a producer's pending
-//! kernels finish before its bytes leave), and then wait for the transfer to finish, polling NCCL for asynchronous errors: a peer that
-//! fails, or that does not take part within the timeout, aborts the communicator
-//! (`ncclCommAbort`) and the call fails with a clear error instead of hanging. An aborted
-//! communicator refuses further use.
+//! kernels finish before its bytes leave), and then wait for the transfer to finish, polling
+//! NCCL for asynchronous errors: a peer that fails, or that does not take part within the
+//! timeout, aborts the communicator (`ncclCommAbort`) and the call fails with a clear error
+//! instead of hanging. An aborted communicator refuses further use.
+//!
+//! One communicator serves one transfer at a time (the others wait for its lock). NCCL matches a
+//! pair's operations in the order they are posted, so two threads that send to each other at
+//! the same time over one pair of communicators wait for each other until the timeout: give
+//! each direction its own communicator, or order the transfers (Ray runs an actor's transfers
+//! on one thread).
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::ops::Range;

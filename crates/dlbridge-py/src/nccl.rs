@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use dlbridge::backend::cuda::nccl::{self, Communicator, UNIQUE_ID_BYTES};
 use dlbridge::share::runs::{RunPlan, RunView};
-use dlbridge::{Layout, Tensor};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -14,20 +13,14 @@ use pyo3::types::PyBytes;
 use crate::array::PyArray;
 use crate::device::PyDevice;
 use crate::errors::IntoPyResult;
+use crate::share;
 
 /// One array of a transfer, as Python carries it: (run index or -1 for an array of no bytes,
 /// dtype name, shape, strides in elements, byte offset from the run's start, read-only).
-type ViewTuple = (isize, String, Vec<usize>, Vec<isize>, usize, bool);
+type ViewTuple = share::ViewTuple<isize>;
 
 /// A run of a transfer, as Python carries it: (length in bytes, address phase).
 type RunTuple = (usize, usize);
-
-fn tensors(arrays: &[PyRef<'_, PyArray>]) -> PyResult<Vec<Tensor>> {
-    arrays
-        .iter()
-        .map(|a| a.tensor().map(|t| t.clone()))
-        .collect()
-}
 
 fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
     seconds
@@ -95,7 +88,7 @@ impl PyCommunicator {
         py: Python<'_>,
         arrays: Vec<PyRef<'_, PyArray>>,
     ) -> PyResult<(Vec<RunTuple>, Vec<ViewTuple>)> {
-        let tensors = tensors(&arrays)?;
+        let tensors = share::tensors_of(&arrays)?;
         let plan = py.detach(|| self.inner.plan(&tensors)).py()?;
         Ok(plan_tuples(&plan))
     }
@@ -111,7 +104,7 @@ impl PyCommunicator {
         runs: Option<Vec<RunTuple>>,
         timeout: Option<f64>,
     ) -> PyResult<()> {
-        let tensors = tensors(&arrays)?;
+        let tensors = share::tensors_of(&arrays)?;
         let timeout = timeout_of(timeout)?;
         py.detach(|| self.inner.send(&tensors, peer, runs.as_deref(), timeout))
             .py()?;
@@ -130,13 +123,14 @@ impl PyCommunicator {
         timeout: Option<f64>,
     ) -> PyResult<Vec<PyArray>> {
         let views = views
-            .into_iter()
-            .map(|(run, dtype, shape, strides, offset, read_only)| {
+            .iter()
+            .map(|v| {
+                let (dtype, layout) = share::view_of(v)?;
                 Ok(RunView {
-                    run: usize::try_from(run).ok(),
-                    dtype: dtype.parse::<dlbridge::DType>().py()?,
-                    layout: Layout::new(&shape, &strides, offset).py()?,
-                    read_only,
+                    run: usize::try_from(v.0).ok(),
+                    dtype,
+                    layout,
+                    read_only: v.5,
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -169,12 +163,10 @@ fn plan_tuples(plan: &RunPlan) -> (Vec<RunTuple>, Vec<ViewTuple>) {
         .views
         .iter()
         .map(|v| {
-            (
+            share::view_tuple(
                 v.run.map_or(-1, |r| r as isize),
-                v.dtype.name().to_string(),
-                v.layout.shape().to_vec(),
-                v.layout.strides().to_vec(),
-                v.layout.byte_offset(),
+                v.dtype,
+                &v.layout,
                 v.read_only,
             )
         })
@@ -189,7 +181,7 @@ fn _nccl_plan(
     py: Python<'_>,
     arrays: Vec<PyRef<'_, PyArray>>,
 ) -> PyResult<(Vec<RunTuple>, Vec<ViewTuple>)> {
-    let tensors = tensors(&arrays)?;
+    let tensors = share::tensors_of(&arrays)?;
     if let Some(t) = tensors
         .iter()
         .find(|t| t.device().kind() != dlbridge::DeviceKind::Cuda)

@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Mutex;
 
 use dlbridge::share::{self, SharedHandle};
-use dlbridge::{Layout, Tensor};
+use dlbridge::{DType, Layout, Tensor};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
@@ -301,9 +301,44 @@ pub(crate) fn reduce_array<'py>(
     PyTuple::new(py, [ctor, PyTuple::new(py, args)?.into_any()])
 }
 
-/// One array of a group, as Python carries it: (handle index, dtype name, shape, strides in
-/// elements, byte offset, read-only).
-type ViewTuple = (usize, String, Vec<usize>, Vec<isize>, usize, bool);
+/// One array of a group, as Python carries it: (index of the piece of memory holding it, dtype
+/// name, shape, strides in elements, byte offset, read-only). Groups index handles (`usize`);
+/// NCCL transfers index runs, `-1` for none (`isize`).
+pub(crate) type ViewTuple<I = usize> = (I, String, Vec<usize>, Vec<isize>, usize, bool);
+
+/// A view as Python carries it.
+pub(crate) fn view_tuple<I>(
+    index: I,
+    dtype: DType,
+    layout: &Layout,
+    read_only: bool,
+) -> ViewTuple<I> {
+    (
+        index,
+        dtype.name().to_string(),
+        layout.shape().to_vec(),
+        layout.strides().to_vec(),
+        layout.byte_offset(),
+        read_only,
+    )
+}
+
+/// The element type and layout of a view tuple, checked.
+pub(crate) fn view_of<I>(view: &ViewTuple<I>) -> PyResult<(DType, Layout)> {
+    let (_, dtype, shape, strides, offset, _) = view;
+    Ok((
+        dtype.parse::<DType>().py()?,
+        Layout::new(shape, strides, *offset).py()?,
+    ))
+}
+
+/// The tensors of Python arrays (cheap clones: views of the same memory).
+pub(crate) fn tensors_of(arrays: &[PyRef<'_, PyArray>]) -> PyResult<Vec<Tensor>> {
+    arrays
+        .iter()
+        .map(|a| a.tensor().map(|t| t.clone()))
+        .collect()
+}
 
 /// Many arrays shared together (see `dlbridge::share::share_many`): a list of handles, one per
 /// allocation, and a list of view tuples, one per array in order. Arrays not in shareable memory
@@ -315,26 +350,14 @@ fn _share_many(
     arrays: Vec<PyRef<'_, PyArray>>,
     copy: Option<bool>,
 ) -> PyResult<(Vec<PySharedHandle>, Vec<ViewTuple>)> {
-    let tensors = arrays
-        .iter()
-        .map(|a| a.tensor().map(|t| t.clone()))
-        .collect::<PyResult<Vec<Tensor>>>()?;
+    let tensors = tensors_of(&arrays)?;
     let group = py
         .detach(|| share::share_many(&tensors, copy != Some(false)))
         .py()?;
     let views = group
         .views
         .iter()
-        .map(|v| {
-            (
-                v.handle,
-                v.dtype.name().to_string(),
-                v.layout.shape().to_vec(),
-                v.layout.strides().to_vec(),
-                v.layout.byte_offset(),
-                v.read_only,
-            )
-        })
+        .map(|v| view_tuple(v.handle, v.dtype, &v.layout, v.read_only))
         .collect();
     let handles = group.handles.into_iter().map(PySharedHandle::new).collect();
     Ok((handles, views))
@@ -352,13 +375,14 @@ fn _open_many(
     cuda_ordinal: Option<u32>,
 ) -> PyResult<Vec<PyArray>> {
     let views = views
-        .into_iter()
-        .map(|(handle, dtype, shape, strides, offset, read_only)| {
+        .iter()
+        .map(|v| {
+            let (dtype, layout) = view_of(v)?;
             Ok(share::SharedView {
-                handle,
-                dtype: dtype.parse::<dlbridge::DType>().py()?,
-                layout: Layout::new(&shape, &strides, offset).py()?,
-                read_only,
+                handle: v.0,
+                dtype,
+                layout,
+                read_only: v.5,
             })
         })
         .collect::<PyResult<Vec<_>>>()?;

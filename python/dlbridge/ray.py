@@ -576,9 +576,9 @@ class DlbridgeNcclTransport(TensorTransportManager):
         return True
 
     def actor_has_tensor_transport(self, actor: Any) -> bool:
-        # Every actor can run the transport; a pair outside a common group is refused when the
-        # transfer is arranged (`get_communicator_metadata`), with a message naming
-        # `create_nccl_group` (Ray's own refusal here names its collective groups instead).
+        # Every actor can run the transport; a pair outside a common group is refused by both
+        # actors when the transfer runs (the owner's communicator metadata carries the reason,
+        # which names `create_nccl_group`; Ray's own refusal here names its collective groups).
         return True
 
     def extract_tensor_transport_metadata(

@@ -108,19 +108,24 @@ pub fn plan(
     let (mut covered, mut payload, mut gaps) = (0usize, 0usize, 0usize);
     for &(lo, hi, i, _, buffer_start, buffer_end) in &spans {
         let t = &tensors[i];
+        // The span's mapped region, asked of `region_of` at most once (a driver call on CUDA).
+        let mut span_region: Option<Range<usize>> = None;
         let joins = match runs.last() {
             None => false,
             Some(r) if lo <= r.start + r.len => true,
             Some(r) => {
                 let gap = lo - (r.start + r.len);
-                // A gap travels too: at most `max_gap` bytes, and never more gap than payload.
-                let affordable = gap <= max_gap && gaps + gap <= payload + (hi - lo);
-                let mapped =
-                    lo <= covered || buffer_start <= covered || region_of(t, lo)?.start <= covered;
-                if affordable && mapped {
+                // A gap travels too: at most `max_gap` bytes, and never more gap than payload;
+                // and only where it is known to be mapped.
+                let joins = gap <= max_gap
+                    && gaps + gap <= payload + (hi - lo)
+                    && (lo <= covered
+                        || buffer_start <= covered
+                        || span_region.insert(region_of(t, lo)?).start <= covered);
+                if joins {
                     gaps += gap;
                 }
-                affordable && mapped
+                joins
             }
         };
         if joins {
@@ -139,7 +144,11 @@ pub fn plan(
         // The span's buffer and its mapped region extend the chain (both hold `lo`, which lies
         // inside the chain or starts it).
         if buffer_end > covered {
-            covered = covered.max(buffer_end).max(region_of(t, lo)?.end);
+            let region_end = match span_region {
+                Some(r) => r.end,
+                None => region_of(t, lo)?.end,
+            };
+            covered = covered.max(buffer_end).max(region_end);
         }
         run_of[i] = Some(runs.len() - 1);
     }

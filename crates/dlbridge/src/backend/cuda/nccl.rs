@@ -363,6 +363,7 @@ impl Communicator {
         expected: Option<&[(usize, usize)]>,
         timeout: Option<Duration>,
     ) -> Result<RunPlan> {
+        self.check_peer(peer)?;
         let plan = self.plan(tensors)?;
         if let Some(expected) = expected {
             let now: Vec<(usize, usize)> = plan.runs.iter().map(|r| (r.len, r.phase())).collect();
@@ -374,7 +375,6 @@ impl Communicator {
                 ));
             }
         }
-        self.check_peer(peer)?;
         let ops: Vec<Op> = plan
             .runs
             .iter()
@@ -395,7 +395,13 @@ impl Communicator {
         peer: usize,
         timeout: Option<Duration>,
     ) -> Result<Vec<Tensor>> {
+        self.check_peer(peer)?;
         let (offsets, total) = runs::place(runs)?;
+        // Views are checked before anything is received.
+        let layouts = views
+            .iter()
+            .map(|v| runs::placed_layout(v, &offsets))
+            .collect::<Result<Vec<_>>>()?;
         let block = memory::allocate(self.device(), total, false)?;
         let base = block.handle().expose_provenance();
         debug_assert_eq!(
@@ -408,12 +414,6 @@ impl Communicator {
             .zip(&offsets)
             .map(|(&(len, _), &at)| Op::Recv(base + at, len, peer))
             .collect();
-        self.check_peer(peer)?;
-        // Views are checked before anything is received.
-        let layouts = views
-            .iter()
-            .map(|v| runs::placed_layout(v, &offsets))
-            .collect::<Result<Vec<_>>>()?;
         let tensors = views
             .iter()
             .zip(layouts)

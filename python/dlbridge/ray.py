@@ -167,9 +167,7 @@ class DlbridgeTransport(TensorTransportManager):
             self._held[obj_id] = handles
             if self._server is None:
                 self._server = _DescriptorServer(self)
-        # Ray types `tensor_meta` for PyTorch and NumPy dtypes; dlbridge's dtype names carry more
-        # (bfloat16, float8 kinds), so they go as names.
-        tensor_meta: list[Any] = [(tuple(a.shape), str(a.dtype)) for a in arrays]
+        tensor_meta = _tensor_meta(arrays)
         return DlbridgeTransportMetadata(
             tensor_meta=tensor_meta,
             tensor_device=device_type,
@@ -280,6 +278,13 @@ def _arrays_of(
     return arrays, device_type
 
 
+def _tensor_meta(arrays: list[Array]) -> list[Any]:
+    """Ray's `tensor_meta` of the arrays: (shape, dtype name) each. Ray types it for PyTorch and
+    NumPy dtypes; dlbridge's dtype names carry more (bfloat16, float8 kinds), so they go as
+    names."""
+    return [(tuple(a.shape), str(a.dtype)) for a in arrays]
+
+
 #: Descriptors per message (the kernel takes at most 253 per `SCM_RIGHTS` message).
 _FDS_PER_MESSAGE = 200
 
@@ -308,6 +313,9 @@ class _DescriptorServer:
     def _answer(self, conn: Any) -> None:
         with conn:
             try:
+                # The request first, whoever sends it: an answer written before the asker has
+                # finished writing would break its write (EPIPE) instead of being read.
+                obj_id = _read_line(conn)
                 # Abstract socket names are visible to every user of the machine: hand
                 # descriptors only to processes of this user (who could read this process's
                 # memory anyway).
@@ -316,7 +324,6 @@ class _DescriptorServer:
                 if uid != os.getuid():
                     conn.sendall(b"\x02")
                     return
-                obj_id = _read_line(conn)
                 fds = self._transport._descriptors(obj_id)
                 if fds is None:
                     conn.sendall(b"\x00")
@@ -329,14 +336,20 @@ class _DescriptorServer:
                 return
 
 
+#: The longest line either side sends (an object id, an acknowledgement).
+_MAX_LINE = 1024
+
+
 def _read_line(conn: Any) -> str:
     data = b""
     while not data.endswith(b"\n"):
-        chunk = conn.recv(4096)
+        if len(data) > _MAX_LINE:
+            raise OSError("the peer sent an over-long line")
+        chunk = conn.recv(_MAX_LINE)
         if not chunk:
             raise OSError("the peer closed the connection")
         data += chunk
-    return data[:-1].decode()
+    return data[:-1].decode(errors="replace")
 
 
 def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[int]:
@@ -602,8 +615,7 @@ class DlbridgeNcclTransport(TensorTransportManager):
             ready.record()  # after the work queued on this thread's current stream
             with self._lock:
                 self._ready[obj_id] = ready
-        # dtype names, as the other transport sends them (Ray types them for PyTorch and NumPy).
-        tensor_meta: list[Any] = [(tuple(a.shape), str(a.dtype)) for a in arrays]
+        tensor_meta = _tensor_meta(arrays)
         return DlbridgeNcclMetadata(
             tensor_meta=tensor_meta,
             tensor_device="cuda" if arrays else None,

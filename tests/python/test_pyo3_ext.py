@@ -87,6 +87,15 @@ def test_torch_lazy_bits_refused():
     assert ext.total(negated.resolve_neg()) == pytest.approx(-6.0)
 
 
+def test_torch_floor_asks_what_the_table_does_not_say():
+    # The benchmark's floor row (PyTorch's own share of a call) does the work a correct consumer
+    # cannot skip: the table hands out plain, negated and grad-requiring tensors alike.
+    plain = torch.arange(4.0)
+    assert ext.torch_floor(plain) == 0.0
+    assert ext.torch_floor(plain._neg_view()) == 1.0
+    assert ext.torch_floor(torch.arange(4.0, requires_grad=True)) == 1.0
+
+
 def test_jax_input():
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")

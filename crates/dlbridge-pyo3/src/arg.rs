@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use crate::borrow::{Borrow, Range};
 use crate::error::named;
 use crate::exchange::c_api::TableView;
-use crate::numpy::{NumPyArray, Viewed};
+use crate::numpy::NumPyArray;
 
 /// Any array, as a `#[pyfunction]` argument: an object with a DLPack C exchange table (PyTorch,
 /// dlbridge), with `__dlpack__` (NumPy, JAX, CuPy, MLX, ...), a DLPack capsule, or a
@@ -29,9 +29,12 @@ pub struct ArrayArg {
 /// struct, which becomes a tensor only when one is asked for (the common NumPy call then
 /// allocates nothing).
 #[derive(Debug)]
-enum Source {
+pub(crate) enum Source {
+    /// Imported (through `__dlpack__`, a capsule or the buffer protocol).
     Tensor(Tensor),
+    /// Read from NumPy's struct ([`crate::numpy`]).
     NumPy(NumPyArray),
+    /// Described by a producer's exchange table ([`crate::exchange::c_api::borrow_via_table`]).
     Table(TableView),
 }
 
@@ -85,6 +88,7 @@ impl Source {
 
     /// Element zero in host memory, after dlbridge's pending device work on it (Metal) is done;
     /// `None` where the memory is not host-accessible.
+    #[inline]
     fn host_first(&self) -> dlbridge::Result<Option<*mut u8>> {
         match self {
             Source::Tensor(t) => {
@@ -119,12 +123,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ArrayArg {
 
     #[inline]
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let source = match crate::exchange::consumer::import(&obj)? {
-            Viewed::Tensor(t) => Source::Tensor(t),
-            Viewed::Struct(a) => Source::NumPy(a),
-            Viewed::Table(b) => Source::Table(b),
-        };
-        Ok(ArrayArg { source })
+        Ok(ArrayArg {
+            source: crate::exchange::consumer::import(&obj)?,
+        })
     }
 }
 
@@ -274,59 +275,39 @@ impl Expect {
 
     /// Applies the checks (with element type `T`) and borrows the memory for reading: refused
     /// while any array's memory overlapping it is borrowed mutably, in any extension.
+    #[inline(always)]
     pub fn read<T: Element>(self, py: Python<'_>) -> PyResult<ReadArray<T>> {
         let this = self.dtype::<T>();
         this.verify()?;
-        let borrow = borrow(py, this.name, &this.source, false)?;
-        Ok(ReadArray {
-            source: this.source,
-            tensor: OnceLock::new(),
-            name: this.name,
-            _borrow: borrow,
-            _element: PhantomData,
-        })
+        ReadArray::borrowed(py, this.name, this.source, false)
     }
 
     /// Applies the checks (with element type `T` and writability) and borrows the memory
     /// mutably: refused while any array's memory overlapping it is borrowed at all, in any
     /// extension.
+    #[inline(always)]
     pub fn write<T: Element>(self, py: Python<'_>) -> PyResult<WriteArray<T>> {
         let this = self.dtype::<T>().writable();
         this.verify()?;
-        let borrow = borrow(py, this.name, &this.source, true)?;
-        Ok(WriteArray {
-            inner: ReadArray {
-                source: this.source,
-                tensor: OnceLock::new(),
-                name: this.name,
-                _borrow: borrow,
-                _element: PhantomData,
-            },
-        })
+        let inner = ReadArray::borrowed(py, this.name, this.source, true)?;
+        Ok(WriteArray { inner })
     }
 
-    #[inline]
+    /// Applies the checks. The passing path is a few comparisons, inlined into the caller; each
+    /// refusal is built out of line.
+    #[inline(always)]
     fn verify(&self) -> PyResult<()> {
         let t = &self.source;
         let layout = t.layout();
-        let name = self.name;
         if let Some(dtype) = self.dtype
             && t.dtype() != dtype
         {
-            return Err(PyTypeError::new_err(format!(
-                "argument '{name}': expected an array of {dtype}, got {}",
-                t.dtype()
-            )));
+            return Err(self.wrong_dtype(dtype));
         }
         if let Some(ndim) = self.ndim
             && layout.ndim() != ndim
         {
-            return Err(PyValueError::new_err(format!(
-                "argument '{name}': expected {ndim} {}, got {} (shape {})",
-                if ndim == 1 { "axis" } else { "axes" },
-                layout.ndim(),
-                dlbridge::layout::shape_text(layout.shape())
-            )));
+            return Err(self.wrong_ndim(ndim));
         }
         if let Some(shape) = &self.shape {
             let fits = shape.len() == layout.ndim()
@@ -335,15 +316,7 @@ impl Expect {
                     .zip(layout.shape())
                     .all(|(w, &h)| w.is_none_or(|w| w == h));
             if !fits {
-                let wanted: Vec<String> = shape
-                    .iter()
-                    .map(|d| d.map_or_else(|| "?".to_owned(), |d| d.to_string()))
-                    .collect();
-                return Err(PyValueError::new_err(format!(
-                    "argument '{name}': expected shape ({}), got {}",
-                    wanted.join(", "),
-                    dlbridge::layout::shape_text(layout.shape())
-                )));
+                return Err(self.wrong_shape(shape));
             }
         }
         if let Some(order) = self.order {
@@ -352,45 +325,109 @@ impl Expect {
                 Order::F => layout.is_f_contiguous(),
             };
             if !ok {
-                let which = if order == Order::C { "C" } else { "Fortran" };
-                return Err(PyValueError::new_err(format!(
-                    "argument '{name}': expected a {which}-contiguous array, got shape {} with \
-                     strides {:?} (in elements); pass a contiguous copy",
-                    dlbridge::layout::shape_text(layout.shape()),
-                    layout.strides()
-                )));
+                return Err(self.wrong_order(order));
             }
         }
         if self.devices != 0 && self.devices & device_bit(t.device().kind()) == 0 {
-            let kinds: Vec<String> = (0..64)
-                .filter(|b| self.devices & (1 << b) != 0)
-                .map(|b| DeviceKind::from_raw(b).name())
-                .collect();
-            return Err(PyValueError::new_err(format!(
-                "argument '{name}': expected an array on {}, got one on {}",
-                kinds.join(" or "),
-                t.device()
-            )));
+            return Err(self.wrong_device());
         }
         if self.writable && t.is_read_only() {
             return Err(PyValueError::new_err(format!(
-                "argument '{name}': expected a writable array, got a read-only one"
+                "argument '{}': expected a writable array, got a read-only one",
+                self.name
             )));
         }
         Ok(())
     }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_dtype(&self, dtype: DType) -> PyErr {
+        PyTypeError::new_err(format!(
+            "argument '{}': expected an array of {dtype}, got {}",
+            self.name,
+            self.source.dtype()
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_ndim(&self, ndim: usize) -> PyErr {
+        let layout = self.source.layout();
+        PyValueError::new_err(format!(
+            "argument '{}': expected {ndim} {}, got {} (shape {})",
+            self.name,
+            if ndim == 1 { "axis" } else { "axes" },
+            layout.ndim(),
+            dlbridge::layout::shape_text(layout.shape())
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_shape(&self, shape: &[Option<usize>]) -> PyErr {
+        let wanted: Vec<String> = shape
+            .iter()
+            .map(|d| d.map_or_else(|| "?".to_owned(), |d| d.to_string()))
+            .collect();
+        PyValueError::new_err(format!(
+            "argument '{}': expected shape ({}), got {}",
+            self.name,
+            wanted.join(", "),
+            dlbridge::layout::shape_text(self.source.layout().shape())
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_order(&self, order: Order) -> PyErr {
+        let layout = self.source.layout();
+        let which = if order == Order::C { "C" } else { "Fortran" };
+        PyValueError::new_err(format!(
+            "argument '{}': expected a {which}-contiguous array, got shape {} with strides {:?} \
+             (in elements); pass a contiguous copy",
+            self.name,
+            dlbridge::layout::shape_text(layout.shape()),
+            layout.strides()
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_device(&self) -> PyErr {
+        let kinds: Vec<String> = (0..64)
+            .filter(|b| self.devices & (1 << b) != 0)
+            .map(|b| DeviceKind::from_raw(b).name())
+            .collect();
+        PyValueError::new_err(format!(
+            "argument '{}': expected an array on {}, got one on {}",
+            self.name,
+            kinds.join(" or "),
+            self.source.device()
+        ))
+    }
 }
 
-/// Records a borrow of the bytes `source` addresses (none for an empty array, which has none).
-#[inline]
+/// Records a borrow of the bytes `source` addresses, `len` elements that are C-contiguous or
+/// not (none for an empty array, which has none).
+#[inline(always)]
 fn borrow(
     py: Python<'_>,
     name: &str,
     source: &Source,
+    len: usize,
+    contiguous: bool,
     exclusive: bool,
 ) -> PyResult<Option<Borrow>> {
-    let Some((lo, hi)) = source.layout().element_extent() else {
+    let (lo, hi) = if len == 0 {
         return Ok(None);
+    } else if contiguous {
+        (0, len as i128 - 1)
+    } else {
+        match source.layout().element_extent() {
+            Some(extent) => extent,
+            None => return Ok(None),
+        }
     };
     let itemsize = source.dtype().itemsize() as i128;
     let first = source.first_addr() as i128;
@@ -404,6 +441,25 @@ fn borrow(
     Borrow::acquire(py, name, range, exclusive).map(Some)
 }
 
+/// Whether `layout` (of `len` elements) is C-contiguous: [`Layout::is_contiguous`] with the
+/// element count already known.
+#[inline]
+fn c_contiguous(layout: &Layout, len: usize) -> bool {
+    if len == 0 {
+        return true;
+    }
+    let mut expected = 1isize;
+    for (&dim, &stride) in layout.shape().iter().zip(layout.strides()).rev() {
+        if dim != 1 {
+            if stride != expected {
+                return false;
+            }
+            expected *= dim as isize;
+        }
+    }
+    true
+}
+
 /// A checked array borrowed for reading, with elements of type `T`.
 ///
 /// The memory cannot be borrowed mutably (by [`Expect::write`], in this or another extension)
@@ -414,11 +470,37 @@ pub struct ReadArray<T: Element> {
     /// The tensor of a NumPy or borrowed source, made when [`ReadArray::tensor`] first asks.
     tensor: OnceLock<Box<Tensor>>,
     name: &'static str,
+    /// The number of elements, and whether they are C-contiguous (asked on every access).
+    len: usize,
+    contiguous: bool,
     _borrow: Option<Borrow>,
     _element: PhantomData<T>,
 }
 
 impl<T: Element> ReadArray<T> {
+    /// Borrows the memory of the checked `source` (mutably if `exclusive`).
+    #[inline(always)]
+    fn borrowed(
+        py: Python<'_>,
+        name: &'static str,
+        source: Source,
+        exclusive: bool,
+    ) -> PyResult<ReadArray<T>> {
+        let layout = source.layout();
+        let len = layout.numel();
+        let contiguous = c_contiguous(layout, len);
+        let borrow = borrow(py, name, &source, len, contiguous, exclusive)?;
+        Ok(ReadArray {
+            source,
+            tensor: OnceLock::new(),
+            name,
+            len,
+            contiguous,
+            _borrow: borrow,
+            _element: PhantomData,
+        })
+    }
+
     /// The memory as a tensor (for [`dlbridge::compute::kernel::KernelArg::Tensor`] and other
     /// core calls); for a NumPy array or a borrowed descriptor, made on the first call.
     pub fn tensor(&self) -> PyResult<&Tensor> {
@@ -448,7 +530,7 @@ impl<T: Element> ReadArray<T> {
 
     /// The number of elements.
     pub fn len(&self) -> usize {
-        self.source.layout().numel()
+        self.len
     }
 
     /// Whether there are no elements.
@@ -462,43 +544,64 @@ impl<T: Element> ReadArray<T> {
     }
 
     /// Element zero in host memory, aligned for `T`, or a `ValueError` naming the argument.
+    #[inline(always)]
     fn host_first(&self, what: &str) -> PyResult<*mut T> {
         let first = self.source.host_first().map_err(|e| named(self.name, e))?;
         let Some(first) = first else {
-            return Err(PyValueError::new_err(format!(
-                "argument '{}': {what} needs host-accessible memory, got an array on {}",
-                self.name,
-                self.device()
-            )));
+            return Err(self.not_on_host(what));
         };
         let first = first.cast::<T>();
         if !first.is_aligned() {
-            return Err(PyValueError::new_err(format!(
-                "argument '{}': address {first:p} is not aligned for {}",
-                self.name,
-                T::DTYPE
-            )));
+            return Err(self.misaligned(first));
         }
         Ok(first)
     }
 
+    #[cold]
+    #[inline(never)]
+    fn not_on_host(&self, what: &str) -> PyErr {
+        PyValueError::new_err(format!(
+            "argument '{}': {what} needs host-accessible memory, got an array on {}",
+            self.name,
+            self.device()
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn misaligned(&self, first: *mut T) -> PyErr {
+        PyValueError::new_err(format!(
+            "argument '{}': address {first:p} is not aligned for {}",
+            self.name,
+            T::DTYPE
+        ))
+    }
+
     /// Element zero of C-contiguous host memory, for a slice.
+    #[inline(always)]
     fn slice_first(&self) -> PyResult<*mut T> {
-        let layout = self.source.layout();
-        if !layout.is_contiguous() {
-            return Err(PyValueError::new_err(format!(
-                "argument '{}': a slice needs a C-contiguous array, got shape {} with strides \
-                 {:?} (in elements)",
-                self.name,
-                dlbridge::layout::shape_text(layout.shape()),
-                layout.strides()
-            )));
+        if !self.contiguous {
+            return Err(self.not_contiguous());
         }
         self.host_first("a slice")
     }
 
+    #[cold]
+    #[inline(never)]
+    fn not_contiguous(&self) -> PyErr {
+        let layout = self.source.layout();
+        PyValueError::new_err(format!(
+            "argument '{}': a slice needs a C-contiguous array, got shape {} with strides {:?} \
+             (in elements)",
+            self.name,
+            dlbridge::layout::shape_text(layout.shape()),
+            layout.strides()
+        ))
+    }
+
     /// The elements as a slice: the memory must be host-accessible and C-contiguous
     /// (`ValueError` naming the argument otherwise).
+    #[inline]
     pub fn as_slice(&self) -> PyResult<&[T]> {
         let first = self.slice_first()?;
         if self.is_empty() {
@@ -590,6 +693,7 @@ impl<T: Element> std::ops::Deref for WriteArray<T> {
 
 impl<T: Element> WriteArray<T> {
     /// The elements as a mutable slice: the memory must be host-accessible and C-contiguous.
+    #[inline]
     pub fn as_slice_mut(&mut self) -> PyResult<&mut [T]> {
         let first = self.inner.slice_first()?;
         if self.inner.is_empty() {

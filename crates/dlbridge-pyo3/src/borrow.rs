@@ -228,15 +228,7 @@ impl Borrow {
         // SAFETY: a valid range; the registry's functions never unwind.
         let rc = unsafe { (registry.acquire)(&range, c_int::from(exclusive)) };
         if rc != 0 {
-            let what = if exclusive {
-                "mutably: its memory is already borrowed"
-            } else {
-                "its memory is already borrowed mutably"
-            };
-            return Err(PyBufferError::new_err(format!(
-                "argument '{name}': cannot borrow the array {what} (by this or another \
-                 argument, or a view still held)"
-            )));
+            return Err(conflict(name, exclusive));
         }
         Ok(Borrow {
             range,
@@ -244,6 +236,21 @@ impl Borrow {
             registry,
         })
     }
+}
+
+/// The refusal of a borrow that conflicts with a live one.
+#[cold]
+#[inline(never)]
+fn conflict(name: &str, exclusive: bool) -> PyErr {
+    let what = if exclusive {
+        "mutably: its memory is already borrowed"
+    } else {
+        "its memory is already borrowed mutably"
+    };
+    PyBufferError::new_err(format!(
+        "argument '{name}': cannot borrow the array {what} (by this or another argument, or a \
+         view still held)"
+    ))
 }
 
 impl Drop for Borrow {

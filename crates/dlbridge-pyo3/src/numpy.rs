@@ -158,19 +158,12 @@ impl NumPyArray {
 }
 
 /// What [`view`] gives: the array's facts, or a tensor where NumPy's own `__dlpack__` had to
-/// answer.
-pub(crate) enum Viewed {
-    /// Read from the struct.
-    Struct(NumPyArray),
-    /// Described by a producer's exchange table ([`crate::exchange::c_api::borrow_via_table`]).
-    Table(crate::exchange::c_api::TableView),
-    /// Imported through `__dlpack__`.
-    Tensor(Tensor),
-}
+/// answer (the argument's source itself, so nothing is re-wrapped on the way).
+pub(crate) use crate::arg::Source as Viewed;
 
 /// The NumPy array `x` (an exact `numpy.ndarray`) read from its struct; other arrays (an
 /// unusual dtype, byte order or stride) are imported through `__dlpack__` instead.
-#[inline]
+#[inline(always)]
 pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     let fields = x.as_ptr().cast::<ArrayFields>();
     // SAFETY: `x` is exactly a `numpy.ndarray` (the type cache checked), whose instances start
@@ -192,23 +185,25 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     ) else {
         return fallback(x);
     };
-    let itemsize = dtype.itemsize() as isize;
-    let mut shape = [0usize; dlbridge::MAX_NDIM];
-    let mut strides = [0isize; dlbridge::MAX_NDIM];
-    for i in 0..ndim {
-        // SAFETY: an array has `nd` extents.
-        let d = unsafe { a.dimensions.wrapping_add(i).read() };
-        // SAFETY: and `nd` byte strides.
-        let s = unsafe { a.strides.wrapping_add(i).read() };
-        if s % itemsize != 0 {
+    let layout = if ndim <= SMALL_NDIM {
+        let mut shape = [0usize; SMALL_NDIM];
+        let mut strides = [0isize; SMALL_NDIM];
+        // SAFETY: `a` is the live array's struct (see above), with `ndim` axes.
+        if !unsafe { read_axes(a, dtype, &mut shape[..ndim], &mut strides[..ndim]) } {
             return fallback(x);
         }
-        shape[i] = d as usize;
-        strides[i] = s / itemsize;
+        dlbridge::Layout::new(&shape[..ndim], &strides[..ndim], 0)
+    } else {
+        let mut shape = vec![0usize; ndim];
+        let mut strides = vec![0isize; ndim];
+        // SAFETY: as above.
+        if !unsafe { read_axes(a, dtype, &mut shape, &mut strides) } {
+            return fallback(x);
+        }
+        dlbridge::Layout::new(&shape, &strides, 0)
     }
-    let layout =
-        dlbridge::Layout::new(&shape[..ndim], &strides[..ndim], 0).map_err(crate::error::to_py)?;
-    Ok(Viewed::Struct(NumPyArray {
+    .map_err(crate::error::to_py)?;
+    Ok(Viewed::NumPy(NumPyArray {
         obj: x.clone().unbind(),
         first: a.data.cast(),
         dtype,
@@ -217,7 +212,39 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     }))
 }
 
+/// Arrays of at most this many axes (nearly all) are read through buffers on the stack.
+const SMALL_NDIM: usize = 4;
+
+/// Reads the extents and the strides (in elements) of the array `a` into `shape` and `strides`
+/// (as long as its axes); `false` if a byte stride is not a multiple of the element size.
+///
+/// # Safety
+/// `a` is a live array's struct with `shape.len()` axes, read with the GIL held.
+#[inline(always)]
+unsafe fn read_axes(
+    a: &ArrayFields,
+    dtype: DType,
+    shape: &mut [usize],
+    strides: &mut [isize],
+) -> bool {
+    let itemsize = dtype.itemsize() as isize;
+    for (i, (d, s)) in shape.iter_mut().zip(strides.iter_mut()).enumerate() {
+        // SAFETY: the array has `shape.len()` extents (the caller's promise).
+        let extent = unsafe { a.dimensions.wrapping_add(i).read() };
+        // SAFETY: and as many byte strides.
+        let stride = unsafe { a.strides.wrapping_add(i).read() };
+        if stride % itemsize != 0 {
+            return false;
+        }
+        *d = extent as usize;
+        *s = stride / itemsize;
+    }
+    true
+}
+
 /// NumPy's own `__dlpack__`, for arrays the struct path does not take.
+#[cold]
+#[inline(never)]
 fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     crate::exchange::consumer::import_via_dlpack(x).map(Viewed::Tensor)
 }

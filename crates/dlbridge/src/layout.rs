@@ -241,6 +241,22 @@ impl Layout {
     /// A layout from parts; checks the dimension count and that the element count fits.
     #[inline]
     pub fn new(shape: &[usize], strides: &[isize], byte_offset: usize) -> Result<Self> {
+        let n = shape.len();
+        if n <= INLINE_NDIM && strides.len() == n {
+            // Built in place from arrays: no copy call for the common few axes (every argument
+            // a binding reads from NumPy's struct comes this way).
+            // A fixed trip count: unrolled, where a copy of `n` elements would call `memcpy`.
+            let extents: [usize; INLINE_NDIM] =
+                std::array::from_fn(|i| shape.get(i).map_or(0, |&d| d));
+            let steps: [isize; INLINE_NDIM] =
+                std::array::from_fn(|i| strides.get(i).map_or(0, |&s| s));
+            checked_numel(shape)?;
+            return Ok(Layout {
+                shape: Dims::from_buf_and_len(extents, n),
+                strides: Dims::from_buf_and_len(steps, n),
+                byte_offset,
+            });
+        }
         Layout::from_dims(
             Dims::from_slice(shape),
             Dims::from_slice(strides),
@@ -274,26 +290,31 @@ impl Layout {
     }
 
     /// Extents.
+    #[inline]
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
     /// Strides in elements.
+    #[inline]
     pub fn strides(&self) -> &[isize] {
         &self.strides
     }
 
     /// Byte offset of the first element from the start of the buffer.
+    #[inline]
     pub fn byte_offset(&self) -> usize {
         self.byte_offset
     }
 
     /// Number of dimensions.
+    #[inline]
     pub fn ndim(&self) -> usize {
         self.shape.len()
     }
 
     /// Number of elements (1 for a 0-d layout).
+    #[inline]
     pub fn numel(&self) -> usize {
         // The product fits (checked when the layout was built), but only in some order when an
         // extent is 0: reordered axes (transpose, permute) can overflow before reaching the 0.

@@ -27,6 +27,45 @@ fn noop(_x: &Bound<'_, PyAny>) -> f32 {
     0.0
 }
 
+/// PyTorch's own share of a tensor argument, with no dlbridge code, for the benchmark's floor:
+/// the type's DLPack exchange table describes the tensor (`dltensor_from_py_object_no_sync`),
+/// and the two states a consumer must ask because the table hands such tensors out unchanged,
+/// `requires_grad` and `is_neg()`. Returns `0.0`.
+#[pyfunction]
+fn torch_floor(x: &Bound<'_, PyAny>) -> PyResult<f32> {
+    use dlbridge_pyo3::dlbridge::dlpack::ffi::{DLPackExchangeAPI, DLTensor};
+    use std::sync::OnceLock;
+    static TABLE: OnceLock<usize> = OnceLock::new();
+    let py = x.py();
+    let table = match TABLE.get() {
+        Some(&t) => t,
+        None => {
+            let capsule = x.get_type().getattr("__dlpack_c_exchange_api__")?;
+            // SAFETY: a live object; a wrong name returns NULL with an exception set.
+            let ptr = unsafe {
+                pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dlpack_exchange_api".as_ptr())
+            };
+            if ptr.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            *TABLE.get_or_init(|| ptr as usize)
+        }
+    };
+    // SAFETY: DLPack 1.3 tables live, unchanged, for the whole process.
+    let api = unsafe { &*(table as *const DLPackExchangeAPI) };
+    let describe = api.dltensor_from_py_object_no_sync.ok_or_else(|| {
+        pyo3::exceptions::PyTypeError::new_err("no dltensor_from_py_object_no_sync")
+    })?;
+    let mut dl = std::mem::MaybeUninit::<DLTensor>::zeroed();
+    // SAFETY: an object of the table's type, the GIL held, a valid place for the descriptor.
+    if unsafe { describe(x.as_ptr().cast(), dl.as_mut_ptr()) } != 0 {
+        return Err(PyErr::fetch(py));
+    }
+    let grad = x.getattr(pyo3::intern!(py, "requires_grad"))?.is_truthy()?;
+    let neg = x.call_method0(pyo3::intern!(py, "is_neg"))?.is_truthy()?;
+    Ok(if grad || neg { 1.0 } else { 0.0 })
+}
+
 /// `y += a * x` in place, for 1-D float32 host arrays of one length (`ndarray` views).
 #[pyfunction]
 fn axpy(py: Python<'_>, a: f32, x: ArrayArg, y: ArrayArg) -> PyResult<()> {
@@ -55,7 +94,12 @@ fn row_sums<'py>(py: Python<'py>, m: ArrayArg, framework: &str) -> PyResult<Boun
         .c_contiguous()
         .cpu()
         .read::<f64>(py)?;
-    let sums: Vec<f64> = m.as_array::<Ix2>()?.rows().into_iter().map(|r| r.sum()).collect();
+    let sums: Vec<f64> = m
+        .as_array::<Ix2>()?
+        .rows()
+        .into_iter()
+        .map(|r| r.sum())
+        .collect();
     let out = Tensor::from_slice(&sums, &[sums.len()]).map_err(to_py)?;
     dlbridge_pyo3::to_framework(py, out, framework)
 }
@@ -103,7 +147,8 @@ fn scale_cuda(py: Python<'_>, x: ArrayArg, a: f32) -> PyResult<()> {
         KernelArg::Float(f64::from(a)),
         KernelArg::Int(n as i64),
     ];
-    py.detach(|| kernel::launch(&k, config, &args)).map_err(to_py)?;
+    py.detach(|| kernel::launch(&k, config, &args))
+        .map_err(to_py)?;
     Ok(())
 }
 
@@ -120,7 +165,11 @@ impl Held {
         let Some(view) = &self.view else {
             return Err(pyo3::exceptions::PyValueError::new_err("released"));
         };
-        Ok(view.as_array::<IxDyn>()?.iter().map(|&v| f64::from(v)).sum())
+        Ok(view
+            .as_array::<IxDyn>()?
+            .iter()
+            .map(|&v| f64::from(v))
+            .sum())
     }
 
     /// Ends the borrow.
@@ -149,6 +198,7 @@ fn dlbridge_pyo3_ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(total, m)?)?;
     m.add_function(wrap_pyfunction!(first, m)?)?;
     m.add_function(wrap_pyfunction!(noop, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_floor, m)?)?;
     m.add_function(wrap_pyfunction!(axpy, m)?)?;
     m.add_function(wrap_pyfunction!(row_sums, m)?)?;
     m.add_function(wrap_pyfunction!(arange, m)?)?;

@@ -10,7 +10,7 @@
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::ptr::NonNull;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use dlbridge::dlpack::ManagedTensor;
 use dlbridge::dlpack::ffi::{
@@ -48,9 +48,13 @@ pub struct TypeInfo {
     pub(crate) is_numpy: bool,
 }
 
-/// Types seen by the consumer, with what is known of them. The type objects are held, so an
-/// address in the cache can never be reused by a different type.
-static TYPES: Mutex<Vec<(Py<PyType>, TypeInfo)>> = Mutex::new(Vec::new());
+/// Types seen by the consumer (by the address of the type object), with what is known of them:
+/// read without a lock (each slot is set once), appended under [`HELD`].
+static TYPES: [OnceLock<(usize, TypeInfo)>; CACHE_LIMIT] = [const { OnceLock::new() }; CACHE_LIMIT];
+
+/// The type objects in [`TYPES`], held so that an address there can never be reused by a
+/// different type; its lock orders the appends.
+static HELD: Mutex<Vec<Py<PyType>>> = Mutex::new(Vec::new());
 
 /// A producer's exchange table, which the protocol requires to be immutable and alive for the
 /// whole process.
@@ -67,14 +71,23 @@ unsafe impl Sync for TableRef {}
 const CACHE_LIMIT: usize = 32;
 
 /// What is known of `type(x)`, looked up once per type.
+#[inline]
 pub fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
-    let ty = x.get_type();
-    {
-        let cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, info)) = cache.iter().find(|(t, _)| t.as_ptr() == ty.as_ptr()) {
-            return *info;
+    // SAFETY: `x` is a live object, whose type pointer is readable.
+    let key = unsafe { ffi::Py_TYPE(x.as_ptr()) } as usize;
+    for slot in &TYPES {
+        match slot.get() {
+            Some((ty, info)) if *ty == key => return *info,
+            Some(_) => {}
+            None => break,
         }
     }
+    learn(x.get_type())
+}
+
+/// Looks up what [`type_info`] knows of `ty` and remembers it, while there is room.
+#[cold]
+fn learn(ty: Bound<'_, PyType>) -> TypeInfo {
     let py = ty.py();
     let has = |name| ty.hasattr(name).unwrap_or(false);
     let info = TypeInfo {
@@ -85,9 +98,18 @@ pub fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
         has_dlpack: has(intern!(py, "__dlpack__")),
         is_numpy: crate::numpy::is_ndarray_type(&ty),
     };
-    let mut cache = TYPES.lock().unwrap_or_else(|e| e.into_inner());
-    if cache.len() < CACHE_LIMIT {
-        cache.push((ty.unbind(), info));
+    let key = ty.as_ptr() as usize;
+    let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    if TYPES
+        .iter()
+        .any(|s| s.get().is_some_and(|(t, _)| *t == key))
+    {
+        return info;
+    }
+    if let Some(slot) = TYPES.iter().find(|s| s.get().is_none()) {
+        held.push(ty.unbind());
+        // The lock is held, so no other thread sets this slot.
+        let _ = slot.set((key, info));
     }
     info
 }

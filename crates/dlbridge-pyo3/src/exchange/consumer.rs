@@ -22,7 +22,7 @@ const REQUEST: ImportRequest = ImportRequest {
 /// Imports `x` without a copy, by the cheapest path its type offers: a NumPy array is read from
 /// its struct, a PyTorch tensor from the descriptor its exchange table fills (either becomes a
 /// tensor only when one is asked for), anything else is imported.
-#[inline]
+#[inline(always)]
 pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
     use crate::numpy::Viewed;
     if crate::numpy::is_ndarray(x) {

@@ -102,7 +102,10 @@ def main():
     try:
         import jax.numpy as jnp
 
-        x_j = jnp.arange(16, dtype=jnp.float32)
+        import jax
+
+        # On the host: the row times a host argument (on a GPU machine JAX's default is the GPU).
+        x_j = jax.device_put(jnp.arange(16, dtype=jnp.float32), jax.devices("cpu")[0])
         rows.append(("dlbridge-pyo3 ArrayArg, JAX input", per_call_ns(ext.first, x_j, number=20_000)))
         if nb is not None:
             rows.append(("nanobind nb::ndarray, JAX input", per_call_ns(nb.first, x_j, number=20_000)))

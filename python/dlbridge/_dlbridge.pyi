@@ -208,7 +208,9 @@ def _open_many(
 @final
 class NcclCommunicator:
     """One rank of an NCCL communicator on one CUDA device (see ``dlbridge.nccl``)."""
-    def __new__(cls, unique_id: bytes, size: int, rank: int, device: int) -> NcclCommunicator: ...
+    def __new__(
+        cls, unique_id: bytes, size: int, rank: int, device: int, timeout: float | None = None
+    ) -> NcclCommunicator: ...
     @property
     def rank(self) -> int: ...
     @property

@@ -77,15 +77,25 @@ def unique_id() -> bytes:
     return _dlbridge._nccl_unique_id()
 
 
+_DEFAULT = object()
+
+
 def Communicator(
-    unique_id: bytes, size: int, rank: int, device: Any = 0
+    unique_id: bytes, size: int, rank: int, device: Any = 0, timeout: Any = _DEFAULT
 ) -> _dlbridge.NcclCommunicator:
     """Joins the communicator ``unique_id`` as ``rank`` of ``size`` on CUDA device ``device`` (an
-    ordinal, ``"cuda:N"`` or a :class:`dlbridge.Device`); blocks until every rank has joined.
-    Returns a ``NcclCommunicator`` with ``plan(arrays)``, ``send(arrays, peer, runs=None,
-    timeout=None)`` and ``recv(runs, views, peer, timeout=None)``."""
+    ordinal, ``"cuda:N"`` or a :class:`dlbridge.Device`); waits until every rank has joined.
+    With NCCL 2.14 or later, a join not finished within ``timeout`` seconds (default:
+    ``DLBRIDGE_NCCL_TIMEOUT``, else 300; ``None``: no limit) aborts and raises ``RuntimeError``
+    (a rank that never came); older NCCL waits with no limit. Returns a ``NcclCommunicator`` with
+    ``plan(arrays)``, ``send(arrays, peer, runs=None, timeout=None)`` and ``recv(runs, views,
+    peer, timeout=None)``."""
     _add_wheel_paths()
-    return _dlbridge.NcclCommunicator(bytes(unique_id), int(size), int(rank), _ordinal(device))
+    if timeout is _DEFAULT:
+        timeout = _timeout()
+    return _dlbridge.NcclCommunicator(
+        bytes(unique_id), int(size), int(rank), _ordinal(device), None if timeout is None else float(timeout)
+    )
 
 
 def _ordinal(device: Any) -> int:

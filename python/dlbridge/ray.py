@@ -459,10 +459,12 @@ def _nccl_make_id(_self: Any) -> bytes:
     return nccl.unique_id()
 
 
-def _nccl_join(_self: Any, name: str, uid: bytes, size: int, rank: int, device: int) -> str:
+def _nccl_join(
+    _self: Any, name: str, uid: bytes, size: int, rank: int, device: int, timeout: Optional[float]
+) -> str:
     from . import nccl
 
-    comm = nccl.Communicator(uid, size, rank, device)
+    comm = nccl.Communicator(uid, size, rank, device, timeout=timeout)
     with _groups_lock:
         _communicators[name] = comm
     return ray.get_runtime_context().get_node_id()
@@ -506,13 +508,16 @@ def create_nccl_group(
         uid = ray.get(actors[0].__ray_call__.remote(_nccl_make_id), timeout=timeout)
         ray.get(
             [
-                a.__ray_call__.remote(_nccl_join, name, uid, len(actors), rank, devices[rank])
+                a.__ray_call__.remote(
+                    _nccl_join, name, uid, len(actors), rank, devices[rank], timeout
+                )
                 for rank, a in enumerate(actors)
             ],
             timeout=timeout,
         )
     except BaseException:
-        # Those that joined let go; one stuck in NCCL's join stays so until its peers exist.
+        # Those that joined let go; one still in NCCL's join gives up by the same timeout (NCCL
+        # 2.14 and later).
         with _groups_lock:
             _groups.pop(name, None)
         for a in actors:

@@ -177,6 +177,29 @@ def test_a_peer_that_never_sends_times_out_and_aborts_the_communicator():
     assert received[2] is True  # aborted
 
 
+needs_nccl_and_cuda = pytest.mark.skipif(
+    not cuda or not nccl.is_available(),
+    reason=f"needs a CUDA device and NCCL (CUDA {'found' if cuda else 'not found'}, NCCL "
+    f"{'found' if nccl.is_available() else 'not found'})",
+)
+
+
+@needs_nccl_and_cuda
+def test_a_rank_that_never_joins_ends_the_join_by_its_timeout():
+    import time
+
+    if nccl.version() < (2, 14, 0):
+        pytest.skip(f"NCCL {nccl.version()} joins blocking (non-blocking joins need 2.14)")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not finish within 2.0 s"):
+        nccl.Communicator(nccl.unique_id(), 2, 0, device=0, timeout=2.0)
+    assert time.monotonic() - began < 30
+    # The half-made communicator was aborted; a later join of a whole group still works.
+    uid = nccl.unique_id()
+    comm = nccl.Communicator(uid, 1, 0, device=0, timeout=30.0)
+    assert comm.size == 1 and not comm.aborted
+
+
 @needs_cuda
 def test_a_thousand_small_arrays_of_the_pool_plan_as_few_runs():
     arrays = [dlbridge.full((1024,), float(i), dtype="float32", device="cuda") for i in range(1000)]

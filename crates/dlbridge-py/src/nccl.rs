@@ -32,8 +32,8 @@ fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
         .transpose()
 }
 
-/// One rank of an NCCL communicator on one CUDA device (see `dlbridge.ray`). Joining blocks
-/// until every rank has joined.
+/// One rank of an NCCL communicator on one CUDA device (see `dlbridge.ray`). Joining waits until
+/// every rank has joined, or fails after `timeout` seconds (NCCL 2.14 and later).
 #[pyclass(frozen, module = "dlbridge._dlbridge", name = "NcclCommunicator")]
 pub(crate) struct PyCommunicator {
     inner: Communicator,
@@ -42,12 +42,14 @@ pub(crate) struct PyCommunicator {
 #[pymethods]
 impl PyCommunicator {
     #[new]
+    #[pyo3(signature = (unique_id, size, rank, device, timeout=None))]
     fn new(
         py: Python<'_>,
         unique_id: &[u8],
         size: usize,
         rank: usize,
         device: u32,
+        timeout: Option<f64>,
     ) -> PyResult<Self> {
         let id: [u8; UNIQUE_ID_BYTES] = unique_id.try_into().map_err(|_| {
             PyValueError::new_err(format!(
@@ -56,8 +58,9 @@ impl PyCommunicator {
             ))
         })?;
         let ordinal = i32::try_from(device).map_err(|_| PyValueError::new_err("device"))?;
+        let timeout = timeout_of(timeout)?;
         let inner = py
-            .detach(|| Communicator::new(&id, size, rank, ordinal))
+            .detach(|| Communicator::join(&id, size, rank, ordinal, timeout))
             .py()?;
         Ok(PyCommunicator { inner })
     }

@@ -110,6 +110,35 @@ fn arrays_of_several_layouts_arrive_equal_on_the_other_gpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device and NCCL 2.14 or later"]
+fn a_rank_that_never_joins_ends_the_join_by_its_timeout() {
+    let (major, minor, _) = nccl::version().expect("NCCL loads");
+    assert!(
+        (major, minor) >= (2, 14),
+        "non-blocking joins need NCCL 2.14"
+    );
+    let id = nccl::unique_id().unwrap();
+    let began = std::time::Instant::now();
+    let e = Communicator::join(&id, 2, 0, 0, Some(Duration::from_secs(2))).unwrap_err();
+    assert!(e.to_string().contains("did not finish within 2.0 s"), "{e}");
+    assert!(
+        began.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        began.elapsed()
+    );
+    // A communicator of one rank joins at once, and sends to nobody.
+    let alone = Communicator::join(
+        &nccl::unique_id().unwrap(),
+        1,
+        0,
+        0,
+        Some(Duration::from_secs(30)),
+    )
+    .unwrap();
+    assert_eq!(alone.size(), 1);
+}
+
+#[test]
 fn a_rank_outside_the_communicator_is_refused_before_nccl_is_asked() {
     let e = Communicator::new(&[0; nccl::UNIQUE_ID_BYTES], 2, 5, 0).unwrap_err();
     assert!(e.to_string().contains("rank 5"), "{e}");

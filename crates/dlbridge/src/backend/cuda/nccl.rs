@@ -25,6 +25,12 @@
 //! timeout, aborts the communicator (`ncclCommAbort`) and the call fails with a clear error
 //! instead of hanging. An aborted communicator refuses further use.
 //!
+//! # Joining
+//! Where NCCL has `ncclCommInitRankConfig` (2.14 and later), the communicator is made
+//! non-blocking: [`Communicator::join`] polls the join, and a peer that never comes ends it by
+//! its timeout (the half-made communicator is aborted) instead of blocking the thread for good.
+//! Older NCCL joins blocking, with no timeout.
+//!
 //! One communicator serves one transfer at a time (the others wait for its lock). NCCL matches a
 //! pair's operations in the order they are posted, so two threads that send to each other at
 //! the same time over one pair of communicators wait for each other until the timeout: give
@@ -65,12 +71,31 @@ const IN_PROGRESS: NcclResult = 7;
 /// `ncclUint8`: every transfer here is bytes.
 const UINT8: c_int = 1;
 
+/// The NCCL version whose `ncclConfig_t` this crate fills (`NCCL_VERSION(2, 14, 0)`), the first
+/// with non-blocking communicators.
+const NON_BLOCKING_SINCE: c_int = 21400;
+
+/// The leading fields of `ncclConfig_t`, as NCCL 2.14 defined it. NCCL reads `size` bytes of it
+/// and gives every field that `version` did not have its default, so later versions accept it.
+#[repr(C)]
+struct Config {
+    size: usize,
+    /// `0xcafebeef`, the value of `NCCL_CONFIG_INITIALIZER`.
+    magic: u32,
+    version: u32,
+    /// 0: non-blocking.
+    blocking: c_int,
+}
+
 /// NCCL's entry points, resolved once.
 struct Api {
     _lib: libloading::Library,
     version: c_int,
     get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
     comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> NcclResult,
+    /// `ncclCommInitRankConfig` (NCCL 2.14 and later).
+    comm_init_rank_config:
+        Option<unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> NcclResult>,
     comm_destroy: unsafe extern "C" fn(Comm) -> NcclResult,
     comm_abort: unsafe extern "C" fn(Comm) -> NcclResult,
     comm_async_error: unsafe extern "C" fn(Comm, *mut NcclResult) -> NcclResult,
@@ -163,10 +188,23 @@ fn resolve(lib: libloading::Library) -> std::result::Result<Api, String> {
             .ok()
             .map(|s| *s)
     };
+    let comm_init_rank_config = if version >= NON_BLOCKING_SINCE {
+        // SAFETY: as above; present since NCCL 2.14.
+        unsafe {
+            lib.get::<unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> NcclResult>(
+                b"ncclCommInitRankConfig\0",
+            )
+        }
+        .ok()
+        .map(|s| *s)
+    } else {
+        None
+    };
     Ok(Api {
         version,
         get_unique_id: sym!("ncclGetUniqueId"),
         comm_init_rank: sym!("ncclCommInitRank"),
+        comm_init_rank_config,
         comm_destroy: sym!("ncclCommDestroy"),
         comm_abort: sym!("ncclCommAbort"),
         comm_async_error: sym!("ncclCommGetAsyncError"),
@@ -254,6 +292,8 @@ pub struct Communicator {
     interrupted: AtomicBool,
     /// Whether the communicator was aborted (readable without waiting for a transfer).
     aborted: AtomicBool,
+    /// Made non-blocking (`ncclCommInitRankConfig`): its calls may return `ncclInProgress`.
+    non_blocking: bool,
     rank: usize,
     size: usize,
     ordinal: i32,
@@ -275,10 +315,24 @@ impl std::fmt::Debug for Communicator {
 }
 
 impl Communicator {
-    /// Joins the communicator `id` as `rank` of `size`, on CUDA device `ordinal`
-    /// (`ncclCommInitRank`), and connects it with every other rank. Blocks until every rank has
-    /// joined.
+    /// Joins the communicator `id` as `rank` of `size`, on CUDA device `ordinal`, and connects
+    /// it with every other rank; waits for every rank to join, with no time limit
+    /// ([`Communicator::join`] with `None`).
     pub fn new(id: &[u8; UNIQUE_ID_BYTES], size: usize, rank: usize, ordinal: i32) -> Result<Self> {
+        Self::join(id, size, rank, ordinal, None)
+    }
+
+    /// Joins the communicator `id` as `rank` of `size`, on CUDA device `ordinal`, and connects
+    /// it with every other rank. Where NCCL has non-blocking communicators (2.14 and later), a
+    /// join that has not finished within `timeout` (a rank that never comes) aborts the
+    /// half-made communicator and fails; older NCCL blocks until every rank has joined.
+    pub fn join(
+        id: &[u8; UNIQUE_ID_BYTES],
+        size: usize,
+        rank: usize,
+        ordinal: i32,
+        timeout: Option<Duration>,
+    ) -> Result<Self> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!(
                 "rank {rank} is not a rank of a communicator of {size}"
@@ -300,19 +354,51 @@ impl Communicator {
             internal: id.map(|b| b as c_char),
         };
         let mut comm: Comm = std::ptr::null_mut();
-        // SAFETY: valid out-pointer and id; the device's context is bound.
-        let code = unsafe { (api.comm_init_rank)(&mut comm, c_size, id, c_rank) };
-        check(api, "ncclCommInitRank", code, None)?;
+        let began = Instant::now();
+        let non_blocking = match api.comm_init_rank_config {
+            Some(init) => {
+                let mut config = Config {
+                    size: std::mem::size_of::<Config>(),
+                    magic: 0xcafe_beef,
+                    version: NON_BLOCKING_SINCE as u32,
+                    blocking: 0,
+                };
+                // SAFETY: valid out-pointer, id and config; the device's context is bound.
+                let code = unsafe { init(&mut comm, c_size, id, c_rank, &mut config) };
+                let joined = if code == SUCCESS || code == IN_PROGRESS {
+                    settle(api, comm, began, timeout, None, "joining the communicator")
+                } else {
+                    Err(failed(api, "ncclCommInitRankConfig", code, None))
+                };
+                if let Err(e) = joined {
+                    if !comm.is_null() {
+                        // SAFETY: the half-made communicator is never used again.
+                        unsafe { (api.comm_abort)(comm) };
+                    }
+                    return Err(e);
+                }
+                true
+            }
+            None => {
+                // SAFETY: valid out-pointer and id; the device's context is bound.
+                let code = unsafe { (api.comm_init_rank)(&mut comm, c_size, id, c_rank) };
+                check(api, "ncclCommInitRank", code, None)?;
+                false
+            }
+        };
         let joined = Communicator {
             comm: Mutex::new(Some(SendComm(comm))),
             stream,
             interrupted: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
+            non_blocking,
             rank,
             size,
             ordinal,
         };
-        joined.connect_all()?;
+        // Connecting is part of joining: it gets what is left of the timeout.
+        let left = timeout.map(|t| t.saturating_sub(began.elapsed()));
+        joined.connect_all(left)?;
         Ok(joined)
     }
 
@@ -461,7 +547,7 @@ impl Communicator {
     /// are known to be there: NCCL sets up a pair's connection on its first transfer, inside
     /// `ncclGroupEnd`, which blocks the host until the peer takes part too. Connected up front,
     /// a later transfer only enqueues, and a peer that is gone is caught by the timeout.
-    fn connect_all(&self) -> Result<()> {
+    fn connect_all(&self, timeout: Option<Duration>) -> Result<()> {
         let block = memory::allocate(self.device(), 2 * self.size, true)?;
         let base = block.handle().expose_provenance();
         let ops: Vec<Op> = (0..self.size)
@@ -473,7 +559,7 @@ impl Communicator {
                 ]
             })
             .collect();
-        self.run(&ops, None)
+        self.run(&ops, timeout)
     }
 
     /// Enqueues `ops` as one group on the current stream and waits for them.
@@ -508,24 +594,36 @@ impl Communicator {
                     unsafe { (api.recv)(buf, len, UINT8, peer as c_int, comm, s) }
                 }
             };
-            if code != SUCCESS {
+            if code != SUCCESS && !(self.non_blocking && code == IN_PROGRESS) {
                 posted = Err(failed(api, "ncclSend/ncclRecv", code, Some(comm)));
                 break;
             }
         }
         // The group is always closed, even after a failed post.
         // SAFETY: closes the group opened above.
-        let ended = check(
-            api,
-            "ncclGroupEnd",
-            unsafe { (api.group_end)() },
-            Some(comm),
-        );
+        let code = unsafe { (api.group_end)() };
+        let began = Instant::now();
+        let ended = if self.non_blocking && (code == SUCCESS || code == IN_PROGRESS) {
+            // A non-blocking group may still be enqueueing its kernels: the event below must
+            // come after them.
+            settle(
+                api,
+                comm,
+                began,
+                timeout,
+                Some(&self.interrupted),
+                "an NCCL transfer",
+            )
+        } else {
+            check(api, "ncclGroupEnd", code, Some(comm))
+        };
         if let Err(e) = posted.and(ended) {
             self.abort(api, &mut guard, handle);
             return Err(e);
         }
-        // Wait: an event after the operations, polled with NCCL's asynchronous error state.
+        // Wait: an event after the operations, polled with NCCL's asynchronous error state, for
+        // what is left of the timeout.
+        let timeout = timeout.map(|t| t.saturating_sub(began.elapsed()));
         let done = wait(api, comm, self.ordinal, handle, timeout, &self.interrupted);
         if done.is_err() {
             self.abort(api, &mut guard, handle);
@@ -543,7 +641,8 @@ impl Communicator {
             self.aborted.store(true, Ordering::SeqCst);
             // SAFETY: the communicator is live; after the abort it is never used again.
             let code = unsafe { (api.comm_abort)(comm) };
-            if code != SUCCESS {
+            // A non-blocking communicator may report the abort as still running.
+            if code != SUCCESS && code != IN_PROGRESS {
                 log::warn!("dlbridge: ncclCommAbort failed with NCCL error {code}");
             }
             if let Err(e) = super::stream::synchronize_stream(self.ordinal, handle) {
@@ -560,7 +659,8 @@ impl Drop for Communicator {
             let _ctx = context(self.ordinal);
             // SAFETY: the communicator is live and used by no one else (we own it).
             let code = unsafe { (api.comm_destroy)(comm) };
-            if code != SUCCESS {
+            // A non-blocking communicator may report the destruction as still running.
+            if code != SUCCESS && code != IN_PROGRESS {
                 log::warn!("dlbridge: ncclCommDestroy failed with NCCL error {code}");
             }
         }
@@ -580,6 +680,51 @@ fn aborted() -> Error {
          dlbridge.ray.destroy_nccl_group, then create_nccl_group)"
             .into(),
     )
+}
+
+/// Polls a non-blocking communicator's state until its last call (a join, a group) has finished:
+/// fails on an NCCL error, an interrupt, or when `timeout` has passed since `began`. `what` names
+/// the operation in the error.
+fn settle(
+    api: &Api,
+    comm: Comm,
+    began: Instant,
+    timeout: Option<Duration>,
+    interrupted: Option<&AtomicBool>,
+    what: &str,
+) -> Result<()> {
+    let mut pause = Duration::from_micros(5);
+    loop {
+        let mut state: NcclResult = IN_PROGRESS;
+        // SAFETY: a live (possibly half-made) communicator and a valid out-pointer.
+        let code = unsafe { (api.comm_async_error)(comm, &mut state) };
+        check(api, "ncclCommGetAsyncError", code, Some(comm))?;
+        match state {
+            SUCCESS => return Ok(()),
+            IN_PROGRESS => {}
+            _ => return Err(failed(api, what, state, Some(comm))),
+        }
+        if interrupted.is_some_and(|i| i.load(Ordering::SeqCst)) {
+            return Err(Error::Driver {
+                backend: BACKEND,
+                message: format!("{what} was interrupted; the communicator was aborted"),
+            });
+        }
+        if let Some(limit) = timeout
+            && began.elapsed() > limit
+        {
+            return Err(Error::Driver {
+                backend: BACKEND,
+                message: format!(
+                    "{what} did not finish within {:.1} s: a peer did not take part (it may have \
+                     failed, exited or never started); the communicator was aborted",
+                    limit.as_secs_f64()
+                ),
+            });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_micros(200));
+    }
 }
 
 /// Waits until the work queued on stream `handle` so far is done, failing on an asynchronous NCCL

@@ -441,25 +441,6 @@ fn borrow(
     Borrow::acquire(py, name, range, exclusive).map(Some)
 }
 
-/// Whether `layout` (of `len` elements) is C-contiguous: [`Layout::is_contiguous`] with the
-/// element count already known.
-#[inline]
-fn c_contiguous(layout: &Layout, len: usize) -> bool {
-    if len == 0 {
-        return true;
-    }
-    let mut expected = 1isize;
-    for (&dim, &stride) in layout.shape().iter().zip(layout.strides()).rev() {
-        if dim != 1 {
-            if stride != expected {
-                return false;
-            }
-            expected *= dim as isize;
-        }
-    }
-    true
-}
-
 /// A checked array borrowed for reading, with elements of type `T`.
 ///
 /// The memory cannot be borrowed mutably (by [`Expect::write`], in this or another extension)
@@ -488,7 +469,7 @@ impl<T: Element> ReadArray<T> {
     ) -> PyResult<ReadArray<T>> {
         let layout = source.layout();
         let len = layout.numel();
-        let contiguous = c_contiguous(layout, len);
+        let contiguous = layout.is_contiguous();
         let borrow = borrow(py, name, &source, len, contiguous, exclusive)?;
         Ok(ReadArray {
             source,

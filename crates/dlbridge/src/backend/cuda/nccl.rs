@@ -693,21 +693,65 @@ fn settle(
     interrupted: Option<&AtomicBool>,
     what: &str,
 ) -> Result<()> {
+    poll(api, comm, began, timeout, interrupted, what, |state| {
+        Ok(state == SUCCESS)
+    })
+}
+
+/// Waits until the work queued on stream `handle` so far is done, failing on an asynchronous NCCL
+/// error, an interrupt, or after `timeout`.
+fn wait(
+    api: &Api,
+    comm: Comm,
+    ordinal: i32,
+    handle: usize,
+    timeout: Option<Duration>,
+    interrupted: &AtomicBool,
+) -> Result<()> {
+    let event = super::Event::new(ordinal, false)?;
+    event.record(handle)?;
+    poll(
+        api,
+        comm,
+        Instant::now(),
+        timeout,
+        Some(interrupted),
+        "the transfer",
+        |_| event.query(),
+    )
+}
+
+/// The one polling loop of [`settle`] and [`wait`]: asks `done` with NCCL's asynchronous state
+/// of `comm` until it answers `true`; fails on an NCCL error state, an interrupt, or when
+/// `timeout` has passed since `began`. Naps between polls grow to at most 50 µs: a
+/// millisecond's nap cost a 1 GiB transfer (8 ms) a tenth.
+fn poll(
+    api: &Api,
+    comm: Comm,
+    began: Instant,
+    timeout: Option<Duration>,
+    interrupted: Option<&AtomicBool>,
+    what: &str,
+    mut done: impl FnMut(NcclResult) -> Result<bool>,
+) -> Result<()> {
     let mut pause = Duration::from_micros(5);
     loop {
         let mut state: NcclResult = IN_PROGRESS;
         // SAFETY: a live (possibly half-made) communicator and a valid out-pointer.
         let code = unsafe { (api.comm_async_error)(comm, &mut state) };
         check(api, "ncclCommGetAsyncError", code, Some(comm))?;
-        match state {
-            SUCCESS => return Ok(()),
-            IN_PROGRESS => {}
-            _ => return Err(failed(api, what, state, Some(comm))),
+        if state != SUCCESS && state != IN_PROGRESS {
+            return Err(failed(api, what, state, Some(comm)));
+        }
+        if done(state)? {
+            return Ok(());
         }
         if interrupted.is_some_and(|i| i.load(Ordering::SeqCst)) {
             return Err(Error::Driver {
                 backend: BACKEND,
-                message: format!("{what} was interrupted; the communicator was aborted"),
+                message: format!(
+                    "{what} was interrupted (the other side failed); the communicator was aborted"
+                ),
             });
         }
         if let Some(limit) = timeout
@@ -723,57 +767,6 @@ fn settle(
             });
         }
         std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_micros(200));
-    }
-}
-
-/// Waits until the work queued on stream `handle` so far is done, failing on an asynchronous NCCL
-/// error or after `timeout`.
-fn wait(
-    api: &Api,
-    comm: Comm,
-    ordinal: i32,
-    handle: usize,
-    timeout: Option<Duration>,
-    interrupted: &AtomicBool,
-) -> Result<()> {
-    let event = super::Event::new(ordinal, false)?;
-    event.record(handle)?;
-    let began = Instant::now();
-    let mut pause = Duration::from_micros(5);
-    loop {
-        if event.query()? {
-            return Ok(());
-        }
-        let mut state: NcclResult = SUCCESS;
-        // SAFETY: a live communicator and a valid out-pointer.
-        let code = unsafe { (api.comm_async_error)(comm, &mut state) };
-        check(api, "ncclCommGetAsyncError", code, Some(comm))?;
-        if state != SUCCESS && state != IN_PROGRESS {
-            return Err(failed(api, "an NCCL transfer", state, Some(comm)));
-        }
-        if interrupted.load(Ordering::SeqCst) {
-            return Err(Error::Driver {
-                backend: BACKEND,
-                message: "the transfer was interrupted (the other side failed); the communicator \
-                          was aborted"
-                    .into(),
-            });
-        }
-        if let Some(limit) = timeout
-            && began.elapsed() > limit
-        {
-            return Err(Error::Driver {
-                backend: BACKEND,
-                message: format!(
-                    "the transfer did not finish within {:.1} s: the peer did not take part (it \
-                     may have failed or exited); the communicator was aborted",
-                    limit.as_secs_f64()
-                ),
-            });
-        }
-        std::thread::sleep(pause);
-        // At most 50 µs late: a millisecond's nap cost a 1 GiB transfer (8 ms) a tenth.
         pause = (pause * 2).min(Duration::from_micros(50));
     }
 }

@@ -28,7 +28,11 @@ HIDDEN, MLP, VOCAB = 4096, 11008, 32000
 
 
 def generate(directory: str, layers: int, shards: int) -> list[str]:
-    from safetensors.torch import save_file
+    """The checkpoint's shards, written once: safetensors files whose bf16 values are random bytes
+    (a 64 MiB block repeated; finite, as the high byte's exponent bits are never all set). The
+    header is written here, the format's way (an 8-byte little-endian length, JSON padded with
+    spaces to 8 bytes); `safetensors` itself reads these files in the benchmark."""
+    import numpy as np
 
     os.makedirs(directory, exist_ok=True)
     stamp = os.path.join(directory, f"stamp-{layers}-{shards}.json")
@@ -48,15 +52,29 @@ def generate(directory: str, layers: int, shards: int) -> list[str]:
     shapes["lm_head.weight"] = (VOCAB, HIDDEN)
     names = list(shapes)
     per = -(-len(names) // shards)
+    block = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    block[1::2] &= 0x3F
+    block = block.tobytes()
     files = []
-    g = torch.Generator(device="cuda").manual_seed(0)
     for s in range(shards):
-        part = {n: torch.randn(shapes[n], generator=g, device="cuda", dtype=torch.float32)
-                .to(torch.bfloat16).cpu() for n in names[s * per:(s + 1) * per]}
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for n in names[s * per:(s + 1) * per]:
+            nbytes = 2 * int(np.prod(shapes[n]))
+            header[n] = {"dtype": "BF16", "shape": list(shapes[n]), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
         path = os.path.join(directory, f"model-{s + 1:05d}-of-{shards:05d}.safetensors")
-        save_file(part, path, metadata={"format": "pt"})
+        with open(path, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            left = offset
+            while left:
+                n = min(left, len(block))
+                f.write(block[:n])
+                left -= n
         files.append(path)
-        del part
     json.dump(files, open(stamp, "w"))
     return files
 

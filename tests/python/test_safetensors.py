@@ -347,8 +347,8 @@ except RuntimeError as e:
     assert "libcufile" in str(e) and "GPUDirect Storage" in str(e), e
     print("no libcufile:", e)
 except OSError as e:
-    # cuFile refuses the file here (the H100 machine's virtual disk, whose volume cuFile cannot
-    # describe, in both of its modes): a clear error naming the file, and nothing left allocated.
+    # cuFile refuses the file (on the H100 machine, a container without udev, cuFile cannot
+    # describe the volume, in either mode): a clear error naming the file, nothing left allocated.
     assert "cuFileHandleRegister failed" in str(e) and path in str(e), e
     assert dlbridge.memory_stats("cuda:0")["active_bytes"] == 0, dlbridge.memory_stats("cuda:0")
     print("cuFile refused the file:", e)
@@ -363,8 +363,9 @@ def test_cuda_load_through_cufile(tmp_path, direct):
     """GPUDirect Storage asked for (DLBRIDGE_LOAD_GDS=1): cuFile reads straight into the device
     allocation and gives the same tensors, for every selection; where libcufile is missing,
     asking for it is a clear RuntimeError, and where cuFile refuses the file a clear OSError
-    with nothing left allocated (the GPU machine this was written on refuses every file, so the
-    reads themselves have not run there). In a child process: cuFile reads its settings when it
+    with nothing left allocated. (The GPU machine this was written on, a container without
+    udev, refuses every file; `scripts/gpu-cufile-compat.sh` writes the udev facts cuFile asks
+    for, and there every read went through cuFile.) In a child process: cuFile reads its settings when it
     opens, once per process, and without the nvidia-fs module it registers no file unless told
     to run in its compatibility mode (it reads on the host and copies), which this test asks
     for; dlbridge's calls are the same in both modes."""

@@ -139,13 +139,14 @@ impl LoadOptions {
 /// to the device starts early (4 MiB was best of 1 to 64 MiB in `bench/bench_load.py --sweep`).
 pub const DEFAULT_CHUNK: usize = 4 << 20;
 
-/// Reader threads when none are asked for: half the machine's parallelism, 2 to 8. On the
-/// 16-core H100 machine, warm loads of a 7 GB checkpoint with 4 MiB chunks ran at 11.0 GB/s with
-/// 2 threads, 19.0 with 4, 27.3 with 6 and 31.6 with 8; chunks of 16 MiB and more were slower at
-/// every thread count (`bench/bench_load.py --sweep`, one sweep); a later sweep gave 32.5 with 8,
-/// 34.1 with 10, 32.0 with 12 and 28.2 with 14.
+/// Reader threads when none are asked for: three quarters of the machine's parallelism, 2 to 12.
+/// On the 16-core H100 machines, five interleaved rounds of warm 7 GB loads with 4 MiB chunks
+/// gave medians of 28.5 GB/s with 6 threads, 34.7 with 8, 37.4 with 10, 39.8 with 12 and 36.7
+/// with 16 (2026-11-27, on a host where every loader that copies through the CPU ran slower than
+/// on another, which gave 44-48 GB/s with 8); earlier sweeps, on a load that also spent 50 ms
+/// before its first read, had found 8 to 12 alike and 14 slower.
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| (n.get() / 2).clamp(2, 8))
+    std::thread::available_parallelism().map_or(4, |n| (n.get() * 3 / 4).clamp(2, 12))
 }
 
 /// The read size when every file is read around the page cache (`O_DIRECT`, cold files), where

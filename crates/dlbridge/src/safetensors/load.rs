@@ -142,9 +142,9 @@ pub const DEFAULT_CHUNK: usize = 4 << 20;
 /// Reader threads when none are asked for: three quarters of the machine's parallelism, 2 to 12.
 /// On the 16-core H100 machines, five interleaved rounds of warm 7 GB loads with 4 MiB chunks
 /// gave medians of 28.5 GB/s with 6 threads, 34.7 with 8, 37.4 with 10, 39.8 with 12 and 36.7
-/// with 16 (2026-11-27, on a host where every loader that copies through the CPU ran slower than
-/// on another, which gave 44-48 GB/s with 8); earlier sweeps, on a load that also spent 50 ms
-/// before its first read, had found 8 to 12 alike and 14 slower.
+/// with 16 (2026-11-27, on a machine where every loader that copies through the CPU ran slower
+/// than on another, which gave 44-48 GB/s with 8); earlier sweeps, on a load that also spent
+/// 50 ms before its first read, had found 8 to 12 alike and 14 slower.
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (n.get() * 3 / 4).clamp(2, 12))
 }

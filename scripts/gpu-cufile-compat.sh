@@ -29,9 +29,11 @@ mount -o loop "$work/ext4.img" "$work/mnt"
 cp "$work/gds.safetensors" "$work/mnt/"
 status=0
 for f in "$work/gds.safetensors" "$work/mnt/gds.safetensors"; do
+    # The volume's device number, split the kernel's way (12 bits of major, 20 of minor).
     dev=$(stat -c %d "$f")
+    major=$(((dev >> 8) & 0xfff)) minor=$(((dev & 0xff) | ((dev >> 12) & 0xfff00)))
     printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(findmnt -no FSTYPE -T "$f")" \
-        > "/run/udev/data/b$((dev >> 8)):$((dev & 255))"
+        > "/run/udev/data/b$major:$minor"
     for direct in 0 1; do
         out=$(DLBRIDGE_LOAD_GDS=1 CUFILE_FORCE_COMPAT_MODE=true python3 "$work/child.py" "$f" "$direct" 2>&1 | tail -1)
         echo "$f (direct I/O $direct): $out"

@@ -365,8 +365,8 @@ def test_cuda_load_through_cufile(tmp_path, direct):
     asking for it is a clear RuntimeError, and where cuFile refuses the file a clear OSError
     with nothing left allocated. (The GPU machine this was written on, a container without
     udev, refuses every file; `scripts/gpu-cufile-compat.sh` writes the udev facts cuFile asks
-    for, and there every read went through cuFile.) In a child process: cuFile reads its settings when it
-    opens, once per process, and without the nvidia-fs module it registers no file unless told
+    for, and there every read went through cuFile.) In a child process: cuFile reads its
+    settings when it opens, once per process, and without the nvidia-fs module it registers no file unless told
     to run in its compatibility mode (it reads on the host and copies), which this test asks
     for; dlbridge's calls are the same in both modes."""
     g = torch.Generator().manual_seed(11)

@@ -568,7 +568,7 @@ fn resident_fraction(shard: &SafeTensors) -> f64 {
     };
     let page = crate::backend::cpu::page_size();
     let pages = shard.buffer().len().div_ceil(page);
-    let mut vec = vec![0u8; RESIDENCY_RUN];
+    let mut vec = [0u8; RESIDENCY_RUN];
     let (mut resident, mut asked) = (0, 0);
     for run in residency_runs(pages) {
         // SAFETY: `run` lies inside the `pages` pages of the live, page-aligned mapping `base`

@@ -113,6 +113,32 @@ def test_mlx_input():
     assert ext.total(x) == 10.0
 
 
+def test_jax_array_refused_for_mutable_access():
+    """JAX arrays are immutable (XLA may share or donate their buffers): a mutable borrow is
+    refused, the array is unchanged, and reading stays zero-copy."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    cpu = jax.devices("cpu")[0]
+    y = jax.device_put(jnp.zeros(3, dtype=jnp.float32), cpu)
+    with pytest.raises(ValueError, match="argument 'y': expected a writable array, got a read-only one"):
+        ext.axpy(1.0, np.ones(3, np.float32), y)
+    assert np.asarray(y).tolist() == [0.0, 0.0, 0.0]
+    assert ext.data_ptr(y) == y.unsafe_buffer_pointer()
+    assert ext.total(y) == 0.0
+
+
+def test_mlx_array_writable_as_its_own_buffer_protocol_says():
+    """MLX is not immutable by contract: its buffer protocol hands out writable memory and its
+    documentation shows writes through a NumPy view reaching the array. A mutable borrow is
+    allowed and the write is seen, as through MLX's own memoryview."""
+    mx = pytest.importorskip("mlx.core")
+    y = mx.zeros(3, dtype=mx.float32)
+    mx.eval(y)
+    assert not memoryview(y).readonly
+    ext.axpy(2.0, np.ones(3, np.float32), y)
+    assert y.tolist() == [2.0, 2.0, 2.0]
+
+
 def test_dlbridge_array_through_its_exchange_table():
     dlbridge = pytest.importorskip("dlbridge")
     base = np.arange(5, dtype=np.float32)

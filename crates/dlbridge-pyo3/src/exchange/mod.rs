@@ -8,7 +8,7 @@
 //! | --- | --- | --- |
 //! | [`capsule`] | both | `dltensor[_versioned]` capsules taken (renamed used) and made |
 //! | [`c_api`] | both | the DLPack 1.3 C exchange table: a producer's looked up (cached per type) and used; a table published for any [`c_api::TensorClass`] |
-//! | [`consumer`] | in | which path a producer's tensor comes through: table, `__dlpack__`, buffer |
+//! | [`consumer`] | in | which path a producer's tensor comes through: table, `__dlpack__`, buffer; the producers' contracts (states DLPack cannot express, immutable arrays) |
 //! | [`producer`] | out | `__dlpack__`'s Python arguments to an export request |
 //! | [`buffer`] | in | the buffer protocol as a zero-copy host source |
 

@@ -20,8 +20,9 @@ pub(crate) use dlbridge_pyo3::exchange::consumer::{States, finish, refuse_inexpr
 /// C exchange table, and imports it with the core's rules for `device`, `storage` and `copy`
 /// (a `kDLMetal` tensor is resolved against its `id<MTLBuffer>`, which copies private memory),
 /// keeping the producer's contract as every extension on `dlbridge-pyo3` does
-/// ([`import_from_producer`]: a JAX array's memory is read-only). A bare capsule names no
-/// producer, so it is imported as its descriptor says.
+/// ([`import_from_producer`]: a JAX array's memory is read-only; a NumPy array of an
+/// `ml_dtypes` type crosses through its bytes). A bare capsule names no producer, so it is
+/// imported as its descriptor says.
 pub(crate) fn from_dlpack(
     x: &Bound<'_, PyAny>,
     device: Option<Device>,

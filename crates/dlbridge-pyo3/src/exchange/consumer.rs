@@ -104,14 +104,23 @@ pub(crate) fn immutable_by_contract(ty: &Bound<'_, PyType>) -> bool {
 /// the memory of a producer whose arrays are immutable by contract (JAX's:
 /// [`IMMUTABLE_PACKAGES`]) is imported read-only, still without a copy, so a write through the
 /// import is refused instead of changing an array its framework holds constant; a copy the import
-/// made (`copy=True`, another device) is new memory and writable.
+/// made (`copy=True`, another device) is new memory and writable. A NumPy array of an
+/// `ml_dtypes` type, which NumPy's own export refuses, is imported through its bytes
+/// ([`crate::exchange::ml_dtypes::import_numpy`]).
 pub fn import_from_producer(
     x: &Bound<'_, PyAny>,
     info: crate::exchange::c_api::TypeInfo,
     request: &ImportRequest,
 ) -> PyResult<Option<Imported>> {
-    let Some(managed) = take_from_producer(x, info, request.device, request.copy)? else {
-        return Ok(None);
+    let managed = match take_from_producer(x, info, request.device, request.copy) {
+        Ok(Some(managed)) => managed,
+        Ok(None) => return Ok(None),
+        Err(err) => {
+            return match crate::exchange::ml_dtypes::import_numpy(x)? {
+                Some(tensor) => finish(request, tensor).map(Some),
+                None => Err(err),
+            };
+        }
     };
     // SAFETY: the table or capsule handed over a live tensor whose ownership is now ours.
     let imported = unsafe { request.import(managed) }.py()?;

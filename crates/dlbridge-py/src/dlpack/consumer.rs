@@ -38,16 +38,16 @@ pub(crate) fn from_dlpack(
         // One of ours: share the tensor directly.
         return finish(&request, array.get().tensor()?.clone());
     }
-    let managed = if x.is_instance_of::<PyCapsule>() {
-        capsule::take(x)?
-    } else {
-        if let Some(imported) = import_from_producer(x, c_api::type_info(x), &request)? {
-            return Ok(imported);
-        }
+    if x.is_instance_of::<PyCapsule>() {
+        let managed = capsule::take(x)?;
+        // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
+        return unsafe { request.import(managed) }.py();
+    }
+    import_from_producer(x, c_api::type_info(x), &request, || {
         // No table and no `__dlpack__` on the type: the instance's own, or the standard's
         // `TypeError`.
-        capsule::take(&call_dlpack(x.py(), x, device, copy)?)?
-    };
-    // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
-    unsafe { request.import(managed) }.py()
+        let managed = capsule::take(&call_dlpack(x.py(), x, device, copy)?)?;
+        // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
+        unsafe { request.import(managed) }.py()
+    })
 }

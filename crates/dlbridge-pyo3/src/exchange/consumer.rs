@@ -54,10 +54,13 @@ pub(crate) fn import_via_dlpack(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
 }
 
 fn from_producer(x: &Bound<'_, PyAny>, info: crate::exchange::c_api::TypeInfo) -> PyResult<Tensor> {
-    match import_from_producer(x, info, &REQUEST)? {
-        Some(imported) => Ok(imported.tensor),
-        None => from_buffer(x),
-    }
+    import_from_producer(x, info, &REQUEST, || {
+        from_buffer(x).map(|tensor| Imported {
+            tensor,
+            copied: false,
+        })
+    })
+    .map(|i| i.tensor)
 }
 
 /// The top-level packages whose array types are immutable by contract, the one list of them
@@ -98,7 +101,8 @@ pub(crate) fn immutable_by_contract(ty: &Bound<'_, PyType>) -> bool {
 
 /// Imports the producer `x`'s tensor with `request`, taken through its type's exchange table or
 /// its `__dlpack__` as [`take_from_producer`] takes it (`info` is `x`'s
-/// [`type_info`](crate::exchange::c_api::type_info)); `None` when its type has neither.
+/// [`type_info`](crate::exchange::c_api::type_info)); `otherwise` answers when its type has
+/// neither.
 ///
 /// What the producer's contract says and its descriptor does not is kept here, for every caller:
 /// the memory of a producer whose arrays are immutable by contract (JAX's:
@@ -107,31 +111,35 @@ pub(crate) fn immutable_by_contract(ty: &Bound<'_, PyType>) -> bool {
 /// made (`copy=True`, another device) is new memory and writable. A NumPy array of an
 /// `ml_dtypes` type, which NumPy's own export refuses, is imported through its bytes
 /// ([`crate::exchange::ml_dtypes::import_numpy`]).
+#[inline]
 pub fn import_from_producer(
     x: &Bound<'_, PyAny>,
     info: crate::exchange::c_api::TypeInfo,
     request: &ImportRequest,
-) -> PyResult<Option<Imported>> {
+    otherwise: impl FnOnce() -> PyResult<Imported>,
+) -> PyResult<Imported> {
     let managed = match take_from_producer(x, info, request.device, request.copy) {
         Ok(Some(managed)) => managed,
-        Ok(None) => return Ok(None),
-        Err(err) => {
-            return match crate::exchange::ml_dtypes::import_numpy(x)? {
-                Some(tensor) => finish(request, tensor).map(Some),
-                None => Err(err),
-            };
-        }
+        Ok(None) => return otherwise(),
+        Err(err) => return ml_dtypes_or(x, request, err),
     };
     // SAFETY: the table or capsule handed over a live tensor whose ownership is now ours.
-    let imported = unsafe { request.import(managed) }.py()?;
-    Ok(Some(if info.immutable && !imported.copied {
-        Imported {
-            tensor: imported.tensor.into_read_only(),
-            copied: false,
-        }
-    } else {
-        imported
-    }))
+    let mut imported = unsafe { request.import(managed) }.py()?;
+    if info.immutable && !imported.copied {
+        imported.tensor = imported.tensor.into_read_only();
+    }
+    Ok(imported)
+}
+
+/// A NumPy array of an `ml_dtypes` type imported through its bytes with `request`, where the
+/// producer's own export failed with `err` (which is the answer for anything else).
+#[cold]
+#[inline(never)]
+fn ml_dtypes_or(x: &Bound<'_, PyAny>, request: &ImportRequest, err: PyErr) -> PyResult<Imported> {
+    match crate::exchange::ml_dtypes::import_numpy(x)? {
+        Some(tensor) => finish(request, tensor),
+        None => Err(err),
+    }
 }
 
 /// The producer `x`'s tensor, handed over through its type's exchange table (`info`, from

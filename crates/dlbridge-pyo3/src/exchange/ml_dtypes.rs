@@ -142,11 +142,16 @@ pub fn import_numpy(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     let bits = carrier(dtype).expect("of_numpy_dtype answers only dtypes with a carrier");
     let carried = obj.call_method1(intern!(py, "view"), (bits.name(),))?;
     let info = crate::exchange::c_api::type_info(&carried);
-    let Some(imported) =
-        crate::exchange::consumer::import_from_producer(&carried, info, &ImportRequest::default())?
-    else {
-        return Ok(None);
-    };
+    let imported = crate::exchange::consumer::import_from_producer(
+        &carried,
+        info,
+        &ImportRequest::default(),
+        || {
+            Err(PyTypeError::new_err(
+                "numpy.ndarray.view gave an array without __dlpack__",
+            ))
+        },
+    )?;
     reinterpret(&imported.tensor, dtype).map(Some)
 }
 

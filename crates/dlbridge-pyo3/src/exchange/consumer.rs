@@ -105,8 +105,8 @@ pub(crate) fn immutable_by_contract(ty: &Bound<'_, PyType>) -> bool {
 /// neither.
 ///
 /// What the producer's contract says and its descriptor does not is kept here, for every caller:
-/// the memory of a producer whose arrays are immutable by contract (JAX's:
-/// [`IMMUTABLE_PACKAGES`]) is imported read-only, still without a copy, so a write through the
+/// the memory of a producer whose arrays are immutable by contract (JAX's, the one list of them
+/// kept in this module) is imported read-only, still without a copy, so a write through the
 /// import is refused instead of changing an array its framework holds constant; a copy the import
 /// made (`copy=True`, another device) is new memory and writable. A NumPy array of an
 /// `ml_dtypes` type, which NumPy's own export refuses, is imported through its bytes

@@ -6,8 +6,8 @@
 //! NumPy has no such types, and its DLPack export and import refuse them. `ml_dtypes` registers
 //! them as NumPy dtypes of the same names and sizes (user-defined dtypes), so:
 //!
-//! * an exact `numpy.ndarray` of one is read from NumPy's array struct like any other
-//!   ([`crate::numpy`], which asks [`user_dtype`] once per type number);
+//! * an exact `numpy.ndarray` of one is read from NumPy's array struct like any other (its
+//!   user-defined type number is looked up once);
 //! * any other NumPy array of one (a subclass, a layout the struct path leaves to DLPack) crosses
 //!   as unsigned integers of the same width (a NumPy view, through DLPack, zero-copy) whose
 //!   elements are then read as the `ml_dtypes` type ([`import_numpy`]);

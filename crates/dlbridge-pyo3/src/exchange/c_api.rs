@@ -139,6 +139,7 @@ fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
 /// The caller has refused tensors whose memory does not hold their values
 /// ([`crate::exchange::consumer::States::Values`]): PyTorch's table hands out a conjugated or negated view's
 /// raw memory without its lazy bit, and a tensor that requires grad without complaint.
+#[inline]
 pub fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<ManagedTensor>> {
     let api = info.table?.0;
     let export = api.managed_tensor_from_py_object_no_sync?;

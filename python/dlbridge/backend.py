@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from . import _dlbridge, cuda, ops
@@ -45,12 +46,13 @@ class BackendUnavailableError(RuntimeError):
 class KernelExecutionResult:
     """What :meth:`Backend.execute_kernel` reports.
 
-    ``success`` is False when the launch or the kernel failed on the device; ``error`` then says
-    why (for a CUDA fault the driver keeps for the rest of the process, it says that the process
-    must be restarted). An exception a Python callable raises is not a result: it propagates to
-    the caller of :meth:`Backend.execute_kernel` unchanged, with its traceback. ``execution_time_ms`` is the device time between events recorded around the
-    kernel (host time for Python callables on the CPU). ``output`` is a Python callable's return
-    value (None for compiled kernels).
+    ``success`` is False when the kernel failed: a compiled kernel that failed to launch or
+    faulted on the device (``error`` is the driver's message; for a CUDA fault the driver keeps
+    for the rest of the process, it says that the process must be restarted), or a Python
+    callable that raised (``error`` is the exception's traceback, as Python prints it).
+    ``execution_time_ms`` is the device time between events recorded around the kernel (host
+    time for Python callables on the CPU; for a failed kernel, the time until it failed).
+    ``output`` is a Python callable's return value (None for compiled kernels and failures).
     """
 
     success: bool
@@ -101,6 +103,7 @@ class Backend(_dlbridge._Backend):
         block: Dims,
         *args: Any,
         shared_mem: int = 0,
+        raise_errors: bool = False,
     ) -> KernelExecutionResult:
         """Runs ``kernel`` over ``grid`` blocks of ``block`` threads with ``args`` and waits for
         it.
@@ -109,20 +112,27 @@ class Backend(_dlbridge._Backend):
         can work on a PyTorch tensor in place) and numbers (a Python ``int`` fills a 4- or
         8-byte integer parameter, a ``float`` a ``float`` or ``double``; NumPy scalars pass their
         exact type). Bad arguments (a zero grid, an array on another device, a freed array, the
-        wrong count) raise, and so does any exception a Python callable raises (the original,
-        with its traceback); a launch or kernel failure on the device is reported with
-        ``success=False``.
+        wrong count) raise before anything runs. A kernel that fails is a result with
+        ``success=False``: a launch or device failure of a compiled kernel, with the driver's
+        message in ``error``, and an exception a Python callable raises, with its traceback in
+        ``error``. ``raise_errors=True`` raises those instead (the callable's own exception, with
+        its traceback; ``RuntimeError`` for a device failure). ``KeyboardInterrupt`` and other
+        exceptions that are not ``Exception`` always propagate.
         """
         try:
             ms = self._launch(kernel, grid, block, args, shared_mem)
-        except RuntimeError as e:
+        except RuntimeError as e:  # the launch or the kernel failed on the device
+            if raise_errors:
+                raise
             return KernelExecutionResult(False, 0.0, str(e))
         if ms is not None:
             return KernelExecutionResult(True, ms)
         assert not isinstance(kernel, Kernel)  # `_launch` gives None only for a Python callable
-        return self._run_callable(kernel, args)
+        return self._run_callable(kernel, args, raise_errors)
 
-    def _run_callable(self, fn: Callable[..., Any], args: Sequence[Any]) -> KernelExecutionResult:
+    def _run_callable(
+        self, fn: Callable[..., Any], args: Sequence[Any], raise_errors: bool
+    ) -> KernelExecutionResult:
         kind = self.backend_type
         if kind == "cpu":
             import numpy as np
@@ -137,33 +147,50 @@ class Backend(_dlbridge._Backend):
 
             views = [view(a) for a in args]
             start = time.perf_counter()
-            # An exception the callable raises propagates as it is, with its traceback.
-            out = fn(*views)
+            try:
+                out = fn(*views)
+            except Exception as e:
+                if raise_errors:
+                    raise
+                return _failed(start, e)
             return KernelExecutionResult(True, (time.perf_counter() - start) * 1e3, None, out)
         arrays = [
             _dlbridge.from_dlpack(a) if hasattr(a, "__dlpack__") and not isinstance(a, Array) else a
             for a in args
         ]
+        start = time.perf_counter()
         if kind == "cuda":
             index = self.device_id
             begin = cuda.Event(index, enable_timing=True)
             end = cuda.Event(index, enable_timing=True)
             begin.record()  # the current stream, where dlbridge's kernels run
-            out = fn(*arrays)  # its own exceptions propagate, with their tracebacks
-            try:
-                end.record()
-                end.synchronize()  # a fault in the callable's GPU work surfaces here
-                elapsed = float(begin.elapsed_time(end))
-            except RuntimeError as e:
-                return KernelExecutionResult(False, 0.0, str(e))
-            return KernelExecutionResult(True, elapsed, None, out)
-        start = time.perf_counter()
-        out = fn(*arrays)  # its own exceptions propagate, with their tracebacks
         try:
-            self.synchronize()
-        except RuntimeError as e:  # a fault in the callable's GPU work
+            out = fn(*arrays)
+        except Exception as e:
+            if raise_errors:
+                raise
+            return _failed(start, e)
+        try:
+            # A fault in the callable's GPU work surfaces here: reported as a compiled kernel's is.
+            if kind == "cuda":
+                end.record()
+                end.synchronize()
+                elapsed = float(begin.elapsed_time(end))
+            else:
+                self.synchronize()
+                elapsed = (time.perf_counter() - start) * 1e3
+        except RuntimeError as e:
+            if raise_errors:
+                raise
             return KernelExecutionResult(False, (time.perf_counter() - start) * 1e3, str(e))
-        return KernelExecutionResult(True, (time.perf_counter() - start) * 1e3, None, out)
+        return KernelExecutionResult(True, elapsed, None, out)
+
+
+def _failed(start: float, error: BaseException) -> KernelExecutionResult:
+    """The result of a Python callable, started at ``start`` (``time.perf_counter()``), that
+    raised ``error``: its traceback as Python prints it, in ``error``."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return KernelExecutionResult(False, (time.perf_counter() - start) * 1e3, text)
 
 
 def get_vector_add_kernel() -> Callable[[Any, Any], Array]:

@@ -8,6 +8,7 @@ CUDA cases run on a machine with an NVIDIA GPU and skip elsewhere with the reaso
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 import textwrap
@@ -169,19 +170,84 @@ def test_cpu_callable_kernels_get_numpy_views_of_the_same_memory():
     assert seen["ptr"] == a.data_ptr  # zero-copy
     assert a.tolist() == [2.0] * 6 and float(res.output) == 12.0
 
-    def failing(x):
-        return 1 / 0  # the line the traceback must reach
-
-    with pytest.raises(ZeroDivisionError) as raised:
-        be.execute_kernel(failing, 1, 1, a)
-    # The callable's own frame is in the traceback (it was not swallowed into a result).
-    assert raised.traceback[-1].name == "failing"
-    assert "1 / 0" in str(raised.traceback[-1].statement)
     with pytest.raises(ValueError, match="positive"):
         be.execute_kernel(kernel, (0,), (1,), a, 1.0)
     with pytest.raises(TypeError):
         be.compile_kernel(VECTOR_ADD, "vadd")
     assert be.compile_kernel(kernel) is kernel
+
+
+def _devices():
+    """Every backend this machine runs, each a parameter (the GPU ones skip elsewhere)."""
+    return [
+        "cpu",
+        pytest.param("cuda:0", marks=needs_cuda),
+        pytest.param("metal", marks=pytest.mark.skipif(
+            not dlbridge.metal.is_available(), reason="no Metal device")),
+    ]
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_a_raising_callable_is_a_failed_result(device):
+    """The Backend contract: `result = be.execute_kernel(...)`, then `result.success` or
+    `result.error`. A Python callable that raises is a failed result with its traceback's text."""
+    be = dlbridge.Backend(device)
+    a = be.allocate_zeros((4,))
+
+    def failing(x):
+        return 1 / 0  # the line the traceback must name
+
+    result = be.execute_kernel(failing, 1, 1, a)
+    assert isinstance(result, dlbridge.KernelExecutionResult)
+    assert not result.success and result.output is None and result.execution_time_ms >= 0
+    assert result.error.startswith("Traceback (most recent call last):")
+    assert "in failing" in result.error and "1 / 0" in result.error
+    assert result.error.rstrip().endswith("ZeroDivisionError: division by zero")
+    # Every kind of exception the callable raises, not only arithmetic ones.
+    for exc in (ValueError("bad value"), RuntimeError("kernel gave up"), KeyError("k")):
+        def raising(x, exc=exc):
+            raise exc
+
+        result = be.execute_kernel(raising, 1, 1, a)
+        assert not result.success and type(exc).__name__ in result.error
+    # The backend still works afterwards.
+    assert be.execute_kernel(lambda x: None, 1, 1, a).success
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_raise_errors_re_raises_the_callables_exception(device):
+    be = dlbridge.Backend(device)
+    a = be.allocate_zeros((4,))
+
+    def failing(x):
+        return 1 / 0  # the line the traceback must reach
+
+    with pytest.raises(ZeroDivisionError) as raised:
+        be.execute_kernel(failing, 1, 1, a, raise_errors=True)
+    # The original exception, with the callable's own frame in its traceback.
+    assert raised.traceback[-1].name == "failing"
+    assert "1 / 0" in str(raised.traceback[-1].statement)
+
+
+def test_keyboard_interrupt_in_a_callable_propagates():
+    """Ctrl-C is not a kernel failure: it is never turned into a result."""
+    be = dlbridge.Backend("cpu")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        be.execute_kernel(interrupted, 1, 1)
+
+
+def test_bad_arguments_still_raise_whatever_raise_errors_says():
+    """Arguments are checked before anything runs: the caller's mistake raises."""
+    be = dlbridge.Backend("cpu")
+    for raise_errors in (False, True):
+        with pytest.raises(ValueError, match="positive"):
+            be.execute_kernel(lambda: None, 0, 1, raise_errors=raise_errors)
+        with pytest.raises(TypeError):
+            be.execute_kernel(7, 1, 1, raise_errors=raise_errors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +314,8 @@ def test_cuda_kernel_errors_are_clear_and_the_backend_survives():
     a = be.allocate_zeros((8,))
     too_big = be.execute_kernel(k, 1, 4096, a, a, a, 8)  # more threads than a block may have
     assert not too_big.success and too_big.error
+    with pytest.raises(RuntimeError, match=re.escape(too_big.error[:40])):  # the same failure, raised
+        be.execute_kernel(k, 1, 4096, a, a, a, 8, raise_errors=True)
     with pytest.raises(ValueError):
         be.execute_kernel(k, (1, 0), 32, a, a, a, 8)
     with pytest.raises(ValueError, match="arguments"):

@@ -1,8 +1,9 @@
 """JAX (CPU) <-> dlbridge.
 
-JAX arrays are immutable, so JAX -> dlbridge proves the read side (pointer equality, equal
-values). dlbridge -> JAX is zero-copy for compact, 64-byte aligned memory (dlbridge allocations
-are), which a write through dlbridge then shows.
+JAX arrays are immutable (XLA may share or donate their buffers), so JAX -> dlbridge is a
+read-only view (pointer equality, equal values, every write refused with BufferError; copy=True
+gives writable memory of dlbridge's). dlbridge -> JAX is zero-copy for compact, 64-byte aligned
+memory (dlbridge allocations are), which a write through dlbridge then shows.
 """
 
 from __future__ import annotations
@@ -174,9 +175,72 @@ def test_dlbridge_import_copy_keyword(copy):
     a = dlbridge.from_dlpack(x, copy=copy)
     assert a.tolist() == list(range(8))
     assert (a.data_ptr == x.unsafe_buffer_pointer()) == (copy is not True)
+    # JAX's memory is read-only through dlbridge; a copy is dlbridge's own, and writable.
+    assert a.readonly == (copy is not True)
     if copy:
         a[0] = 9.0  # our own memory: writing it cannot disturb JAX
         assert float(x[0]) == 0.0
+
+
+# Every import route of the extension: the array API's from_dlpack and asarray, and the operand
+# routes of ops and kernels (which import through the same consumer).
+IMPORTS = {
+    "from_dlpack": dlbridge.from_dlpack,
+    "asarray": dlbridge.asarray,
+    "asarray(copy=False)": lambda x: dlbridge.asarray(x, copy=False),
+    "from_dlpack(device=cpu)": lambda x: dlbridge.from_dlpack(x, device="cpu"),
+}
+
+
+@pytest.mark.parametrize("route", IMPORTS)
+def test_jax_arrays_import_read_only_without_a_copy(route):
+    """JAX treats its arrays as immutable (XLA may share or donate a buffer): a write through
+    dlbridge would change a value JAX holds constant. The import stays zero-copy, read-only."""
+    x = jnp.arange(4.0)
+    a = IMPORTS[route](x)
+    assert a.data_ptr == x.unsafe_buffer_pointer()  # still zero-copy
+    assert a.readonly and a[1:].readonly and a.T.readonly
+    with pytest.raises(BufferError, match="read-only"):
+        a[0] = 99.0
+    with pytest.raises(BufferError, match="read-only"):
+        a[1:][0] = 99.0
+    assert np.asarray(x).tolist() == [0.0, 1.0, 2.0, 3.0]
+    # Exported onward, the flag goes with it: NumPy's view is read-only too.
+    assert not np.from_dlpack(a).flags.writeable
+
+
+@pytest.mark.parametrize("route", [dlbridge.from_dlpack, dlbridge.asarray])
+def test_jax_copy_true_is_writable(route):
+    x = jnp.arange(4.0)
+    a = route(x, copy=True)
+    assert not a.readonly and a.data_ptr != x.unsafe_buffer_pointer()
+    a[0] = 99.0
+    assert a.tolist()[0] == 99.0 and float(x[0]) == 0.0
+
+
+def test_jax_array_refused_as_an_out_operand():
+    """`out=` writes into the array it is given: a JAX array is refused, and stays unchanged."""
+    out = jnp.zeros(())
+    with pytest.raises(BufferError, match="read-only"):
+        dlbridge.arange(4, dtype="float64").sum(out=out)
+    assert float(out) == 0.0
+    ok = np.zeros(())
+    dlbridge.arange(4, dtype="float64").sum(out=ok)  # a writable NumPy out= still works
+    assert float(ok) == 6.0
+
+
+def test_jax_array_read_only_in_a_python_kernel():
+    """A CPU Python kernel receives NumPy views of its arguments: a JAX argument's is read-only,
+    so the kernel's write fails (a failed result) instead of changing the JAX array."""
+    x = jnp.arange(4.0)
+    be = dlbridge.Backend("cpu")
+
+    def write(v):
+        v[0] = 99.0
+
+    result = be.execute_kernel(write, 1, 1, x)
+    assert not result.success and "read-only" in result.error
+    assert float(x[0]) == 0.0
 
 
 def test_jax_import_of_readonly_dlbridge_array_is_refused():
@@ -223,8 +287,13 @@ def test_jax_source_released_after_views_dropped():
 
 
 def test_round_trip_jax_dlbridge_jax():
+    """JAX's memory imported by dlbridge is read-only, and JAX asks for a legacy capsule, which
+    cannot say read-only: refused, as for any read-only array (above). A copy goes back."""
     x = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
     a = dlbridge.from_dlpack(x)
-    y = jnp.from_dlpack(a)
-    assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+    with pytest.raises(BufferError, match="read-only"):
+        jnp.from_dlpack(a)
+    c = a.copy()
+    y = jnp.from_dlpack(c)
+    assert y.unsafe_buffer_pointer() == c.data_ptr
     assert (np.asarray(y) == np.asarray(x)).all()

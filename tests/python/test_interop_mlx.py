@@ -184,6 +184,17 @@ def test_dlbridge_import_copy_keyword(copy):
     assert (m.tolist()[0] == 50.0) == (copy is not True)
 
 
+def test_mlx_imports_are_as_writable_as_mlx_hands_them_out():
+    """MLX is not immutable by contract as JAX is: its own buffer protocol export is writable, and
+    its documentation shows a write through a NumPy view reaching the array. An import keeps
+    that (JAX arrays, in contrast, import read-only: test_interop_jax.py)."""
+    m = mx.arange(3, dtype=mx.float32)
+    mx.eval(m)
+    assert not memoryview(m).readonly
+    a = dlbridge.from_dlpack(m)
+    assert not a.readonly and a.data_ptr == ptr_of(m)
+
+
 def test_readonly_dlbridge_array_into_mlx():
     n = np.arange(3, dtype=np.float32)
     n.flags.writeable = False

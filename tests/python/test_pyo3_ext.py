@@ -113,6 +113,99 @@ def test_mlx_input():
     assert ext.total(x) == 10.0
 
 
+def test_jax_array_refused_for_mutable_access():
+    """JAX arrays are immutable (XLA may share or donate their buffers): a mutable borrow is
+    refused, the array is unchanged, and reading stays zero-copy."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    cpu = jax.devices("cpu")[0]
+    y = jax.device_put(jnp.zeros(3, dtype=jnp.float32), cpu)
+    with pytest.raises(ValueError, match="argument 'y': expected a writable array, got a read-only one"):
+        ext.axpy(1.0, np.ones(3, np.float32), y)
+    assert np.asarray(y).tolist() == [0.0, 0.0, 0.0]
+    assert ext.data_ptr(y) == y.unsafe_buffer_pointer()
+    assert ext.total(y) == 0.0
+
+
+def test_mlx_array_writable_as_its_own_buffer_protocol_says():
+    """MLX is not immutable by contract: its buffer protocol hands out writable memory and its
+    documentation shows writes through a NumPy view reaching the array. A mutable borrow is
+    allowed and the write is seen, as through MLX's own memoryview."""
+    mx = pytest.importorskip("mlx.core")
+    y = mx.zeros(3, dtype=mx.float32)
+    mx.eval(y)
+    assert not memoryview(y).readonly
+    ext.axpy(2.0, np.ones(3, np.float32), y)
+    assert y.tolist() == [2.0, 2.0, 2.0]
+
+
+# --- NumPy arrays of ml_dtypes types (bfloat16, the 8-bit floats) -------------------------------
+
+ML_DTYPES = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+             "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu"]
+# Representable in every one of them (float8_e8m0fnu holds powers of two only).
+ML_VALUES = [[0.25, 0.5, 1.0], [2.0, 4.0, 8.0]]
+
+
+def ml_array(name):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if not hasattr(ml_dtypes, name):
+        pytest.skip(f"this ml_dtypes has no {name}")
+    return np.array(ML_VALUES, dtype=np.float32).astype(getattr(ml_dtypes, name))
+
+
+class NumPySubclass(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize("name", ML_DTYPES)
+def test_ml_dtypes_numpy_arrays_zero_copy(name):
+    """NumPy's own DLPack export refuses these types; dlbridge.from_dlpack takes them through
+    their bytes, and so does an extension's argument: shape, dtype, values, no copy."""
+    x = ml_array(name)
+    assert ext.describe(x) == ([2, 3], name)
+    assert ext.data_ptr(x) == x.ctypes.data
+    assert ext.to_float32(x).tolist() == ML_VALUES
+    for view in (x[:, ::-2], x.T, x[1:]):
+        assert ext.describe(view) == (list(view.shape), name)
+        assert ext.data_ptr(view) == view.ctypes.data
+        assert ext.to_float32(view).tolist() == view.astype(np.float32).tolist()
+    sub = x.view(NumPySubclass)  # not the struct path: through the array's bytes
+    assert ext.describe(sub) == ([2, 3], name)
+    assert ext.data_ptr(sub) == x.ctypes.data
+    with pytest.raises(TypeError, match=f"argument 'x': expected an array of float32, got {name}"):
+        ext.total(x)
+    # dlbridge.from_dlpack, on the same implementation, agrees (float8_e5m2, which ml_dtypes
+    # gives NumPy kind 'f' where the others have 'V', was refused by both).
+    dlbridge = pytest.importorskip("dlbridge")
+    for source in (x, sub, x[:, ::-2]):
+        a = dlbridge.from_dlpack(source)
+        assert a.dtype == name and a.data_ptr == source.ctypes.data
+        assert a.astype("float32").tolist() == source.astype(np.float32).tolist()
+
+
+def test_bfloat16_written_in_place_seen_by_numpy():
+    x = ml_array("bfloat16")
+    ext.scale_bf16(x, 2.0)
+    assert x.astype(np.float32).tolist() == [[0.5, 1.0, 2.0], [4.0, 8.0, 16.0]]
+    strided = x[:, ::2]
+    ext.scale_bf16(strided, 0.5)
+    assert x.astype(np.float32).tolist() == [[0.25, 1.0, 1.0], [2.0, 8.0, 8.0]]
+    x.flags.writeable = False
+    with pytest.raises(ValueError, match="argument 'x': expected a writable array"):
+        ext.scale_bf16(x, 2.0)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_ml_dtypes_returned_to_numpy(name):
+    """A returned array of such a type becomes a NumPy array of the ml_dtypes type (NumPy's own
+    from_dlpack refuses it), sharing the tensor's memory."""
+    ml_array(name)  # skips where ml_dtypes lacks the type
+    out = ext.cast(np.array(ML_VALUES, np.float32), name, "numpy")
+    assert isinstance(out, np.ndarray) and out.dtype.name == name
+    assert out.astype(np.float32).tolist() == ML_VALUES
+
+
 def test_dlbridge_array_through_its_exchange_table():
     dlbridge = pytest.importorskip("dlbridge")
     base = np.arange(5, dtype=np.float32)

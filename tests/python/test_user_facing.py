@@ -1,6 +1,7 @@
-"""What a new user meets: exceptions from Python-callable kernels keep their tracebacks, copies
-dlbridge makes are dlbridge's memory (``Backend.free`` takes them), messages name the right
-thing, and slices clamp huge bounds as Python and NumPy do.
+"""What a new user meets: exceptions from Python-callable kernels keep their tracebacks (raised
+with ``raise_errors=True``, in the failed result's ``error`` otherwise), copies dlbridge makes are
+dlbridge's memory (``Backend.free`` takes them), messages name the right thing, and slices clamp
+huge bounds as Python and NumPy do.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def _raising_kernel(x):
 
 
 def test_a_callable_kernels_exception_propagates_with_its_traceback():
+    """Asked for (``raise_errors=True``; by default it is a failed result, test_backend.py)."""
     be = dlbridge.Backend("cpu")
     a = be.allocate_zeros((3,))
     with pytest.raises(KeyError, match="from inside the kernel") as raised:
-        be.execute_kernel(_raising_kernel, 1, 1, a)
+        be.execute_kernel(_raising_kernel, 1, 1, a, raise_errors=True)
     assert raised.traceback[-1].name == "_raising_kernel"
     # A kernel that works still reports a result.
     res = be.execute_kernel(lambda x: x.sum(), 1, 1, a)
@@ -40,7 +42,7 @@ def test_a_callable_kernels_exception_propagates_on_cuda():
     be = dlbridge.Backend("cuda:0")
     a = be.allocate_zeros((3,))
     with pytest.raises(KeyError, match="from inside the kernel") as raised:
-        be.execute_kernel(_raising_kernel, 1, 1, a)
+        be.execute_kernel(_raising_kernel, 1, 1, a, raise_errors=True)
     assert raised.traceback[-1].name == "_raising_kernel"
     res = be.execute_kernel(lambda x: x + 1, 1, 1, a)
     assert res.success and res.output.tolist() == [1.0] * 3

@@ -322,8 +322,7 @@ fn build_compact(
 /// A copy asked for of a producer is made here, by dlbridge, after a zero-copy import: a copy the
 /// producer made (`__dlpack__(copy=True)`) would be the producer's memory, marked foreign, which
 /// `Backend.free` refuses although the caller asked for new memory. (A capsule handed over
-/// already marked `IS_COPIED` is trusted and not copied again.) NumPy arrays of `ml_dtypes` types
-/// (`bfloat16`, the 8-bit floats), which NumPy cannot export, are imported through their bytes.
+/// already marked `IS_COPIED` is trusted and not copied again.)
 fn import_dlpack(
     obj: &Bound<'_, PyAny>,
     device: Option<Device>,
@@ -337,26 +336,18 @@ fn import_dlpack(
     };
     let producer = !obj.is_instance_of::<pyo3::types::PyCapsule>();
     let copy_here = copy == Some(true) && producer;
-    let imported = if copy_here {
-        consumer::from_dlpack(obj, None, None, None)
-    } else {
-        consumer::from_dlpack(obj, device, storage, copy)
-    };
-    match imported {
-        Ok(imported) if !copy_here => Ok(imported.tensor),
-        // The producer's memory, shared: the copy asked for is made here.
-        Ok(imported) => request
-            .finish(Imported {
-                tensor: imported.tensor,
-                copied: false,
-            })
-            .py()
-            .map(|i| i.tensor),
-        Err(err) => match crate::ml_dtypes::from_numpy(obj)? {
-            Some(t) => consumer::finish(&request, t).map(|i| i.tensor),
-            None => Err(err),
-        },
+    if !copy_here {
+        return consumer::from_dlpack(obj, device, storage, copy).map(|i| i.tensor);
     }
+    // The producer's memory, shared: the copy asked for is made here.
+    let imported = consumer::from_dlpack(obj, None, None, None)?;
+    request
+        .finish(Imported {
+            tensor: imported.tensor,
+            copied: false,
+        })
+        .py()
+        .map(|i| i.tensor)
 }
 
 /// Converts any supported object to a tensor: a dlbridge array, a DLPack capsule or producer

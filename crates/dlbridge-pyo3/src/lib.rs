@@ -3,9 +3,11 @@
 //! An argument of type [`ArrayArg`] takes a NumPy, PyTorch, JAX, CuPy, MLX or dlbridge array,
 //! a DLPack capsule or any buffer-protocol object, on any device, without a copy (through the
 //! producer's DLPack 1.3 C exchange table where its type has one, else `__dlpack__`, else the
-//! buffer protocol; NumPy arrays are read from NumPy's documented array struct). The function
-//! checks it at the border in one line and gets typed access; a [`PyTensor`] returns a
-//! Rust-allocated [`dlbridge::Tensor`] to any framework.
+//! buffer protocol; NumPy arrays, `ml_dtypes`' `bfloat16` and 8-bit floats among them, are read
+//! from NumPy's documented array struct). The function checks it at the border in one line and
+//! gets typed access; a [`PyTensor`] returns a Rust-allocated [`dlbridge::Tensor`] to any
+//! framework. A producer's arrays that are immutable by contract (JAX's) are read-only: readable
+//! without a copy, refused for [`Expect::write`].
 //!
 //! | Python side | Rust side | how |
 //! | --- | --- | --- |

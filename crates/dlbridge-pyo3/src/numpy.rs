@@ -3,8 +3,9 @@
 //! capsule, which is what makes a NumPy argument as cheap as a NumPy-only binding's.
 //!
 //! Only exact `numpy.ndarray` instances take this path (subclasses may give their data another
-//! meaning, such as a mask), and only for the dtypes below in native byte order; anything else
-//! goes through `__dlpack__`, which gives NumPy's own answer.
+//! meaning, such as a mask), and only for the dtypes below and `ml_dtypes`' user-defined ones
+//! ([`crate::exchange::ml_dtypes`]) in native byte order; anything else goes through
+//! `__dlpack__`, which gives NumPy's own answer.
 
 use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -171,7 +172,10 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     let a = unsafe { &*fields };
     // SAFETY: every array has a live dtype, which starts with these fields.
     let descr = unsafe { &*a.descr };
-    let dtype = dtype_of(descr.type_num);
+    let dtype = match dtype_of(descr.type_num) {
+        None if descr.type_num >= crate::exchange::ml_dtypes::NPY_USERDEF => user_dtype(x, a),
+        dtype => dtype,
+    };
     let foreign_order = if cfg!(target_endian = "little") {
         b'>'
     } else {
@@ -212,6 +216,19 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
     }))
 }
 
+/// The dtype of the array `a` (the struct of `x`) of a user-defined NumPy type, when that is an
+/// `ml_dtypes` type (`bfloat16`, the 8-bit floats).
+#[cold]
+#[inline(never)]
+fn user_dtype(x: &Bound<'_, PyAny>, a: &ArrayFields) -> Option<DType> {
+    // SAFETY: the array's dtype is a live object (the array holds a reference to it, and the GIL
+    // is held); it is borrowed for this call only.
+    let descr = unsafe { Borrowed::from_ptr(x.py(), a.descr.cast_mut().cast::<ffi::PyObject>()) };
+    // SAFETY: as in `view`: every dtype starts with these fields.
+    let type_num = unsafe { (*a.descr).type_num };
+    crate::exchange::ml_dtypes::user_dtype(&descr, type_num)
+}
+
 /// Arrays of at most this many axes (nearly all) are read through buffers on the stack.
 const SMALL_NDIM: usize = 4;
 
@@ -242,7 +259,8 @@ unsafe fn read_axes(
     true
 }
 
-/// NumPy's own `__dlpack__`, for arrays the struct path does not take.
+/// NumPy's own `__dlpack__` (or, for an `ml_dtypes` type, which it refuses, the array's bytes),
+/// for arrays the struct path does not take.
 #[cold]
 #[inline(never)]
 fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {

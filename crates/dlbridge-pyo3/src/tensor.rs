@@ -98,7 +98,8 @@ impl PyTensor {
 }
 
 /// `tensor` as an array of `framework`, without a copy: `"numpy"`, `"torch"`, `"jax"`,
-/// `"cupy"` or `"dlbridge"` (each framework's own `from_dlpack`), or `"dlpack"` for the
+/// `"cupy"` or `"dlbridge"` (each framework's own `from_dlpack`; for NumPy, a `bfloat16` or
+/// 8-bit float tensor becomes an array of the `ml_dtypes` type), or `"dlpack"` for the
 /// [`PyTensor`] itself. An unknown name is a `ValueError`; a framework that is not installed,
 /// an `ImportError`.
 pub fn to_framework<'py>(
@@ -120,6 +121,12 @@ pub fn to_framework<'py>(
             )));
         }
     };
+    if module == "numpy"
+        && let Some(array) = crate::exchange::ml_dtypes::to_numpy::<PyTensor>(py, &tensor)?
+    {
+        // bfloat16 and the 8-bit floats, which NumPy's own from_dlpack refuses.
+        return Ok(array);
+    }
     let from_dlpack = py.import(module)?.getattr(intern!(py, "from_dlpack"))?;
     from_dlpack.call1((PyTensor::new(tensor),))
 }

@@ -1,8 +1,11 @@
 //! An example extension on `dlbridge-pyo3`: functions that take and return any framework's
 //! arrays. Built by `scripts/test.sh`; tested by `tests/python/test_pyo3_ext.py`.
 
-use dlbridge_pyo3::dlbridge::compute::kernel::{self, KernelArg, LaunchConfig};
-use dlbridge_pyo3::dlbridge::{DeviceKind, Tensor};
+use dlbridge_pyo3::dlbridge::compute::{
+    self,
+    kernel::{self, KernelArg, LaunchConfig},
+};
+use dlbridge_pyo3::dlbridge::{DType, DeviceKind, Tensor};
 use dlbridge_pyo3::{ArrayArg, to_py};
 use ndarray::{Ix1, Ix2, IxDyn};
 use pyo3::prelude::*;
@@ -185,6 +188,45 @@ fn hold(py: Python<'_>, x: ArrayArg) -> PyResult<Held> {
     Ok(Held { view: Some(view) })
 }
 
+/// The shape and the dtype's name of any array, unchecked (no element type needed).
+#[pyfunction]
+fn describe(x: ArrayArg) -> (Vec<usize>, String) {
+    (x.shape().to_vec(), x.dtype().name())
+}
+
+/// A float32 copy of a host array of any dtype dlbridge can convert (`bfloat16`, the 8-bit
+/// floats, ...), as `framework`'s array.
+#[pyfunction]
+#[pyo3(signature = (x, framework = "numpy"))]
+fn to_float32<'py>(py: Python<'py>, x: ArrayArg, framework: &str) -> PyResult<Bound<'py, PyAny>> {
+    cast(py, x, "float32", framework)
+}
+
+/// A copy of a host array converted to `dtype` (a dtype name), as `framework`'s array.
+#[pyfunction]
+#[pyo3(signature = (x, dtype, framework = "numpy"))]
+fn cast<'py>(
+    py: Python<'py>,
+    x: ArrayArg,
+    dtype: &str,
+    framework: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let dtype: DType = dtype.parse().map_err(to_py)?;
+    let x = x.expect("x").cpu().check()?;
+    let out = compute::cast(&x, dtype).map_err(to_py)?;
+    dlbridge_pyo3::to_framework(py, out, framework)
+}
+
+/// Multiplies a bfloat16 host array (a NumPy array of `ml_dtypes.bfloat16`, say) by `a` in place,
+/// in any strided layout.
+#[pyfunction]
+fn scale_bf16(py: Python<'_>, x: ArrayArg, a: f32) -> PyResult<()> {
+    let mut x = x.expect("x").cpu().write::<half::bf16>(py)?;
+    x.as_array_mut::<IxDyn>()?
+        .mapv_inplace(|v| half::bf16::from_f32(v.to_f32() * a));
+    Ok(())
+}
+
 /// The data pointer dlbridge sees for `x` (zero-copy checks).
 #[pyfunction]
 fn data_ptr(x: ArrayArg) -> PyResult<usize> {
@@ -205,6 +247,10 @@ fn dlbridge_pyo3_ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scale_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(hold, m)?)?;
     m.add_function(wrap_pyfunction!(data_ptr, m)?)?;
+    m.add_function(wrap_pyfunction!(describe, m)?)?;
+    m.add_function(wrap_pyfunction!(to_float32, m)?)?;
+    m.add_function(wrap_pyfunction!(cast, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_bf16, m)?)?;
     m.add_class::<Held>()?;
     Ok(())
 }

@@ -8,7 +8,7 @@ use dlbridge::{Device, StorageMode};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
-use dlbridge_pyo3::exchange::consumer::{call_dlpack, take_from_producer};
+use dlbridge_pyo3::exchange::consumer::{call_dlpack, import_from_producer};
 
 use super::{c_api, capsule};
 use crate::errors::IntoPyResult;
@@ -18,7 +18,11 @@ pub(crate) use dlbridge_pyo3::exchange::consumer::{States, finish, refuse_inexpr
 /// `from_dlpack` per the array API standard: asks the producer for a versioned capsule (falling
 /// back to the legacy protocol when it does not take keywords), or takes its tensor through its
 /// C exchange table, and imports it with the core's rules for `device`, `storage` and `copy`
-/// (a `kDLMetal` tensor is resolved against its `id<MTLBuffer>`, which copies private memory).
+/// (a `kDLMetal` tensor is resolved against its `id<MTLBuffer>`, which copies private memory),
+/// keeping the producer's contract as every extension on `dlbridge-pyo3` does
+/// ([`import_from_producer`]: a JAX array's memory is read-only; a NumPy array of an
+/// `ml_dtypes` type crosses through its bytes). A bare capsule names no producer, so it is
+/// imported as its descriptor says.
 pub(crate) fn from_dlpack(
     x: &Bound<'_, PyAny>,
     device: Option<Device>,
@@ -34,15 +38,16 @@ pub(crate) fn from_dlpack(
         // One of ours: share the tensor directly.
         return finish(&request, array.get().tensor()?.clone());
     }
-    let managed = if x.is_instance_of::<PyCapsule>() {
-        capsule::take(x)?
-    } else {
-        match take_from_producer(x, c_api::type_info(x), device, copy)? {
-            Some(managed) => managed,
-            // No table and no `__dlpack__`: the standard's `TypeError`.
-            None => capsule::take(&call_dlpack(x.py(), x, device, copy)?)?,
-        }
-    };
-    // SAFETY: the capsule or table handed over a live tensor whose ownership is now ours.
-    unsafe { request.import(managed) }.py()
+    if x.is_instance_of::<PyCapsule>() {
+        let managed = capsule::take(x)?;
+        // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
+        return unsafe { request.import(managed) }.py();
+    }
+    import_from_producer(x, c_api::type_info(x), &request, || {
+        // No table and no `__dlpack__` on the type: the instance's own, or the standard's
+        // `TypeError`.
+        let managed = capsule::take(&call_dlpack(x.py(), x, device, copy)?)?;
+        // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
+        unsafe { request.import(managed) }.py()
+    })
 }

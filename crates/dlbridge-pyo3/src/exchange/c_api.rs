@@ -32,8 +32,8 @@ const API_NAME: &CStr = c"dlpack_exchange_api";
 // Consumer side.
 
 /// What the consumer knows of a producer's type: its exchange table (if any), whether its
-/// instances can be in states a DLPack descriptor cannot express, and which path its instances
-/// take.
+/// instances can be in states a DLPack descriptor cannot express or are immutable by contract,
+/// and which path its instances take.
 #[derive(Clone, Copy)]
 pub struct TypeInfo {
     table: Option<TableRef>,
@@ -46,6 +46,9 @@ pub struct TypeInfo {
     /// The type is exactly `numpy.ndarray`, whose instance struct NumPy documents
     /// ([`crate::numpy`]).
     pub(crate) is_numpy: bool,
+    /// The type's arrays are immutable by contract (JAX's), so their memory is imported
+    /// read-only ([`crate::exchange::consumer::immutable_by_contract`]).
+    pub(crate) immutable: bool,
 }
 
 /// Types seen by the consumer (by the address of the type object), with what is known of them:
@@ -97,6 +100,7 @@ fn learn(ty: Bound<'_, PyType>) -> TypeInfo {
             && has(intern!(py, "is_neg")),
         has_dlpack: has(intern!(py, "__dlpack__")),
         is_numpy: crate::numpy::is_ndarray_type(&ty),
+        immutable: crate::exchange::consumer::immutable_by_contract(&ty),
     };
     let key = ty.as_ptr() as usize;
     let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
@@ -135,6 +139,7 @@ fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
 /// The caller has refused tensors whose memory does not hold their values
 /// ([`crate::exchange::consumer::States::Values`]): PyTorch's table hands out a conjugated or negated view's
 /// raw memory without its lazy bit, and a tensor that requires grad without complaint.
+#[inline]
 pub fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<ManagedTensor>> {
     let api = info.table?.0;
     let export = api.managed_tensor_from_py_object_no_sync?;
@@ -207,7 +212,7 @@ impl TableView {
 /// ([`take_via_table`]) should answer instead: a table without
 /// `dltensor_from_py_object_no_sync`, a type whose instances may be read-only (a descriptor
 /// carries no flags, so only types with PyTorch's tensor-state API, which DLPack never marks
-/// read-only, take this path), memory that is not host or CUDA device memory, a producer
+/// read-only, and not immutable by contract, take this path), memory that is not host or CUDA device memory, a producer
 /// that refused, or streams the table cannot order.
 ///
 /// This is the argument path ([`crate::ArrayArg`]): the memory stays valid while `x` lives
@@ -220,7 +225,7 @@ pub(crate) fn borrow_via_table(
 ) -> Option<PyResult<TableView>> {
     use crate::exchange::consumer::{States, refuse_inexpressible};
     use dlbridge::dlpack::ffi::{K_DL_COMPLEX, K_DL_CPU, K_DL_CUDA};
-    if !info.has_tensor_state {
+    if !info.has_tensor_state || info.immutable {
         return None;
     }
     let api = info.table?.0;

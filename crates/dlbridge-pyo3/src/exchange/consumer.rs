@@ -1,13 +1,16 @@
 //! The consumer: any Python array (a producer's C exchange table, its `__dlpack__`, a DLPack
 //! capsule, NumPy's documented array struct, the buffer protocol) turned into one call of the
-//! core's [`ImportRequest`], which decides device, storage mode and copy.
+//! core's [`ImportRequest`], which decides device, storage mode and copy; and the producers'
+//! contracts a descriptor does not state, kept here for every import: tensor states DLPack
+//! cannot express are refused ([`refuse_inexpressible`]), and the arrays of producers that are
+//! immutable by contract are imported read-only ([`import_from_producer`]).
 
 use dlbridge::dlpack::{ImportRequest, Imported, ManagedTensor};
 use dlbridge::{Device, Tensor};
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict, PyTuple};
+use pyo3::types::{PyCapsule, PyDict, PyTuple, PyType};
 
 use crate::error::IntoPyResult;
 
@@ -51,11 +54,92 @@ pub(crate) fn import_via_dlpack(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
 }
 
 fn from_producer(x: &Bound<'_, PyAny>, info: crate::exchange::c_api::TypeInfo) -> PyResult<Tensor> {
-    let Some(managed) = take_from_producer(x, info, None, None)? else {
-        return from_buffer(x);
+    import_from_producer(x, info, &REQUEST, || {
+        from_buffer(x).map(|tensor| Imported {
+            tensor,
+            copied: false,
+        })
+    })
+    .map(|i| i.tensor)
+}
+
+/// The top-level packages whose array types are immutable by contract, the one list of them
+/// ([`immutable_by_contract`]):
+///
+/// * `jax`, `jaxlib`: JAX arrays (`jaxlib._jax.ArrayImpl` since JAX 0.7,
+///   `jaxlib.xla_extension.ArrayImpl` before, both subclasses of `jax.Array`) are immutable, and
+///   XLA may share one buffer between arrays or donate it to a computation; JAX's own buffer
+///   protocol export is read-only, but its DLPack export is a legacy capsule, which cannot say so.
+///
+/// MLX is not listed: its arrays have value semantics, but MLX hands out their memory writable on
+/// purpose (its buffer protocol export, which its documentation shows written through a NumPy
+/// view), so an import keeps the writability MLX itself gives.
+const IMMUTABLE_PACKAGES: [&str; 2] = ["jax", "jaxlib"];
+
+/// Whether arrays of type `ty` are immutable by contract: `ty` or a base class is defined in one
+/// of [`IMMUTABLE_PACKAGES`]. Asked once per type (the consumer's type cache,
+/// [`crate::exchange::c_api::type_info`]), from the classes' `__module__` alone: nothing is
+/// imported.
+pub(crate) fn immutable_by_contract(ty: &Bound<'_, PyType>) -> bool {
+    let py = ty.py();
+    let Ok(mro) = ty.getattr(intern!(py, "__mro__")) else {
+        return false;
+    };
+    let Ok(classes) = mro.try_iter() else {
+        return false;
+    };
+    classes.flatten().any(|class| {
+        class
+            .getattr(intern!(py, "__module__"))
+            .and_then(|m| m.extract::<String>())
+            .is_ok_and(|module| {
+                let package = module.split('.').next().unwrap_or_default();
+                IMMUTABLE_PACKAGES.contains(&package)
+            })
+    })
+}
+
+/// Imports the producer `x`'s tensor with `request`, taken through its type's exchange table or
+/// its `__dlpack__` as [`take_from_producer`] takes it (`info` is `x`'s
+/// [`type_info`](crate::exchange::c_api::type_info)); `otherwise` answers when its type has
+/// neither.
+///
+/// What the producer's contract says and its descriptor does not is kept here, for every caller:
+/// the memory of a producer whose arrays are immutable by contract (JAX's, the one list of them
+/// kept in this module) is imported read-only, still without a copy, so a write through the
+/// import is refused instead of changing an array its framework holds constant; a copy the import
+/// made (`copy=True`, another device) is new memory and writable. A NumPy array of an
+/// `ml_dtypes` type, which NumPy's own export refuses, is imported through its bytes
+/// ([`crate::exchange::ml_dtypes::import_numpy`]).
+#[inline]
+pub fn import_from_producer(
+    x: &Bound<'_, PyAny>,
+    info: crate::exchange::c_api::TypeInfo,
+    request: &ImportRequest,
+    otherwise: impl FnOnce() -> PyResult<Imported>,
+) -> PyResult<Imported> {
+    let managed = match take_from_producer(x, info, request.device, request.copy) {
+        Ok(Some(managed)) => managed,
+        Ok(None) => return otherwise(),
+        Err(err) => return ml_dtypes_or(x, request, err),
     };
     // SAFETY: the table or capsule handed over a live tensor whose ownership is now ours.
-    unsafe { REQUEST.import(managed) }.py().map(|i| i.tensor)
+    let mut imported = unsafe { request.import(managed) }.py()?;
+    if info.immutable && !imported.copied {
+        imported.tensor = imported.tensor.into_read_only();
+    }
+    Ok(imported)
+}
+
+/// A NumPy array of an `ml_dtypes` type imported through its bytes with `request`, where the
+/// producer's own export failed with `err` (which is the answer for anything else).
+#[cold]
+#[inline(never)]
+fn ml_dtypes_or(x: &Bound<'_, PyAny>, request: &ImportRequest, err: PyErr) -> PyResult<Imported> {
+    match crate::exchange::ml_dtypes::import_numpy(x)? {
+        Some(tensor) => finish(request, tensor),
+        None => Err(err),
+    }
 }
 
 /// The producer `x`'s tensor, handed over through its type's exchange table (`info`, from

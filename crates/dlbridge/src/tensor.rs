@@ -22,8 +22,21 @@ pub struct Tensor {
     /// Sub-byte elements packed densely (DLPack without `IS_SUBBYTE_TYPE_PADDED`); such tensors
     /// can be held and handed on, but not sliced or read element by element.
     packed: bool,
-    /// A read-only view of possibly writable memory.
-    read_only: bool,
+    /// Whether writes through this view are forbidden where the buffer allows them, and why.
+    access: Access,
+}
+
+/// Why a view of writable memory may or may not be written through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    /// Writes are allowed (where the buffer allows them).
+    Writable,
+    /// A read-only view: writes are refused, and so is every export that cannot say read-only.
+    ReadOnly,
+    /// The memory of a producer that holds its arrays immutable by contract (JAX's): writes are
+    /// refused as for a read-only view, but a legacy (unversioned) DLPack export, which cannot say
+    /// read-only, is allowed, since the producer hands the same memory out that way itself.
+    Immutable,
 }
 
 impl Tensor {
@@ -55,7 +68,7 @@ impl Tensor {
             dtype,
             layout,
             packed,
-            read_only: false,
+            access: Access::Writable,
         })
     }
 
@@ -92,7 +105,7 @@ impl Tensor {
             dtype,
             layout,
             packed: false,
-            read_only: false,
+            access: Access::Writable,
         })
     }
 
@@ -176,13 +189,32 @@ impl Tensor {
 
     /// Whether writes through this view are forbidden (the view or its buffer is read-only).
     pub fn is_read_only(&self) -> bool {
-        self.read_only || self.buffer.is_read_only()
+        self.access != Access::Writable || self.buffer.is_read_only()
     }
 
     /// The same view, read-only.
     pub fn into_read_only(mut self) -> Self {
-        self.read_only = true;
+        self.access = Access::ReadOnly;
         self
+    }
+
+    /// The same view, read-only because the memory's producer holds its arrays immutable by
+    /// contract (JAX does; XLA may share or donate their buffers): writes through dlbridge are
+    /// refused as for [`Tensor::into_read_only`], but a legacy (unversioned) DLPack export, which
+    /// has no read-only flag, is still allowed, because the producer itself hands the same memory
+    /// out in that form (JAX asks for it, so its arrays go back to JAX without a copy). A view
+    /// already read-only stays so.
+    pub fn into_immutable(mut self) -> Self {
+        if self.access == Access::Writable {
+            self.access = Access::Immutable;
+        }
+        self
+    }
+
+    /// Whether the view may go out in a form that cannot say read-only (a legacy DLPack capsule):
+    /// writable memory, or memory read-only only by its producer's contract.
+    pub(crate) fn exports_without_read_only_flag(&self) -> bool {
+        self.access != Access::ReadOnly && !self.buffer.is_read_only()
     }
 
     /// The byte range of the buffer the view addresses.
@@ -199,7 +231,7 @@ impl Tensor {
             )));
         }
         let mut out = Tensor::new(self.buffer.clone(), self.dtype, layout)?;
-        out.read_only = self.read_only;
+        out.access = self.access;
         Ok(out)
     }
 

@@ -126,7 +126,7 @@ pub fn import_from_producer(
     // SAFETY: the table or capsule handed over a live tensor whose ownership is now ours.
     let mut imported = unsafe { request.import(managed) }.py()?;
     if info.immutable && !imported.copied {
-        imported.tensor = imported.tensor.into_read_only();
+        imported.tensor = imported.tensor.into_immutable();
     }
     Ok(imported)
 }

@@ -86,7 +86,7 @@ impl Tensor {
                 self.dtype()
             )));
         }
-        if self.is_read_only() {
+        if !self.exports_without_read_only_flag() {
             return Err(Error::ReadOnly(
                 "a read-only array cannot be exported as a legacy (unversioned) DLPack capsule, \
                  which has no read-only flag; ask for max_version >= (1, 0)"

@@ -7,7 +7,9 @@
 //! - every tensor's bytes lie inside the data section, and the absolute range is the relative one
 //!   shifted by `8 + N`;
 //! - a tensor's length is its dtype's bits times its element count, in whole bytes;
-//! - no two tensors share a byte;
+//! - the tensors tile the data section: sorted by byte range, each begins where the one before
+//!   it ends, the first at 0 and the last at the section's end (no overlap, no hole, no trailing
+//!   bytes);
 //! - every dtype has a safetensors name that maps back to it.
 //!
 //! Nothing may panic, overflow, or take long (the JSON nesting depth is bounded by `serde_json`).
@@ -62,12 +64,13 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(info.numel() as u128, numel);
         let dtype_text = dtype_name(info.dtype()).expect("a parsed dtype has a name");
         assert_eq!(dtype_from_name(dtype_text), Some(info.dtype()));
-        if rel.start < rel.end {
-            spans.push(rel);
-        }
+        spans.push(rel);
     }
-    spans.sort_by_key(|r| r.start);
-    for pair in spans.windows(2) {
-        assert!(pair[0].end <= pair[1].start, "overlap: {pair:?}");
+    spans.sort_by_key(|r| (r.start, r.end));
+    let mut end = 0;
+    for span in &spans {
+        assert_eq!(span.start, end, "not tiled: {spans:?}");
+        end = span.end;
     }
+    assert_eq!(end, data_len, "bytes after the last tensor: {spans:?}");
 });

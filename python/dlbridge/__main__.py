@@ -1,9 +1,14 @@
 """`python -m dlbridge [info]`: the version, the backends compiled in, the devices found, and why a
-compiled-in backend has none. `--version` and `--help` as usual."""
+compiled-in backend has none; `inspect FILE...` and `load FILE...` for checkpoints. `--version` and
+`--help` as usual (`--help` on each command too).
+
+Every failure is one line `dlbridge: <message>` on stderr with exit status 1; usage errors exit
+with 2, as argparse does; an interrupt (Ctrl-C) exits with 130."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import dlbridge
@@ -100,36 +105,80 @@ def load(files: list[str], device: str, threads: int | None, direct_io: bool | N
           f"{total / seconds / 1e9:.2f} GB/s")
 
 
-def main(argv: list[str]) -> int:
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dlbridge",
         description="dlbridge: zero-copy DLPack exchange of CPU, CUDA and Metal memory.",
     )
     parser.add_argument("--version", action="version",
                         version=f"dlbridge {dlbridge.__version__}")
-    parser.add_argument("command", nargs="?", choices=["info", "inspect", "load"], default="info",
-                        help="info (the default): version, backends compiled in, devices found, "
-                             "and why a compiled-in backend has no device; inspect FILE...: a "
-                             "safetensors checkpoint's tensors as a table; load FILE... --device D: "
-                             "load it and print the throughput")
-    parser.add_argument("files", nargs="*", help="safetensors files, shards or an index (inspect, load)")
-    parser.add_argument("--device", default="cpu", help="where load puts the tensors (default cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="reader threads (load)")
-    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
-                        help="read around the page cache (load; default: auto)")
-    args = parser.parse_args(argv[1:])
-    if args.command == "info":
-        if args.files:
-            parser.error("info takes no files")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     title="commands (info when none is given)")
+    commands.add_parser("info", help="version, backends compiled in, devices found, and why a "
+                                     "compiled-in backend has no device",
+                        description="Prints the version, the backends compiled in, the devices "
+                                    "found, and why a compiled-in backend has no device.")
+    files_help = "safetensors files, the shards of one checkpoint, or its index (.json)"
+    inspect_parser = commands.add_parser(
+        "inspect", help="a safetensors checkpoint's tensors as a table",
+        description="Prints a safetensors checkpoint's tensors (name, dtype, shape, size), its "
+                    "metadata and the total.")
+    inspect_parser.add_argument("files", nargs="+", metavar="FILE", help=files_help)
+    load_parser = commands.add_parser(
+        "load", help="load a checkpoint onto a device and print the throughput",
+        description="Loads a safetensors checkpoint onto a device and prints the time and "
+                    "throughput.")
+    load_parser.add_argument("files", nargs="+", metavar="FILE", help=files_help)
+    load_parser.add_argument("--device", default="cpu", help="where the tensors go (default cpu)")
+    load_parser.add_argument("--threads", type=_positive, default=None, help="reader threads")
+    load_parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
+                             help="read around the page cache (default: auto)")
+    return parser
+
+
+def _message(error: BaseException) -> str:
+    """An exception's message on one line (a KeyError's without the quotes its str adds)."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines) or type(error).__name__
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.command in (None, "info"):
         info()
-        return 0
-    if not args.files:
-        parser.error(f"{args.command} needs a safetensors file")
-    if args.command == "inspect":
+    elif args.command == "inspect":
         inspect(args.files)
     else:
         load(args.files, args.device, args.threads,
              {"auto": None, "on": True, "off": False}[args.direct_io])
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv[1:])
+    try:
+        _run(args)
+        sys.stdout.flush()
+    except KeyboardInterrupt:
+        print("dlbridge: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader of our output went away (`| head`): nothing more to say, and Python's own
+        # flush at exit must not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as error:  # noqa: BLE001 - every failure is one line, not a traceback
+        print(f"dlbridge: {_message(error)}", file=sys.stderr)
+        return 1
     return 0
 
 

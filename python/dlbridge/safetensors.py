@@ -93,6 +93,13 @@ def load_file(
     read-only views of the mapped files (zero-copy) unless ``copy=True`` asks for writable
     memory; so are they on Metal in shared storage (the files' pages wrapped in Metal buffers),
     while private storage gets GPU copies; elsewhere they are views of one allocation per file.
+    The files are mapped copy-on-write: a consumer that ignores the read-only flag and writes
+    anyway (PyTorch does) changes this process's private copy of the page, seen by every view of
+    this load and by nothing else (not the file, not another load, not another process). Where
+    the system refuses such a mapping (strict overcommit), the CPU arrays are read-only copies.
+    A view shows the file's pages: truncating the file under it makes reading it raise
+    ``SIGBUS``, and a change written into the file in place shows through; ``copy=True`` gives
+    memory of its own. Paths must be regular files (a FIFO or a device is an ``OSError``).
     ``keys``: only these tensors are read. ``dtype``: floating-point tensors are converted on the
     device after loading.
     ``progress``: ``None`` shows a bar on a terminal for loads that last over a second, ``False``
@@ -127,40 +134,58 @@ def save_file(
 ) -> None:
     """Writes ``tensors`` (any arrays dlbridge imports: its own, NumPy, PyTorch, JAX, CuPy, ...,
     on any device) with ``metadata`` in the safetensors format, atomically (a temporary file in
-    the same folder, renamed); ``safetensors`` reads the result."""
+    the same folder, renamed); ``safetensors`` reads the result. A symbolic link stays one (the
+    file it leads to is replaced); an existing file keeps its permissions (and its owner, as
+    root). A header over the format's 100 MB limit is a ``ValueError`` and writes nothing."""
     _dlbridge._st_save(dict(tensors), os.fspath(path), None if metadata is None else dict(metadata))
 
 
 class _Slice:
-    """A lazily loaded tensor of :class:`safe_open` (``get_slice``): indexing loads it."""
+    """A lazily loaded tensor of :class:`safe_open` (``get_slice``): ``get_shape()``,
+    ``get_dtype()`` (the safetensors name, ``"F32"``), and indexing, which loads it."""
 
     def __init__(self, owner: "safe_open", name: str) -> None:
         self._owner = owner
         self._name = name
 
     def get_shape(self) -> List[int]:
-        return list(self._owner._checkpoint.info(self._name)[1])
+        return list(self._owner._open().info(self._name)[1])
 
     def get_dtype(self) -> str:
-        return str(self._owner._checkpoint.info(self._name)[0])
+        return str(self._owner._open().info(self._name)[0])
 
     def __getitem__(self, key: Any) -> Array:
         return self._owner.get_tensor(self._name)[key]
 
 
+_BACKENDS = ("mmap", "pread")
+
+
 class safe_open:
-    """``safetensors.safe_open`` over dlbridge: ``keys()``, ``metadata()``, ``get_tensor(name)``
-    and ``get_slice(name)``, each tensor a dlbridge :class:`Array` on ``device``. Use it as a
-    context manager or call :meth:`close`."""
+    """``safetensors.safe_open`` over dlbridge, with its methods and their return types:
+    ``keys()`` (sorted), ``offset_keys()`` (in file order), ``metadata()`` (``None`` for a file
+    without), ``get_tensor(name)``, ``get_tensors()`` and ``get_slice(name)``, each tensor a
+    dlbridge :class:`Array` on ``device``. Use it as a context manager or call :meth:`close`.
+
+    ``backend="mmap"`` (the default): CPU tensors are read-only views of the mapped file;
+    ``"pread"``: memory of their own, as ``load_file(copy=True)`` gives. A missing tensor is a
+    ``KeyError`` (``safetensors`` raises its own ``SafetensorError``).
+
+    On the CPU, a write into a view by a consumer that ignores its read-only flag (PyTorch,
+    through ``torch.from_dlpack``) changes this process's private copy of the page: every view
+    of this ``safe_open`` sees it; the file, other opens of it and other processes do not."""
 
     def __init__(self, filename: Union[PathLike, Sequence[PathLike]], framework: str = "dlbridge",
-                 device: Any = "cpu") -> None:
+                 device: Any = "cpu", *, backend: str = "mmap") -> None:
         if framework not in ("dlbridge", "dl", "numpy", "np", "pt", "torch"):
             raise ValueError(f"framework {framework!r}: dlbridge.safe_open hands out dlbridge arrays "
                              "(framework='dlbridge'); convert them with your framework's from_dlpack")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {', '.join(map(repr, _BACKENDS))}")
         target = filename if isinstance(filename, (str, os.PathLike)) else list(filename)
         self._checkpoint: Any = _dlbridge._Checkpoint(target)
         self._device = device
+        self._copy = backend == "pread"
 
     def __enter__(self) -> "safe_open":
         return self
@@ -178,15 +203,31 @@ class safe_open:
         return self._checkpoint
 
     def keys(self) -> List[str]:
+        """The tensor names, sorted."""
         return list(self._open().keys())
 
-    def metadata(self) -> Dict[str, str]:
-        return dict(self._open().metadata())
+    def offset_keys(self) -> List[str]:
+        """The tensor names in the order their bytes lie in the file (shard by shard)."""
+        return list(self._open().offset_keys())
+
+    def metadata(self) -> Optional[Dict[str, str]]:
+        """The header's ``__metadata__`` strings (an index's ``metadata``); ``None`` where the
+        file has none, as ``safetensors`` says."""
+        metadata = self._open().metadata()
+        return None if metadata is None else dict(metadata)
 
     def get_tensor(self, name: str) -> Array:
-        loaded = self._open().load([name], self._device, False, None, None, None, None, None)
+        """One tensor (``KeyError`` where there is none)."""
+        loaded = self._open().load([name], self._device, self._copy, None, None, None, None, None)
         return loaded[name]  # type: ignore[no-any-return]
 
+    def get_tensors(self) -> Dict[str, Array]:
+        """Every tensor, by name, in the order of :meth:`offset_keys`."""
+        checkpoint = self._open()
+        loaded = checkpoint.load(None, self._device, self._copy, None, None, None, None, None)
+        return {name: loaded[name] for name in checkpoint.offset_keys()}
+
     def get_slice(self, name: str) -> _Slice:
+        """A tensor to index into (``KeyError`` where there is none)."""
         self._open().info(name)
         return _Slice(self, name)

@@ -53,9 +53,18 @@ impl PyCheckpoint {
         self.inner.keys().map(str::to_owned).collect()
     }
 
-    /// The `__metadata__` strings.
-    fn metadata(&self) -> BTreeMap<String, String> {
-        self.inner.metadata().clone()
+    /// The tensor names in the order their bytes lie: shard by shard, by offset in each.
+    fn offset_keys(&self) -> Vec<String> {
+        self.inner
+            .plan(|_| true)
+            .into_iter()
+            .map(|l| l.name)
+            .collect()
+    }
+
+    /// The `__metadata__` strings (an index's `metadata`), `None` where there are none.
+    fn metadata(&self) -> Option<BTreeMap<String, String>> {
+        self.inner.metadata().cloned()
     }
 
     /// `(dtype name, shape, (begin, end) byte range in its file, file)` of one tensor.

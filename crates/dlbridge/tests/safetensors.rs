@@ -296,10 +296,16 @@ fn metadata_round_trips() {
     let path = dir.path("m.safetensors");
     save_file(&[("t", &t)], Some(&meta), &path).unwrap();
     let file = SafeTensors::open(&path).unwrap();
-    assert_eq!(file.metadata(), &meta);
-    // Without metadata there is no `__metadata__` entry.
+    assert_eq!(file.metadata(), Some(&meta));
+    // Empty metadata is an empty `__metadata__` object, read back as such.
+    save_file(&[("t", &t)], Some(&BTreeMap::new()), &path).unwrap();
+    assert_eq!(
+        SafeTensors::open(&path).unwrap().metadata(),
+        Some(&BTreeMap::new())
+    );
+    // Without metadata there is no `__metadata__` entry, and none is read back.
     save_file(&[("t", &t)], None, &path).unwrap();
-    assert!(SafeTensors::open(&path).unwrap().metadata().is_empty());
+    assert_eq!(SafeTensors::open(&path).unwrap().metadata(), None);
     let text = String::from_utf8_lossy(&std::fs::read(&path).unwrap()).into_owned();
     assert!(!text.contains("__metadata__"));
 }
@@ -484,8 +490,8 @@ fn checkpoint_from_index_and_from_files() {
     );
     let ckpt = Checkpoint::open(&index).unwrap();
     assert_eq!(ckpt.keys().collect::<Vec<_>>(), ["a", "b", "c"]);
-    assert_eq!(ckpt.metadata()["total_size"], "15");
-    assert_eq!(ckpt.metadata()["format"], "pt");
+    assert_eq!(ckpt.metadata().unwrap()["total_size"], "15");
+    assert_eq!(ckpt.metadata().unwrap()["format"], "pt");
     assert_eq!(ckpt.shards().len(), 2);
     assert_eq!(
         ckpt.tensor("c", false).unwrap().to_vec::<u8>().unwrap(),
@@ -509,7 +515,7 @@ fn checkpoint_from_index_and_from_files() {
 
     let listed = Checkpoint::open_files(&[&one, &two]).unwrap();
     assert_eq!(listed.keys().count(), 3);
-    assert!(listed.metadata().is_empty());
+    assert_eq!(listed.metadata(), None);
     assert_eq!(
         listed.load(&["a"], true).unwrap()["a"]
             .to_vec::<f32>()
@@ -634,9 +640,44 @@ fn truncated_files() {
 fn header_larger_than_the_cap() {
     let mut bytes = (MAX_HEADER_LEN + 1).to_le_bytes().to_vec();
     bytes.extend_from_slice(b"{}");
-    assert_rejected(&bytes, &["exceeds the limit"]);
+    assert_rejected(
+        &bytes,
+        &[
+            "not a safetensors file",
+            "100000001, over the format's limit",
+        ],
+    );
     let bytes = u64::MAX.to_le_bytes();
-    assert_rejected(&bytes, &["exceeds the limit"]);
+    assert_rejected(
+        &bytes,
+        &["not a safetensors file", "over the format's limit"],
+    );
+}
+
+/// Bytes that cannot be a safetensors file say so, naming what they begin with (and the
+/// format, where it is a common one), not only the header length the first 8 bytes make.
+#[test]
+fn other_formats_say_they_are_not_safetensors() {
+    let mut zip = b"PK\x03\x04\x14\x00\x00\x00".to_vec();
+    zip.extend_from_slice(&[0; 64]);
+    assert_rejected(
+        &zip,
+        &[
+            "not a safetensors file: it begins b\"PK\\x03\\x04\\x14\\x00\\x00\\x00\"",
+            "a ZIP archive",
+        ],
+    );
+    let mut pickle = b"\x80\x02}q\x00(X\x07".to_vec();
+    pickle.extend_from_slice(&[0; 64]);
+    assert_rejected(&pickle, &["not a safetensors file", "a Python pickle"]);
+    let text = b"hello world, this is a text file and not a checkpoint".to_vec();
+    assert_rejected(&text, &["not a safetensors file: it begins b\"hello wo\""]);
+    // A plausible length, then something other than a JSON object.
+    assert_rejected(
+        &raw(b"[1, 2]", &[]),
+        &["not a safetensors file", "does not begin with `{`"],
+    );
+    assert_rejected(&raw(b"", &[]), &["not a safetensors file", "0-byte header"]);
 }
 
 #[test]
@@ -644,7 +685,7 @@ fn header_not_utf8_or_not_json() {
     assert_rejected(&raw(b"{\"a\xff\":1}", &[]), &["not UTF-8", "offset 3"]);
     assert_rejected(&st_bytes("{not json", &[]), &["not valid JSON"]);
     assert_rejected(&st_bytes("{} trailing", &[]), &["not valid JSON"]);
-    assert_rejected(&st_bytes("[1, 2]", &[]), &["not a JSON object"]);
+    assert_rejected(&st_bytes("[1, 2]", &[]), &["not a safetensors file"]);
     assert_rejected(&st_bytes(r#"{"x": 3}"#, &[]), &["`x`", "not an object"]);
     // Deep nesting is an error, not a stack overflow.
     let deep = format!(
@@ -672,16 +713,69 @@ fn offsets_outside_or_overlapping() {
     let json = format!(r#"{{"x":{{{F32_1}:[4,0]}}}}"#);
     assert_rejected(&st_bytes(&json, &[0; 8]), &["`x`", "end before they begin"]);
     let json = format!(r#"{{"x":{{{F32_1}:[0,4]}},"y":{{{F32_1}:[2,6]}}}}"#);
-    assert_rejected(&st_bytes(&json, &[0; 8]), &["`x`", "`y`", "overlap"]);
+    assert_rejected(
+        &st_bytes(&json, &[0; 8]),
+        &["`x` [0, 4]", "`y` [2, 6]", "overlap"],
+    );
     let huge = format!(r#"{{"x":{{{F32_1}:[18446744073709551612,18446744073709551616]}}}}"#);
     assert_rejected(&st_bytes(&huge, &[0; 8]), &["`x`", "data_offsets"]);
-    // Empty tensors at the same offset as another's bytes share none of them.
+}
+
+/// The tensors must tile the data section, as the `safetensors` package requires: no byte
+/// before the first, between two, or after the last belongs to no tensor (such bytes could hold
+/// a second format); an empty tensor lies where one tensor ends and the next begins.
+#[test]
+fn tensors_tile_the_data_section() {
+    let e = |at: u32| format!(r#""dtype":"F32","shape":[0],"data_offsets":[{at},{at}]"#);
+    // Empty tensors at the start, between two and at the end; names in any order.
     let json = format!(
-        r#"{{"x":{{{F32_1}:[0,4]}},"e":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}},"f":{{"dtype":"F32","shape":[0],"data_offsets":[2,2]}}}}"#
+        r#"{{"y":{{{F32_1}:[4,8]}},"e":{{{}}},"x":{{{F32_1}:[0,4]}},"f":{{{}}},"g":{{{}}}}}"#,
+        e(0),
+        e(4),
+        e(8)
     );
-    let dir = TempDir::new("empties");
-    let ok = dir.file("ok.safetensors", &st_bytes(&json, &[0; 4]));
-    assert_eq!(SafeTensors::open(&ok).unwrap().keys().count(), 3);
+    let dir = TempDir::new("tiles");
+    let ok = dir.file("ok.safetensors", &st_bytes(&json, &[0; 8]));
+    assert_eq!(SafeTensors::open(&ok).unwrap().keys().count(), 5);
+    let ok = dir.file("empty.safetensors", &st_bytes("{}", &[]));
+    assert_eq!(SafeTensors::open(&ok).unwrap().keys().count(), 0);
+
+    let hole = format!(r#"{{"x":{{{F32_1}:[0,4]}},"y":{{{F32_1}:[8,12]}}}}"#);
+    assert_rejected(
+        &st_bytes(&hole, &[0; 12]),
+        &[
+            "bytes [4, 8)",
+            "between `x` [0, 4] and `y` [8, 12]",
+            "no gaps",
+        ],
+    );
+    let late = format!(r#"{{"x":{{{F32_1}:[4,8]}}}}"#);
+    assert_rejected(
+        &st_bytes(&late, &[0; 8]),
+        &["bytes [0, 4)", "the start of the data section", "no gaps"],
+    );
+    let trailing = format!(r#"{{"x":{{{F32_1}:[0,4]}}}}"#);
+    assert_rejected(
+        &st_bytes(&trailing, &[0; 5]),
+        &[
+            "5 bytes but its tensors end at byte 4",
+            "after the last tensor",
+        ],
+    );
+    assert_rejected(
+        &st_bytes("{}", &[0; 8]),
+        &["8 bytes but its tensors end at byte 0"],
+    );
+    let inside = format!(r#"{{"x":{{{F32_1}:[0,4]}},"e":{{{}}}}}"#, e(2));
+    assert_rejected(
+        &st_bytes(&inside, &[0; 4]),
+        &["`e` [2, 2] begins inside `x` [0, 4]"],
+    );
+    let past = format!(r#"{{"x":{{{F32_1}:[0,4]}},"e":{{{}}}}}"#, e(8));
+    assert_rejected(
+        &st_bytes(&past, &[0; 4]),
+        &["`e`", "outside the data section"],
+    );
 }
 
 #[test]
@@ -776,5 +870,332 @@ fn saves_device_tensors() {
     assert_eq!(
         file.tensor("t", false).unwrap().to_vec::<f32>().unwrap(),
         vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files that are not regular files, views that consumers write, and how a save replaces a file
+
+/// `f` run on a thread, its result within 20 s: a call that blocks forever fails the test
+/// (naming `what`) instead of hanging it.
+fn within_seconds<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("{what} blocked for 20 s"))
+}
+
+fn mkfifo(path: &Path) {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+}
+
+/// Every way the crate opens a file a caller names (one file, a list of shards, an index, the
+/// shards an index lists, a header alone) refuses a FIFO, a socket, a character device and a
+/// directory with an `Error::Io` saying what it is, and none of them blocks (a FIFO without a
+/// writer blocked `open` forever). A save refuses them as its target too.
+#[test]
+fn non_regular_files_are_refused_without_blocking() {
+    let dir = TempDir::new("special");
+    let good = dir.path("good.safetensors");
+    let t = Tensor::from_slice(&[1.0f32], &[1]).unwrap();
+    save_file(&[("g", &t)], None, &good).unwrap();
+    let fifo = dir.path("fifo.safetensors");
+    mkfifo(&fifo);
+    let socket = dir.path("socket.safetensors");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let folder = dir.path("folder.safetensors");
+    std::fs::create_dir(&folder).unwrap();
+    let null = dir.path("null.safetensors");
+    std::os::unix::fs::symlink("/dev/null", &null).unwrap();
+    let cases = [
+        (
+            &fifo,
+            "is a FIFO (named pipe), not a regular file",
+            IoKind::InvalidInput,
+        ),
+        (
+            &socket,
+            "is a socket, not a regular file",
+            IoKind::InvalidInput,
+        ),
+        (
+            &null,
+            "is a character device, not a regular file",
+            IoKind::InvalidInput,
+        ),
+        (
+            &folder,
+            "is a directory, not a regular file",
+            IoKind::IsADirectory,
+        ),
+    ];
+    let expect = |result: dlbridge::Result<()>, path: &Path, says: &str, kind: IoKind| match result
+    {
+        Err(Error::Io {
+            path: named,
+            source,
+        }) => {
+            assert_eq!(named, path);
+            assert_eq!(source.kind(), kind, "{source}");
+            assert!(source.to_string().contains(says), "{source}");
+        }
+        other => panic!("{}: {other:?}", path.display()),
+    };
+    for (path, says, kind) in cases {
+        type Open = fn(PathBuf, PathBuf) -> dlbridge::Result<()>;
+        let opens: [(&str, Open); 4] = [
+            ("SafeTensors::open", |p, _| SafeTensors::open(p).map(drop)),
+            ("Header::read", |p, _| Header::read(&p).map(drop)),
+            ("Checkpoint::open", |p, _| Checkpoint::open(p).map(drop)),
+            ("Checkpoint::open_files", |p, good| {
+                Checkpoint::open_files(&[good, p]).map(drop)
+            }),
+        ];
+        for (what, open) in opens {
+            let (p, g) = (path.clone(), good.clone());
+            let result = within_seconds(what, move || open(p, g));
+            expect(result, path, says, kind);
+        }
+        // An index naming it as a shard.
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let index = dir.file(
+            "model.safetensors.index.json",
+            format!(r#"{{"weight_map": {{"g": "good.safetensors", "x": "{name}"}}}}"#).as_bytes(),
+        );
+        let result = within_seconds("an index's shard", move || {
+            Checkpoint::open(index).map(drop)
+        });
+        expect(result, path, says, kind);
+        // A save to it (through the link, for the device) leaves it as it was.
+        let result = save_file(&[("t", &t)], None, path);
+        expect(result, path, says, kind);
+    }
+    assert!(
+        std::fs::metadata("/dev/null")
+            .unwrap()
+            .file_type()
+            .is_char_device()
+    );
+    // The index itself as a FIFO.
+    let index = dir.path("fifo.index.json");
+    mkfifo(&index);
+    let named = index.clone();
+    let result = within_seconds("a FIFO index", move || Checkpoint::open(named).map(drop));
+    expect(
+        result,
+        &index,
+        "is a FIFO (named pipe), not a regular file",
+        IoKind::InvalidInput,
+    );
+    let left: Vec<String> = dir.entries();
+    assert_eq!(
+        left,
+        [
+            "fifo.index.json",
+            "fifo.safetensors",
+            "folder.safetensors",
+            "good.safetensors",
+            "model.safetensors.index.json",
+            "null.safetensors",
+            "socket.safetensors",
+        ]
+    );
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+}
+
+/// A consumer that ignores a view's read-only flag (PyTorch, through DLPack) and writes into it
+/// writes the process's private copy of the page (the file is mapped copy-on-write): no fault,
+/// the file unchanged on disk, another opening of it unchanged; the views of the same opening
+/// share the write (they are one memory).
+#[test]
+fn writes_into_views_are_private_to_the_mapping() {
+    let dir = TempDir::new("cow");
+    let path = dir.path("w.safetensors");
+    let w = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
+    save_file(&[("w", &w)], None, &path).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    let file = SafeTensors::open(&path).unwrap();
+    assert!(file.is_copy_on_write());
+    let view = file.tensor("w", false).unwrap();
+    assert!(view.is_read_only() && view.buffer().same_allocation(file.buffer()));
+    let ptr = view.buffer().host_ptr().unwrap().as_ptr();
+    let first = ptr.wrapping_add(view.byte_offset()).cast::<f32>();
+    // SAFETY: what a consumer ignoring the read-only flag does: `first` is the view's first
+    // element, 4-byte aligned (the loader views aligned bytes only), inside the live mapping.
+    unsafe { first.write(9.0) };
+    assert_eq!(
+        file.tensor("w", false).unwrap().to_vec::<f32>().unwrap(),
+        [9.0, 2.0, 3.0, 4.0]
+    );
+    let again = SafeTensors::open(&path).unwrap();
+    assert_eq!(
+        again.tensor("w", false).unwrap().to_vec::<f32>().unwrap(),
+        [1.0, 2.0, 3.0, 4.0]
+    );
+    drop((view, file));
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+}
+
+/// A save over an existing file keeps its permission bits (it used to get the temporary's
+/// 0o644-ish default), and, as root, its owner and group; a new file gets what any new file
+/// gets (0o666 less the umask, as `File::create` makes it).
+#[test]
+fn a_save_keeps_the_mode_and_owner_of_the_file_it_replaces() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = TempDir::new("modes");
+    let t = Tensor::from_slice(&[1u8, 2], &[2]).unwrap();
+    let path = dir.path("m.safetensors");
+    for mode in [0o600, 0o640, 0o604, 0o444, 0o755] {
+        std::fs::write(&path, b"old").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        save_file(&[("t", &t)], None, &path).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.mode() & 0o7777, mode, "{mode:o}");
+        assert_eq!(SafeTensors::open(&path).unwrap().keys().count(), 1);
+        std::fs::remove_file(&path).unwrap();
+    }
+    let reference = dir.path("reference");
+    std::fs::File::create(&reference).unwrap();
+    save_file(&[("t", &t)], None, &path).unwrap();
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().mode() & 0o7777,
+        std::fs::metadata(&reference).unwrap().mode() & 0o7777
+    );
+    // SAFETY: `geteuid` only reads the process's effective user id.
+    if unsafe { libc::geteuid() } == 0 {
+        // As root, another user's file stays theirs (root's save used to take it over).
+        std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        save_file(&[("u", &t)], None, &path).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+            (65534, 65534, 0o640)
+        );
+    }
+    assert_eq!(dir.entries(), ["m.safetensors", "reference"]);
+}
+
+/// A save to a symbolic link (a Hugging Face cache shard: `snapshots/<rev>/x.safetensors` →
+/// `../../blobs/<hash>`) replaces the file the link leads to and leaves the link a link, through
+/// chains of links and to a target that does not exist yet; a loop of links is an error.
+#[test]
+fn a_save_writes_through_symbolic_links() {
+    use std::os::unix::fs::symlink;
+    let dir = TempDir::new("links");
+    std::fs::create_dir_all(dir.path("blobs")).unwrap();
+    std::fs::create_dir_all(dir.path("snapshots/rev")).unwrap();
+    let blob = dir.path("blobs/abc123");
+    let old = Tensor::from_slice(&[1i32], &[1]).unwrap();
+    let new = Tensor::from_slice(&[7i32, 8], &[2]).unwrap();
+    save_file(&[("old", &old)], None, &blob).unwrap();
+    let link = dir.path("snapshots/rev/model.safetensors");
+    symlink("../../blobs/abc123", &link).unwrap();
+    // A chain: an absolute link to the relative one.
+    let chain = dir.path("chain.safetensors");
+    symlink(&link, &chain).unwrap();
+    for (path, name) in [(&link, "new"), (&chain, "newer")] {
+        save_file(&[(name, &new)], None, path).unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        assert!(std::fs::symlink_metadata(&chain).unwrap().is_symlink());
+        assert_eq!(
+            std::fs::read_link(&link).unwrap(),
+            Path::new("../../blobs/abc123")
+        );
+        let file = SafeTensors::open(&blob).unwrap();
+        assert_eq!(file.keys().collect::<Vec<_>>(), [name]);
+        assert_eq!(
+            file.tensor(name, false).unwrap().to_vec::<i32>().unwrap(),
+            [7, 8]
+        );
+    }
+    // A link to a file that does not exist yet: the file is made where it leads.
+    let dangling = dir.path("snapshots/rev/later.safetensors");
+    symlink("../../blobs/def456", &dangling).unwrap();
+    save_file(&[("t", &new)], None, &dangling).unwrap();
+    assert!(std::fs::symlink_metadata(&dangling).unwrap().is_symlink());
+    assert!(
+        std::fs::symlink_metadata(dir.path("blobs/def456"))
+            .unwrap()
+            .is_file()
+    );
+    // A loop.
+    let (a, b) = (dir.path("a.safetensors"), dir.path("b.safetensors"));
+    symlink(&b, &a).unwrap();
+    symlink(&a, &b).unwrap();
+    match save_file(&[("t", &new)], None, &a) {
+        Err(Error::Io { path, source }) => {
+            assert_eq!(path, a);
+            assert_eq!(source.raw_os_error(), Some(libc::ELOOP), "{source}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // No temporary is left anywhere.
+    let listing = |p: &str| {
+        let mut names: Vec<String> = std::fs::read_dir(dir.path(p))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(listing("blobs"), ["abc123", "def456"]);
+    assert_eq!(
+        listing("snapshots/rev"),
+        ["later.safetensors", "model.safetensors"]
+    );
+}
+
+/// A save whose header readers would refuse (metadata over the 100 MB cap) is refused before
+/// anything is written: no file, no temporary, an existing file untouched. Just under the cap,
+/// the file is written and loads.
+#[test]
+fn a_save_refuses_a_header_over_the_cap() {
+    let dir = TempDir::new("cap");
+    let t = Tensor::from_slice(&[1u8], &[1]).unwrap();
+    let path = dir.path("big.safetensors");
+    let mut metadata = BTreeMap::new();
+    metadata.insert("k".to_owned(), "x".repeat(MAX_HEADER_LEN as usize));
+    let expect_refused = |result: dlbridge::Result<()>| match result {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains("over the limit of 100000000 bytes"), "{m}");
+            assert!(
+                m.contains(&format!("{} bytes of metadata", MAX_HEADER_LEN + 1)),
+                "{m}"
+            );
+        }
+        other => panic!("{other:?}"),
+    };
+    expect_refused(save_file(&[("t", &t)], Some(&metadata), &path));
+    assert!(dir.entries().is_empty(), "{:?}", dir.entries());
+    expect_refused(serialize(&[("t", &t)], Some(&metadata)).map(drop));
+    save_file(&[("t", &t)], None, &path).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    expect_refused(save_file(&[("t", &t)], Some(&metadata), &path));
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    assert_eq!(dir.entries(), ["big.safetensors"]);
+    // Metadata under the cap whose JSON (escaped) is over it.
+    metadata.insert("k".to_owned(), "\"".repeat(MAX_HEADER_LEN as usize / 2 + 1));
+    match save_file(&[("t", &t)], Some(&metadata), &path) {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains("header would be 10000"), "{m}");
+            assert!(m.contains("over the limit of 100000000 bytes"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    // Just under the cap: written, and read back.
+    metadata.insert("k".to_owned(), "x".repeat(MAX_HEADER_LEN as usize - 200));
+    save_file(&[("t", &t)], Some(&metadata), &path).unwrap();
+    let header = Header::read(&path).unwrap();
+    assert!(header.header_len() <= MAX_HEADER_LEN);
+    assert_eq!(
+        header.metadata().unwrap()["k"].len(),
+        MAX_HEADER_LEN as usize - 200
     );
 }

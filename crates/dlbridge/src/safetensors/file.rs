@@ -1,14 +1,12 @@
 //! Opening safetensors files: one file ([`SafeTensors`]) or a sharded checkpoint
-//! ([`Checkpoint`]), each mapped read-only; tensors are zero-copy views of the mapping.
+//! ([`Checkpoint`]), each mapped copy-on-write; tensors are zero-copy views of the mapping.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::io::Read;
 use std::ops::Range;
-use std::path::{Component, Path};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
-
-use serde_json::Value;
 
 use crate::backend;
 use crate::buffer::{Buffer, StorageMode};
@@ -19,8 +17,9 @@ use crate::layout::Layout;
 use crate::tensor::Tensor;
 
 use super::header::{
-    Header, MAX_HEADER_LEN, TensorInfo, file_len, invalid_file, io_error, open_file,
+    Header, MAX_HEADER_LEN, TensorInfo, file_len, invalid_file, io_error, open_regular,
 };
+use super::index::Index;
 
 /// Where one tensor's bytes lie: the plan a loader (the CPU path here, a device loader elsewhere)
 /// reads from.
@@ -38,51 +37,80 @@ pub struct TensorLocation {
     pub shape: Vec<usize>,
 }
 
-/// A read-only memory map of a whole file (private, or shared for the CUDA reader that registers
-/// its pages with the driver), unmapped when dropped.
+/// A memory map of a whole file, unmapped when dropped: private and copy-on-write (the file's
+/// pages, readable and writable, a written page becoming the process's own copy and the file
+/// never written), private and read-only where the system refuses that, or shared and read-only
+/// for the CUDA reader that registers its pages with the driver (never handed out).
 pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    writable: bool,
 }
 
-// SAFETY: the mapping is read-only (PROT_READ) and owned by this value alone: any thread may read
-// through it, and `munmap` in `Drop` may run on any thread.
+// SAFETY: the mapping is owned by this value alone and `munmap` in `Drop` may run on any thread.
+// This value itself only reads through it (`bytes`, while the file is opened, before any view of
+// it exists); writes, where the mapping is writable, come from views' consumers, whose
+// synchronisation is theirs, as for any memory a tensor views.
 unsafe impl Send for Mapping {}
 // SAFETY: as above: shared access only reads the immutable pointer and length.
 unsafe impl Sync for Mapping {}
 
+/// The environment variable that makes [`Mapping::copy_on_write`] act as if the system had
+/// refused the writable mapping (`1`), so that tests can run the read-only fallback where no
+/// strict overcommit policy refuses it. For tests only.
+const REFUSE_COPY_ON_WRITE: &str = "_DLBRIDGE_TEST_REFUSE_COPY_ON_WRITE";
+
 impl Mapping {
-    /// Maps the first `len` (> 0) bytes of `file`, privately or `shared`.
-    pub(crate) fn new(
+    /// Maps the first `len` (> 0) bytes of `file` privately and copy-on-write, without reserving
+    /// swap for the pages a writer could copy (`MAP_NORESERVE`, so that a mapping larger than
+    /// the machine's memory is not refused under the kernel's default overcommit heuristic).
+    /// Where the system refuses a writable mapping (strict overcommit accounting,
+    /// `vm.overcommit_memory=2`, charges the whole length), the bytes are mapped private and
+    /// read-only instead: [`Mapping::is_writable`] then says `false`.
+    pub(crate) fn copy_on_write(file: &std::fs::File, len: usize, path: &Path) -> Result<Mapping> {
+        let refused = std::env::var_os(REFUSE_COPY_ON_WRITE).is_some_and(|v| v == "1");
+        let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
+        let writable = if refused {
+            None
+        } else {
+            Mapping::map(file, len, path, libc::PROT_READ | libc::PROT_WRITE, flags).ok()
+        };
+        match writable {
+            Some(mapping) => Ok(mapping),
+            None => Mapping::map(file, len, path, libc::PROT_READ, libc::MAP_PRIVATE),
+        }
+    }
+
+    /// Maps the first `len` (> 0) bytes of `file` shared and read-only.
+    #[cfg_attr(not(cuda), allow(dead_code))]
+    pub(crate) fn shared(file: &std::fs::File, len: usize, path: &Path) -> Result<Mapping> {
+        Mapping::map(file, len, path, libc::PROT_READ, libc::MAP_SHARED)
+    }
+
+    fn map(
         file: &std::fs::File,
         len: usize,
         path: &Path,
-        shared: bool,
+        prot: libc::c_int,
+        flags: libc::c_int,
     ) -> Result<Mapping> {
         use std::os::fd::AsRawFd;
         // SAFETY: a fresh mapping at an address of the kernel's choosing (NULL hint, no
         // MAP_FIXED) replaces no existing memory; `fd` is an open descriptor that outlives the
-        // call, and the mapping stays valid after the descriptor is closed.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                if shared {
-                    libc::MAP_SHARED
-                } else {
-                    libc::MAP_PRIVATE
-                },
-                file.as_raw_fd(),
-                0,
-            )
-        };
+        // call, and the mapping stays valid after the descriptor is closed. A writable mapping
+        // is private (the callers never pass MAP_SHARED with PROT_WRITE): the file is not written.
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, file.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(io_error(path, std::io::Error::last_os_error()));
         }
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| io_error(path, std::io::Error::other("mmap returned a NULL mapping")))?;
-        Ok(Mapping { ptr, len })
+        Ok(Mapping {
+            ptr,
+            len,
+            writable: prot & libc::PROT_WRITE != 0,
+        })
     }
 
     /// The address of the file's byte 0.
@@ -97,17 +125,24 @@ impl Mapping {
         self.len
     }
 
+    /// Whether the pages are writable (private and copy-on-write): a write through a view, by a
+    /// consumer that ignores the views' read-only flag, then cannot fault.
+    pub(crate) fn is_writable(&self) -> bool {
+        self.writable
+    }
+
     fn bytes(&self) -> &[u8] {
         // SAFETY: `ptr` addresses `len` readable bytes mapped for as long as `self` lives. The file
         // may change under a private mapping if another process writes it; the header is parsed
-        // once from these bytes and the result is what is trusted afterwards.
+        // once from these bytes, before any view of the mapping exists, and the result is what is
+        // trusted afterwards.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly one live mapping made in `Mapping::new`; every view of
+        // SAFETY: `ptr`/`len` are exactly one live mapping made in `Mapping::map`; every view of
         // it holds a clone of the buffer that owns this value, so none outlives the unmap.
         let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         if rc != 0 {
@@ -119,26 +154,43 @@ impl Drop for Mapping {
     }
 }
 
-/// One safetensors file, opened: its validated [`Header`] and a read-only map of the whole file
-/// as a foreign-owned [`Buffer`].
+/// One safetensors file, opened: its validated [`Header`] and a map of the whole file as a
+/// foreign-owned, read-only [`Buffer`].
 ///
 /// Tensors are views of the mapping (zero-copy, read-only, keeping the map alive) unless their
 /// bytes are not aligned for their element type, or a copy is asked for.
+///
+/// The file is mapped private and copy-on-write: its pages are the file's until written, the
+/// file itself is never written, and a consumer that ignores the views' read-only flag (PyTorch
+/// does, through DLPack) writes a page that becomes this process's own copy instead of faulting.
+/// Such a write is seen by every view of this opening of the file (they are one memory), not by
+/// the file, other openings of it or other processes. Where the system refuses a writable
+/// private mapping (strict overcommit, `vm.overcommit_memory=2`), the file is mapped read-only
+/// and tensors are copies, so that no write into one can fault ([`SafeTensors::is_copy_on_write`]
+/// says which).
+///
+/// A view shows the file's pages: the file must not be truncated while mapped (reading a page
+/// past the new end raises `SIGBUS`, as with any memory-mapped file), and a change written into
+/// the file in place shows through in pages this process has not written. Copies
+/// (`copy = true`) are memory of their own.
 #[derive(Clone, Debug)]
 pub struct SafeTensors {
     path: Arc<Path>,
     header: Header,
     buffer: Buffer,
+    /// The open file the mapping was made from: loaders read from it, not from the path again.
+    file: Arc<std::fs::File>,
+    copy_on_write: bool,
 }
 
 impl SafeTensors {
     /// Opens, maps and validates the file at `path` (see [`Header::parse`] for what is checked).
     ///
-    /// The file must not be truncated while mapped: reading a page past the new end raises
-    /// `SIGBUS`, as with any memory-mapped file.
+    /// Anything but a regular file (a FIFO, a socket, a device, a directory) is refused with an
+    /// [`Error::Io`] saying what it is, before it is read, so that no open or read can block.
     pub fn open(path: impl AsRef<Path>) -> Result<SafeTensors> {
         let path = path.as_ref();
-        let file = open_file(path)?;
+        let file = open_regular(path, 0)?;
         let len = file_len(&file, path)?;
         if len < super::header::PREFIX_LEN {
             // Too short to map usefully; the parser names what is missing.
@@ -148,12 +200,14 @@ impl SafeTensors {
         }
         let map_len = usize::try_from(len)
             .map_err(|_| invalid_file(path, format!("{len} bytes cannot be mapped")))?;
-        let mapping = Mapping::new(&file, map_len, path, false)?;
+        let mapping = Mapping::copy_on_write(&file, map_len, path)?;
         let header = Header::parse(mapping.bytes(), len, path)?;
+        let copy_on_write = mapping.is_writable();
         let base = mapping.ptr.as_ptr();
-        // SAFETY: `base` addresses the `map_len` bytes of the mapping, readable (never writable:
-        // PROT_READ, and the buffer is read-only) for as long as `mapping`, moved into the keep-alive,
-        // lives.
+        // SAFETY: `base` addresses the `map_len` bytes of the mapping, readable for as long as
+        // `mapping`, moved into the keep-alive, lives. The buffer is read-only, so dlbridge never
+        // writes them; a consumer that ignores that writes private copy-on-write pages, or, where
+        // the mapping is read-only, gets no view of them (`load_info` copies).
         let buffer = unsafe {
             Buffer::from_foreign(
                 base.cast(),
@@ -169,7 +223,21 @@ impl SafeTensors {
             path: Arc::from(path),
             header,
             buffer,
+            file: Arc::new(file),
+            copy_on_write,
         })
+    }
+
+    /// Whether the file is mapped copy-on-write (writable private pages: tensors are views of
+    /// them), or read-only because the system refused that (tensors are copies).
+    pub fn is_copy_on_write(&self) -> bool {
+        self.copy_on_write
+    }
+
+    /// The open file the mapping was made from, for readers (no second open of the path, which
+    /// could have changed since).
+    pub(crate) fn file(&self) -> &std::fs::File {
+        &self.file
     }
 
     /// The file's path.
@@ -182,7 +250,7 @@ impl SafeTensors {
         &self.header
     }
 
-    /// The read-only mapping of the whole file (byte 0 is the start of the file).
+    /// The mapping of the whole file, a read-only buffer (byte 0 is the start of the file).
     pub fn buffer(&self) -> &Buffer {
         &self.buffer
     }
@@ -192,8 +260,8 @@ impl SafeTensors {
         self.header.keys()
     }
 
-    /// The header's string metadata.
-    pub fn metadata(&self) -> &BTreeMap<String, String> {
+    /// The header's string metadata (`None` where the header has none).
+    pub fn metadata(&self) -> Option<&BTreeMap<String, String>> {
         self.header.metadata()
     }
 
@@ -202,7 +270,7 @@ impl SafeTensors {
         self.header.tensor(name)
     }
 
-    /// The locations of the tensors `select` accepts, in file order.
+    /// The locations of the tensors `select` accepts, in file order (by byte range).
     pub fn plan(&self, mut select: impl FnMut(&str) -> bool) -> Vec<TensorLocation> {
         let mut plan: Vec<TensorLocation> = self
             .header
@@ -217,13 +285,16 @@ impl SafeTensors {
                 shape: info.shape().to_vec(),
             })
             .collect();
-        plan.sort_by_key(|loc| loc.byte_range.start);
+        // As the `safetensors` package orders them: an empty tensor before one that begins
+        // where it lies.
+        plan.sort_by_key(|loc| (loc.byte_range.start, loc.byte_range.end));
         plan
     }
 
     /// One tensor on the CPU. With `copy` false: a read-only view of the mapping (a read-only
-    /// private copy when the bytes are not aligned for the element type); with `copy` true:
-    /// writable memory of dlbridge's pool that nothing else references.
+    /// private copy when the bytes are not aligned for the element type, or the mapping is not
+    /// copy-on-write); with `copy` true: writable memory of dlbridge's pool that nothing else
+    /// references.
     pub fn tensor(&self, name: &str, copy: bool) -> Result<Tensor> {
         let info = self.info(name).ok_or_else(|| {
             Error::InvalidArgument(format!("no tensor `{name}` in {}", self.path.display()))
@@ -257,7 +328,7 @@ impl SafeTensors {
         let base = self.buffer.require_host("loading a tensor")?;
         let packed = info.is_packed();
         let aligned = is_aligned((base.as_ptr() as usize).wrapping_add(start), info.dtype());
-        if aligned && !copy {
+        if aligned && !copy && self.copy_on_write {
             let layout = Layout::contiguous_at(info.shape(), start)?;
             return Tensor::with_packing(self.buffer.clone(), info.dtype(), layout, packed);
         }
@@ -286,7 +357,8 @@ impl SafeTensors {
 }
 
 /// A checkpoint of one or more safetensors files (shards): a single file, a list of files, or a
-/// `model.safetensors.index.json` (`{"metadata": {..}, "weight_map": {name: file}}`).
+/// `model.safetensors.index.json` (`{"metadata": {..}, "weight_map": {name: file}}`, see
+/// [`Index`]).
 ///
 /// Every tensor name belongs to exactly one shard.
 #[derive(Clone, Debug)]
@@ -294,7 +366,9 @@ pub struct Checkpoint {
     shards: Vec<SafeTensors>,
     /// Tensor name → index into `shards`.
     names: BTreeMap<String, usize>,
-    metadata: BTreeMap<String, String>,
+    /// The index's metadata (for a checkpoint opened from an index).
+    metadata: Option<BTreeMap<String, String>>,
+    from_index: bool,
 }
 
 impl Checkpoint {
@@ -315,77 +389,42 @@ impl Checkpoint {
             .iter()
             .map(SafeTensors::open)
             .collect::<Result<Vec<_>>>()?;
-        Checkpoint::from_shards(shards, BTreeMap::new())
+        Checkpoint::from_shards(shards, None, false)
     }
 
-    /// Opens a sharded checkpoint from its index file. Shard paths are relative to the index's
-    /// folder and may not leave it; a missing shard is an [`Error::Io`] naming it (kind
-    /// `NotFound`); a name the index places in a shard that lacks it, or a name found in two
-    /// shards, is an [`Error::InvalidFile`]. String metadata values are kept as they are; other
-    /// values (such as `total_size`) as their JSON text.
+    /// Opens a sharded checkpoint from its index file ([`Index::parse`] says what is checked).
+    /// Shard paths are relative to the index's folder and may not leave it; a missing shard is an
+    /// [`Error::Io`] naming it (kind `NotFound`); a name the index places in a shard that lacks
+    /// it, or a name found in two shards, is an [`Error::InvalidFile`]. The index and the shards
+    /// must be regular files, as [`SafeTensors::open`] says.
     pub fn open_index(index: impl AsRef<Path>) -> Result<Checkpoint> {
         let index = index.as_ref();
-        let invalid = |reason: String| invalid_file(index, reason);
-        let text = read_index(index)?;
-        let value: Value = super::header::parse_strict_json(&text)
-            .map_err(|e| invalid(format!("not valid JSON: {e}")))?;
-        let Value::Object(mut root) = value else {
-            return Err(invalid("the index is not a JSON object".into()));
-        };
-        let metadata = match root.remove("metadata") {
-            None | Some(Value::Null) => BTreeMap::new(),
-            Some(Value::Object(map)) => map
-                .into_iter()
-                .map(|(key, value)| match value {
-                    Value::String(text) => (key, text),
-                    other => (key, other.to_string()),
-                })
-                .collect(),
-            Some(_) => return Err(invalid("`metadata` is not an object".into())),
-        };
-        let Some(Value::Object(weight_map)) = root.remove("weight_map") else {
-            return Err(invalid("the index has no `weight_map` object".into()));
-        };
+        let parsed = Index::parse(&read_index(index)?, index)?;
         let folder = index.parent().unwrap_or(Path::new(""));
-        let mut wanted: Vec<(String, String)> = Vec::with_capacity(weight_map.len());
-        for (name, file) in weight_map {
-            let Value::String(file) = file else {
-                return Err(invalid(format!(
-                    "`weight_map` entry `{name}` is not a file name"
-                )));
-            };
-            let relative = Path::new(&file);
-            let inside = relative
-                .components()
-                .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
-            if !inside || file.is_empty() {
-                return Err(invalid(format!(
-                    "shard `{file}` (of tensor `{name}`) is not a path inside the index's folder"
-                )));
-            }
-            wanted.push((name, file));
-        }
-        let files: BTreeSet<&str> = wanted.iter().map(|(_, file)| file.as_str()).collect();
+        let files: Vec<&str> = parsed.shards().into_iter().collect();
         let shards = files
             .iter()
             .map(|file| SafeTensors::open(folder.join(file)))
             .collect::<Result<Vec<_>>>()?;
-        let files: Vec<&str> = files.into_iter().collect();
-        for (name, file) in &wanted {
-            // Every file of `wanted` is in `files`, so the search finds it.
+        for (name, file) in parsed.weight_map() {
+            // Every file of the weight map is in `files`, so the search finds it.
             let shard = files.binary_search(&file.as_str()).unwrap_or(0);
             if shards[shard].info(name).is_none() {
-                return Err(invalid(format!(
-                    "`weight_map` places tensor `{name}` in `{file}`, which has no such tensor"
-                )));
+                return Err(invalid_file(
+                    index,
+                    format!(
+                        "`weight_map` places tensor `{name}` in `{file}`, which has no such tensor"
+                    ),
+                ));
             }
         }
-        Checkpoint::from_shards(shards, metadata)
+        Checkpoint::from_shards(shards, parsed.metadata().cloned(), true)
     }
 
     fn from_shards(
         shards: Vec<SafeTensors>,
-        metadata: BTreeMap<String, String>,
+        metadata: Option<BTreeMap<String, String>>,
+        from_index: bool,
     ) -> Result<Checkpoint> {
         let mut names = BTreeMap::new();
         for (i, shard) in shards.iter().enumerate() {
@@ -407,6 +446,7 @@ impl Checkpoint {
             shards,
             names,
             metadata,
+            from_index,
         })
     }
 
@@ -420,12 +460,14 @@ impl Checkpoint {
         self.names.keys().map(String::as_str)
     }
 
-    /// The checkpoint's metadata: the index's, or a single file's own header metadata (empty for
-    /// a list of several files; each shard's own header metadata is in [`Checkpoint::shards`]).
-    pub fn metadata(&self) -> &BTreeMap<String, String> {
+    /// The checkpoint's metadata: an index's `metadata`, or a single file's header metadata;
+    /// `None` where that has none, and for a list of several files (each shard's own header
+    /// metadata is in [`Checkpoint::shards`]).
+    pub fn metadata(&self) -> Option<&BTreeMap<String, String>> {
         match self.shards.as_slice() {
-            [only] if self.metadata.is_empty() => only.metadata(),
-            _ => &self.metadata,
+            _ if self.from_index => self.metadata.as_ref(),
+            [only] => only.metadata(),
+            _ => None,
         }
     }
 
@@ -479,9 +521,10 @@ pub(super) fn is_aligned(address: usize, dtype: DType) -> bool {
     address % dtype.itemsize() == 0
 }
 
-/// The index file's text, at most [`MAX_HEADER_LEN`] bytes.
-fn read_index(path: &Path) -> Result<String> {
-    let file = open_file(path)?;
+/// The index file's bytes: at most [`MAX_HEADER_LEN`] (plus one, for [`Index::parse`] to
+/// refuse), read from a regular file.
+fn read_index(path: &Path) -> Result<Vec<u8>> {
+    let file = open_regular(path, 0)?;
     let len = file_len(&file, path)?;
     if len > MAX_HEADER_LEN {
         return Err(invalid_file(
@@ -490,18 +533,10 @@ fn read_index(path: &Path) -> Result<String> {
         ));
     }
     let mut bytes = Vec::new();
-    file.take(MAX_HEADER_LEN)
+    file.take(MAX_HEADER_LEN + 1)
         .read_to_end(&mut bytes)
         .map_err(|e| io_error(path, e))?;
-    String::from_utf8(bytes).map_err(|e| {
-        invalid_file(
-            path,
-            format!(
-                "not UTF-8 (invalid byte at offset {})",
-                e.utf8_error().valid_up_to()
-            ),
-        )
-    })
+    Ok(bytes)
 }
 
 /// The tensors named in `names`, each loaded by `load`: the one loop behind

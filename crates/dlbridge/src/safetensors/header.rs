@@ -80,11 +80,14 @@ impl TensorInfo {
 
 /// A parsed and validated safetensors header.
 ///
-/// Every tensor's bytes lie inside the data section, no two tensors share a byte, each tensor's
-/// length is its dtype's size times its element count, and every name appears once.
+/// The tensors tile the data section: sorted by their byte ranges, each begins where the one
+/// before it ends, the first at byte 0 and the last at the end of the file, so every byte of the
+/// file belongs to the header or to exactly one tensor (the `safetensors` package's rule: a hole
+/// or trailing bytes could carry a second format). Each tensor's length is its dtype's size
+/// times its element count, and every name appears once.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Header {
-    metadata: BTreeMap<String, String>,
+    metadata: Option<BTreeMap<String, String>>,
     tensors: BTreeMap<String, TensorInfo>,
     header_len: u64,
     file_len: u64,
@@ -95,9 +98,14 @@ impl Header {
     /// file `file_len` bytes long, named `path` in errors.
     ///
     /// Errors are [`Error::InvalidFile`]: a length prefix past [`MAX_HEADER_LEN`] or the end of the
-    /// file, a header that is not UTF-8 or not JSON, duplicate names or keys, an unknown dtype, and
-    /// any tensor whose bytes fall outside the data section, overlap another's, or differ in
-    /// length from its dtype and shape.
+    /// file, a header that is not UTF-8 or not a JSON object (said as "not a safetensors file"
+    /// where the bytes cannot be one), duplicate names or keys, an unknown dtype, any tensor
+    /// whose bytes fall outside the data section or differ in length from its dtype and shape,
+    /// and tensors that do not tile the data section (an overlap, a hole, trailing bytes).
+    ///
+    /// The verdict is the `safetensors` package's on every file but two kinds, which dlbridge
+    /// refuses where it accepts: a name or key given twice (it keeps the last), and a tensor that
+    /// dlbridge cannot hold (more than [`MAX_NDIM`] axes, an extent past `isize::MAX`).
     pub fn parse(bytes: &[u8], file_len: u64, path: &Path) -> Result<Header> {
         let invalid = |reason: String| invalid_file(path, reason);
         let header_len = header_len(bytes, file_len, path)?;
@@ -109,6 +117,15 @@ impl Header {
                 bytes.len()
             )));
         };
+        if json.trim_ascii_start().first() != Some(&b'{') {
+            return Err(not_safetensors(
+                path,
+                format!(
+                    "its {header_len}-byte header does not begin with `{{` (it begins {})",
+                    quoted(json)
+                ),
+            ));
+        }
         let text = std::str::from_utf8(json).map_err(|e| {
             invalid(format!(
                 "the header is not UTF-8 (invalid byte at header offset {})",
@@ -118,11 +135,15 @@ impl Header {
         let value = parse_strict_json(text)
             .map_err(|e| invalid(format!("the header is not valid JSON: {e}")))?;
         let Value::Object(entries) = value else {
-            return Err(invalid("the header is not a JSON object".into()));
+            // Not reached: JSON text that begins with `{` is an object or no JSON at all.
+            return Err(not_safetensors(
+                path,
+                "the header is not a JSON object".into(),
+            ));
         };
         let data_start = PREFIX_LEN + header_len;
         let data_len = file_len - data_start;
-        let mut metadata = BTreeMap::new();
+        let mut metadata = None;
         let mut tensors = BTreeMap::new();
         for (name, entry) in entries {
             if name == METADATA_KEY {
@@ -133,7 +154,7 @@ impl Header {
                 .map_err(|reason| invalid(format!("tensor `{name}`: {reason}")))?;
             tensors.insert(name, info);
         }
-        check_overlaps(&tensors).map_err(invalid)?;
+        check_tiling(&tensors, data_len).map_err(invalid)?;
         Ok(Header {
             metadata,
             tensors,
@@ -145,9 +166,10 @@ impl Header {
     /// Reads and parses the header of the file at `path`, without reading its data.
     ///
     /// I/O failures are [`Error::Io`] with the system's error kind (`NotFound`, `IsADirectory`,
-    /// `PermissionDenied`, ...).
+    /// `PermissionDenied`, ...); a path that is not a regular file (a FIFO, a socket, a device)
+    /// is refused before it is read, as [`SafeTensors::open`](super::SafeTensors::open) says.
     pub fn read(path: &Path) -> Result<Header> {
-        let mut file = open_file(path)?;
+        let mut file = open_regular(path, 0)?;
         let file_len = file_len(&file, path)?;
         let mut prefix = [0u8; PREFIX_LEN as usize];
         if file_len < PREFIX_LEN {
@@ -166,9 +188,10 @@ impl Header {
         Header::parse(&bytes, file_len, path)
     }
 
-    /// The free-form string metadata (`"__metadata__"`), empty when the header has none.
-    pub fn metadata(&self) -> &BTreeMap<String, String> {
-        &self.metadata
+    /// The free-form string metadata (`"__metadata__"`); `None` when the header has none (or
+    /// `null`), as the `safetensors` package says it.
+    pub fn metadata(&self) -> Option<&BTreeMap<String, String>> {
+        self.metadata.as_ref()
     }
 
     /// The tensors by name, in name order.
@@ -212,9 +235,14 @@ fn header_len(bytes: &[u8], file_len: u64, path: &Path) -> Result<u64> {
     };
     let header_len = u64::from_le_bytes(*prefix);
     if header_len > MAX_HEADER_LEN {
-        return Err(invalid_file(
+        let kind = known_format(bytes).map_or(String::new(), |kind| format!(", {kind}"));
+        return Err(not_safetensors(
             path,
-            format!("header length {header_len} exceeds the limit of {MAX_HEADER_LEN} bytes"),
+            format!(
+                "it begins {}{kind}, where a safetensors file begins with its header's length \
+                 (these bytes read as {header_len}, over the format's limit of {MAX_HEADER_LEN})",
+                quoted(prefix)
+            ),
         ));
     }
     if header_len > file_len - PREFIX_LEN {
@@ -231,9 +259,9 @@ fn header_len(bytes: &[u8], file_len: u64, path: &Path) -> Result<u64> {
 }
 
 /// The string map under `"__metadata__"` (`null` counts as none).
-fn parse_metadata(entry: Value) -> std::result::Result<BTreeMap<String, String>, String> {
+fn parse_metadata(entry: Value) -> std::result::Result<Option<BTreeMap<String, String>>, String> {
     match entry {
-        Value::Null => Ok(BTreeMap::new()),
+        Value::Null => Ok(None),
         Value::Object(map) => map
             .into_iter()
             .map(|(key, value)| match value {
@@ -243,7 +271,8 @@ fn parse_metadata(entry: Value) -> std::result::Result<BTreeMap<String, String>,
                     json_kind(&other)
                 )),
             })
-            .collect(),
+            .collect::<std::result::Result<_, _>>()
+            .map(Some),
         other => Err(format!(
             "`{METADATA_KEY}` is {}, not an object of strings",
             json_kind(&other)
@@ -349,24 +378,48 @@ fn integers(value: Value, what: &str) -> std::result::Result<Vec<u64>, String> {
         .collect()
 }
 
-/// Fails when two tensors share a byte (empty tensors share none).
-fn check_overlaps(tensors: &BTreeMap<String, TensorInfo>) -> std::result::Result<(), String> {
+/// Fails unless the tensors tile the data section of `data_len` bytes: sorted by their byte
+/// ranges, each begins where the one before it ended, the first at 0, and the last ends at
+/// `data_len` (an empty tensor lies where one ends and the next begins). Every end is inside the
+/// section already.
+fn check_tiling(
+    tensors: &BTreeMap<String, TensorInfo>,
+    data_len: u64,
+) -> std::result::Result<(), String> {
     let mut spans: Vec<(&Range<u64>, &str)> = tensors
         .iter()
-        .filter(|(_, info)| info.data_offsets.start < info.data_offsets.end)
         .map(|(name, info)| (&info.data_offsets, name.as_str()))
         .collect();
-    spans.sort_by_key(|(range, _)| (range.start, range.end));
-    for pair in spans.windows(2) {
-        let [(a, a_name), (b, b_name)] = pair else {
-            continue;
-        };
-        if b.start < a.end {
+    spans.sort_by_key(|&(range, name)| (range.start, range.end, name));
+    let mut end = 0;
+    let mut before: Option<(&Range<u64>, &str)> = None;
+    for (range, name) in spans {
+        let span = |(r, n): (&Range<u64>, &str)| format!("`{n}` [{}, {}]", r.start, r.end);
+        if range.start < end {
+            // `before` is set: only a tensor that ends past 0 moves `end`.
+            let other = before.map_or_else(String::new, span);
             return Err(format!(
-                "tensors `{a_name}` [{}, {}] and `{b_name}` [{}, {}] overlap",
-                a.start, a.end, b.start, b.end
+                "tensor {} begins inside {other}: tensors may not overlap",
+                span((range, name))
             ));
         }
+        if range.start > end {
+            let after = before.map_or_else(|| "the start of the data section".into(), span);
+            return Err(format!(
+                "bytes [{end}, {}) of the data section, between {after} and {}, belong to no \
+                 tensor: the format allows no gaps between tensors",
+                range.start,
+                span((range, name))
+            ));
+        }
+        end = range.end;
+        before = Some((range, name));
+    }
+    if end != data_len {
+        return Err(format!(
+            "the data section is {data_len} bytes but its tensors end at byte {end}: the format \
+             allows no bytes after the last tensor"
+        ));
     }
     Ok(())
 }
@@ -382,17 +435,64 @@ fn json_kind(value: &Value) -> &'static str {
     }
 }
 
-/// Opens `path` for reading; a directory is an [`Error::Io`] of kind `IsADirectory`.
-pub(super) fn open_file(path: &Path) -> Result<std::fs::File> {
-    let file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
+/// Opens the file a caller named for reading, refusing anything but a regular file: the one way
+/// dlbridge opens a user's file (safetensors files, shards, an index, a direct-I/O descriptor with
+/// `flags`). A FIFO, socket or device could block the open or a read forever, or be a device
+/// whose opening does something: the path is checked before it is opened, and the open file is
+/// checked again (`fstat`) in case the path changed in between. The open itself does not block
+/// (`O_NONBLOCK`, cleared once the file is known to be regular) and the descriptor is not
+/// inherited by child processes (`O_CLOEXEC`, as `std` always sets).
+///
+/// Errors are [`Error::Io`] naming the path: the system's error (`NotFound`,
+/// `PermissionDenied`, ...), `IsADirectory` for a directory, and for anything else that is not a
+/// regular file an error saying what it is ("is a FIFO (named pipe), not a regular file").
+pub(crate) fn open_regular(path: &Path, flags: libc::c_int) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| io_error(path, e))?;
+    check_regular(path, &meta)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | flags)
+        .open(path)
+        .map_err(|e| io_error(path, e))?;
     let meta = file.metadata().map_err(|e| io_error(path, e))?;
-    if meta.is_dir() {
-        return Err(io_error(
-            path,
-            std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory"),
-        ));
+    check_regular(path, &meta)?;
+    let fd = file.as_raw_fd();
+    // SAFETY: `fcntl(F_GETFL)` reads the status flags of `fd`, a descriptor `file` owns.
+    let status = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: `fcntl(F_SETFL)` on the same owned descriptor changes only how it blocks.
+    if status == -1 || unsafe { libc::fcntl(fd, libc::F_SETFL, status & !libc::O_NONBLOCK) } == -1 {
+        return Err(io_error(path, std::io::Error::last_os_error()));
     }
     Ok(file)
+}
+
+/// Fails with the [`Error::Io`] [`open_regular`] describes unless `meta` is a regular file's.
+pub(crate) fn check_regular(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
+    use std::io::ErrorKind;
+    use std::os::unix::fs::FileTypeExt;
+    let kind = meta.file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    let (error_kind, what) = if kind.is_dir() {
+        (ErrorKind::IsADirectory, "a directory")
+    } else if kind.is_fifo() {
+        (ErrorKind::InvalidInput, "a FIFO (named pipe)")
+    } else if kind.is_socket() {
+        (ErrorKind::InvalidInput, "a socket")
+    } else if kind.is_char_device() {
+        (ErrorKind::InvalidInput, "a character device")
+    } else if kind.is_block_device() {
+        (ErrorKind::InvalidInput, "a block device")
+    } else {
+        (ErrorKind::InvalidInput, "something else")
+    };
+    Err(io_error(
+        path,
+        std::io::Error::new(error_kind, format!("is {what}, not a regular file")),
+    ))
 }
 
 /// The length of an open file.
@@ -415,10 +515,38 @@ pub(super) fn invalid_file(path: &Path, reason: String) -> Error {
 }
 
 fn too_short(path: &Path, len: u64) -> Error {
-    invalid_file(
+    not_safetensors(
         path,
         format!("{len} bytes is shorter than the {PREFIX_LEN}-byte header length prefix"),
     )
+}
+
+/// The [`Error::InvalidFile`] of bytes that cannot be a safetensors file at all.
+fn not_safetensors(path: &Path, reason: String) -> Error {
+    invalid_file(path, format!("not a safetensors file: {reason}"))
+}
+
+/// Up to the first 8 of `bytes` as a Rust byte string (`b"PK\x03\x04..."`), for errors.
+fn quoted(bytes: &[u8]) -> String {
+    let shown = &bytes[..bytes.len().min(8)];
+    let more = if bytes.len() > shown.len() { "..." } else { "" };
+    format!("b\"{}{more}\"", shown.escape_ascii())
+}
+
+/// What a file whose first bytes are `bytes` likely is, where they are the signature of a format
+/// checkpoints are commonly kept in.
+fn known_format(bytes: &[u8]) -> Option<&'static str> {
+    const SIGNATURES: [(&[u8], &str); 5] = [
+        (b"PK\x03\x04", "a ZIP archive (as `torch.save` writes)"),
+        (b"\x80", "a Python pickle (as older `torch.save` writes)"),
+        (b"GGUF", "a GGUF file"),
+        (b"\x93NUMPY", "a NumPy .npy file"),
+        (b"\x89HDF", "an HDF5 file"),
+    ];
+    SIGNATURES
+        .iter()
+        .find(|(magic, _)| bytes.starts_with(magic))
+        .map(|&(_, kind)| kind)
 }
 
 /// Parses JSON text, rejecting duplicate object keys at any depth.

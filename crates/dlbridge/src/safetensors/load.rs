@@ -2,7 +2,7 @@
 //!
 //! | device | how | tensors |
 //! | --- | --- | --- |
-//! | CPU | each file mapped read-only | views of the mapping (read-only, zero-copy), or private copies (`copy`) |
+//! | CPU | each file mapped copy-on-write | views of the mapping (read-only, zero-copy), or private copies (`copy`, or where the system refused a copy-on-write mapping) |
 //! | Metal | the mapping wrapped in `MTLBuffer`s over its pages, no copy (`newBufferWithBytesNoCopy:`) | shared storage: read-only views of the file's pages, each with its byte offset; private or managed storage, or `copy`: a GPU blit of each tensor into memory of its own |
 //! | CUDA, and files a backend declines to wrap | the selected bytes read into one allocation per file, in the load's storage mode (CUDA device memory: pinned staging and asynchronous copies; Metal private memory: shared staging and blits) | views of that allocation |
 //!
@@ -343,7 +343,8 @@ fn wrap_file(
 ) -> Result<Option<Vec<(String, Tensor)>>> {
     let mapping = shard.buffer();
     let ranges = wrapped_ranges(locations);
-    if ranges.is_empty() {
+    // Views of pages a write would fault on are handed out nowhere: a read-only mapping is read.
+    if ranges.is_empty() || !shard.is_copy_on_write() {
         return Ok(None);
     }
     let wrapped = match backend::wrap_host(device, mapping, &ranges) {
@@ -424,7 +425,7 @@ fn copy_of(
 /// are read into ([`Allocation`]).
 struct FileLoad<'a> {
     path: &'a Path,
-    file: File,
+    file: &'a File,
     direct: Option<File>,
     locations: Vec<&'a TensorLocation>,
     /// The allocations, in file order, each with the file range it mirrors.
@@ -440,18 +441,16 @@ impl<'a> FileLoad<'a> {
         allocation: Allocation,
     ) -> Result<FileLoad<'a>> {
         let path = shard.path();
-        let io = |source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let file = File::open(path).map_err(io)?;
+        // The descriptor the shard was opened and checked with: the path is not opened again
+        // for buffered reads (it may name another file by now).
+        let file = shard.file();
         let direct = match options.direct_io {
             Some(false) => false,
             Some(true) => true,
             None => resident_fraction(shard) < 0.5,
         };
         // Some file systems (tmpfs) refuse O_DIRECT: read through the page cache there.
-        let direct = direct.then(|| open_direct(path)).flatten();
+        let direct = direct.then(|| open_direct(shard)).flatten();
         let mut spans: Vec<Range<u64>> = match allocation {
             Allocation::PerFile => {
                 let start = locations.iter().map(|l| l.byte_range.start).min();
@@ -524,7 +523,7 @@ impl<'a> FileLoad<'a> {
                 let (memory, dst_offset) = self.destination(&run);
                 FileRead {
                     path: self.path,
-                    file: &self.file,
+                    file: self.file,
                     direct: self.direct.as_ref(),
                     offset: run.start,
                     len: (run.end - run.start) as usize,
@@ -619,32 +618,35 @@ fn residency_runs(pages: usize) -> impl Iterator<Item = Range<usize>> {
     })
 }
 
-/// The file opened for reads around the page cache: `O_DIRECT` on Linux, `F_NOCACHE` on Apple
-/// platforms; `None` where the system or the file system has no such mode.
-fn open_direct(path: &Path) -> Option<File> {
+/// The shard's file opened again for reads around the page cache: `O_DIRECT` on Linux,
+/// `F_NOCACHE` on Apple platforms; `None` where the system or the file system has no such mode,
+/// or where the path no longer names the file the shard was opened from (which is then read
+/// through the page cache, from the shard's own descriptor).
+fn open_direct(shard: &SafeTensors) -> Option<File> {
+    use std::os::unix::fs::MetadataExt;
+    if !cfg!(any(target_os = "linux", target_vendor = "apple")) {
+        return None;
+    }
     #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .ok()
+    let flags = libc::O_DIRECT;
+    #[cfg(not(target_os = "linux"))]
+    let flags = 0;
+    let file = super::header::open_regular(shard.path(), flags).ok()?;
+    let (a, b) = (file.metadata().ok()?, shard.file().metadata().ok()?);
+    if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
+        return None;
     }
     #[cfg(target_vendor = "apple")]
     {
         use std::os::fd::AsRawFd;
-        let file = File::open(path).ok()?;
         // SAFETY: `fcntl(F_NOCACHE)` on a descriptor this function owns changes only how reads
         // of it use the cache.
         let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) };
-        (rc != -1).then_some(file)
+        if rc == -1 {
+            return None;
+        }
     }
-    #[cfg(not(any(target_os = "linux", target_vendor = "apple")))]
-    {
-        let _ = path;
-        None
-    }
+    Some(file)
 }
 
 #[cfg(test)]

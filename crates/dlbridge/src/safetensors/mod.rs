@@ -1,13 +1,15 @@
-//! The [safetensors] checkpoint format: parse and validate headers, map files read-only and hand
-//! out zero-copy views, open sharded checkpoints, and save tensors from any device.
+//! The [safetensors] checkpoint format: parse and validate headers, map files copy-on-write and
+//! hand out zero-copy, read-only views, open sharded checkpoints, and save tensors from any
+//! device. Every file a caller names is opened only if it is a regular file (a FIFO, socket or
+//! device is refused before it could block).
 //!
 //! | step | item | what it does |
 //! | --- | --- | --- |
 //! | parse | [`Header::parse`], [`Header::read`] | length prefix, JSON, dtypes, byte ranges: all checked once, then trusted |
-//! | open | [`SafeTensors::open`] | maps the whole file read-only as a foreign [`Buffer`](crate::Buffer) |
-//! | shards | [`Checkpoint::open_index`], [`Checkpoint::open_files`] | one name → one shard, from `model.safetensors.index.json` or a list |
+//! | open | [`SafeTensors::open`] | maps the whole file copy-on-write as a foreign, read-only [`Buffer`](crate::Buffer) |
+//! | shards | [`Index::parse`], [`Checkpoint::open_index`], [`Checkpoint::open_files`] | one name → one shard, from `model.safetensors.index.json` or a list |
 //! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order, for any loader |
-//! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only), or private copies |
+//! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only; a consumer that writes anyway writes private pages), or private copies |
 //! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | any device, with progress: Metal from the mapped files without a copy (read-only views in shared storage, a GPU blit into private storage), CUDA through pinned staging buffers and asynchronous copies |
 //! | save | [`save_file`], [`write()`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
 //!
@@ -33,6 +35,7 @@
 mod dtype;
 mod file;
 mod header;
+mod index;
 mod load;
 mod save;
 
@@ -41,6 +44,7 @@ pub use dtype::{dtype_from_name, dtype_name, dtype_names};
 pub(crate) use file::Mapping;
 pub use file::{Checkpoint, SafeTensors, TensorLocation};
 pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
+pub use index::Index;
 pub use load::{
     Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, LoadOptions, default_direct_threads,
     default_threads,

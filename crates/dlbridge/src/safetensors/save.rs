@@ -12,7 +12,7 @@ use crate::layout::Layout;
 use crate::tensor::Tensor;
 
 use super::dtype::dtype_name;
-use super::header::{METADATA_KEY, PREFIX_LEN, io_error};
+use super::header::{MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, check_regular, io_error};
 
 /// One tensor to write: its name, dtype name and the bytes it takes in the file.
 struct Planned<'a> {
@@ -28,15 +28,18 @@ struct Planned<'a> {
 ///
 /// Tensors may be on any device and in any layout: each is made compact and copied to the host in
 /// turn, so at most one tensor's bytes are staged at a time. Sub-byte tensors are written packed.
-/// Errors: a repeated or reserved name, or a dtype the format cannot hold
-/// ([`Error::UnsupportedDType`], naming the tensor).
+/// Errors, before anything is written: a repeated or reserved name, a dtype the format cannot
+/// hold ([`Error::UnsupportedDType`], naming the tensor), or a header (the tensors' entries and
+/// the metadata) longer than [`MAX_HEADER_LEN`], which readers refuse
+/// ([`Error::InvalidArgument`]).
 pub fn write(
     tensors: &[(&str, &Tensor)],
     metadata: Option<&BTreeMap<String, String>>,
     writer: &mut dyn Write,
 ) -> Result<()> {
-    let sink = Path::new("<writer>");
-    write_to(tensors, metadata, writer, sink)
+    let plan = plan(tensors)?;
+    let header = header_json(&plan, metadata)?;
+    write_planned(&plan, &header, writer, Path::new("<writer>"))
 }
 
 /// [`write()`] into a new `Vec`.
@@ -50,33 +53,94 @@ pub fn serialize(
 }
 
 /// [`write()`] to the file at `path`, atomically: the bytes go to a temporary file in the same
-/// folder, which is synced and then renamed over `path`, so a failed save leaves no partial file.
+/// folder, which is synced and then renamed over `path`, so a failed save leaves no partial file
+/// (and nothing at all where the tensors or metadata are refused).
+///
+/// - A `path` that is a symbolic link (such as a shard in the Hugging Face cache, a link into
+///   its `blobs/`) stays one: the file it leads to is replaced, through any chain of links.
+/// - An existing file keeps its permission bits (and, when the caller is root, its owner and
+///   group): the temporary is created readable and writable by its owner only, and given them
+///   before it is renamed over the file. A new file gets the usual mode (`0o666` less the
+///   umask). Other links to the old file (hard links) keep the old content.
+/// - A `path` that exists but is not a regular file (a directory, a FIFO, a device) is refused
+///   with an [`Error::Io`] saying what it is.
 pub fn save_file(
     tensors: &[(&str, &Tensor)],
     metadata: Option<&BTreeMap<String, String>>,
     path: impl AsRef<Path>,
 ) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
     let path = path.as_ref();
-    let temp = temp_path(path);
+    let plan = plan(tensors)?;
+    let header = header_json(&plan, metadata)?;
+    let target = final_target(path)?;
+    let existing = match std::fs::metadata(&target) {
+        Ok(meta) => {
+            check_regular(path, &meta)?;
+            Some(meta)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(io_error(path, e)),
+    };
+    let temp = temp_path(&target);
     let result = (|| {
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(if existing.is_some() { 0o600 } else { 0o666 })
             .open(&temp)
             .map_err(|e| io_error(path, e))?;
+        if let Some(meta) = &existing {
+            // SAFETY: `geteuid` only reads the process's effective user id.
+            if unsafe { libc::geteuid() } == 0 {
+                std::os::unix::fs::fchown(&file, Some(meta.uid()), Some(meta.gid()))
+                    .map_err(|e| io_error(path, e))?;
+            }
+            // After the owner: changing it clears the set-user-ID and set-group-ID bits.
+            let mode = std::fs::Permissions::from_mode(meta.mode() & 0o7777);
+            file.set_permissions(mode).map_err(|e| io_error(path, e))?;
+        }
         let mut writer = std::io::BufWriter::new(file);
-        write_to(tensors, metadata, &mut writer, path)?;
+        write_planned(&plan, &header, &mut writer, path)?;
         let file = writer
             .into_inner()
             .map_err(|e| io_error(path, e.into_error()))?;
         file.sync_all().map_err(|e| io_error(path, e))?;
-        std::fs::rename(&temp, path).map_err(|e| io_error(path, e))
+        std::fs::rename(&temp, &target).map_err(|e| io_error(path, e))
     })();
     if result.is_err() {
         // Best effort: the temporary may not exist (creating it failed).
         let _ = std::fs::remove_file(&temp);
     }
     result
+}
+
+/// Where a save to `path` writes: `path` itself, or where the chain of symbolic links that
+/// `path` is leads (a link's relative target is relative to the link's folder), whether or not
+/// that exists.
+fn final_target(path: &Path) -> Result<PathBuf> {
+    // Linux's own limit on links followed in one path lookup.
+    const MAX_LINKS: usize = 40;
+    let mut current = path.to_path_buf();
+    for _ in 0..MAX_LINKS {
+        match std::fs::symlink_metadata(&current) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let link = std::fs::read_link(&current).map_err(|e| io_error(path, e))?;
+                current = match current.parent() {
+                    Some(folder) if link.is_relative() => folder.join(link),
+                    _ => link,
+                };
+            }
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io_error(path, e));
+            }
+            _ => return Ok(current),
+        }
+    }
+    Err(io_error(
+        path,
+        std::io::Error::from_raw_os_error(libc::ELOOP),
+    ))
 }
 
 /// A name beside `path` that no other save in this process uses at the same time.
@@ -90,20 +154,20 @@ fn temp_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{stem}.{}.{n}.tmp", std::process::id()))
 }
 
-fn write_to(
-    tensors: &[(&str, &Tensor)],
-    metadata: Option<&BTreeMap<String, String>>,
+/// Writes the planned tensors under `header` (from [`header_json`]) to `writer`; `path` names
+/// the destination in I/O errors.
+fn write_planned(
+    plan: &[Planned<'_>],
+    header: &str,
     writer: &mut dyn Write,
     path: &Path,
 ) -> Result<()> {
-    let plan = plan(tensors)?;
-    let header = header_json(&plan, metadata)?;
     let io = |e| io_error(path, e);
     writer
         .write_all(&(header.len() as u64).to_le_bytes())
         .map_err(io)?;
     writer.write_all(header.as_bytes()).map_err(io)?;
-    for item in &plan {
+    for item in plan {
         let bytes = host_bytes(item)?;
         writer.write_all(&bytes).map_err(io)?;
     }
@@ -157,11 +221,27 @@ fn plan<'a>(tensors: &'a [(&'a str, &'a Tensor)]) -> Result<Vec<Planned<'a>>> {
     Ok(plan)
 }
 
-/// The header JSON, padded with spaces so that `8 + len` is a multiple of 8.
+/// The header JSON, padded with spaces so that `8 + len` is a multiple of 8; an
+/// [`Error::InvalidArgument`] naming the sizes where it would be longer than [`MAX_HEADER_LEN`].
 fn header_json(
     plan: &[Planned<'_>],
     metadata: Option<&BTreeMap<String, String>>,
 ) -> Result<String> {
+    let metadata_len: usize = metadata.map_or(0, |m| {
+        m.iter().map(|(key, value)| key.len() + value.len()).sum()
+    });
+    let too_long = |len: usize| {
+        Error::InvalidArgument(format!(
+            "the safetensors header would be {len} bytes or more ({metadata_len} bytes of \
+             metadata keys and values, {} tensors), over the limit of {MAX_HEADER_LEN} bytes \
+             that readers accept; nothing was written",
+            plan.len()
+        ))
+    };
+    // The JSON is at least as long as the metadata's text: refused before it is built.
+    if metadata_len as u64 > MAX_HEADER_LEN {
+        return Err(too_long(metadata_len));
+    }
     let quote =
         |text: &str| serde_json::to_string(text).map_err(|e| Error::InvalidArgument(e.to_string()));
     let mut json = String::from("{");
@@ -200,6 +280,9 @@ fn header_json(
     }
     json.push('}');
     let padded = (PREFIX_LEN as usize + json.len()).next_multiple_of(8) - PREFIX_LEN as usize;
+    if padded as u64 > MAX_HEADER_LEN {
+        return Err(too_long(padded));
+    }
     json.extend(std::iter::repeat_n(' ', padded - json.len()));
     Ok(json)
 }

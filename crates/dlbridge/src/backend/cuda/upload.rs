@@ -273,7 +273,7 @@ impl FileMaps {
             if len == 0 {
                 return None;
             }
-            let map = crate::safetensors::Mapping::new(r.file, len, r.path, true).ok()?;
+            let map = crate::safetensors::Mapping::shared(r.file, len, r.path).ok()?;
             maps.push((fd, map));
         }
         Some(FileMaps { maps })

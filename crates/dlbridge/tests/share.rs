@@ -8,6 +8,7 @@
 mod common;
 use common::gpu;
 
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -26,6 +27,11 @@ fn socket_path(tag: &str) -> PathBuf {
 
 /// Starts this binary as the child `role` running test `test`, and accepts its connection.
 fn spawn(test: &str, role: &str) -> (Child, UnixStream) {
+    spawn_with(test, role, &[])
+}
+
+/// [`spawn`] with more environment variables for the child.
+fn spawn_with(test: &str, role: &str, env: &[(&str, &str)]) -> (Child, UnixStream) {
     let path = socket_path(role);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
@@ -33,6 +39,7 @@ fn spawn(test: &str, role: &str) -> (Child, UnixStream) {
         .args([test, "--exact", "--nocapture", "--include-ignored"])
         .env(CHILD, role)
         .env(SOCKET, &path)
+        .envs(env.iter().copied())
         .spawn()
         .unwrap();
     let (stream, _) = listener.accept().unwrap();
@@ -57,6 +64,23 @@ fn wait_ack(s: &UnixStream) {
     use std::io::Read;
     let mut b = [0u8; 1];
     (&*s).read_exact(&mut b).unwrap();
+}
+
+/// Waits at most `secs` seconds for `child` to exit (killing it after that, and failing): a
+/// child that crashes or hangs fails the test instead of taking the test process with it.
+fn exit_within(child: &mut Child, secs: u64) -> std::process::ExitStatus {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the child did not finish within {secs} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 fn open_fds() -> usize {
@@ -390,6 +414,358 @@ fn a_handle_sent_as_bytes_needs_its_producer_alive() {
     assert!(leaver.wait().unwrap().success());
     let err = share::open(SharedHandle::from_bytes(&bytes, None).unwrap()).unwrap_err();
     assert!(err.to_string().contains("has exited"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile consumers and lenders.
+
+/// Where a handle's bytes carry their ticket: the lender's name starts here, its length byte is
+/// just before, the token (8 bytes) just after.
+fn ticket_at(bytes: &[u8]) -> usize {
+    bytes
+        .windows(13)
+        .position(|w| w == b"dlbridge-fds/")
+        .expect("the bytes carry a ticket")
+}
+
+/// The lender's name and the token of a handle's ticket.
+fn ticket_of(bytes: &[u8]) -> (String, u64) {
+    let at = ticket_at(bytes);
+    let len = usize::from(bytes[at - 1]);
+    let name = String::from_utf8(bytes[at..at + len].to_vec()).unwrap();
+    let token = u64::from_le_bytes(bytes[at + len..at + len + 8].try_into().unwrap());
+    (name, token)
+}
+
+/// `bytes` with their ticket's lender renamed `name` and its token made `token`.
+fn with_ticket(bytes: &[u8], name: &str, token: u64) -> Vec<u8> {
+    let at = ticket_at(bytes);
+    let mut out = bytes[..at - 1].to_vec();
+    out.push(name.len() as u8);
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(&token.to_le_bytes());
+    out
+}
+
+/// A lender's name for process `pid` that no lender has.
+fn lender_name(pid: u32) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("dlbridge-fds/{pid}/{:08x}{n:08x}", nanos)
+}
+
+/// An impostor bound to the lender name `name` (in this process): it accepts connections, keeps
+/// them open and never answers, as a stopped producer or a squatter of a dead producer's name.
+fn silent_lender(name: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = UnixListener::bind_addr(&addr).unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().flatten() {
+            held.push(conn);
+        }
+    });
+}
+
+/// A handle's bytes lent by this process, of a fresh shareable array of three `f32`.
+fn lent_bytes(value: f32) -> (Tensor, Vec<u8>) {
+    let t = share::to_shareable(&Tensor::from_slice(&[value; 3], &[3]).unwrap()).unwrap();
+    let bytes = share::share(&t, false).unwrap().to_bytes_lent().unwrap();
+    (t, bytes)
+}
+
+fn open_bytes(bytes: &[u8]) -> dlbridge::Result<Tensor> {
+    share::open(SharedHandle::from_bytes(bytes, None)?)
+}
+
+fn is_value_error(e: &Error, words: &str) -> bool {
+    matches!(e, Error::InvalidArgument(m) if m.contains(words))
+}
+
+/// A consumer holds a descriptor of the producer's file: were the file not sealed, its
+/// `ftruncate` would kill the producer (and every other consumer) with `SIGBUS` at the next read
+/// of the pages cut off. The producer runs in a child, so that a crash fails the test.
+#[test]
+fn a_consumer_cannot_truncate_the_shared_file() {
+    if let Some((role, s)) = child() {
+        match role.as_str() {
+            "seal-producer" => {
+                let t = share::to_shareable(&filled(3.0, 1 << 18, Device::CPU)).unwrap();
+                let (mut truncator, c) = spawn(
+                    "a_consumer_cannot_truncate_the_shared_file",
+                    "seal-truncator",
+                );
+                share::send_handle(&c, share::share(&t, false).unwrap()).unwrap();
+                wait_ack(&c);
+                // Every page, after the consumer's attempt.
+                assert!(t.to_vec::<f32>().unwrap().iter().all(|&v| v == 3.0));
+                ack(&c);
+                assert!(exit_within(&mut truncator, 60).success());
+                ack(&s);
+            }
+            "seal-truncator" => {
+                let h = share::recv_handle(&s).unwrap();
+                let fd = h.fd().unwrap().as_raw_fd();
+                // SAFETY: plain calls on a descriptor the handle owns.
+                let truncated = unsafe { libc::ftruncate(fd, 0) };
+                let errno = std::io::Error::last_os_error().raw_os_error();
+                // SAFETY: as above; a sealed seal refuses more seals.
+                let sealed = unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+                ack(&s);
+                wait_ack(&s);
+                assert_eq!((truncated, errno), (-1, Some(libc::EPERM)));
+                assert_eq!(sealed, -1, "the seals are sealed");
+                let opened = share::open(h).unwrap();
+                assert_eq!(opened.to_vec::<f32>().unwrap()[(1 << 18) - 1], 3.0);
+            }
+            _ => {}
+        }
+        return;
+    }
+    let (mut producer, s) = spawn(
+        "a_consumer_cannot_truncate_the_shared_file",
+        "seal-producer",
+    );
+    let status = exit_within(&mut producer, 120);
+    assert!(status.success(), "the producer ended with {status}");
+    wait_ack(&s);
+}
+
+/// A file whose size any holder could change is refused before it is mapped; a block reused
+/// after an export gets a sealed file too.
+#[test]
+fn a_descriptor_without_seals_is_refused() {
+    let t = share::to_shareable(&Tensor::from_slice(&[1u8; 64], &[64]).unwrap()).unwrap();
+    let mut h = share::share(&t, false).unwrap();
+    let bytes = h.to_bytes();
+    let fd = h.take_fd().unwrap();
+    let inode = |fd: std::os::fd::RawFd| {
+        // SAFETY: an all-zero `stat` is a valid value; `fd` is open.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is a valid out-pointer.
+        assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+        st.st_ino
+    };
+    // SAFETY: plain calls; the new descriptor is owned below.
+    let raw = unsafe { libc::memfd_create(c"dlbridge-shared".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(raw >= 0);
+    // SAFETY: just opened, owned by nobody else.
+    let unsealed = unsafe { share::adopt_fd(raw) }.unwrap();
+    // SAFETY: a plain call on an open memfd.
+    assert_eq!(unsafe { libc::ftruncate(raw, 4096) }, 0);
+    let (real, fake) = (
+        inode(fd.as_raw_fd()).to_le_bytes(),
+        inode(raw).to_le_bytes(),
+    );
+    let at = bytes.windows(8).position(|w| w == real).unwrap();
+    let mut forged = bytes.clone();
+    forged[at..at + 8].copy_from_slice(&fake);
+    let err = share::open(SharedHandle::from_bytes(&forged, Some(unsealed)).unwrap()).unwrap_err();
+    assert!(is_value_error(&err, "not sealed"), "{err}");
+
+    // The block is reused after its export: the fresh file is sealed as well.
+    let addr = t.buffer().handle();
+    drop((t, fd, bytes));
+    let again = share::allocate(Device::CPU, 64, true).unwrap();
+    if again.handle() == addr {
+        let again = Tensor::new(
+            again,
+            DType::U8,
+            dlbridge::Layout::contiguous(&[64]).unwrap(),
+        );
+        let h = share::share(&again.unwrap(), false).unwrap();
+        // SAFETY: a plain call on a descriptor the handle owns.
+        assert_eq!(
+            unsafe { libc::ftruncate(h.fd().unwrap().as_raw_fd(), 0) },
+            -1
+        );
+    }
+}
+
+/// Only a ticket's own bytes open it, once: a zeroed token, a token of another ticket, and the
+/// same bytes a second time (in the same process or another) are refused. The consumer is a
+/// second process.
+#[test]
+fn handle_bytes_open_once_and_only_with_their_token() {
+    if let Some((role, s)) = child() {
+        if role != "token-consumer" {
+            return;
+        }
+        let real = recv_bytes(&s);
+        let zeroed = recv_bytes(&s);
+        let swapped = recv_bytes(&s);
+        let e = open_bytes(&zeroed).unwrap_err();
+        assert!(is_value_error(&e, "altered or forged"), "{e}");
+        let e = open_bytes(&swapped).unwrap_err();
+        assert!(is_value_error(&e, "not the handle's shared file"), "{e}");
+        let mut t = open_bytes(&real).unwrap();
+        t.as_mut_slice::<f32>().unwrap()[0] = 7.0;
+        let e = open_bytes(&real).unwrap_err();
+        assert!(is_value_error(&e, "already opened"), "{e}");
+        ack(&s);
+        wait_ack(&s);
+        return;
+    }
+    let _lending = lending();
+    let before = share::broker::outstanding();
+    let (a, real) = lent_bytes(1.0);
+    let (_b, other) = lent_bytes(2.0);
+    let (name, _) = ticket_of(&real);
+    let (_, other_token) = ticket_of(&other);
+    let (mut consumer, s) = spawn(
+        "handle_bytes_open_once_and_only_with_their_token",
+        "token-consumer",
+    );
+    send_bytes(&s, &real);
+    send_bytes(&s, &with_ticket(&real, &name, 0));
+    send_bytes(&s, &with_ticket(&real, &name, other_token));
+    wait_ack(&s);
+    assert_eq!(a.to_vec::<f32>().unwrap(), vec![7.0, 1.0, 1.0]);
+    // The same bytes in a second process: refused too.
+    let e = open_bytes(&real).unwrap_err();
+    assert!(is_value_error(&e, "already opened"), "{e}");
+    // The other ticket was claimed by the wrong handle (and refused there): it is used.
+    let e = open_bytes(&other).unwrap_err();
+    assert!(is_value_error(&e, "already opened"), "{e}");
+    ack(&s);
+    assert!(exit_within(&mut consumer, 60).success());
+    settles_to(before);
+}
+
+/// A lender that accepts the connection and never answers (a stopped producer, a process that
+/// binds the name of one that exited) ends the claim after the wait's timeout, and the wait's
+/// interrupt ends it sooner. The claimer is a child: were it to hang, the test fails.
+#[test]
+fn a_lender_that_never_answers_times_out_or_is_interrupted() {
+    use share::broker::Wait;
+    use std::time::{Duration, Instant};
+    if let Some((role, s)) = child() {
+        if role != "silent-claimer" {
+            return;
+        }
+        let silent = recv_bytes(&s);
+        let start = Instant::now();
+        let wait = Wait::new(Duration::from_millis(300));
+        let e =
+            share::open_with(SharedHandle::from_bytes(&silent, None).unwrap(), &wait).unwrap_err();
+        let took = start.elapsed();
+        assert!(
+            matches!(&e, Error::Driver { message, .. } if message.contains("did not answer within")),
+            "{e}"
+        );
+        assert!(took >= Duration::from_millis(300), "{took:?}");
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let interrupt = || {
+            if calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 2 {
+                Ok(())
+            } else {
+                Err(Error::InvalidArgument("stop waiting".into()))
+            }
+        };
+        let wait = Wait {
+            timeout: Duration::from_secs(600),
+            interrupt: Some(&interrupt),
+        };
+        let e =
+            share::open_with(SharedHandle::from_bytes(&silent, None).unwrap(), &wait).unwrap_err();
+        assert!(is_value_error(&e, "stop waiting"), "{e}");
+        ack(&s);
+        return;
+    }
+    let _lending = lending();
+    let (_t, bytes) = lent_bytes(1.0);
+    // The impostor runs in this process, so the name gives this process's id, as a stopped
+    // producer's would.
+    let name = lender_name(std::process::id());
+    silent_lender(&name);
+    let (_, token) = ticket_of(&bytes);
+    let (mut claimer, s) = spawn(
+        "a_lender_that_never_answers_times_out_or_is_interrupted",
+        "silent-claimer",
+    );
+    send_bytes(&s, &with_ticket(&bytes, &name, token));
+    assert!(exit_within(&mut claimer, 30).success());
+    wait_ack(&s);
+    // The real ticket is still lent: dropping its handle unopened gives it back.
+    drop(SharedHandle::from_bytes(&bytes, None).unwrap());
+}
+
+/// A socket bound to a lender's name by another process than the one the name gives is not the
+/// lender: refused at once, nothing sent. The claimer is a child: were it to hang, the test
+/// fails.
+#[test]
+fn a_lender_of_another_process_is_refused() {
+    if let Some((role, s)) = child() {
+        if role != "impostor-claimer" {
+            return;
+        }
+        let e = open_bytes(&recv_bytes(&s)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Driver { message, .. } if message.contains("held by process")),
+            "{e}"
+        );
+        ack(&s);
+        return;
+    }
+    let _lending = lending();
+    let (_t, bytes) = lent_bytes(1.0);
+    // Bound by this process, under a name that gives process 1.
+    let name = lender_name(1);
+    silent_lender(&name);
+    let (_, token) = ticket_of(&bytes);
+    let (mut claimer, s) = spawn("a_lender_of_another_process_is_refused", "impostor-claimer");
+    send_bytes(&s, &with_ticket(&bytes, &name, token));
+    assert!(exit_within(&mut claimer, 30).success());
+    wait_ack(&s);
+    drop(SharedHandle::from_bytes(&bytes, None).unwrap());
+}
+
+/// A lent descriptor that is never claimed goes back after the ticket's lifetime
+/// (`DLBRIDGE_SHARE_TICKET_TTL`), and a claim after that is told why.
+#[test]
+fn unclaimed_tickets_expire_and_a_late_claim_says_so() {
+    if let Some((role, s)) = child() {
+        if role != "expiring-producer" {
+            return;
+        }
+        let (_t, bytes) = lent_bytes(1.0);
+        let (_u, _) = lent_bytes(2.0);
+        let (_v, _) = lent_bytes(3.0);
+        assert_eq!(share::broker::outstanding(), 3);
+        send_bytes(&s, &bytes);
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while share::broker::outstanding() > 0 && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(
+            share::broker::outstanding(),
+            0,
+            "expired tickets are closed"
+        );
+        ack(&s);
+        wait_ack(&s);
+        return;
+    }
+    let (mut producer, s) = spawn_with(
+        "unclaimed_tickets_expire_and_a_late_claim_says_so",
+        "expiring-producer",
+        &[("DLBRIDGE_SHARE_TICKET_TTL", "0.3")],
+    );
+    let bytes = recv_bytes(&s);
+    wait_ack(&s);
+    let e = open_bytes(&bytes).unwrap_err();
+    assert!(
+        matches!(&e, Error::Driver { message, .. } if message.contains("not opened in time")),
+        "{e}"
+    );
+    ack(&s);
+    assert!(exit_within(&mut producer, 60).success());
 }
 
 // ---------------------------------------------------------------------------------------------

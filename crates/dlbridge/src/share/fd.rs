@@ -113,7 +113,31 @@ fn set_cloexec(fd: &OwnedFd) {
 /// Receives one message of at most `buf.len()` bytes and its descriptors (closed on `exec`);
 /// returns the byte count and the descriptors. Descriptors beyond what this process may open
 /// are refused by the kernel: the call then fails and nothing is leaked.
+///
+/// Waits for a message as long as the socket's read timeout lets it
+/// ([`UnixStream::set_read_timeout`]; none by default), and fails with a clear error after it;
+/// a signal that interrupts the wait is retried.
 pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
+    recv_message(socket, buf, RECV_CLOEXEC)?.ok_or_else(|| Error::Driver {
+        backend: "CPU",
+        message: "no message came within the socket's read timeout".into(),
+    })
+}
+
+/// [`recv_fds`] that never waits: `None` when no message is there.
+pub(crate) fn try_recv_fds(
+    socket: &UnixStream,
+    buf: &mut [u8],
+) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+    recv_message(socket, buf, RECV_CLOEXEC | libc::MSG_DONTWAIT)
+}
+
+/// One `recvmsg` with `flags` (retried when a signal interrupts it); `None` where it would block.
+fn recv_message(
+    socket: &UnixStream,
+    buf: &mut [u8],
+    flags: libc::c_int,
+) -> Result<Option<(usize, Vec<OwnedFd>)>> {
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u8; space];
@@ -127,11 +151,24 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at live, writable buffers for the duration of the call.
-    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, RECV_CLOEXEC) };
-    if n < 0 {
-        return Err(os_error("recvmsg"));
-    }
+    let n = loop {
+        // SAFETY: `msg` points at live, writable buffers for the duration of the call.
+        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, flags) };
+        if n >= 0 {
+            break n;
+        }
+        let err = std::io::Error::last_os_error();
+        match err.kind() {
+            std::io::ErrorKind::Interrupted => {}
+            std::io::ErrorKind::WouldBlock => return Ok(None),
+            _ => {
+                return Err(Error::Driver {
+                    backend: "CPU",
+                    message: format!("recvmsg failed: {err}"),
+                });
+            }
+        }
+    };
     let mut fds = Vec::new();
     // SAFETY: `msg` was filled by recvmsg; the macros walk its control buffer.
     let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
@@ -167,7 +204,7 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
                 .into(),
         ));
     }
-    Ok((n as usize, fds))
+    Ok(Some((n as usize, fds)))
 }
 
 /// Sends a handle (its description and its descriptor) over a Unix socket.

@@ -3,7 +3,7 @@
 
 use std::os::fd::OwnedFd;
 
-use super::Ticket;
+use super::{Ticket, Wait};
 use crate::error::{Error, Result};
 
 fn unsupported() -> Error {
@@ -20,17 +20,17 @@ pub fn lend(_fd: OwnedFd) -> Result<Ticket> {
 }
 
 /// Refused: see the module.
-pub fn claim(_ticket: &Ticket) -> Result<OwnedFd> {
+pub fn claim(_ticket: &Ticket, _wait: &Wait<'_>) -> Result<OwnedFd> {
+    Err(unsupported())
+}
+
+/// Refused: see the module.
+pub fn redeem(_ticket: &Ticket, _wait: &Wait<'_>) -> Result<()> {
     Err(unsupported())
 }
 
 /// Nothing was lent, so nothing is given back.
 pub fn forgo(_ticket: &Ticket) {}
-
-/// Never opens anything.
-pub fn reopen(_ticket: &Ticket, _link_prefix: &str) -> Option<OwnedFd> {
-    None
-}
 
 /// Nothing is lent.
 pub fn outstanding() -> usize {

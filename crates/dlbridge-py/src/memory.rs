@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use std::ffi::CString;
 
-use dlbridge::{Device, Pool, StorageMode};
+use dlbridge::{Device, DeviceKind, Pool, StorageMode};
 use pyo3::exceptions::{PyRuntimeWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyTuple};
@@ -97,10 +97,31 @@ fn parse_limit(limit: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
     }
 }
 
+/// The shareable pool of `device` (that `Array.share` and `open_shared` use) when `storage` names
+/// no pool of its own and the device has one (`cpu`, `cuda_host:N`, `cuda:N`).
+fn shareable_pool(
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<Option<&'static Arc<Pool>>> {
+    if storage.is_some() {
+        return Ok(None);
+    }
+    let device = device_or_cpu(device)?;
+    let has_one = matches!(
+        device.kind(),
+        DeviceKind::Cpu | DeviceKind::CudaHost | DeviceKind::Cuda
+    );
+    Ok(has_one
+        .then(|| dlbridge::share::pool(device).ok())
+        .flatten())
+}
+
 /// The figures of the device's memory pool, as a dict: `active_bytes`, `active_blocks`,
 /// `requested_bytes`, `cached_bytes`, `cached_blocks`, `peak_active_bytes`, `allocations`,
 /// `cache_hits`, `cache_misses`, `driver_allocations`, `driver_frees`, `memory_limit` and
-/// `cache_limit` (`None`: no limit).
+/// `cache_limit` (`None`: no limit). On `cpu`, `cuda_host:N` and `cuda:N` (no `storage`), the
+/// same figures of the device's shareable pool (the memory `Array.share` and `open_shared` use)
+/// follow with a `shareable_` prefix (`shareable_active_bytes`, ..., `shareable_driver_frees`).
 #[pyfunction]
 #[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn memory_stats<'py>(
@@ -124,12 +145,26 @@ fn memory_stats<'py>(
     d.set_item("driver_frees", s.driver_frees)?;
     d.set_item("memory_limit", s.memory_limit)?;
     d.set_item("cache_limit", s.cache_limit)?;
+    if let Some(pool) = shareable_pool(device, storage)? {
+        let s = pool.stats();
+        d.set_item("shareable_active_bytes", s.active_bytes)?;
+        d.set_item("shareable_active_blocks", s.active_blocks)?;
+        d.set_item("shareable_requested_bytes", s.requested_bytes)?;
+        d.set_item("shareable_cached_bytes", s.cached_bytes)?;
+        d.set_item("shareable_cached_blocks", s.cached_blocks)?;
+        d.set_item("shareable_peak_active_bytes", s.peak_active_bytes)?;
+        d.set_item("shareable_allocations", s.allocations)?;
+        d.set_item("shareable_cache_hits", s.cache_hits)?;
+        d.set_item("shareable_cache_misses", s.cache_misses)?;
+        d.set_item("shareable_driver_allocations", s.driver_allocations)?;
+        d.set_item("shareable_driver_frees", s.driver_frees)?;
+    }
     Ok(d)
 }
 
 /// Returns every cached block of the device's pool to the driver; memory in use is untouched.
-/// On a CUDA device, also lets go of memory received from other processes that is kept mapped
-/// after its last array went.
+/// Without `storage`, the cached blocks of the device's shareable pool go too, and on a CUDA
+/// device the memory received from other processes that is kept mapped after its last array went.
 #[pyfunction]
 #[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn empty_cache(
@@ -138,20 +173,29 @@ fn empty_cache(
     storage: Option<&str>,
 ) -> PyResult<()> {
     let pool = pool_of(device, storage)?;
+    let shareable = shareable_pool(device, storage)?;
     let device = device_or_cpu(device)?;
     // Large blocks take a while to unmap; let other threads run meanwhile.
     py.detach(|| {
         pool.clear_cache();
-        dlbridge::share::release_kept(device);
+        if shareable.is_some() {
+            dlbridge::share::empty_cache(device);
+        } else {
+            dlbridge::share::release_kept(device);
+        }
     });
     Ok(())
 }
 
-/// Restarts `peak_active_bytes` from the current `active_bytes`.
+/// Restarts `peak_active_bytes` from the current `active_bytes` (and the shareable pool's, as
+/// `memory_stats` shows it).
 #[pyfunction]
 #[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn reset_peak_memory(device: Option<&Bound<'_, PyAny>>, storage: Option<&str>) -> PyResult<()> {
     pool_of(device, storage)?.reset_peak();
+    if let Some(pool) = shareable_pool(device, storage)? {
+        pool.reset_peak();
+    }
     Ok(())
 }
 

@@ -412,9 +412,11 @@ def synchronize(device: _DeviceLike) -> None:
 
 # Memory: the caching pool of each device, and storage modes.
 # `storage` picks a pool the device alone does not name (a Metal device's private pool, say).
-def memory_stats(device: _DeviceLike = "cpu", *, storage: _Storage | None = None) -> dict[str, int | None]:
+def memory_stats(
+    device: _DeviceLike = "cpu", *, storage: _Storage | None = None, shareable: _bool = False
+) -> dict[str, int | None]:
     """Pool figures: active/requested/cached bytes and blocks, peak, hits, misses, driver calls, limits;
-    on cpu, cuda_host and cuda (no `storage`) the shareable pool's figures too, as `shareable_*`."""
+    `shareable=True`: those of the shareable pool (`Array.share`, `open_shared`)."""
     ...
 def empty_cache(device: _DeviceLike = "cpu", *, storage: _Storage | None = None) -> None: ...
 def reset_peak_memory(device: _DeviceLike = "cpu", *, storage: _Storage | None = None) -> None: ...

@@ -616,8 +616,9 @@ for state in states:
 
 
 def test_handle_bytes_open_once_and_only_with_their_token():
-    """A consumer process tries a zeroed token, a token of another ticket, then the real bytes
-    twice; the producer then tries the same bytes: only the first real open maps the memory."""
+    """A consumer process tries a zeroed token, a token of another ticket (on this handle's bytes),
+    then the real bytes twice; the producer then tries the same bytes: only the first real open
+    maps the memory."""
     a = dlbridge.open_shared(dlbridge.full((4,), 1.0, "float32").share())
     b = dlbridge.open_shared(dlbridge.full((4,), 2.0, "float32").share())
     real = a.share()._lend()
@@ -634,10 +635,12 @@ def test_handle_bytes_open_once_and_only_with_their_token():
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     zeroed, swapped, first, second = r.stdout.decode().splitlines()
     assert zeroed.startswith("ValueError") and "altered or forged" in zeroed, zeroed
-    assert swapped.startswith("ValueError") and "not the handle's shared file" in swapped, swapped
+    assert swapped.startswith("ValueError") and "another handle's" in swapped, swapped
     assert first == "opened"
     assert second.startswith("ValueError") and "already opened" in second, second
     assert float(a[0]) == 7.0 and float(b[0]) == 2.0
+    # The other ticket, tried with the wrong handle's bytes, is still good for its own.
+    assert float(dlbridge.open_shared(dlbridge._dlbridge.SharedHandle._rebuild(other))[0]) == 2.0
     # The same bytes in this (a second) process, plainly and through pickle.
     rebuild = dlbridge._dlbridge.SharedHandle._rebuild
     with pytest.raises(ValueError, match="already opened"):
@@ -796,25 +799,27 @@ def test_unclaimed_lent_descriptors_expire_and_a_late_claim_says_so():
 
 
 def test_the_shareable_pool_is_in_memory_stats_and_empty_cache_releases_it():
+    def shareable() -> dict:
+        return dlbridge.memory_stats(shareable=True)
+
     dlbridge.empty_cache()
     kept = dlbridge.asarray(np.ones(1 << 16, dtype=np.float32)).to_shareable()  # 256 KiB in use
-    stats = dlbridge.memory_stats()
-    assert stats["shareable_active_bytes"] >= kept.nbytes
+    assert shareable()["active_bytes"] >= kept.nbytes
     # A share copies into the shareable pool; the copy goes back to its cache at once.
     h = dlbridge.zeros((1 << 18,), dtype="float32").share()
-    stats = dlbridge.memory_stats()
-    assert stats["shareable_cached_bytes"] >= 1 << 20
-    assert stats["shareable_allocations"] >= 2
-    frees = stats["shareable_driver_frees"]
+    stats = shareable()
+    assert stats["cached_bytes"] >= 1 << 20
+    assert stats["allocations"] >= 2
+    frees = stats["driver_frees"]
     dlbridge.empty_cache()
-    stats = dlbridge.memory_stats()
-    assert stats["shareable_cached_bytes"] == 0
-    assert stats["shareable_driver_frees"] > frees
-    assert stats["shareable_active_bytes"] >= kept.nbytes  # in use: untouched
+    stats = shareable()
+    assert stats["cached_bytes"] == 0
+    assert stats["driver_frees"] > frees
+    assert stats["active_bytes"] >= kept.nbytes  # in use: untouched
     assert float(dlbridge.open_shared(h)[5]) == 0.0
     assert float(kept[5]) == 1.0
-    # An explicit storage names one pool: no shareable figures.
-    assert "shareable_active_bytes" not in dlbridge.memory_stats("cpu", storage="shared")
+    with pytest.raises(ValueError, match="no storage"):
+        dlbridge.memory_stats(storage="shared", shareable=True)
 
 
 _TORCH_WRITES_READ_ONLY = r"""
@@ -1053,3 +1058,133 @@ def test_cuda_vmm_handle_travels_by_plain_pickle():
     p.join(60)
     assert p.exitcode == 0
     assert same and values == list(range(16))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA handles against hostile consumers and lenders (VMM and legacy IPC).
+
+_CUDA_TOKENS = r"""
+import pickle, sys
+import numpy as np
+import dlbridge
+states = pickle.loads(sys.stdin.buffer.read())
+rebuild = dlbridge._dlbridge.SharedHandle._rebuild
+kept = []  # opened arrays stay alive: a VMM allocation stays mapped here
+for state in states:
+    try:
+        a = dlbridge.open_shared(rebuild(state))
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}", flush=True)
+        continue
+    kept.append(a)
+    print("opened", float(np.asarray(a.to("cpu"))[0]), flush=True)
+"""
+
+
+def _cuda_lent(kind: str):
+    """An array on cuda:0 (kept by the caller) and its handle's lent bytes, of ``kind``."""
+    if kind == "cuda_vmm":
+        a = dlbridge.full((1024,), 1.0, "float32", device="cuda:0").to_shareable()
+    else:
+        torch = pytest.importorskip("torch")
+        a = dlbridge.from_dlpack(torch.full((1024,), 1.0, device="cuda"))
+    h = a.share(copy=False)
+    assert h.kind == kind
+    return a, h._lend()
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["cuda_vmm", "cuda_ipc"])
+def test_cuda_handle_bytes_open_once_and_only_with_their_token(kind):
+    """A consumer process tries a zeroed token, then the real bytes twice (a VMM allocation is
+    mapped there by then: no descriptor is needed, but the ticket is proved all the same)."""
+    a, real = _cuda_lent(kind)
+    name, _ = ticket_of(real)
+    states = [with_ticket(real, name, bytes(8)), real, real]
+    r = run_python(_CUDA_TOKENS, input=pickle.dumps(states), timeout=120)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    zeroed, first, second = r.stdout.decode().splitlines()
+    assert zeroed.startswith("ValueError") and "altered or forged" in zeroed, zeroed
+    assert first == "opened 1.0"
+    assert second.startswith("ValueError") and "already opened" in second, second
+    with pytest.raises(ValueError):
+        dlbridge.open_shared(dlbridge._dlbridge.SharedHandle._rebuild(real))
+    del a
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["cuda_vmm", "cuda_ipc"])
+def test_cuda_a_lender_that_never_answers_or_is_not_the_producer_is_refused(kind):
+    a, state = _cuda_lent(kind)
+    with _FakeLender() as silent, _FakeLender(pid=str(os.getpid())) as impostor:
+        token = ticket_of(state)[1]
+        r = run_python(_CLAIM, with_ticket(state, silent.name, token).hex(), "0.5", timeout=120)
+        kind_, took, message = _claim_result(r.stdout)
+        assert kind_ == "RuntimeError" and "did not answer within 0.500 s" in message, message
+        assert 0.5 <= took < 30
+        r = run_python(_CLAIM, with_ticket(state, impostor.name, token).hex(), timeout=120)
+        kind_, took, message = _claim_result(r.stdout)
+        assert kind_ == "RuntimeError" and "held by process" in message, message
+    del a
+
+
+_CLOSED_DESCRIPTOR = r"""
+import os, sys, dlbridge
+a = dlbridge.zeros((1024,), dtype="float32", device=sys.argv[1]).to_shareable()
+h = a.share(copy=False)
+os.close(h.fd)  # the handle's own descriptor, closed behind its back
+try:
+    dlbridge.open_shared(h)
+    print("opened")
+except Exception as e:
+    print(type(e).__name__, e)
+a[0] = 1.0
+print(float(a[0]))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_cuda)])
+def test_a_handle_whose_descriptor_was_closed_is_refused(device):
+    r = run_python(_CLOSED_DESCRIPTOR, device, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr.decode()[-2000:])
+    refused, value = r.stdout.decode().splitlines()
+    assert refused.startswith("ValueError") and "closed by someone else" in refused, refused
+    assert value == "1.0"
+
+
+def _cuda_spin_then_hold(q, ready) -> None:
+    import torch
+
+    a = q.get()
+    t = torch.from_dlpack(a)
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of a spinning kernel on the current stream
+    t.sum()  # a read of the shared memory queued behind it
+    ready.set()
+    time.sleep(120)
+
+
+@needs_cuda
+def test_cuda_a_consumer_killed_mid_kernel_leaves_the_producer_whole():
+    pytest.importorskip("torch")
+    free_before, _ = dlbridge.cuda.mem_get_info(0)
+    ctx = dmp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Event()
+    size = 64 << 20
+    a = dlbridge.open_shared(dlbridge.full((size // 4,), 1.0, "float32", device="cuda:0").share())
+    p = ctx.Process(target=_cuda_spin_then_hold, args=(q, ready))
+    p.start()
+    q.put(a)
+    assert ready.wait(120)
+    os.kill(p.pid, signal.SIGKILL)  # its kernel still spins
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    a[...] = dlbridge.full(a.shape, 3.0, "float32", device="cuda:0")
+    dlbridge.synchronize("cuda:0")
+    values = np.asarray(a.to("cpu"))
+    assert float(values[0]) == 3.0 and float(values[-1]) == 3.0
+    del a
+    gc.collect()
+    dlbridge.empty_cache("cuda:0")
+    time.sleep(1)
+    free_after, _ = dlbridge.cuda.mem_get_info(0)
+    assert free_before - free_after < size + (64 << 20)

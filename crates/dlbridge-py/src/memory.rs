@@ -119,18 +119,36 @@ fn shareable_pool(
 /// The figures of the device's memory pool, as a dict: `active_bytes`, `active_blocks`,
 /// `requested_bytes`, `cached_bytes`, `cached_blocks`, `peak_active_bytes`, `allocations`,
 /// `cache_hits`, `cache_misses`, `driver_allocations`, `driver_frees`, `memory_limit` and
-/// `cache_limit` (`None`: no limit). On `cpu`, `cuda_host:N` and `cuda:N` (no `storage`), the
-/// same figures of the device's shareable pool (the memory `Array.share` and `open_shared` use)
-/// follow with a `shareable_` prefix (`shareable_active_bytes`, ..., `shareable_driver_frees`).
+/// `cache_limit` (`None`: no limit). With `shareable=True`, the figures of the device's
+/// shareable pool (`cpu`, `cuda_host:N`, `cuda:N`): the memory `Array.share`, `to_shareable`
+/// and `open_shared` use.
 #[pyfunction]
-#[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
+#[pyo3(
+    signature = (device=None, *, storage=None, shareable=false),
+    text_signature = "(device='cpu', *, storage=None, shareable=False)"
+)]
 fn memory_stats<'py>(
     py: Python<'py>,
     device: Option<&Bound<'py, PyAny>>,
     storage: Option<&str>,
+    shareable: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     warn_env_once(py)?;
-    let s = pool_of(device, storage)?.stats();
+    let pool = if shareable {
+        if storage.is_some() {
+            return Err(PyValueError::new_err(
+                "shareable=True names the shareable pool: give no storage",
+            ));
+        }
+        shareable_pool(device, None)?.ok_or_else(|| {
+            PyValueError::new_err(
+                "this device has no shareable pool (cpu, cuda_host:N and cuda:N have one)",
+            )
+        })?
+    } else {
+        pool_of(device, storage)?
+    };
+    let s = pool.stats();
     let d = PyDict::new(py);
     d.set_item("active_bytes", s.active_bytes)?;
     d.set_item("active_blocks", s.active_blocks)?;
@@ -145,20 +163,6 @@ fn memory_stats<'py>(
     d.set_item("driver_frees", s.driver_frees)?;
     d.set_item("memory_limit", s.memory_limit)?;
     d.set_item("cache_limit", s.cache_limit)?;
-    if let Some(pool) = shareable_pool(device, storage)? {
-        let s = pool.stats();
-        d.set_item("shareable_active_bytes", s.active_bytes)?;
-        d.set_item("shareable_active_blocks", s.active_blocks)?;
-        d.set_item("shareable_requested_bytes", s.requested_bytes)?;
-        d.set_item("shareable_cached_bytes", s.cached_bytes)?;
-        d.set_item("shareable_cached_blocks", s.cached_blocks)?;
-        d.set_item("shareable_peak_active_bytes", s.peak_active_bytes)?;
-        d.set_item("shareable_allocations", s.allocations)?;
-        d.set_item("shareable_cache_hits", s.cache_hits)?;
-        d.set_item("shareable_cache_misses", s.cache_misses)?;
-        d.set_item("shareable_driver_allocations", s.driver_allocations)?;
-        d.set_item("shareable_driver_frees", s.driver_frees)?;
-    }
     Ok(d)
 }
 
@@ -187,8 +191,8 @@ fn empty_cache(
     Ok(())
 }
 
-/// Restarts `peak_active_bytes` from the current `active_bytes` (and the shareable pool's, as
-/// `memory_stats` shows it).
+/// Restarts `peak_active_bytes` from the current `active_bytes` (without `storage`, the
+/// shareable pool's too: `memory_stats(shareable=True)`).
 #[pyfunction]
 #[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn reset_peak_memory(device: Option<&Bound<'_, PyAny>>, storage: Option<&str>) -> PyResult<()> {

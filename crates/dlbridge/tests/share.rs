@@ -440,10 +440,12 @@ fn ticket_of(bytes: &[u8]) -> (String, u64) {
 /// `bytes` with their ticket's lender renamed `name` and its token made `token`.
 fn with_ticket(bytes: &[u8], name: &str, token: u64) -> Vec<u8> {
     let at = ticket_at(bytes);
+    let len = usize::from(bytes[at - 1]);
     let mut out = bytes[..at - 1].to_vec();
     out.push(name.len() as u8);
     out.extend_from_slice(name.as_bytes());
     out.extend_from_slice(&token.to_le_bytes());
+    out.extend_from_slice(&bytes[at + len + 8..]);
     out
 }
 
@@ -580,17 +582,16 @@ fn a_descriptor_without_seals_is_refused() {
             dlbridge::Layout::contiguous(&[64]).unwrap(),
         );
         let h = share::share(&again.unwrap(), false).unwrap();
+        let fd = h.fd().unwrap().as_raw_fd();
         // SAFETY: a plain call on a descriptor the handle owns.
-        assert_eq!(
-            unsafe { libc::ftruncate(h.fd().unwrap().as_raw_fd(), 0) },
-            -1
-        );
+        let truncated = unsafe { libc::ftruncate(fd, 0) };
+        assert_eq!(truncated, -1, "a reused block's fresh file is sealed too");
     }
 }
 
-/// Only a ticket's own bytes open it, once: a zeroed token, a token of another ticket, and the
-/// same bytes a second time (in the same process or another) are refused. The consumer is a
-/// second process.
+/// Only a ticket's own bytes open it, once: a zeroed token, a token of another ticket (which
+/// stays good for its own handle), and the same bytes a second time (in the same process or
+/// another) are refused. The consumer is a second process.
 #[test]
 fn handle_bytes_open_once_and_only_with_their_token() {
     if let Some((role, s)) = child() {
@@ -603,7 +604,7 @@ fn handle_bytes_open_once_and_only_with_their_token() {
         let e = open_bytes(&zeroed).unwrap_err();
         assert!(is_value_error(&e, "altered or forged"), "{e}");
         let e = open_bytes(&swapped).unwrap_err();
-        assert!(is_value_error(&e, "not the handle's shared file"), "{e}");
+        assert!(is_value_error(&e, "another handle's"), "{e}");
         let mut t = open_bytes(&real).unwrap();
         t.as_mut_slice::<f32>().unwrap()[0] = 7.0;
         let e = open_bytes(&real).unwrap_err();
@@ -615,7 +616,7 @@ fn handle_bytes_open_once_and_only_with_their_token() {
     let _lending = lending();
     let before = share::broker::outstanding();
     let (a, real) = lent_bytes(1.0);
-    let (_b, other) = lent_bytes(2.0);
+    let (b, other) = lent_bytes(2.0);
     let (name, _) = ticket_of(&real);
     let (_, other_token) = ticket_of(&other);
     let (mut consumer, s) = spawn(
@@ -630,9 +631,10 @@ fn handle_bytes_open_once_and_only_with_their_token() {
     // The same bytes in a second process: refused too.
     let e = open_bytes(&real).unwrap_err();
     assert!(is_value_error(&e, "already opened"), "{e}");
-    // The other ticket was claimed by the wrong handle (and refused there): it is used.
-    let e = open_bytes(&other).unwrap_err();
-    assert!(is_value_error(&e, "already opened"), "{e}");
+    // The other ticket, tried with the wrong handle's bytes, is still good for its own.
+    let mut opened = open_bytes(&other).unwrap();
+    opened.as_mut_slice::<f32>().unwrap()[1] = 5.0;
+    assert_eq!(b.to_vec::<f32>().unwrap(), vec![2.0, 5.0, 2.0]);
     ack(&s);
     assert!(exit_within(&mut consumer, 60).success());
     settles_to(before);
@@ -1281,4 +1283,193 @@ fn cuda_many_arrays_are_packed_once_and_a_group_of_views_shares_the_pool_block()
     // SAFETY: the opened views alias one mapping; nothing reads view 3 during the write.
     unsafe { opened[3].copy_from_unchecked(&filled(5.0, 64, device)) }.unwrap();
     assert_eq!(on_host(&block)[3 * 64..4 * 64], vec![5.0; 64]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA handles against hostile consumers and lenders.
+
+/// A VMM and a legacy IPC handle sent as bytes open once and only with their token: a zeroed
+/// token is refused, and so are the same bytes again, for VMM memory also where the consumer
+/// maps the allocation already (no descriptor is needed there, but the ticket is still proved).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_handle_bytes_open_once_and_only_with_their_token() {
+    if let Some((role, s)) = child() {
+        if role != "cuda-token-consumer" {
+            return;
+        }
+        for value in [1.0f32, 2.0] {
+            let real = recv_bytes(&s);
+            let zeroed = recv_bytes(&s);
+            let e = open_bytes(&zeroed).unwrap_err();
+            assert!(is_value_error(&e, "altered or forged"), "{e}");
+            let t = open_bytes(&real).unwrap();
+            assert_eq!(on_host(&t)[..3], [value; 3]);
+            let e = open_bytes(&real).unwrap_err();
+            assert!(is_value_error(&e, "already opened"), "{e}");
+            drop(t);
+        }
+        ack(&s);
+        return;
+    }
+    let _lending = lending();
+    let before = share::broker::outstanding();
+    let device = gpu();
+    // A block of the shareable pool (VMM), and ordinary memory shared without a copy (legacy).
+    let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+    let legacy = filled(2.0, 1024, device);
+    let (mut consumer, s) = spawn(
+        "cuda_handle_bytes_open_once_and_only_with_their_token",
+        "cuda-token-consumer",
+    );
+    for (t, kind) in [(&vmm, SharedKind::CudaVmm), (&legacy, SharedKind::CudaIpc)] {
+        let mut h = share::share(t, false).unwrap();
+        assert_eq!(h.kind(), kind);
+        let real = h.to_bytes_lent().unwrap();
+        let (name, _) = ticket_of(&real);
+        send_bytes(&s, &real);
+        send_bytes(&s, &with_ticket(&real, &name, 0));
+    }
+    wait_ack(&s);
+    assert!(exit_within(&mut consumer, 120).success());
+    settles_to(before);
+}
+
+/// A CUDA handle's claim from a lender that never answers ends after the wait's timeout; and a
+/// socket of another process under the lender's name is refused. The claimer is a child.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_a_lender_that_never_answers_or_is_not_the_producer_is_refused() {
+    use share::broker::Wait;
+    use std::time::Duration;
+    if let Some((role, s)) = child() {
+        if role != "cuda-silent-claimer" {
+            return;
+        }
+        for _ in 0..2 {
+            let silent = recv_bytes(&s);
+            let impostor = recv_bytes(&s);
+            let wait = Wait::new(Duration::from_millis(300));
+            let e = share::open_with(SharedHandle::from_bytes(&silent, None).unwrap(), &wait)
+                .unwrap_err();
+            assert!(
+                matches!(&e, Error::Driver { message, .. } if message.contains("did not answer within")),
+                "{e}"
+            );
+            let e = open_bytes(&impostor).unwrap_err();
+            assert!(
+                matches!(&e, Error::Driver { message, .. } if message.contains("held by process")),
+                "{e}"
+            );
+        }
+        ack(&s);
+        return;
+    }
+    let _lending = lending();
+    let device = gpu();
+    let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+    let legacy = filled(2.0, 1024, device);
+    let silent_name = lender_name(std::process::id());
+    silent_lender(&silent_name);
+    let impostor_name = lender_name(1);
+    silent_lender(&impostor_name);
+    let (mut claimer, s) = spawn(
+        "cuda_a_lender_that_never_answers_or_is_not_the_producer_is_refused",
+        "cuda-silent-claimer",
+    );
+    let mut lent = Vec::new();
+    for t in [&vmm, &legacy] {
+        let bytes = share::share(t, false).unwrap().to_bytes_lent().unwrap();
+        let (_, token) = ticket_of(&bytes);
+        send_bytes(&s, &with_ticket(&bytes, &silent_name, token));
+        send_bytes(&s, &with_ticket(&bytes, &impostor_name, token));
+        lent.push(bytes);
+    }
+    assert!(exit_within(&mut claimer, 60).success());
+    wait_ack(&s);
+    for bytes in lent {
+        drop(SharedHandle::from_bytes(&bytes, None).unwrap()); // given back unopened
+    }
+}
+
+/// A consumer that closes a handle's descriptor before opening it (by number, as Python's
+/// `os.close` of `handle.fd` would) gets a clear error, not a crash: VMM and legacy IPC handles
+/// alike. The consumer is a child.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_a_handle_whose_descriptor_was_closed_is_refused() {
+    if let Some((role, s)) = child() {
+        if role != "cuda-closer" {
+            return;
+        }
+        for _ in 0..2 {
+            let h = share::recv_handle(&s).unwrap();
+            let raw = h.fd().unwrap().as_raw_fd();
+            // SAFETY: closes the handle's own descriptor behind its back, on purpose.
+            assert_eq!(unsafe { libc::close(raw) }, 0);
+            let e = share::open(h).unwrap_err();
+            assert!(is_value_error(&e, "closed by someone else"), "{e}");
+        }
+        ack(&s);
+        return;
+    }
+    let device = gpu();
+    let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+    let legacy = filled(2.0, 1024, device);
+    let (mut closer, s) = spawn(
+        "cuda_a_handle_whose_descriptor_was_closed_is_refused",
+        "cuda-closer",
+    );
+    share::send_handle(&s, share::share(&vmm, false).unwrap()).unwrap();
+    share::send_handle(&s, share::share(&legacy, false).unwrap()).unwrap();
+    wait_ack(&s);
+    assert!(exit_within(&mut closer, 60).success());
+    // The producer's memory is whole.
+    assert_eq!(on_host(&vmm), vec![1.0; 1024]);
+    assert_eq!(on_host(&legacy), vec![2.0; 1024]);
+}
+
+/// A consumer killed with its work on the shared memory still queued: the producer's memory
+/// stays valid and usable, VMM and legacy IPC alike.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_a_consumer_killed_mid_use_leaves_the_producer_whole() {
+    if let Some((role, s)) = child() {
+        if role != "cuda-dying" {
+            return;
+        }
+        let a = share::open(share::recv_handle(&s).unwrap()).unwrap();
+        let b = share::open(share::recv_handle(&s).unwrap()).unwrap();
+        // Copies of 64 MiB queued between reads of the shared memory; killed while they run.
+        let big = filled(0.0, 16 << 20, a.device());
+        let other = filled(0.0, 16 << 20, a.device());
+        let head = other.slice(0, SliceArg::range(0, 1024)).unwrap();
+        for _ in 0..256 {
+            // SAFETY: `other` and its views are this thread's; nothing reads them meanwhile.
+            unsafe { other.copy_from_unchecked(&big) }.unwrap();
+            // SAFETY: as above.
+            unsafe { head.copy_from_unchecked(&a) }.unwrap();
+            // SAFETY: as above.
+            unsafe { head.copy_from_unchecked(&b) }.unwrap();
+        }
+        ack(&s);
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        return;
+    }
+    let device = gpu();
+    let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+    let legacy = filled(2.0, 1024, device);
+    let (mut dying, s) = spawn(
+        "cuda_a_consumer_killed_mid_use_leaves_the_producer_whole",
+        "cuda-dying",
+    );
+    share::send_handle(&s, share::share(&vmm, false).unwrap()).unwrap();
+    share::send_handle(&s, share::share(&legacy, false).unwrap()).unwrap();
+    wait_ack(&s);
+    dying.kill().unwrap();
+    dying.wait().unwrap();
+    // SAFETY: the only user of the memory left is this thread.
+    unsafe { vmm.copy_from_unchecked(&filled(3.0, 1024, device)) }.unwrap();
+    assert_eq!(on_host(&vmm), vec![3.0; 1024]);
+    assert_eq!(on_host(&legacy), vec![2.0; 1024]);
 }

@@ -34,14 +34,34 @@ const MAX_MESSAGE: usize = 64 * 1024;
 /// If `raw` is open, the caller owns it and hands it over: nothing else may use or close it
 /// afterwards.
 pub unsafe fn adopt_fd(raw: RawFd) -> Result<OwnedFd> {
-    // SAFETY: F_GETFD only reads the descriptor's flags; a closed one makes it fail.
-    if raw < 0 || unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
+    if !is_open(raw) {
         return Err(Error::InvalidArgument(format!(
             "file descriptor {raw} is not open"
         )));
     }
     // SAFETY: open, and handed over by the caller's contract.
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// Whether `raw` is an open descriptor of this process.
+fn is_open(raw: RawFd) -> bool {
+    // SAFETY: F_GETFD only reads the descriptor's flags; a closed one makes it fail.
+    raw >= 0 && unsafe { libc::fcntl(raw, libc::F_GETFD) } >= 0
+}
+
+/// `fd` when it is still open: a descriptor a handle owns can be closed behind its back (by
+/// number, from Python's `os.close`). Such a one is let go of without closing it again (its
+/// number may be another file's by now) and is an [`Error::InvalidArgument`].
+pub(crate) fn still_open(fd: OwnedFd) -> Result<OwnedFd> {
+    let raw = fd.as_raw_fd();
+    if is_open(raw) {
+        return Ok(fd);
+    }
+    std::mem::forget(fd);
+    Err(Error::InvalidArgument(format!(
+        "the handle's file descriptor {raw} was closed by someone else: the handle cannot be \
+         opened"
+    )))
 }
 
 /// Sends `data` and `fds` as one message (`sendmsg` with `SCM_RIGHTS`); the receiver gets new

@@ -237,7 +237,7 @@ impl SharedHandle {
             backend: "share",
             message: format!("dup of a shared-memory descriptor failed: {e}"),
         })?;
-        let ticket = broker::lend(dup)?;
+        let ticket = broker::lend(dup, self.tag())?;
         Ok(self.encode(Some(&ticket)))
     }
 
@@ -298,10 +298,29 @@ impl SharedHandle {
     /// producer (the only way a ticket opens: with its token, once).
     fn descriptor(&mut self, wait: &broker::Wait<'_>) -> Result<OwnedFd> {
         if let Some(fd) = self.fd.take() {
-            return Ok(fd);
+            return fd::still_open(fd);
         }
         let ticket = self.ticket.take().ok_or_else(already_opened)?;
-        broker::claim(&ticket, wait)
+        broker::claim(&ticket, self.tag(), wait)
+    }
+
+    /// The memory this handle describes, as a number its lender and its claimer both derive from
+    /// the handle's fields (FNV-1a of the kind, the file's inode, the VMM allocation's key, the
+    /// IPC handle and the size): a ticket is good only for the memory it was lent for.
+    fn tag(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        eat(&[self.kind.to_raw()]);
+        eat(&self.inode.to_le_bytes());
+        eat(&self.origin.to_le_bytes());
+        eat(&self.block.to_le_bytes());
+        eat(&(self.alloc_len as u64).to_le_bytes());
+        eat(self.ipc.as_ref().map_or(&[][..], |ipc| &ipc[..]));
+        h
     }
 
     /// Ends the handle's ticket, if it still has one, with the producer's word that it was
@@ -309,7 +328,7 @@ impl SharedHandle {
     /// opens only as its ticket allows (once, with its token).
     fn redeem(&mut self, wait: &broker::Wait<'_>) -> Result<()> {
         match self.ticket.take() {
-            Some(ticket) => broker::redeem(&ticket, wait),
+            Some(ticket) => broker::redeem(&ticket, self.tag(), wait),
             None => Ok(()),
         }
     }
@@ -418,7 +437,7 @@ impl Drop for SharedHandle {
     /// descriptor it kept for it.
     fn drop(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            broker::forgo(&ticket);
+            broker::forgo(&ticket, self.tag());
         }
     }
 }

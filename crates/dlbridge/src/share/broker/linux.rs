@@ -15,8 +15,9 @@ use crate::share::fd::{send_fds, try_recv_fds};
 /// The stack of a lender's connection thread: it only moves small messages.
 const THREAD_STACK: usize = 64 * 1024;
 
-/// A request: the token, then what is asked ([`FORGO`], [`CLAIM`] or [`REDEEM`]).
-const REQUEST_BYTES: usize = 9;
+/// A request: the token, the memory tag, then what is asked ([`FORGO`], [`CLAIM`] or
+/// [`REDEEM`]).
+const REQUEST_BYTES: usize = 17;
 
 /// The ticket ends and its descriptor is closed; no reply.
 const FORGO: u8 = 0;
@@ -26,55 +27,67 @@ const CLAIM: u8 = 1;
 const REDEEM: u8 = 2;
 
 /// Replies: the descriptor follows; the ticket was valid and is redeemed; no such ticket was
-/// lent; the ticket was claimed, redeemed or forgone already; the ticket expired unclaimed.
+/// lent; the ticket was claimed, redeemed or forgone already; the ticket expired unclaimed; the
+/// ticket lends other memory than the request's tag names (and stays lent).
 const REPLY_FD: u8 = 0;
 const REPLY_REDEEMED: u8 = 1;
 const REPLY_UNKNOWN: u8 = 2;
 const REPLY_ENDED: u8 = 3;
 const REPLY_EXPIRED: u8 = 4;
+const REPLY_MISMATCH: u8 = 5;
 
 /// How often a waiting claim calls [`Wait::interrupt`].
 const TICK: Duration = Duration::from_millis(50);
 
-/// How a ticket ended (remembered for a while, to tell a late or repeated claim what happened).
+/// Why a lender has no descriptor for a request (the ending ones are remembered for a while, to
+/// tell a late or repeated claim what happened).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum End {
+enum Refusal {
+    /// No such ticket was lent (or it ended long ago).
+    Unknown,
     /// Claimed, redeemed or forgone: used.
     Used,
     /// Not claimed within the ticket's lifetime.
     Expired,
+    /// The ticket lends other memory than the request names: it stays lent.
+    Mismatch,
 }
 
 /// The most ended tickets remembered; past it, the record starts afresh (a claim of a ticket
 /// forgotten so is answered "unknown", which says as much).
 const MAX_ENDED: usize = 16 * 1024;
 
-/// A descriptor lent, and until when it waits for its claim.
+/// A descriptor lent, the memory it is for, and until when it waits for its claim (`None`: a
+/// lifetime beyond what an `Instant` holds).
 struct Loan {
     fd: OwnedFd,
-    until: Instant,
+    tag: u64,
+    until: Option<Instant>,
 }
 
 /// What a lender lends, by token, and how recent tickets ended.
 #[derive(Default)]
 struct Book {
     lent: HashMap<u64, Loan>,
-    ended: HashMap<u64, End>,
+    ended: HashMap<u64, Refusal>,
 }
 
 impl Book {
-    /// Ends ticket `token` (`None` where no such ticket is lent), remembering it as used.
-    fn take(&mut self, token: u64) -> std::result::Result<OwnedFd, Option<End>> {
-        match self.lent.remove(&token) {
-            Some(loan) => {
-                self.remember(token, End::Used);
+    /// Ends ticket `token` when it lends the memory `tag` names, and gives its descriptor;
+    /// remembers it as used.
+    fn take(&mut self, token: u64, tag: u64) -> std::result::Result<OwnedFd, Refusal> {
+        match self.lent.get(&token) {
+            Some(loan) if loan.tag != tag => Err(Refusal::Mismatch),
+            Some(_) => {
+                let loan = self.lent.remove(&token).ok_or(Refusal::Unknown)?;
+                self.remember(token, Refusal::Used);
                 Ok(loan.fd)
             }
-            None => Err(self.ended.get(&token).copied()),
+            None => Err(self.ended.get(&token).copied().unwrap_or(Refusal::Unknown)),
         }
     }
 
-    fn remember(&mut self, token: u64, end: End) {
+    fn remember(&mut self, token: u64, end: Refusal) {
         if self.ended.len() >= MAX_ENDED {
             self.ended.clear();
         }
@@ -87,14 +100,14 @@ impl Book {
         let expired: Vec<u64> = self
             .lent
             .iter()
-            .filter(|(_, loan)| loan.until <= now)
+            .filter(|(_, loan)| loan.until.is_some_and(|t| t <= now))
             .map(|(&token, _)| token)
             .collect();
         for token in expired {
             self.lent.remove(&token);
-            self.remember(token, End::Expired);
+            self.remember(token, Refusal::Expired);
         }
-        self.lent.values().map(|loan| loan.until).min()
+        self.lent.values().filter_map(|loan| loan.until).min()
     }
 }
 
@@ -143,8 +156,10 @@ fn lender() -> Result<(String, Lent)> {
 }
 
 /// Keeps `fd` for one claim by another process (or this one) and returns the ticket for it. The
-/// descriptor is closed if no claim comes within [`ticket_ttl`](super::ticket_ttl).
-pub fn lend(fd: OwnedFd) -> Result<Ticket> {
+/// descriptor is closed if no claim comes within [`ticket_ttl`](super::ticket_ttl). `tag` names
+/// the memory `fd` gives (a number its handle derives from its own fields): only a request that
+/// names the same memory claims, redeems or forgoes the ticket.
+pub fn lend(fd: OwnedFd, tag: u64) -> Result<Ticket> {
     let (lender, lent) = lender()?;
     let mut book = lock(&lent);
     let token = loop {
@@ -153,18 +168,17 @@ pub fn lend(fd: OwnedFd) -> Result<Ticket> {
             break t;
         }
     };
-    let until = Instant::now()
-        .checked_add(ticket_ttl())
-        .unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40));
-    book.lent.insert(token, Loan { fd, until });
+    let until = Instant::now().checked_add(ticket_ttl());
+    book.lent.insert(token, Loan { fd, tag, until });
     Ok(Ticket { lender, token })
 }
 
-/// The descriptor lent under `ticket`, which ends. Fails with a clear error when the lender's
-/// process has exited, is another user's or another process's, does not answer within
-/// `wait.timeout`, or the ticket is unknown there (forged, damaged, claimed already or expired).
-pub fn claim(ticket: &Ticket, wait: &Wait<'_>) -> Result<OwnedFd> {
-    match ask(ticket, CLAIM, wait)? {
+/// The descriptor lent under `ticket` for the memory `tag` names, which ends. Fails with a clear
+/// error when the lender's process has exited, is another user's or another process's, does not
+/// answer within `wait.timeout`, or the ticket is unknown there (forged, damaged, claimed already
+/// or expired) or lends other memory.
+pub fn claim(ticket: &Ticket, tag: u64, wait: &Wait<'_>) -> Result<OwnedFd> {
+    match ask(ticket, tag, CLAIM, wait)? {
         Some(fd) => Ok(fd),
         None => Err(Error::Driver {
             backend: "share",
@@ -176,20 +190,20 @@ pub fn claim(ticket: &Ticket, wait: &Wait<'_>) -> Result<OwnedFd> {
 /// Ends `ticket` without its descriptor, after the lender confirmed it was valid: what a
 /// receiver that maps the memory already does, so that only the ticket's bytes, once, open it.
 /// Fails as [`claim`] does.
-pub fn redeem(ticket: &Ticket, wait: &Wait<'_>) -> Result<()> {
-    ask(ticket, REDEEM, wait).map(drop)
+pub fn redeem(ticket: &Ticket, tag: u64, wait: &Wait<'_>) -> Result<()> {
+    ask(ticket, tag, REDEEM, wait).map(drop)
 }
 
 /// Ends `ticket` without its descriptor, which the lender closes: one message, not waited for,
 /// and never blocking (a lender that is gone, or does not take the message at once, has it close
 /// the descriptor by the ticket's lifetime instead).
-pub fn forgo(ticket: &Ticket) {
+pub fn forgo(ticket: &Ticket, tag: u64) {
     if let Some(book) = own_book(ticket) {
-        let _ = lock(&book).take(ticket.token);
+        let _ = lock(&book).take(ticket.token, tag);
         return;
     }
     let sent = checkout(ticket, None).and_then(|(mut conn, _)| {
-        match send_request(&mut conn, ticket, FORGO, None) {
+        match send_request(&mut conn, ticket, tag, FORGO, None) {
             Ok(()) => {
                 checkin(ticket, conn);
                 Ok(())
@@ -220,23 +234,23 @@ fn own_book(ticket: &Ticket) -> Option<Lent> {
 }
 
 /// Asks `ticket`'s lender to end it (`what`: [`CLAIM`] or [`REDEEM`]); the descriptor of a claim.
-fn ask(ticket: &Ticket, what: u8, wait: &Wait<'_>) -> Result<Option<OwnedFd>> {
+fn ask(ticket: &Ticket, tag: u64, what: u8, wait: &Wait<'_>) -> Result<Option<OwnedFd>> {
     if let Some(book) = own_book(ticket) {
-        let taken = lock(&book).take(ticket.token);
+        let taken = lock(&book).take(ticket.token, tag);
         return match taken {
             Ok(fd) => Ok((what == CLAIM).then_some(fd)),
-            Err(end) => Err(refusal(ticket, end)),
+            Err(why) => Err(refusal(ticket, why)),
         };
     }
     let deadline = Instant::now().checked_add(wait.timeout);
     let waiting = Some((deadline, wait));
     let (mut conn, cached) = checkout(ticket, waiting)?;
-    let reply = match exchange(&mut conn, ticket, what, waiting) {
+    let reply = match exchange(&mut conn, ticket, tag, what, waiting) {
         // A kept connection may be one the lender's process closed since: ask again on a new
         // one, which tells a lender that is gone from one that went quiet.
         Err(Failure::Broken(_)) if cached => {
             conn = connect(ticket, waiting)?;
-            exchange(&mut conn, ticket, what, waiting)
+            exchange(&mut conn, ticket, tag, what, waiting)
         }
         other => other,
     };
@@ -250,9 +264,10 @@ fn ask(ticket: &Ticket, what: u8, wait: &Wait<'_>) -> Result<Option<OwnedFd>> {
     match reply {
         (REPLY_FD, Some(fd)) if what == CLAIM => Ok(Some(fd)),
         (REPLY_REDEEMED, None) if what == REDEEM => Ok(None),
-        (REPLY_UNKNOWN, None) => Err(refusal(ticket, None)),
-        (REPLY_ENDED, None) => Err(refusal(ticket, Some(End::Used))),
-        (REPLY_EXPIRED, None) => Err(refusal(ticket, Some(End::Expired))),
+        (REPLY_UNKNOWN, None) => Err(refusal(ticket, Refusal::Unknown)),
+        (REPLY_ENDED, None) => Err(refusal(ticket, Refusal::Used)),
+        (REPLY_EXPIRED, None) => Err(refusal(ticket, Refusal::Expired)),
+        (REPLY_MISMATCH, None) => Err(refusal(ticket, Refusal::Mismatch)),
         (r, fd) => Err(Error::Driver {
             backend: "share",
             message: format!(
@@ -284,10 +299,11 @@ type Waiting<'a, 'b> = Option<(Option<Instant>, &'a Wait<'b>)>;
 fn exchange(
     conn: &mut UnixStream,
     ticket: &Ticket,
+    tag: u64,
     what: u8,
     waiting: Waiting<'_, '_>,
 ) -> std::result::Result<(u8, Option<OwnedFd>), Failure> {
-    send_request(conn, ticket, what, waiting)?;
+    send_request(conn, ticket, tag, what, waiting)?;
     let mut reply = [0u8; 1];
     loop {
         ready(conn.as_raw_fd(), libc::POLLIN, ticket, waiting)?;
@@ -318,12 +334,14 @@ fn exchange(
 fn send_request(
     conn: &mut UnixStream,
     ticket: &Ticket,
+    tag: u64,
     what: u8,
     waiting: Waiting<'_, '_>,
 ) -> std::result::Result<(), Failure> {
     let mut request = [0u8; REQUEST_BYTES];
     request[..8].copy_from_slice(&ticket.token.to_le_bytes());
-    request[8] = what;
+    request[8..16].copy_from_slice(&tag.to_le_bytes());
+    request[16] = what;
     let mut sent = 0;
     while sent < REQUEST_BYTES {
         let rest = &request[sent..];
@@ -610,17 +628,27 @@ fn serve(listener: UnixListener, lent: Lent, ttl: Duration) {
 fn answer(mut conn: UnixStream, lent: &Lent) {
     let mut request = [0u8; REQUEST_BYTES];
     while conn.read_exact(&mut request).is_ok() {
-        let mut token = [0u8; 8];
-        token.copy_from_slice(&request[..8]);
-        let taken = lock(lent).take(u64::from_le_bytes(token));
-        let sent = match (request[8], taken) {
-            (FORGO, _) => continue, // the descriptor, if any, closes here; no reply
-            (CLAIM, Ok(fd)) => send_fds(&conn, &[REPLY_FD], &[fd.as_fd()]),
-            (_, Ok(_)) => send_fds(&conn, &[REPLY_REDEEMED], &[]),
-            (_, Err(None)) => send_fds(&conn, &[REPLY_UNKNOWN], &[]),
-            (_, Err(Some(End::Used))) => send_fds(&conn, &[REPLY_ENDED], &[]),
-            (_, Err(Some(End::Expired))) => send_fds(&conn, &[REPLY_EXPIRED], &[]),
+        let word = |at: usize| {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(&request[at..at + 8]);
+            u64::from_le_bytes(bytes)
         };
+        let taken = lock(lent).take(word(0), word(8));
+        let reply = match (request[16], taken) {
+            (FORGO, _) => continue, // the descriptor, if any, closes here; no reply
+            (CLAIM, Ok(fd)) => {
+                if send_fds(&conn, &[REPLY_FD], &[fd.as_fd()]).is_err() {
+                    return;
+                }
+                continue;
+            }
+            (_, Ok(_)) => REPLY_REDEEMED,
+            (_, Err(Refusal::Unknown)) => REPLY_UNKNOWN,
+            (_, Err(Refusal::Used)) => REPLY_ENDED,
+            (_, Err(Refusal::Expired)) => REPLY_EXPIRED,
+            (_, Err(Refusal::Mismatch)) => REPLY_MISMATCH,
+        };
+        let sent = send_fds(&conn, &[reply], &[]);
         if sent.is_err() {
             return;
         }
@@ -671,15 +699,15 @@ fn timed_out(ticket: &Ticket, wait: &Wait<'_>) -> Error {
 }
 
 /// Why the lender has no descriptor under `ticket`.
-fn refusal(ticket: &Ticket, end: Option<End>) -> Error {
+fn refusal(ticket: &Ticket, why: Refusal) -> Error {
     let pid = ticket.lender_pid();
-    match end {
-        Some(End::Used) => Error::InvalidArgument(format!(
+    match why {
+        Refusal::Used => Error::InvalidArgument(format!(
             "this handle was already opened: the process that shared the array (pid {pid}) \
              lent its descriptor once, and these bytes were used (a handle opens once; share \
              the array again for another)"
         )),
-        Some(End::Expired) => Error::Driver {
+        Refusal::Expired => Error::Driver {
             backend: "share",
             message: format!(
                 "this handle was not opened in time: the process that shared the array (pid \
@@ -688,10 +716,15 @@ fn refusal(ticket: &Ticket, end: Option<End>) -> Error {
                 ticket_ttl().as_secs_f64()
             ),
         },
-        None => Error::InvalidArgument(format!(
+        Refusal::Unknown => Error::InvalidArgument(format!(
             "the process that shared this array (pid {pid}) lends no descriptor under this \
              handle's ticket: the handle's bytes were altered or forged, or were already used \
              long ago (a handle opens once)"
+        )),
+        Refusal::Mismatch => Error::InvalidArgument(format!(
+            "the process that shared this array (pid {pid}) lends other memory under this \
+             handle's ticket: the handle's bytes were altered or forged (its ticket is another \
+             handle's)"
         )),
     }
 }
@@ -703,7 +736,8 @@ mod tests {
     fn loan(until: Instant) -> Loan {
         Loan {
             fd: std::fs::File::open("/proc/self/stat").unwrap().into(),
-            until,
+            tag: 9,
+            until: Some(until),
         }
     }
 
@@ -716,10 +750,11 @@ mod tests {
         book.lent.insert(3, loan(now + Duration::from_secs(30)));
         assert_eq!(book.expire(now), Some(now + Duration::from_secs(30)));
         assert_eq!(book.lent.len(), 2);
-        assert!(matches!(book.take(1), Err(Some(End::Expired))));
-        assert!(book.take(3).is_ok());
-        assert!(matches!(book.take(3), Err(Some(End::Used))));
-        assert!(matches!(book.take(4), Err(None)));
+        assert!(matches!(book.take(1, 9), Err(Refusal::Expired)));
+        assert!(matches!(book.take(3, 8), Err(Refusal::Mismatch)));
+        assert!(book.take(3, 9).is_ok(), "a mismatch leaves the ticket lent");
+        assert!(matches!(book.take(3, 9), Err(Refusal::Used)));
+        assert!(matches!(book.take(4, 9), Err(Refusal::Unknown)));
         assert_eq!(book.expire(now + Duration::from_secs(61)), None);
         assert!(book.lent.is_empty());
     }

@@ -9,7 +9,9 @@
 //! `SCM_RIGHTS`; [`redeem`] ends the ticket without the descriptor (a receiver that maps the
 //! memory already); [`forgo`] tells the lender it is not needed. Each ends the ticket: a ticket
 //! is good for one of them, and only its token opens it (the lender keys its descriptors by
-//! token, never by anything a process could read from `/proc`).
+//! token, never by anything a process could read from `/proc`). Each request also names the
+//! memory it expects (a tag the handle derives from its own fields, as the lender did when it
+//! lent): a ticket moved onto another handle's bytes opens nothing, and stays lent.
 //!
 //! The lender answers on its own threads, so a claim needs nothing of the producer's interpreter
 //! (where `multiprocessing`'s resource sharer runs Python, with a challenge and an HMAC per
@@ -41,9 +43,10 @@
 //! use dlbridge::share::broker::{self, Wait};
 //!
 //! let file = std::fs::File::open("/proc/self/stat")?;
-//! let ticket = broker::lend(file.into())?;
-//! let back = broker::claim(&ticket, &Wait::default())?; // a descriptor of the same open file
-//! assert!(broker::claim(&ticket, &Wait::default()).is_err()); // a ticket is claimed once
+//! let ticket = broker::lend(file.into(), 42)?; // 42: what the descriptor gives
+//! assert!(broker::claim(&ticket, 7, &Wait::default()).is_err()); // not for other memory
+//! let back = broker::claim(&ticket, 42, &Wait::default())?; // a descriptor of the same file
+//! assert!(broker::claim(&ticket, 42, &Wait::default()).is_err()); // a ticket is claimed once
 //! # drop(back);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -216,42 +219,47 @@ mod tests {
     fn a_ticket_is_claimed_once_in_process() {
         let fd = some_fd();
         let ino = inode(&fd);
-        let t = lend(fd).unwrap();
-        assert_eq!(inode(&claim(&t, &wait()).unwrap()), ino);
-        let again = claim(&t, &wait()).unwrap_err();
+        let t = lend(fd, 1).unwrap();
+        assert_eq!(inode(&claim(&t, 1, &wait()).unwrap()), ino);
+        let again = claim(&t, 1, &wait()).unwrap_err();
         assert!(
             matches!(&again, Error::InvalidArgument(m) if m.contains("already opened")),
             "{again}"
         );
         assert!(
-            redeem(&t, &wait()).is_err(),
+            redeem(&t, 1, &wait()).is_err(),
             "a claimed ticket is not redeemed"
         );
     }
 
     #[test]
     fn forgone_and_redeemed_tickets_end() {
-        let t = lend(some_fd()).unwrap();
-        forgo(&t);
-        assert!(claim(&t, &wait()).is_err());
-        let t = lend(some_fd()).unwrap();
-        redeem(&t, &wait()).unwrap();
-        assert!(claim(&t, &wait()).is_err());
-        assert!(redeem(&t, &wait()).is_err());
+        let t = lend(some_fd(), 1).unwrap();
+        forgo(&t, 1);
+        assert!(claim(&t, 1, &wait()).is_err());
+        let t = lend(some_fd(), 1).unwrap();
+        redeem(&t, 1, &wait()).unwrap();
+        assert!(claim(&t, 1, &wait()).is_err());
+        assert!(redeem(&t, 1, &wait()).is_err());
     }
 
     #[test]
     fn only_the_token_opens_a_ticket() {
-        let t = lend(some_fd()).unwrap();
+        let t = lend(some_fd(), 1).unwrap();
         for token in [0, t.token() ^ 1, t.token().wrapping_add(1)] {
             let forged = Ticket::new(t.lender().to_owned(), token).unwrap();
-            let e = claim(&forged, &wait()).unwrap_err();
+            let e = claim(&forged, 1, &wait()).unwrap_err();
             assert!(
                 matches!(&e, Error::InvalidArgument(m) if m.contains("altered or forged")),
                 "{e}"
             );
         }
-        claim(&t, &wait()).unwrap();
+        let e = claim(&t, 2, &wait()).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("another handle's")),
+            "{e}"
+        );
+        claim(&t, 1, &wait()).unwrap();
     }
 
     #[test]
@@ -272,7 +280,7 @@ mod tests {
     #[test]
     fn a_lender_that_is_gone_is_a_clear_error() {
         let t = Ticket::new(format!("{NAME_PREFIX}4242/0000000000000000"), 7).unwrap();
-        let e = claim(&t, &wait()).unwrap_err().to_string();
+        let e = claim(&t, 1, &wait()).unwrap_err().to_string();
         assert!(e.contains("pid 4242") && e.contains("exited"), "{e}");
     }
 

@@ -15,22 +15,22 @@ fn unsupported() -> Error {
 }
 
 /// Refused: see the module.
-pub fn lend(_fd: OwnedFd) -> Result<Ticket> {
+pub fn lend(_fd: OwnedFd, _tag: u64) -> Result<Ticket> {
     Err(unsupported())
 }
 
 /// Refused: see the module.
-pub fn claim(_ticket: &Ticket, _wait: &Wait<'_>) -> Result<OwnedFd> {
+pub fn claim(_ticket: &Ticket, _tag: u64, _wait: &Wait<'_>) -> Result<OwnedFd> {
     Err(unsupported())
 }
 
 /// Refused: see the module.
-pub fn redeem(_ticket: &Ticket, _wait: &Wait<'_>) -> Result<()> {
+pub fn redeem(_ticket: &Ticket, _tag: u64, _wait: &Wait<'_>) -> Result<()> {
     Err(unsupported())
 }
 
 /// Nothing was lent, so nothing is given back.
-pub fn forgo(_ticket: &Ticket) {}
+pub fn forgo(_ticket: &Ticket, _tag: u64) {}
 
 /// Nothing is lent.
 pub fn outstanding() -> usize {

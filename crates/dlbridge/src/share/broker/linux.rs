@@ -711,9 +711,9 @@ fn refusal(ticket: &Ticket, why: Refusal) -> Error {
             backend: "share",
             message: format!(
                 "this handle was not opened in time: the process that shared the array (pid \
-                 {pid}) kept its descriptor for {:.0} s and let it go \
-                 (DLBRIDGE_SHARE_TICKET_TTL=<seconds> in the producer keeps it longer)",
-                ticket_ttl().as_secs_f64()
+                 {pid}) kept its descriptor for the ticket's lifetime and let it go (set \
+                 DLBRIDGE_SHARE_TICKET_TTL=<seconds> in the producer to keep it longer than \
+                 the default 600 s)"
             ),
         },
         Refusal::Unknown => Error::InvalidArgument(format!(

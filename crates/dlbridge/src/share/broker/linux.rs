@@ -384,22 +384,20 @@ fn ready(
         return Err(Failure::Broken(std::io::ErrorKind::WouldBlock.into()));
     };
     loop {
-        let slice = match deadline {
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(Failure::Final(timed_out(ticket, wait)));
-                }
-                left.min(TICK)
-            }
-            None => TICK,
+        // What is left of the wait, a tick at most (zero: one look, without waiting).
+        let slice = deadline.map_or(TICK, |d| {
+            d.saturating_duration_since(Instant::now()).min(TICK)
+        });
+        let ms = if slice.is_zero() {
+            0
+        } else {
+            slice.as_millis().max(1) as libc::c_int
         };
         let mut pfd = libc::pollfd {
             fd,
             events,
             revents: 0,
         };
-        let ms = slice.as_millis().clamp(1, TICK.as_millis()) as libc::c_int;
         // SAFETY: one valid pollfd for the duration of the call.
         let n = unsafe { libc::poll(&mut pfd, 1, ms) };
         if n > 0 {
@@ -410,6 +408,9 @@ fn ready(
             if err.kind() != std::io::ErrorKind::Interrupted {
                 return Err(Failure::Final(io_failed("poll", &err)));
             }
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Failure::Final(timed_out(ticket, wait)));
         }
         wait.check()?;
     }

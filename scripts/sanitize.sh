@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Run the core crate's tests under sanitizers.
 #
-# Usage: scripts/sanitize.sh [asan|tsan|all]   (default: all)
+# Usage: scripts/sanitize.sh [asan|tsan|tsan-share|all]   (default: all)
 #
 #   asan  `cargo test -p dlbridge --lib --tests` under AddressSanitizer (leak detection on), in
 #         target/asan. Stable rustc with RUSTC_BOOTSTRAP=1 is enough: ASan does not need an
 #         instrumented std. Doctests are not run (rustdoc would need the same flags and gains
 #         little here).
 #   tsan  the pool and stream tests (`--test pool` and the pool unit tests) under
-#         ThreadSanitizer, in target/tsan. TSan needs the standard library instrumented too
+#         ThreadSanitizer, in target/tsan.
+#   tsan-share
+#         the CPU share suites (`--test share`: its cross-process tests run this binary, TSan
+#         and all, as the other process; and the `share::` unit tests: the descriptor lender, its
+#         book and clients) under ThreadSanitizer, in target/tsan.
+#         TSan needs the standard library instrumented too
 #         (otherwise std's own synchronisation is invisible to it and it reports false races), so
 #         std is rebuilt from source with -Zbuild-std. That needs a rust-src matching the
 #         compiler and the compiler's TSan runtime (librustc-<channel>_rt.tsan.a):
@@ -117,8 +122,9 @@ debian_tsan_rustc() {
   printf '%s\n' "$sr/bin/rustc"
 }
 
+# Runs `--test $1` and the unit tests matching `$2` under ThreadSanitizer.
 run_tsan() {
-  local rustc
+  local suite=$1 filter=$2 rustc
   rustc=$(tsan_rustc)
   if [[ -z $rustc ]]; then
     log "ThreadSanitizer: NOT RUN: no rustc with a matching rust-src for -Zbuild-std (tried" \
@@ -127,24 +133,26 @@ run_tsan() {
       "'rustup component add rust-src --toolchain nightly' or run scripts/apple-check.sh once"
     return 2
   fi
-  log "ThreadSanitizer with $("$rustc" -V): --test pool and the pool unit tests (target/tsan)"
+  log "ThreadSanitizer with $("$rustc" -V): --test $suite and the unit tests matching '$filter' (target/tsan)"
   local common=(-p dlbridge --target "$HOST" -Zbuild-std "${JOBS[@]}")
   local env=(RUSTC="$rustc" RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$ROOT/target/tsan"
     RUSTFLAGS="-Zsanitizer=thread -Cdebug-assertions"
     TSAN_OPTIONS="halt_on_error=1:${TSAN_OPTIONS:-}" RUST_TEST_THREADS=4)
-  env "${env[@]}" "$CARGO_BIN" test "${common[@]}" --test pool
-  env "${env[@]}" "$CARGO_BIN" test "${common[@]}" --lib -- pool
+  env "${env[@]}" "$CARGO_BIN" test "${common[@]}" --test "$suite"
+  env "${env[@]}" "$CARGO_BIN" test "${common[@]}" --lib -- "$filter"
 }
 
 status=0
 case $MODE in
   asan) run_asan || status=$? ;;
-  tsan) run_tsan || status=$? ;;
+  tsan) run_tsan pool pool || status=$? ;;
+  tsan-share) run_tsan share share:: || status=$? ;;
   all)
     run_asan || status=$?
-    run_tsan || { rc=$?; ((status)) || status=$rc; }
+    run_tsan pool pool || { rc=$?; ((status)) || status=$rc; }
+    run_tsan share share:: || { rc=$?; ((status)) || status=$rc; }
     ;;
-  *) log "unknown mode '$MODE' (asan, tsan or all)"; exit 64 ;;
+  *) log "unknown mode '$MODE' (asan, tsan, tsan-share or all)"; exit 64 ;;
 esac
 ((status == 0)) && log "OK ($MODE)"
 exit "$status"

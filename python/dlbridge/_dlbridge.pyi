@@ -194,8 +194,12 @@ class SharedHandle:
     def _rebuild(state: bytes, fd: int | None = None) -> SharedHandle: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
 
-def open_shared(handle: SharedHandle) -> Array:
-    """Opens a handle made by `Array.share()`: an array over the same memory (opens once)."""
+def open_shared(handle: SharedHandle, *, timeout: float | None = None) -> Array:
+    """Opens a handle made by `Array.share()`: an array over the same memory (opens once). A
+    handle received as bytes claims its descriptor from its producer within `timeout` seconds
+    (default `DLBRIDGE_SHARE_TIMEOUT`, or 30; RuntimeError after it); Ctrl-C interrupts."""
+
+def _share_timeout() -> float: ...
 
 def _share_many(
     arrays: Sequence[Array], copy: _bool | None = None
@@ -204,6 +208,8 @@ def _open_many(
     handles: Sequence[SharedHandle],
     views: Sequence[tuple[int, str, Sequence[int], Sequence[int], int, _bool]],
     cuda_ordinal: int | None = None,
+    *,
+    timeout: float | None = None,
 ) -> list[Array]: ...
 @final
 class NcclCommunicator:
@@ -407,8 +413,11 @@ def synchronize(device: _DeviceLike) -> None:
 
 # Memory: the caching pool of each device, and storage modes.
 # `storage` picks a pool the device alone does not name (a Metal device's private pool, say).
-def memory_stats(device: _DeviceLike = "cpu", *, storage: _Storage | None = None) -> dict[str, int | None]:
-    """Pool figures: active/requested/cached bytes and blocks, peak, hits, misses, driver calls, limits."""
+def memory_stats(
+    device: _DeviceLike = "cpu", *, storage: _Storage | None = None, shareable: _bool = False
+) -> dict[str, int | None]:
+    """Pool figures: active/requested/cached bytes and blocks, peak, hits, misses, driver calls, limits;
+    `shareable=True`: those of the shareable pool (`Array.share`, `open_shared`)."""
     ...
 def empty_cache(device: _DeviceLike = "cpu", *, storage: _Storage | None = None) -> None: ...
 def reset_peak_memory(device: _DeviceLike = "cpu", *, storage: _Storage | None = None) -> None: ...

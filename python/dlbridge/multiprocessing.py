@@ -25,9 +25,12 @@ An array that is not in shareable memory yet is copied into it once when it is s
 ``Array.share``); send the array that ``dlbridge.open_shared`` or an earlier send produced to avoid
 the copy: such an array (CPU, pinned or CUDA) is sent on as the same memory, so writes are seen
 in every direction. File descriptors are lent by the sending process (a native thread answers on
-an abstract Unix socket; the receiver claims the descriptor when it unpickles the array, or only
-says it has the memory mapped already), or inherited while a process starts, with the ``spawn``,
-``forkserver`` and ``fork`` start methods. A message must be received while its sender lives.
+an abstract Unix socket; the receiver claims the descriptor with the message's one-time ticket
+when it unpickles the array, or proves the ticket without the descriptor when it has the memory
+mapped already), or inherited while a process starts, with the ``spawn``, ``forkserver`` and
+``fork`` start methods. A message must be received while its sender lives, and within
+``DLBRIDGE_SHARE_TICKET_TTL`` seconds of being sent (600 by default); a claim waits for the
+sender at most ``DLBRIDGE_SHARE_TIMEOUT`` seconds (30 by default) and answers Ctrl-C.
 
 Memory lives while any process holds it and is freed when the last one lets go. CUDA memory that
 dlbridge did not allocate in its shareable pool (a PyTorch tensor, say) travels as a legacy CUDA

@@ -10,6 +10,13 @@ Two ways an array moves between Ray workers:
   sender compacts them while pickling). Arrays of other devices go by value (copied through the
   host).
 
+  Read-only is kept by the consumers that honour DLPack's read-only flag (dlbridge, NumPy, JAX:
+  a write raises). PyTorch has no read-only tensors and ignores the flag: a write through
+  ``torch.from_dlpack(a)`` lands in the stored object, and every reader on the node sees it, as
+  with NumPy arrays from Ray (``torch.from_numpy(ray.get(ref))``). The object store's pages are
+  writable, so such a write never faults. To write, copy first:
+  ``dlbridge.asarray(a, copy=True)`` or ``torch.from_dlpack(a).clone()``.
+
 * **The dlbridge tensor transport** (``import dlbridge.ray``, then
   ``tensor_transport="dlbridge"``).
   Ray's direct transport ("RDT") keeps the array in the producing actor and hands the consumer a
@@ -312,6 +319,9 @@ class _DescriptorServer:
 
     def _answer(self, conn: Any) -> None:
         with conn:
+            # A peer that connects and never asks (or never acknowledges) cannot hold this thread
+            # for ever.
+            conn.settimeout(_dlbridge._share_timeout())
             try:
                 # The request first, whoever sends it: an answer written before the asker has
                 # finished writing would break its write (EPIPE) instead of being read.
@@ -352,12 +362,38 @@ def _read_line(conn: Any) -> str:
     return data[:-1].decode(errors="replace")
 
 
-def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[int]:
-    """The descriptors of ``obj_id`` from the producer's descriptor server (owned by the caller)."""
+def _check_server(sock: Any, pid: int) -> None:
+    """Fails unless the descriptor server at the other end of ``sock`` is the producer: its
+    process ``pid``, of this user (or root). The socket's name is visible to every user
+    (``/proc/net/unix``), and once the producer exited anyone may bind it."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    peer_pid, uid, _ = struct.unpack("3i", creds)
+    if uid not in (os.getuid(), 0):
+        raise PermissionError(
+            f"the producer's descriptor socket is held by a process of another user (uid {uid}), "
+            f"not by the producer (process {pid}, which has exited): refused"
+        )
+    if peer_pid != pid:
+        raise PermissionError(
+            f"the producer's descriptor socket is held by process {peer_pid}, not by the "
+            f"producer (process {pid}): refused (the producer has exited, or runs in another PID "
+            f"namespace)"
+        )
+
+
+def _fetch_descriptors(
+    address: str, obj_id: str, count: int, pid: int, timeout: Optional[float] = None
+) -> list[int]:
+    """The descriptors of ``obj_id`` from the producer's descriptor server (owned by the caller).
+    Waits at most ``timeout`` seconds (default ``DLBRIDGE_SHARE_TIMEOUT``, or 30) for the producer
+    (``TimeoutError``); Ctrl-C interrupts the wait."""
     fds: list[int] = []
+    wait = _dlbridge._share_timeout() if timeout is None else timeout
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(wait)
             sock.connect(address)
+            _check_server(sock, pid)
             sock.sendall(obj_id.encode() + b"\n")
             while len(fds) < count:
                 msg, got, _, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
@@ -372,10 +408,15 @@ def _fetch_descriptors(address: str, obj_id: str, count: int, pid: int) -> list[
                         f"the producer (process {pid}) no longer holds the object: it was freed"
                     )
             sock.sendall(b"ok\n")
-    except OSError as e:
+    except BaseException as e:
         for fd in fds:
             os.close(fd)
-        if isinstance(e, PermissionError):
+        if isinstance(e, TimeoutError):
+            raise TimeoutError(
+                f"the producer (process {pid}) did not hand over its memory within {wait:g} s (it "
+                f"is stopped or busy): set DLBRIDGE_SHARE_TIMEOUT=<seconds> to wait longer"
+            ) from e
+        if isinstance(e, PermissionError) or not isinstance(e, OSError):
             raise
         raise OSError(
             f"cannot reach the producer's memory (process {pid} may have exited, or freed the "

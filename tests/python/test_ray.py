@@ -446,3 +446,113 @@ def test_the_descriptor_server_serves_held_objects_to_this_user_only(cluster):
     answer = os.read(r, 300)
     os.close(r)
     assert answer == b"refused", answer
+
+
+# ---------------------------------------------------------------------------------------------
+# Object-store arrays and consumers that ignore read-only; the descriptor server under hostile
+# peers.
+
+
+def test_a_torch_write_to_an_object_store_array_reaches_every_reader_as_with_numpy(cluster):
+    """What dlbridge does with a read-only object-store array a PyTorch consumer writes: the
+    write lands in the object (PyTorch ignores DLPack's read-only flag), never faults, and every
+    reader on the node sees it, exactly as with a NumPy array from Ray. A copy is private."""
+    torch = pytest.importorskip("torch")
+    n = 1 << 18  # 1 MiB: in the shared-memory store, not inlined
+    ref = ray.put(dlbridge.from_dlpack(np.zeros(n, dtype=np.float32)))
+    got = ray.get(ref)
+    assert got.readonly
+    with pytest.raises((ValueError, BufferError)):
+        got[0] = 1.0  # dlbridge keeps the promise
+    with pytest.raises(ValueError):
+        np.from_dlpack(got)[0] = 1.0  # and so does NumPy
+    torch.from_dlpack(got)[0] = 5.0  # PyTorch does not: the object's memory
+    assert float(np.from_dlpack(ray.get(ref))[0]) == 5.0
+    assert float(ray.get(_describe.remote(ref))[3][0]) == 5.0  # another process reads it too
+    # The same as NumPy arrays from Ray.
+    numpy_ref = ray.put(np.zeros(n, dtype=np.float32))
+    with pytest.warns(UserWarning, match="not writable"):
+        as_torch = torch.from_numpy(ray.get(numpy_ref))
+    as_torch[0] = 5.0
+    assert float(ray.get(numpy_ref)[0]) == 5.0
+    # A copy is the way to write privately.
+    mine = dlbridge.asarray(ray.get(ref), copy=True)
+    assert not mine.readonly
+    torch.from_dlpack(mine)[1] = 9.0
+    assert float(np.from_dlpack(ray.get(ref))[1]) == 0.0
+
+
+_SILENT_SERVER = r"""
+import os, socket, sys
+address = f"\0dlbridge-ray-silent-{os.getpid()}"
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(address)
+s.listen()
+print(os.getpid(), address[1:], flush=True)
+held = []
+while True:
+    held.append(s.accept()[0])
+"""
+
+_FETCH = r"""
+import os, sys, time
+import dlbridge.ray as dray
+start = time.monotonic()
+try:
+    dray._fetch_descriptors("\0" + sys.argv[1], "obj", 1, int(sys.argv[2]))
+    print("served")
+except Exception as e:
+    print(type(e).__name__, time.monotonic() - start, e)
+"""
+
+
+def test_the_descriptor_client_waits_a_bounded_time_and_checks_the_server():
+    """A consumer of the transport asks a descriptor server that never answers (a stopped
+    producer) or that is not the producer's (another process bound the name): a clear error,
+    never a hang. The consumer runs in a child with a timeout."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SILENT_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid, name = server.stdout.readline().split()
+        env = dict(os.environ, DLBRIDGE_SHARE_TIMEOUT="1")
+        r = subprocess.run(
+            [sys.executable, "-c", _FETCH, name, pid],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+        kind, took, message = r.stdout.split(" ", 2)
+        assert kind == "TimeoutError" and "within 1 s" in message, r.stdout + r.stderr
+        assert 1.0 <= float(took) < 20
+        r = subprocess.run(
+            [sys.executable, "-c", _FETCH, name, str(os.getpid())],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+        kind, took, message = r.stdout.split(" ", 2)
+        assert kind == "PermissionError" and f"held by process {pid}" in message, r.stdout
+        assert float(took) < 10
+    finally:
+        server.kill()
+        server.wait(30)
+
+
+_IDLE_PEER = r"""
+import socket, time
+import dlbridge.ray as dray
+server = dray._DescriptorServer(dray.DlbridgeTransport())
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+c.connect(server.address)
+start = time.monotonic()
+c.settimeout(30)
+print(repr(c.recv(1)), time.monotonic() - start)
+"""
+
+
+def test_the_descriptor_server_drops_a_peer_that_never_asks():
+    r = subprocess.run(
+        [sys.executable, "-c", _IDLE_PEER],
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, DLBRIDGE_SHARE_TIMEOUT="0.5"),
+    )
+    got, took = r.stdout.split()
+    assert got == "b''", r.stdout + r.stderr
+    assert 0.5 <= float(took) < 20

@@ -13,6 +13,8 @@ import os
 import pickle
 import resource
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -431,6 +433,419 @@ def test_the_descriptor_limit_is_an_error_not_a_crash():
 
 
 # ---------------------------------------------------------------------------------------------
+# Hostile consumers and lenders. Whatever could crash or hang runs in a child process with a
+# timeout; the hostile side is a process of its own.
+
+
+def run_python(code: str, *args: str, env=None, input=None, timeout: float = 60):
+    """Runs ``code`` in a new interpreter (this one's) and returns its completed process (bytes
+    out); a hang past ``timeout`` fails the test (``TimeoutExpired``)."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        input=input,
+        capture_output=True,
+        env=full_env,
+        timeout=timeout,
+    )
+
+
+def ticket_of(state: bytes) -> tuple[str, bytes]:
+    """The lender's name and the token (8 bytes) of a lent handle's bytes (the ticket ends them:
+    a length byte, the name, the token)."""
+    at = state.index(b"dlbridge-fds/")
+    n = state[at - 1]
+    return state[at : at + n].decode(), state[at + n : at + n + 8]
+
+
+def with_ticket(state: bytes, name: str, token: bytes) -> bytes:
+    """``state`` with its ticket's lender renamed ``name`` and its token made ``token``."""
+    at = state.index(b"dlbridge-fds/")
+    n = state[at - 1]
+    return state[: at - 1] + bytes([len(name)]) + name.encode() + token + state[at + n + 8 :]
+
+
+_FAKE_LENDER = r"""
+import os, socket, sys
+pid = os.getpid() if sys.argv[1] == "self" else int(sys.argv[1])
+if len(sys.argv) > 2:
+    os.setuid(int(sys.argv[2]))
+name = f"dlbridge-fds/{pid}/{os.getpid():08x}0badf00d"
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind("\0" + name)
+s.listen()
+print(name, flush=True)
+held = []
+while True:
+    c, _ = s.accept()
+    held.append(c)
+    c.recv(9)
+    print("asked", flush=True)
+"""
+
+
+class _FakeLender:
+    """A process bound to a lender's name that never answers: a squatter of a dead producer's
+    name, or a stand-in for a stopped one. ``pid`` is the process the name gives (``self``: the
+    squatter's own); ``uid`` the user it runs as."""
+
+    def __init__(self, pid: str = "self", uid: int | None = None) -> None:
+        args = [sys.executable, "-c", _FAKE_LENDER, pid] + ([str(uid)] if uid is not None else [])
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        self.name = self.proc.stdout.readline().strip()
+        assert self.name.startswith("dlbridge-fds/"), self.name
+
+    def __enter__(self) -> "_FakeLender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+# Opens the handle bytes given in hex; prints "claiming", then how it ended and after how long.
+_CLAIM = r"""
+import sys, time, dlbridge
+h = dlbridge._dlbridge.SharedHandle._rebuild(bytes.fromhex(sys.argv[1]))
+kw = {"timeout": float(sys.argv[2])} if len(sys.argv) > 2 else {}
+print("claiming", flush=True)
+start = time.monotonic()
+try:
+    dlbridge.open_shared(h, **kw)
+    print("opened", flush=True)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", time.monotonic() - start, flush=True)
+except Exception as e:
+    print(type(e).__name__, time.monotonic() - start, e, flush=True)
+"""
+
+
+def _claim_result(out: bytes) -> tuple[str, float, str]:
+    lines = out.decode().splitlines()
+    assert lines[0] == "claiming", lines
+    kind, took, *rest = lines[1].split(" ", 2)
+    return kind, float(took), " ".join(rest)
+
+
+_TRUNCATING_CONSUMER = r"""
+import os, pickle, sys, dlbridge
+a = dlbridge.open_shared(pickle.loads(sys.stdin.buffer.read()))
+h = a.share()  # a descriptor of the producer's file, held by this process
+try:
+    os.ftruncate(h.fd, 0)
+    print("truncated", flush=True)
+except OSError as e:
+    print("refused", e.errno, flush=True)
+try:
+    import fcntl
+    fcntl.fcntl(h.fd, 1033, 0x0008)  # F_ADD_SEALS, F_SEAL_WRITE
+    print("sealed", flush=True)
+except OSError as e:
+    print("refused", e.errno, flush=True)
+print(float(a[-1]), flush=True)
+"""
+
+_TRUNCATED_PRODUCER = r"""
+import pickle, subprocess, sys
+import numpy as np
+import dlbridge
+a = dlbridge.open_shared(dlbridge.full((1 << 18,), 3.0, "float32").share())
+consumer = subprocess.run(
+    [sys.executable, "-c", sys.argv[1]], input=pickle.dumps(a.share()), capture_output=True,
+    timeout=60,
+)
+sys.stdout.write(consumer.stdout.decode())
+# Every page of the memory, after the consumer's attempt (a shrunk file: SIGBUS here).
+print(float(np.asarray(a).sum()), flush=True)
+"""
+
+
+def test_a_consumer_cannot_truncate_the_shared_file():
+    """The issue's one-liner, with the producer and the hostile consumer in processes of their
+    own: the consumer's ftruncate of the descriptor it received is refused (the file is sealed),
+    and the producer reads all of its memory afterwards."""
+    r = run_python(_TRUNCATED_PRODUCER, _TRUNCATING_CONSUMER, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr.decode()[-2000:])
+    lines = r.stdout.decode().split()
+    assert lines[:4] == ["refused", str(1), "refused", str(1)], lines  # EPERM twice
+    assert float(lines[4]) == 3.0
+    assert float(lines[5]) == 3.0 * (1 << 18)
+
+
+def test_the_issue_one_liner_raises_instead_of_crashing():
+    r = run_python(
+        "import os, dlbridge\n"
+        "a = dlbridge.open_shared(dlbridge.zeros((1024,)).share())\n"
+        "h = a.share()\n"
+        "try:\n"
+        "    os.ftruncate(h.fd, 0)\n"
+        "except PermissionError:\n"
+        "    print('refused')\n"
+        "print(float(a[0]))\n"
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr.decode()[-2000:])
+    assert r.stdout.decode().split() == ["refused", "0.0"]
+
+
+def test_a_descriptor_without_seals_is_refused():
+    h = dlbridge.zeros((16,)).share()
+    state = h._state()
+    unsealed = os.memfd_create("dlbridge-shared")
+    os.ftruncate(unsealed, h.allocation_nbytes)
+    real = os.fstat(h.fd).st_ino.to_bytes(8, "little")
+    forged = state.replace(real, os.fstat(unsealed).st_ino.to_bytes(8, "little"))
+    assert forged != state
+    other = dlbridge._dlbridge.SharedHandle._rebuild(forged, unsealed)
+    with pytest.raises(ValueError, match="not sealed"):
+        dlbridge.open_shared(other)
+
+
+_TOKENS = r"""
+import pickle, sys, dlbridge
+states = pickle.loads(sys.stdin.buffer.read())
+rebuild = dlbridge._dlbridge.SharedHandle._rebuild
+for state in states:
+    try:
+        a = dlbridge.open_shared(rebuild(state))
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}", flush=True)
+        continue
+    a[0] = 7.0
+    print("opened", flush=True)
+"""
+
+
+def test_handle_bytes_open_once_and_only_with_their_token():
+    """A consumer process tries a zeroed token, a token of another ticket (on this handle's bytes),
+    then the real bytes twice; the producer then tries the same bytes: only the first real open
+    maps the memory."""
+    a = dlbridge.open_shared(dlbridge.full((4,), 1.0, "float32").share())
+    b = dlbridge.open_shared(dlbridge.full((4,), 2.0, "float32").share())
+    real = a.share()._lend()
+    other = b.share()._lend()
+    name, _ = ticket_of(real)
+    _, other_token = ticket_of(other)
+    states = [
+        with_ticket(real, name, bytes(8)),
+        with_ticket(real, name, other_token),
+        real,
+        real,
+    ]
+    r = run_python(_TOKENS, input=pickle.dumps(states))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    zeroed, swapped, first, second = r.stdout.decode().splitlines()
+    assert zeroed.startswith("ValueError") and "altered or forged" in zeroed, zeroed
+    assert swapped.startswith("ValueError") and "another handle's" in swapped, swapped
+    assert first == "opened"
+    assert second.startswith("ValueError") and "already opened" in second, second
+    assert float(a[0]) == 7.0 and float(b[0]) == 2.0
+    # The other ticket, tried with the wrong handle's bytes, is still good for its own.
+    assert float(dlbridge.open_shared(dlbridge._dlbridge.SharedHandle._rebuild(other))[0]) == 2.0
+    # The same bytes in this (a second) process, plainly and through pickle.
+    rebuild = dlbridge._dlbridge.SharedHandle._rebuild
+    with pytest.raises(ValueError, match="already opened"):
+        dlbridge.open_shared(rebuild(real))
+    data = pickle.dumps(a.share())
+    dlbridge.open_shared(pickle.loads(data))
+    with pytest.raises(ValueError, match="already opened"):
+        dlbridge.open_shared(pickle.loads(data))
+
+
+def test_a_lender_that_never_answers_ends_the_claim_after_the_timeout():
+    a = dlbridge.open_shared(dlbridge.zeros((4,)).share())
+    state = a.share()._lend()
+    with _FakeLender() as lender:
+        forged = with_ticket(state, lender.name, ticket_of(state)[1])
+        # The default, from the environment.
+        r = run_python(_CLAIM, forged.hex(), env={"DLBRIDGE_SHARE_TIMEOUT": "1"})
+        kind, took, message = _claim_result(r.stdout)
+        assert kind == "RuntimeError" and "did not answer within 1.000 s" in message, message
+        assert 1.0 <= took < 20
+        # The keyword.
+        r = run_python(_CLAIM, forged.hex(), "0.5")
+        kind, took, message = _claim_result(r.stdout)
+        assert kind == "RuntimeError" and "did not answer within 0.500 s" in message, message
+        assert 0.5 <= took < 20
+
+
+def test_a_lender_of_another_process_is_refused_at_once():
+    """The name gives this process's id, but another process holds it."""
+    a = dlbridge.open_shared(dlbridge.zeros((4,)).share())
+    state = a.share()._lend()
+    with _FakeLender(pid=str(os.getpid())) as lender:
+        forged = with_ticket(state, lender.name, ticket_of(state)[1])
+        r = run_python(_CLAIM, forged.hex())
+        kind, took, message = _claim_result(r.stdout)
+        assert kind == "RuntimeError" and "held by process" in message, message
+        assert took < 10
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the squatter as another user")
+def test_a_lender_of_another_user_is_refused_at_once():
+    """A process of another user binds the name of a producer (that exited)."""
+    a = dlbridge.open_shared(dlbridge.zeros((4,)).share())
+    state = a.share()._lend()
+    with _FakeLender(uid=65534) as lender:
+        forged = with_ticket(state, lender.name, ticket_of(state)[1])
+        r = run_python(_CLAIM, forged.hex())
+        kind, took, message = _claim_result(r.stdout)
+        assert kind == "RuntimeError" and "another user (uid 65534)" in message, message
+        assert took < 10
+
+
+_LEND_AND_WAIT = r"""
+import pickle, sys, dlbridge
+a = dlbridge.open_shared(dlbridge.full((16,), 1.0).share())
+print(pickle.dumps(a.share()).hex(), flush=True)
+sys.stdin.read()
+"""
+
+_OPEN_PICKLED = r"""
+import pickle, sys, time, dlbridge
+h = pickle.loads(bytes.fromhex(sys.argv[1]))
+print("claiming", flush=True)
+start = time.monotonic()
+try:
+    print("opened", float(dlbridge.open_shared(h)[0]), flush=True)
+except Exception as e:
+    print(type(e).__name__, time.monotonic() - start, e, flush=True)
+"""
+
+
+def test_a_stopped_producer_ends_the_claim_after_the_timeout():
+    producer = subprocess.Popen(
+        [sys.executable, "-c", _LEND_AND_WAIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        data = producer.stdout.readline().decode().strip()
+        os.kill(producer.pid, signal.SIGSTOP)
+        r = run_python(_OPEN_PICKLED, data, env={"DLBRIDGE_SHARE_TIMEOUT": "1"})
+        kind, took, message = _claim_result(r.stdout)
+        assert kind == "RuntimeError" and "did not answer" in message, message
+        assert 1.0 <= took < 20
+    finally:
+        os.kill(producer.pid, signal.SIGCONT)
+        producer.stdin.close()
+        producer.wait(30)
+
+
+def test_ctrl_c_interrupts_a_claim_promptly():
+    """A consumer waiting for a lender that never answers gets SIGINT: open_shared raises
+    KeyboardInterrupt at once, long before its 120 s timeout."""
+    a = dlbridge.open_shared(dlbridge.zeros((4,)).share())
+    state = a.share()._lend()
+    with _FakeLender() as lender:
+        forged = with_ticket(state, lender.name, ticket_of(state)[1])
+        consumer = subprocess.Popen(
+            [sys.executable, "-c", _CLAIM, forged.hex()],
+            stdout=subprocess.PIPE,
+            env=dict(os.environ, DLBRIDGE_SHARE_TIMEOUT="120"),
+        )
+        try:
+            assert consumer.stdout.readline() == b"claiming\n"
+            assert lender.proc.stdout.readline() == "asked\n"  # the claim waits for the reply
+            time.sleep(0.2)
+            consumer.send_signal(signal.SIGINT)
+            out, _ = consumer.communicate(timeout=20)
+        finally:
+            consumer.kill()
+            consumer.wait(30)
+        kind, took, _ = _claim_result(b"claiming\n" + out)
+        assert kind == "KeyboardInterrupt"
+        assert took < 10
+
+
+_EXPIRING = r"""
+import os, pickle, sys, time, dlbridge
+
+def memfds():
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "dlbridge-shared" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+a = dlbridge.open_shared(dlbridge.zeros((64,)).share())
+before = memfds()
+data = [pickle.dumps(a.share()) for _ in range(5)]
+assert memfds() == before + 5, (memfds(), before)
+print(data[0].hex(), flush=True)
+until = time.monotonic() + 10
+while memfds() != before and time.monotonic() < until:
+    time.sleep(0.01)
+print("expired" if memfds() == before else f"kept {memfds() - before}", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_unclaimed_lent_descriptors_expire_and_a_late_claim_says_so():
+    producer = subprocess.Popen(
+        [sys.executable, "-c", _EXPIRING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, DLBRIDGE_SHARE_TICKET_TTL="0.5"),
+    )
+    try:
+        data = bytes.fromhex(producer.stdout.readline().decode())
+        assert producer.stdout.readline() == b"expired\n"
+        with pytest.raises(RuntimeError, match="not opened in time"):
+            dlbridge.open_shared(pickle.loads(data))
+    finally:
+        producer.stdin.close()
+        producer.wait(30)
+    assert producer.returncode == 0
+
+
+def test_the_shareable_pool_is_in_memory_stats_and_empty_cache_releases_it():
+    def shareable() -> dict:
+        return dlbridge.memory_stats(shareable=True)
+
+    dlbridge.empty_cache()
+    kept = dlbridge.asarray(np.ones(1 << 16, dtype=np.float32)).to_shareable()  # 256 KiB in use
+    assert shareable()["active_bytes"] >= kept.nbytes
+    # A share copies into the shareable pool; the copy goes back to its cache at once.
+    h = dlbridge.zeros((1 << 18,), dtype="float32").share()
+    stats = shareable()
+    assert stats["cached_bytes"] >= 1 << 20
+    assert stats["allocations"] >= 2
+    frees = stats["driver_frees"]
+    dlbridge.empty_cache()
+    stats = shareable()
+    assert stats["cached_bytes"] == 0
+    assert stats["driver_frees"] > frees
+    assert stats["active_bytes"] >= kept.nbytes  # in use: untouched
+    assert float(dlbridge.open_shared(h)[5]) == 0.0
+    assert float(kept[5]) == 1.0
+    with pytest.raises(ValueError, match="no storage"):
+        dlbridge.memory_stats(storage="shared", shareable=True)
+
+
+_TORCH_WRITES_READ_ONLY = r"""
+import numpy as np, torch, dlbridge
+src = np.arange(8, dtype=np.float32)
+src.flags.writeable = False
+a = dlbridge.from_dlpack(src).to_shareable()   # a read-only array in shareable memory
+h = a.share(copy=False)
+assert h.readonly
+b = dlbridge.open_shared(h)
+assert b.readonly
+torch.from_dlpack(b).add_(1)   # PyTorch ignores DLPack's read-only flag
+print(float(b[0]), float(a[0]), flush=True)
+"""
+
+
+def test_a_read_only_shared_view_is_writable_memory_for_consumers_that_ignore_the_flag():
+    """Nothing dlbridge exports may fault on a write: a read-only handle maps writable pages (the
+    flag is for consumers that honour it; PyTorch does not)."""
+    pytest.importorskip("torch")
+    r = run_python(_TORCH_WRITES_READ_ONLY, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr.decode()[-2000:])
+    assert r.stdout.decode().split() == ["1.0", "1.0"]
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA (skipped without a device; the GPU machine runs them).
 
 
@@ -643,3 +1058,133 @@ def test_cuda_vmm_handle_travels_by_plain_pickle():
     p.join(60)
     assert p.exitcode == 0
     assert same and values == list(range(16))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA handles against hostile consumers and lenders (VMM and legacy IPC).
+
+_CUDA_TOKENS = r"""
+import pickle, sys
+import numpy as np
+import dlbridge
+states = pickle.loads(sys.stdin.buffer.read())
+rebuild = dlbridge._dlbridge.SharedHandle._rebuild
+kept = []  # opened arrays stay alive: a VMM allocation stays mapped here
+for state in states:
+    try:
+        a = dlbridge.open_shared(rebuild(state))
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}", flush=True)
+        continue
+    kept.append(a)
+    print("opened", float(np.asarray(a.to("cpu"))[0]), flush=True)
+"""
+
+
+def _cuda_lent(kind: str):
+    """An array on cuda:0 (kept by the caller) and its handle's lent bytes, of ``kind``."""
+    if kind == "cuda_vmm":
+        a = dlbridge.full((1024,), 1.0, "float32", device="cuda:0").to_shareable()
+    else:
+        torch = pytest.importorskip("torch")
+        a = dlbridge.from_dlpack(torch.full((1024,), 1.0, device="cuda"))
+    h = a.share(copy=False)
+    assert h.kind == kind
+    return a, h._lend()
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["cuda_vmm", "cuda_ipc"])
+def test_cuda_handle_bytes_open_once_and_only_with_their_token(kind):
+    """A consumer process tries a zeroed token, then the real bytes twice (a VMM allocation is
+    mapped there by then: no descriptor is needed, but the ticket is proved all the same)."""
+    a, real = _cuda_lent(kind)
+    name, _ = ticket_of(real)
+    states = [with_ticket(real, name, bytes(8)), real, real]
+    r = run_python(_CUDA_TOKENS, input=pickle.dumps(states), timeout=120)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    zeroed, first, second = r.stdout.decode().splitlines()
+    assert zeroed.startswith("ValueError") and "altered or forged" in zeroed, zeroed
+    assert first == "opened 1.0"
+    assert second.startswith("ValueError") and "already opened" in second, second
+    with pytest.raises(ValueError):
+        dlbridge.open_shared(dlbridge._dlbridge.SharedHandle._rebuild(real))
+    del a
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["cuda_vmm", "cuda_ipc"])
+def test_cuda_a_lender_that_never_answers_or_is_not_the_producer_is_refused(kind):
+    a, state = _cuda_lent(kind)
+    with _FakeLender() as silent, _FakeLender(pid=str(os.getpid())) as impostor:
+        token = ticket_of(state)[1]
+        r = run_python(_CLAIM, with_ticket(state, silent.name, token).hex(), "0.5", timeout=120)
+        kind_, took, message = _claim_result(r.stdout)
+        assert kind_ == "RuntimeError" and "did not answer within 0.500 s" in message, message
+        assert 0.5 <= took < 30
+        r = run_python(_CLAIM, with_ticket(state, impostor.name, token).hex(), timeout=120)
+        kind_, took, message = _claim_result(r.stdout)
+        assert kind_ == "RuntimeError" and "held by process" in message, message
+    del a
+
+
+_CLOSED_DESCRIPTOR = r"""
+import os, sys, dlbridge
+a = dlbridge.zeros((1024,), dtype="float32", device=sys.argv[1]).to_shareable()
+h = a.share(copy=False)
+os.close(h.fd)  # the handle's own descriptor, closed behind its back
+try:
+    dlbridge.open_shared(h)
+    print("opened")
+except Exception as e:
+    print(type(e).__name__, e)
+a[0] = 1.0
+print(float(a[0]))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_cuda)])
+def test_a_handle_whose_descriptor_was_closed_is_refused(device):
+    r = run_python(_CLOSED_DESCRIPTOR, device, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr.decode()[-2000:])
+    refused, value = r.stdout.decode().splitlines()
+    assert refused.startswith("ValueError") and "closed by someone else" in refused, refused
+    assert value == "1.0"
+
+
+def _cuda_spin_then_hold(q, ready) -> None:
+    import torch
+
+    a = q.get()
+    t = torch.from_dlpack(a)
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of a spinning kernel on the current stream
+    t.sum()  # a read of the shared memory queued behind it
+    ready.set()
+    time.sleep(120)
+
+
+@needs_cuda
+def test_cuda_a_consumer_killed_mid_kernel_leaves_the_producer_whole():
+    pytest.importorskip("torch")
+    free_before, _ = dlbridge.cuda.mem_get_info(0)
+    ctx = dmp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Event()
+    size = 64 << 20
+    a = dlbridge.open_shared(dlbridge.full((size // 4,), 1.0, "float32", device="cuda:0").share())
+    p = ctx.Process(target=_cuda_spin_then_hold, args=(q, ready))
+    p.start()
+    q.put(a)
+    assert ready.wait(120)
+    os.kill(p.pid, signal.SIGKILL)  # its kernel still spins
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    a[...] = dlbridge.full(a.shape, 3.0, "float32", device="cuda:0")
+    dlbridge.synchronize("cuda:0")
+    values = np.asarray(a.to("cpu"))
+    assert float(values[0]) == 3.0 and float(values[-1]) == 3.0
+    del a
+    gc.collect()
+    dlbridge.empty_cache("cuda:0")
+    time.sleep(1)
+    free_after, _ = dlbridge.cuda.mem_get_info(0)
+    assert free_before - free_after < size + (64 << 20)

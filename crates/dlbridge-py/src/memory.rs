@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use std::ffi::CString;
 
-use dlbridge::{Device, Pool, StorageMode};
+use dlbridge::{Device, DeviceKind, Pool, StorageMode};
 use pyo3::exceptions::{PyRuntimeWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyTuple};
@@ -97,19 +97,58 @@ fn parse_limit(limit: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
     }
 }
 
+/// The shareable pool of `device` (that `Array.share` and `open_shared` use) when `storage` names
+/// no pool of its own and the device has one (`cpu`, `cuda_host:N`, `cuda:N`).
+fn shareable_pool(
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<Option<&'static Arc<Pool>>> {
+    if storage.is_some() {
+        return Ok(None);
+    }
+    let device = device_or_cpu(device)?;
+    let has_one = matches!(
+        device.kind(),
+        DeviceKind::Cpu | DeviceKind::CudaHost | DeviceKind::Cuda
+    );
+    Ok(has_one
+        .then(|| dlbridge::share::pool(device).ok())
+        .flatten())
+}
+
 /// The figures of the device's memory pool, as a dict: `active_bytes`, `active_blocks`,
 /// `requested_bytes`, `cached_bytes`, `cached_blocks`, `peak_active_bytes`, `allocations`,
 /// `cache_hits`, `cache_misses`, `driver_allocations`, `driver_frees`, `memory_limit` and
-/// `cache_limit` (`None`: no limit).
+/// `cache_limit` (`None`: no limit). With `shareable=True`, the figures of the device's
+/// shareable pool (`cpu`, `cuda_host:N`, `cuda:N`): the memory `Array.share`, `to_shareable`
+/// and `open_shared` use.
 #[pyfunction]
-#[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
+#[pyo3(
+    signature = (device=None, *, storage=None, shareable=false),
+    text_signature = "(device='cpu', *, storage=None, shareable=False)"
+)]
 fn memory_stats<'py>(
     py: Python<'py>,
     device: Option<&Bound<'py, PyAny>>,
     storage: Option<&str>,
+    shareable: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     warn_env_once(py)?;
-    let s = pool_of(device, storage)?.stats();
+    let pool = if shareable {
+        if storage.is_some() {
+            return Err(PyValueError::new_err(
+                "shareable=True names the shareable pool: give no storage",
+            ));
+        }
+        shareable_pool(device, None)?.ok_or_else(|| {
+            PyValueError::new_err(
+                "this device has no shareable pool (cpu, cuda_host:N and cuda:N have one)",
+            )
+        })?
+    } else {
+        pool_of(device, storage)?
+    };
+    let s = pool.stats();
     let d = PyDict::new(py);
     d.set_item("active_bytes", s.active_bytes)?;
     d.set_item("active_blocks", s.active_blocks)?;
@@ -128,8 +167,8 @@ fn memory_stats<'py>(
 }
 
 /// Returns every cached block of the device's pool to the driver; memory in use is untouched.
-/// On a CUDA device, also lets go of memory received from other processes that is kept mapped
-/// after its last array went.
+/// Without `storage`, the cached blocks of the device's shareable pool go too, and on a CUDA
+/// device the memory received from other processes that is kept mapped after its last array went.
 #[pyfunction]
 #[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn empty_cache(
@@ -138,20 +177,29 @@ fn empty_cache(
     storage: Option<&str>,
 ) -> PyResult<()> {
     let pool = pool_of(device, storage)?;
+    let shareable = shareable_pool(device, storage)?;
     let device = device_or_cpu(device)?;
     // Large blocks take a while to unmap; let other threads run meanwhile.
     py.detach(|| {
         pool.clear_cache();
-        dlbridge::share::release_kept(device);
+        if shareable.is_some() {
+            dlbridge::share::empty_cache(device);
+        } else {
+            dlbridge::share::release_kept(device);
+        }
     });
     Ok(())
 }
 
-/// Restarts `peak_active_bytes` from the current `active_bytes`.
+/// Restarts `peak_active_bytes` from the current `active_bytes` (without `storage`, the
+/// shareable pool's too: `memory_stats(shareable=True)`).
 #[pyfunction]
 #[pyo3(signature = (device=None, *, storage=None), text_signature = "(device='cpu', *, storage=None)")]
 fn reset_peak_memory(device: Option<&Bound<'_, PyAny>>, storage: Option<&str>) -> PyResult<()> {
     pool_of(device, storage)?.reset_peak();
+    if let Some(pool) = shareable_pool(device, storage)? {
+        pool.reset_peak();
+    }
     Ok(())
 }
 

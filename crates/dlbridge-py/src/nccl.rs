@@ -22,7 +22,9 @@ type ViewTuple = share::ViewTuple<isize>;
 /// A run of a transfer, as Python carries it: (length in bytes, address phase).
 type RunTuple = (usize, usize);
 
-fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
+/// A `timeout=` argument in seconds as a duration (`None` stays `None`): `ValueError` for a
+/// negative, infinite or NaN number. Shared by every call that takes one.
+pub(crate) fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
     seconds
         .map(|s| {
             Duration::try_from_secs_f64(s).map_err(|_| {

@@ -5,6 +5,7 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Mutex;
 
+use dlbridge::share::broker::{self, Wait};
 use dlbridge::share::{self, SharedHandle};
 use dlbridge::{DType, Layout, Tensor};
 use pyo3::exceptions::PyValueError;
@@ -50,6 +51,37 @@ impl PySharedHandle {
     fn take(&self) -> PyResult<SharedHandle> {
         self.lock().take().ok_or_else(already_opened)
     }
+}
+
+/// Runs `f` with the GIL released and a [`Wait`] of `timeout` seconds (`None`: the default,
+/// `DLBRIDGE_SHARE_TIMEOUT` or 30 s) that answers signals: every 50 ms of waiting for a producer,
+/// Python's signal handlers run (`KeyboardInterrupt` on Ctrl-C), and an exception one raises
+/// ends the wait and is what the call raises.
+pub(crate) fn waiting<T: Send>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    f: impl FnOnce(&Wait<'_>) -> dlbridge::Result<T> + Send,
+) -> PyResult<T> {
+    let timeout = crate::nccl::timeout_of(timeout)?.unwrap_or_else(broker::default_timeout);
+    let raised: Mutex<Option<PyErr>> = Mutex::new(None);
+    let check = || -> dlbridge::Result<()> {
+        Python::attach(|py| py.check_signals()).map_err(|e| {
+            *raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            dlbridge::Error::Driver {
+                backend: "share",
+                message: "interrupted by a signal".into(),
+            }
+        })
+    };
+    let wait = Wait {
+        timeout,
+        interrupt: Some(&check),
+    };
+    let result = py.detach(|| f(&wait));
+    if let Some(e) = raised.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(e);
+    }
+    result.py()
 }
 
 fn already_opened() -> PyErr {
@@ -149,10 +181,20 @@ impl PySharedHandle {
 
     /// The handle's bytes with a ticket for its descriptor, lent by this process: they travel
     /// alone (by any means) to another process of this user on this machine, which opens them
-    /// while this process lives. Each call lends anew.
+    /// while this process lives (within `DLBRIDGE_SHARE_TICKET_TTL` seconds, 600 by default).
+    /// Each call lends anew. A handle received as bytes first claims its descriptor.
     fn _lend<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.with(|h| py.detach(|| h.to_bytes_lent()))?.py()?;
-        Ok(PyBytes::new(py, &bytes))
+        // A handle with its descriptor lends at once, under its lock.
+        if let Some(lent) = self.with(|h| h.fd().is_some().then(|| h.to_bytes_lent()))? {
+            return Ok(PyBytes::new(py, &lent.py()?));
+        }
+        // One received as bytes claims its descriptor first, which waits for its producer: out
+        // of the lock (a thread holding the GIL could wait on the lock while the claim waits
+        // for the GIL to check signals), and back in afterwards.
+        let mut handle = self.take()?;
+        let lent = waiting(py, None, |wait| handle.to_bytes_lent_with(wait));
+        *self.lock() = Some(handle);
+        Ok(PyBytes::new(py, &lent?))
     }
 
     /// Plain pickling: the handle's bytes with a ticket for its descriptor (see `_lend`).
@@ -192,11 +234,27 @@ pub(crate) fn share_array(
 }
 
 /// Opens a handle made by `Array.share()` (in this or another process): an array over the same
-/// memory. The handle opens once.
+/// memory. The handle opens once. A handle received as bytes claims its descriptor from its
+/// producer, waiting at most `timeout` seconds (default `DLBRIDGE_SHARE_TIMEOUT`, or 30) and
+/// answering Ctrl-C meanwhile.
 #[pyfunction]
-fn open_shared(py: Python<'_>, handle: &Bound<'_, PySharedHandle>) -> PyResult<PyArray> {
+#[pyo3(signature = (handle, *, timeout=None))]
+fn open_shared(
+    py: Python<'_>,
+    handle: &Bound<'_, PySharedHandle>,
+    timeout: Option<f64>,
+) -> PyResult<PyArray> {
     let h = handle.get().take()?;
-    Ok(PyArray::new(py.detach(|| share::open(h)).py()?))
+    Ok(PyArray::new(waiting(py, timeout, |wait| {
+        share::open_with(h, wait)
+    })?))
+}
+
+/// The seconds a claim of a lent descriptor waits for its producer by default
+/// (`DLBRIDGE_SHARE_TIMEOUT`, or 30).
+#[pyfunction]
+fn _share_timeout() -> f64 {
+    broker::default_timeout().as_secs_f64()
 }
 
 /// Unpickles an array: `buffer` (bytes or an out-of-band `PickleBuffer`) holds its elements in
@@ -365,14 +423,16 @@ fn _share_many(
 
 /// Opens the handles and views of `_share_many` (in this or another process): the arrays, in
 /// order, over the same memory. Each handle opens once. `cuda_ordinal` names the producer's GPU
-/// as this process numbers it, where the two number GPUs differently (`CUDA_VISIBLE_DEVICES`).
+/// as this process numbers it, where the two number GPUs differently (`CUDA_VISIBLE_DEVICES`);
+/// `timeout` is `open_shared`'s.
 #[pyfunction]
-#[pyo3(signature = (handles, views, cuda_ordinal=None))]
+#[pyo3(signature = (handles, views, cuda_ordinal=None, *, timeout=None))]
 fn _open_many(
     py: Python<'_>,
     handles: Vec<Bound<'_, PySharedHandle>>,
     views: Vec<ViewTuple>,
     cuda_ordinal: Option<u32>,
+    timeout: Option<f64>,
 ) -> PyResult<Vec<PyArray>> {
     let views = views
         .iter()
@@ -398,7 +458,7 @@ fn _open_many(
         handles: taken,
         views,
     };
-    let tensors = py.detach(|| share::open_many(group)).py()?;
+    let tensors = waiting(py, timeout, |wait| share::open_many_with(group, wait))?;
     Ok(tensors.into_iter().map(PyArray::new).collect())
 }
 
@@ -409,5 +469,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_array_from_pickle, m)?)?;
     m.add_function(wrap_pyfunction!(_share_many, m)?)?;
     m.add_function(wrap_pyfunction!(_open_many, m)?)?;
+    m.add_function(wrap_pyfunction!(_share_timeout, m)?)?;
     Ok(())
 }

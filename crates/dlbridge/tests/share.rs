@@ -26,6 +26,11 @@ fn socket_path(tag: &str) -> PathBuf {
 
 /// Starts this binary as the child `role` running test `test`, and accepts its connection.
 fn spawn(test: &str, role: &str) -> (Child, UnixStream) {
+    spawn_with(test, role, &[])
+}
+
+/// [`spawn`] with more environment variables for the child.
+fn spawn_with(test: &str, role: &str, env: &[(&str, &str)]) -> (Child, UnixStream) {
     let path = socket_path(role);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
@@ -33,6 +38,7 @@ fn spawn(test: &str, role: &str) -> (Child, UnixStream) {
         .args([test, "--exact", "--nocapture", "--include-ignored"])
         .env(CHILD, role)
         .env(SOCKET, &path)
+        .envs(env.iter().copied())
         .spawn()
         .unwrap();
     let (stream, _) = listener.accept().unwrap();
@@ -905,4 +911,577 @@ fn cuda_many_arrays_are_packed_once_and_a_group_of_views_shares_the_pool_block()
     // SAFETY: the opened views alias one mapping; nothing reads view 3 during the write.
     unsafe { opened[3].copy_from_unchecked(&filled(5.0, 64, device)) }.unwrap();
     assert_eq!(on_host(&block)[3 * 64..4 * 64], vec![5.0; 64]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Against hostile consumers and lenders (Linux: memfd seals, abstract sockets, lent descriptors).
+
+#[cfg(target_os = "linux")]
+mod hostile {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// Waits at most `secs` seconds for `child` to exit (killing it after that, and failing): a
+    /// child that crashes or hangs fails the test instead of taking the test process with it.
+    fn exit_within(child: &mut Child, secs: u64) -> std::process::ExitStatus {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if std::time::Instant::now() > until {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the child did not finish within {secs} s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Hostile consumers and lenders.
+
+    /// Where a handle's bytes carry their ticket: the lender's name starts here, its length byte is
+    /// just before, the token (8 bytes) just after.
+    fn ticket_at(bytes: &[u8]) -> usize {
+        bytes
+            .windows(13)
+            .position(|w| w == b"dlbridge-fds/")
+            .expect("the bytes carry a ticket")
+    }
+
+    /// The lender's name and the token of a handle's ticket.
+    fn ticket_of(bytes: &[u8]) -> (String, u64) {
+        let at = ticket_at(bytes);
+        let len = usize::from(bytes[at - 1]);
+        let name = String::from_utf8(bytes[at..at + len].to_vec()).unwrap();
+        let token = u64::from_le_bytes(bytes[at + len..at + len + 8].try_into().unwrap());
+        (name, token)
+    }
+
+    /// `bytes` with their ticket's lender renamed `name` and its token made `token`.
+    fn with_ticket(bytes: &[u8], name: &str, token: u64) -> Vec<u8> {
+        let at = ticket_at(bytes);
+        let len = usize::from(bytes[at - 1]);
+        let mut out = bytes[..at - 1].to_vec();
+        out.push(name.len() as u8);
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(&token.to_le_bytes());
+        out.extend_from_slice(&bytes[at + len + 8..]);
+        out
+    }
+
+    /// A lender's name for process `pid` that no lender has.
+    fn lender_name(pid: u32) -> String {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        format!("dlbridge-fds/{pid}/{:08x}{n:08x}", nanos)
+    }
+
+    /// An impostor bound to the lender name `name` (in this process): it accepts connections, keeps
+    /// them open and never answers, as a stopped producer or a squatter of a dead producer's name.
+    fn silent_lender(name: &str) {
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let listener = UnixListener::bind_addr(&addr).unwrap();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for conn in listener.incoming().flatten() {
+                held.push(conn);
+            }
+        });
+    }
+
+    /// A handle's bytes lent by this process, of a fresh shareable array of three `f32`.
+    fn lent_bytes(value: f32) -> (Tensor, Vec<u8>) {
+        let t = share::to_shareable(&Tensor::from_slice(&[value; 3], &[3]).unwrap()).unwrap();
+        let bytes = share::share(&t, false).unwrap().to_bytes_lent().unwrap();
+        (t, bytes)
+    }
+
+    fn open_bytes(bytes: &[u8]) -> dlbridge::Result<Tensor> {
+        share::open(SharedHandle::from_bytes(bytes, None)?)
+    }
+
+    fn is_value_error(e: &Error, words: &str) -> bool {
+        matches!(e, Error::InvalidArgument(m) if m.contains(words))
+    }
+
+    /// A consumer holds a descriptor of the producer's file: were the file not sealed, its
+    /// `ftruncate` would kill the producer (and every other consumer) with `SIGBUS` at the next read
+    /// of the pages cut off. The producer runs in a child, so that a crash fails the test.
+    #[test]
+    fn a_consumer_cannot_truncate_the_shared_file() {
+        if let Some((role, s)) = child() {
+            match role.as_str() {
+                "seal-producer" => {
+                    let t = share::to_shareable(&filled(3.0, 1 << 18, Device::CPU)).unwrap();
+                    let (mut truncator, c) = spawn(
+                        "hostile::a_consumer_cannot_truncate_the_shared_file",
+                        "seal-truncator",
+                    );
+                    share::send_handle(&c, share::share(&t, false).unwrap()).unwrap();
+                    wait_ack(&c);
+                    // Every page, after the consumer's attempt.
+                    assert!(t.to_vec::<f32>().unwrap().iter().all(|&v| v == 3.0));
+                    ack(&c);
+                    assert!(exit_within(&mut truncator, 60).success());
+                    ack(&s);
+                }
+                "seal-truncator" => {
+                    let h = share::recv_handle(&s).unwrap();
+                    let fd = h.fd().unwrap().as_raw_fd();
+                    // SAFETY: plain calls on a descriptor the handle owns.
+                    let truncated = unsafe { libc::ftruncate(fd, 0) };
+                    let errno = std::io::Error::last_os_error().raw_os_error();
+                    // SAFETY: as above; a sealed seal refuses more seals.
+                    let sealed = unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+                    ack(&s);
+                    wait_ack(&s);
+                    assert_eq!((truncated, errno), (-1, Some(libc::EPERM)));
+                    assert_eq!(sealed, -1, "the seals are sealed");
+                    let opened = share::open(h).unwrap();
+                    assert_eq!(opened.to_vec::<f32>().unwrap()[(1 << 18) - 1], 3.0);
+                }
+                _ => {}
+            }
+            return;
+        }
+        let (mut producer, s) = spawn(
+            "hostile::a_consumer_cannot_truncate_the_shared_file",
+            "seal-producer",
+        );
+        let status = exit_within(&mut producer, 120);
+        assert!(status.success(), "the producer ended with {status}");
+        wait_ack(&s);
+    }
+
+    /// A file whose size any holder could change is refused before it is mapped; a block reused
+    /// after an export gets a sealed file too.
+    #[test]
+    fn a_descriptor_without_seals_is_refused() {
+        let t = share::to_shareable(&Tensor::from_slice(&[1u8; 64], &[64]).unwrap()).unwrap();
+        let mut h = share::share(&t, false).unwrap();
+        let bytes = h.to_bytes();
+        let fd = h.take_fd().unwrap();
+        let inode = |fd: std::os::fd::RawFd| {
+            // SAFETY: an all-zero `stat` is a valid value; `fd` is open.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: `st` is a valid out-pointer.
+            assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+            st.st_ino
+        };
+        // SAFETY: plain calls; the new descriptor is owned below.
+        let raw = unsafe { libc::memfd_create(c"dlbridge-shared".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: just opened, owned by nobody else.
+        let unsealed = unsafe { share::adopt_fd(raw) }.unwrap();
+        // SAFETY: a plain call on an open memfd.
+        assert_eq!(unsafe { libc::ftruncate(raw, 4096) }, 0);
+        let (real, fake) = (
+            inode(fd.as_raw_fd()).to_le_bytes(),
+            inode(raw).to_le_bytes(),
+        );
+        let at = bytes.windows(8).position(|w| w == real).unwrap();
+        let mut forged = bytes.clone();
+        forged[at..at + 8].copy_from_slice(&fake);
+        let err =
+            share::open(SharedHandle::from_bytes(&forged, Some(unsealed)).unwrap()).unwrap_err();
+        assert!(is_value_error(&err, "not sealed"), "{err}");
+
+        // The block is reused after its export: the fresh file is sealed as well.
+        let addr = t.buffer().handle();
+        drop((t, fd, bytes));
+        let again = share::allocate(Device::CPU, 64, true).unwrap();
+        if again.handle() == addr {
+            let again = Tensor::new(
+                again,
+                DType::U8,
+                dlbridge::Layout::contiguous(&[64]).unwrap(),
+            );
+            let h = share::share(&again.unwrap(), false).unwrap();
+            let fd = h.fd().unwrap().as_raw_fd();
+            // SAFETY: a plain call on a descriptor the handle owns.
+            let truncated = unsafe { libc::ftruncate(fd, 0) };
+            assert_eq!(truncated, -1, "a reused block's fresh file is sealed too");
+        }
+    }
+
+    /// Only a ticket's own bytes open it, once: a zeroed token, a token of another ticket (which
+    /// stays good for its own handle), and the same bytes a second time (in the same process or
+    /// another) are refused. The consumer is a second process.
+    #[test]
+    fn handle_bytes_open_once_and_only_with_their_token() {
+        if let Some((role, s)) = child() {
+            if role != "token-consumer" {
+                return;
+            }
+            let real = recv_bytes(&s);
+            let zeroed = recv_bytes(&s);
+            let swapped = recv_bytes(&s);
+            let e = open_bytes(&zeroed).unwrap_err();
+            assert!(is_value_error(&e, "altered or forged"), "{e}");
+            let e = open_bytes(&swapped).unwrap_err();
+            assert!(is_value_error(&e, "another handle's"), "{e}");
+            let mut t = open_bytes(&real).unwrap();
+            t.as_mut_slice::<f32>().unwrap()[0] = 7.0;
+            let e = open_bytes(&real).unwrap_err();
+            assert!(is_value_error(&e, "already opened"), "{e}");
+            ack(&s);
+            wait_ack(&s);
+            return;
+        }
+        let _lending = lending();
+        let before = share::broker::outstanding();
+        let (a, real) = lent_bytes(1.0);
+        let (b, other) = lent_bytes(2.0);
+        let (name, _) = ticket_of(&real);
+        let (_, other_token) = ticket_of(&other);
+        let (mut consumer, s) = spawn(
+            "hostile::handle_bytes_open_once_and_only_with_their_token",
+            "token-consumer",
+        );
+        send_bytes(&s, &real);
+        send_bytes(&s, &with_ticket(&real, &name, 0));
+        send_bytes(&s, &with_ticket(&real, &name, other_token));
+        wait_ack(&s);
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![7.0, 1.0, 1.0]);
+        // The same bytes in a second process: refused too.
+        let e = open_bytes(&real).unwrap_err();
+        assert!(is_value_error(&e, "already opened"), "{e}");
+        // The other ticket, tried with the wrong handle's bytes, is still good for its own.
+        let mut opened = open_bytes(&other).unwrap();
+        opened.as_mut_slice::<f32>().unwrap()[1] = 5.0;
+        assert_eq!(b.to_vec::<f32>().unwrap(), vec![2.0, 5.0, 2.0]);
+        ack(&s);
+        assert!(exit_within(&mut consumer, 60).success());
+        settles_to(before);
+    }
+
+    /// A lender that accepts the connection and never answers (a stopped producer, a process that
+    /// binds the name of one that exited) ends the claim after the wait's timeout, and the wait's
+    /// interrupt ends it sooner. The claimer is a child: were it to hang, the test fails.
+    #[test]
+    fn a_lender_that_never_answers_times_out_or_is_interrupted() {
+        use share::broker::Wait;
+        use std::time::{Duration, Instant};
+        if let Some((role, s)) = child() {
+            if role != "silent-claimer" {
+                return;
+            }
+            let silent = recv_bytes(&s);
+            let start = Instant::now();
+            let wait = Wait::new(Duration::from_millis(300));
+            let e = share::open_with(SharedHandle::from_bytes(&silent, None).unwrap(), &wait)
+                .unwrap_err();
+            let took = start.elapsed();
+            assert!(
+                matches!(&e, Error::Driver { message, .. } if message.contains("did not answer within")),
+                "{e}"
+            );
+            assert!(took >= Duration::from_millis(300), "{took:?}");
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            let interrupt = || {
+                if calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 2 {
+                    Ok(())
+                } else {
+                    Err(Error::InvalidArgument("stop waiting".into()))
+                }
+            };
+            let wait = Wait {
+                timeout: Duration::from_secs(600),
+                interrupt: Some(&interrupt),
+            };
+            let e = share::open_with(SharedHandle::from_bytes(&silent, None).unwrap(), &wait)
+                .unwrap_err();
+            assert!(is_value_error(&e, "stop waiting"), "{e}");
+            ack(&s);
+            return;
+        }
+        let _lending = lending();
+        let (_t, bytes) = lent_bytes(1.0);
+        // The impostor runs in this process, so the name gives this process's id, as a stopped
+        // producer's would.
+        let name = lender_name(std::process::id());
+        silent_lender(&name);
+        let (_, token) = ticket_of(&bytes);
+        let (mut claimer, s) = spawn(
+            "hostile::a_lender_that_never_answers_times_out_or_is_interrupted",
+            "silent-claimer",
+        );
+        send_bytes(&s, &with_ticket(&bytes, &name, token));
+        assert!(exit_within(&mut claimer, 30).success());
+        wait_ack(&s);
+        // The real ticket is still lent: dropping its handle unopened gives it back.
+        drop(SharedHandle::from_bytes(&bytes, None).unwrap());
+    }
+
+    /// A socket bound to a lender's name by another process than the one the name gives is not the
+    /// lender: refused at once, nothing sent. The claimer is a child: were it to hang, the test
+    /// fails.
+    #[test]
+    fn a_lender_of_another_process_is_refused() {
+        if let Some((role, s)) = child() {
+            if role != "impostor-claimer" {
+                return;
+            }
+            let e = open_bytes(&recv_bytes(&s)).unwrap_err();
+            assert!(
+                matches!(&e, Error::Driver { message, .. } if message.contains("held by process")),
+                "{e}"
+            );
+            ack(&s);
+            return;
+        }
+        let _lending = lending();
+        let (_t, bytes) = lent_bytes(1.0);
+        // Bound by this process, under a name that gives process 1.
+        let name = lender_name(1);
+        silent_lender(&name);
+        let (_, token) = ticket_of(&bytes);
+        let (mut claimer, s) = spawn(
+            "hostile::a_lender_of_another_process_is_refused",
+            "impostor-claimer",
+        );
+        send_bytes(&s, &with_ticket(&bytes, &name, token));
+        assert!(exit_within(&mut claimer, 30).success());
+        wait_ack(&s);
+        drop(SharedHandle::from_bytes(&bytes, None).unwrap());
+    }
+
+    /// A lent descriptor that is never claimed goes back after the ticket's lifetime
+    /// (`DLBRIDGE_SHARE_TICKET_TTL`), and a claim after that is told why.
+    #[test]
+    fn unclaimed_tickets_expire_and_a_late_claim_says_so() {
+        if let Some((role, s)) = child() {
+            if role != "expiring-producer" {
+                return;
+            }
+            let (_t, bytes) = lent_bytes(1.0);
+            let (_u, _) = lent_bytes(2.0);
+            let (_v, _) = lent_bytes(3.0);
+            assert_eq!(share::broker::outstanding(), 3);
+            send_bytes(&s, &bytes);
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while share::broker::outstanding() > 0 && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            assert_eq!(
+                share::broker::outstanding(),
+                0,
+                "expired tickets are closed"
+            );
+            ack(&s);
+            wait_ack(&s);
+            return;
+        }
+        let (mut producer, s) = spawn_with(
+            "hostile::unclaimed_tickets_expire_and_a_late_claim_says_so",
+            "expiring-producer",
+            &[("DLBRIDGE_SHARE_TICKET_TTL", "0.3")],
+        );
+        let bytes = recv_bytes(&s);
+        wait_ack(&s);
+        let e = open_bytes(&bytes).unwrap_err();
+        assert!(
+            matches!(&e, Error::Driver { message, .. } if message.contains("not opened in time")),
+            "{e}"
+        );
+        ack(&s);
+        assert!(exit_within(&mut producer, 60).success());
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // CUDA handles against hostile consumers and lenders.
+
+    /// A VMM and a legacy IPC handle sent as bytes open once and only with their token: a zeroed
+    /// token is refused, and so are the same bytes again, for VMM memory also where the consumer
+    /// maps the allocation already (no descriptor is needed there, but the ticket is still proved).
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_handle_bytes_open_once_and_only_with_their_token() {
+        if let Some((role, s)) = child() {
+            if role != "cuda-token-consumer" {
+                return;
+            }
+            for value in [1.0f32, 2.0] {
+                let real = recv_bytes(&s);
+                let zeroed = recv_bytes(&s);
+                let e = open_bytes(&zeroed).unwrap_err();
+                assert!(is_value_error(&e, "altered or forged"), "{e}");
+                let t = open_bytes(&real).unwrap();
+                assert_eq!(on_host(&t)[..3], [value; 3]);
+                let e = open_bytes(&real).unwrap_err();
+                assert!(is_value_error(&e, "already opened"), "{e}");
+                drop(t);
+            }
+            ack(&s);
+            return;
+        }
+        let _lending = lending();
+        let before = share::broker::outstanding();
+        let device = gpu();
+        // A block of the shareable pool (VMM), and ordinary memory shared without a copy (legacy).
+        let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+        let legacy = filled(2.0, 1024, device);
+        let (mut consumer, s) = spawn(
+            "hostile::cuda_handle_bytes_open_once_and_only_with_their_token",
+            "cuda-token-consumer",
+        );
+        for (t, kind) in [(&vmm, SharedKind::CudaVmm), (&legacy, SharedKind::CudaIpc)] {
+            let mut h = share::share(t, false).unwrap();
+            assert_eq!(h.kind(), kind);
+            let real = h.to_bytes_lent().unwrap();
+            let (name, _) = ticket_of(&real);
+            send_bytes(&s, &real);
+            send_bytes(&s, &with_ticket(&real, &name, 0));
+        }
+        wait_ack(&s);
+        assert!(exit_within(&mut consumer, 120).success());
+        settles_to(before);
+    }
+
+    /// A CUDA handle's claim from a lender that never answers ends after the wait's timeout; and a
+    /// socket of another process under the lender's name is refused. The claimer is a child.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_a_lender_that_never_answers_or_is_not_the_producer_is_refused() {
+        use share::broker::Wait;
+        use std::time::Duration;
+        if let Some((role, s)) = child() {
+            if role != "cuda-silent-claimer" {
+                return;
+            }
+            for _ in 0..2 {
+                let silent = recv_bytes(&s);
+                let impostor = recv_bytes(&s);
+                let wait = Wait::new(Duration::from_millis(300));
+                let e = share::open_with(SharedHandle::from_bytes(&silent, None).unwrap(), &wait)
+                    .unwrap_err();
+                assert!(
+                    matches!(&e, Error::Driver { message, .. } if message.contains("did not answer within")),
+                    "{e}"
+                );
+                let e = open_bytes(&impostor).unwrap_err();
+                assert!(
+                    matches!(&e, Error::Driver { message, .. } if message.contains("held by process")),
+                    "{e}"
+                );
+            }
+            ack(&s);
+            return;
+        }
+        let _lending = lending();
+        let device = gpu();
+        let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+        let legacy = filled(2.0, 1024, device);
+        let silent_name = lender_name(std::process::id());
+        silent_lender(&silent_name);
+        let impostor_name = lender_name(1);
+        silent_lender(&impostor_name);
+        let (mut claimer, s) = spawn(
+            "hostile::cuda_a_lender_that_never_answers_or_is_not_the_producer_is_refused",
+            "cuda-silent-claimer",
+        );
+        let mut lent = Vec::new();
+        for t in [&vmm, &legacy] {
+            let bytes = share::share(t, false).unwrap().to_bytes_lent().unwrap();
+            let (_, token) = ticket_of(&bytes);
+            send_bytes(&s, &with_ticket(&bytes, &silent_name, token));
+            send_bytes(&s, &with_ticket(&bytes, &impostor_name, token));
+            lent.push(bytes);
+        }
+        assert!(exit_within(&mut claimer, 60).success());
+        wait_ack(&s);
+        for bytes in lent {
+            drop(SharedHandle::from_bytes(&bytes, None).unwrap()); // given back unopened
+        }
+    }
+
+    /// A consumer that closes a handle's descriptor before opening it (by number, as Python's
+    /// `os.close` of `handle.fd` would) gets a clear error, not a crash: VMM and legacy IPC handles
+    /// alike. The consumer is a child.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_a_handle_whose_descriptor_was_closed_is_refused() {
+        if let Some((role, s)) = child() {
+            if role != "cuda-closer" {
+                return;
+            }
+            for _ in 0..2 {
+                let h = share::recv_handle(&s).unwrap();
+                let raw = h.fd().unwrap().as_raw_fd();
+                // SAFETY: closes the handle's own descriptor behind its back, on purpose.
+                assert_eq!(unsafe { libc::close(raw) }, 0);
+                let e = share::open(h).unwrap_err();
+                assert!(is_value_error(&e, "closed by someone else"), "{e}");
+            }
+            ack(&s);
+            return;
+        }
+        let device = gpu();
+        let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+        let legacy = filled(2.0, 1024, device);
+        let (mut closer, s) = spawn(
+            "hostile::cuda_a_handle_whose_descriptor_was_closed_is_refused",
+            "cuda-closer",
+        );
+        share::send_handle(&s, share::share(&vmm, false).unwrap()).unwrap();
+        share::send_handle(&s, share::share(&legacy, false).unwrap()).unwrap();
+        wait_ack(&s);
+        assert!(exit_within(&mut closer, 60).success());
+        // The producer's memory is whole.
+        assert_eq!(on_host(&vmm), vec![1.0; 1024]);
+        assert_eq!(on_host(&legacy), vec![2.0; 1024]);
+    }
+
+    /// A consumer killed with its work on the shared memory still queued: the producer's memory
+    /// stays valid and usable, VMM and legacy IPC alike.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_a_consumer_killed_mid_use_leaves_the_producer_whole() {
+        if let Some((role, s)) = child() {
+            if role != "cuda-dying" {
+                return;
+            }
+            let a = share::open(share::recv_handle(&s).unwrap()).unwrap();
+            let b = share::open(share::recv_handle(&s).unwrap()).unwrap();
+            // Copies of 64 MiB queued between reads of the shared memory; killed while they run.
+            let big = filled(0.0, 16 << 20, a.device());
+            let other = filled(0.0, 16 << 20, a.device());
+            let head = other.slice(0, SliceArg::range(0, 1024)).unwrap();
+            for _ in 0..256 {
+                // SAFETY: `other` and its views are this thread's; nothing reads them meanwhile.
+                unsafe { other.copy_from_unchecked(&big) }.unwrap();
+                // SAFETY: as above.
+                unsafe { head.copy_from_unchecked(&a) }.unwrap();
+                // SAFETY: as above.
+                unsafe { head.copy_from_unchecked(&b) }.unwrap();
+            }
+            ack(&s);
+            std::thread::sleep(std::time::Duration::from_secs(60));
+            return;
+        }
+        let device = gpu();
+        let vmm = share::to_shareable(&filled(1.0, 1024, device)).unwrap();
+        let legacy = filled(2.0, 1024, device);
+        let (mut dying, s) = spawn(
+            "hostile::cuda_a_consumer_killed_mid_use_leaves_the_producer_whole",
+            "cuda-dying",
+        );
+        share::send_handle(&s, share::share(&vmm, false).unwrap()).unwrap();
+        share::send_handle(&s, share::share(&legacy, false).unwrap()).unwrap();
+        wait_ack(&s);
+        dying.kill().unwrap();
+        dying.wait().unwrap();
+        // SAFETY: the only user of the memory left is this thread.
+        unsafe { vmm.copy_from_unchecked(&filled(3.0, 1024, device)) }.unwrap();
+        assert_eq!(on_host(&vmm), vec![3.0; 1024]);
+        assert_eq!(on_host(&legacy), vec![2.0; 1024]);
+    }
 }

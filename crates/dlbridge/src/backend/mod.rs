@@ -581,15 +581,15 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats> {
     Ok(pool(device)?.stats())
 }
 
-/// Returns every cached block of `device`'s pool to the driver (memory in use is untouched); on
-/// a CUDA device, also lets go of the memory received from other processes that is kept mapped
-/// after its last array went ([`crate::share::release_kept`]).
+/// Returns every cached block of `device`'s pool, and of its shareable pool, to the driver
+/// (memory in use is untouched); on a CUDA device, also lets go of the memory received from
+/// other processes that is kept mapped after its last array went ([`crate::share::empty_cache`]).
 ///
 /// # Errors
 /// As [`memory_stats`].
 pub fn empty_cache(device: Device) -> Result<()> {
     pool(device)?.clear_cache();
-    crate::share::release_kept(device);
+    crate::share::empty_cache(device);
     Ok(())
 }
 

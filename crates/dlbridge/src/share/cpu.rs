@@ -5,20 +5,23 @@
 //! | piece | what it is |
 //! | --- | --- |
 //! | [`pool`] | one caching pool per device (`cpu`, and `cuda_host:N` for pinned shareable memory) over a file allocator |
-//! | block | one anonymous file, `ftruncate`d to the block size and mapped `MAP_SHARED`; the pool keeps its descriptor |
+//! | block | one anonymous file, `ftruncate`d to the block size, sealed at that size (Linux: `F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`) and mapped `MAP_SHARED`; the pool keeps its descriptor |
 //! | [`allocate`] | a [`Buffer`] of a pooled block |
 //! | `export` | a duplicate of the descriptor of the block a buffer lies in, and where in the block it starts |
-//! | `map` | the receiving side: maps a received descriptor; the mapping alone keeps the memory |
+//! | `map` | the receiving side: maps a received descriptor, after checking its seals (a file any holder could truncate is refused); the mapping alone keeps the memory |
 //!
 //! Nothing has a name in the file system, so nothing is left in `/dev/shm` when a process dies:
-//! the kernel frees a file when its last descriptor and mapping go.
+//! the kernel frees a file when its last descriptor and mapping go. Every process a handle
+//! reaches holds a descriptor of the file; the seals are what keeps one of them from cutting the
+//! memory from under the others (`ftruncate` fails with `EPERM`).
 //!
 //! # Reuse of exported blocks
 //! A block that was exported must not be handed to a new allocation while another process may
 //! still map it. When the buffer of an exported block is dropped, the producer maps a fresh file
 //! over the same addresses (`MAP_FIXED`) before the block goes back to the cache: the pool keeps
 //! its addresses, the consumers keep the old file, and the old memory is freed by the kernel when
-//! the last consumer unmaps it, whichever process goes first.
+//! the last consumer unmaps it, whichever process goes first. (The fresh file is sealed like
+//! every other: nothing resizes a block's file once it is made.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
@@ -35,9 +38,6 @@ use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
 
 /// The error of a failed system call, naming it, with `errno`'s text.
-/// How `/proc/<pid>/fd/<n>` names a shareable file (`memfd_create`'s name, as the kernel shows it).
-pub(crate) const LINK_PREFIX: &str = "/memfd:dlbridge-shared";
-
 pub(crate) fn os_error(call: &str) -> Error {
     let err = std::io::Error::last_os_error();
     Error::Driver {
@@ -46,12 +46,21 @@ pub(crate) fn os_error(call: &str) -> Error {
     }
 }
 
-/// A new anonymous shared file of `len` bytes (zero-filled), closed on `exec`.
+/// The seals of every shareable file (Linux): its size is fixed, so that no process it reaches
+/// can shrink it under the others' mappings (each would then fault on the pages cut off: `SIGBUS`)
+/// or grow it, and so are the seals themselves (nobody can add `F_SEAL_WRITE` or
+/// `F_SEAL_FUTURE_WRITE`, which would refuse the writable mappings of later receivers).
+#[cfg(target_os = "linux")]
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A new anonymous shared file of `len` bytes (zero-filled), closed on `exec`; on Linux sealed at
+/// that size ([`SEALS`]).
 fn anonymous_file(len: usize) -> Result<OwnedFd> {
     #[cfg(target_os = "linux")]
     let raw = {
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
         // SAFETY: the name is a NUL-terminated string; the flags are valid for memfd_create.
-        unsafe { libc::memfd_create(c"dlbridge-shared".as_ptr(), libc::MFD_CLOEXEC) }
+        unsafe { libc::memfd_create(c"dlbridge-shared".as_ptr(), flags) }
     };
     #[cfg(not(target_os = "linux"))]
     let raw = {
@@ -87,7 +96,38 @@ fn anonymous_file(len: usize) -> Result<OwnedFd> {
     if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
         return Err(os_error("ftruncate"));
     }
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: F_ADD_SEALS on a memfd made with MFD_ALLOW_SEALING only adds seals to its file.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+            return Err(os_error("sealing a shared memory file (fcntl F_ADD_SEALS)"));
+        }
+    }
     Ok(fd)
+}
+
+/// Fails unless `fd` is a file whose size nobody can change: on Linux a memfd carrying [`SEALS`]
+/// (as every file [`anonymous_file`] makes does). A received descriptor is checked before it is
+/// mapped: were its file shrunk later, every access to the pages cut off would kill the process
+/// with `SIGBUS`. (Elsewhere a POSIX shared memory object, whose size is set once.)
+fn check_sealed(fd: &OwnedFd) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: F_GET_SEALS only reads the file's seals; a file that cannot be sealed (not a
+        // memfd) makes it fail with EINVAL.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & SEALS != SEALS {
+            return Err(Error::InvalidArgument(
+                "the shared memory file is not sealed at its size (F_SEAL_SHRINK, F_SEAL_GROW, \
+                 F_SEAL_SEAL): refused, as any process holding it could truncate it under every \
+                 process that maps it (only dlbridge's own shareable files are opened)"
+                    .into(),
+            ));
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = fd;
+    Ok(())
 }
 
 /// Maps `len` bytes of `fd` read-write and shared, at `fixed` when given (replacing what was
@@ -500,6 +540,8 @@ pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
             )));
         }
     };
+    // Sealed first: then the size read next is the size for good.
+    check_sealed(&fd)?;
     let size = file_size(&fd)?;
     if size < len || len == 0 {
         return Err(Error::InvalidArgument(format!(
@@ -547,6 +589,7 @@ impl SharedCounter {
 
     /// The counter of a received descriptor.
     pub(crate) fn open(fd: OwnedFd) -> Result<Self> {
+        check_sealed(&fd)?;
         if file_size(&fd)? < page_size() {
             return Err(Error::InvalidArgument(
                 "the descriptor is not a dlbridge shared counter".into(),

@@ -34,14 +34,34 @@ const MAX_MESSAGE: usize = 64 * 1024;
 /// If `raw` is open, the caller owns it and hands it over: nothing else may use or close it
 /// afterwards.
 pub unsafe fn adopt_fd(raw: RawFd) -> Result<OwnedFd> {
-    // SAFETY: F_GETFD only reads the descriptor's flags; a closed one makes it fail.
-    if raw < 0 || unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
+    if !is_open(raw) {
         return Err(Error::InvalidArgument(format!(
             "file descriptor {raw} is not open"
         )));
     }
     // SAFETY: open, and handed over by the caller's contract.
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// Whether `raw` is an open descriptor of this process.
+fn is_open(raw: RawFd) -> bool {
+    // SAFETY: F_GETFD only reads the descriptor's flags; a closed one makes it fail.
+    raw >= 0 && unsafe { libc::fcntl(raw, libc::F_GETFD) } >= 0
+}
+
+/// `fd` when it is still open: a descriptor a handle owns can be closed behind its back (by
+/// number, from Python's `os.close`). Such a one is let go of without closing it again (its
+/// number may be another file's by now) and is an [`Error::InvalidArgument`].
+pub(crate) fn still_open(fd: OwnedFd) -> Result<OwnedFd> {
+    let raw = fd.as_raw_fd();
+    if is_open(raw) {
+        return Ok(fd);
+    }
+    std::mem::forget(fd);
+    Err(Error::InvalidArgument(format!(
+        "the handle's file descriptor {raw} was closed by someone else: the handle cannot be \
+         opened"
+    )))
 }
 
 /// Sends `data` and `fds` as one message (`sendmsg` with `SCM_RIGHTS`); the receiver gets new
@@ -113,7 +133,32 @@ fn set_cloexec(fd: &OwnedFd) {
 /// Receives one message of at most `buf.len()` bytes and its descriptors (closed on `exec`);
 /// returns the byte count and the descriptors. Descriptors beyond what this process may open
 /// are refused by the kernel: the call then fails and nothing is leaked.
+///
+/// Waits for a message as long as the socket's read timeout lets it
+/// ([`UnixStream::set_read_timeout`]; none by default), and fails with a clear error after it;
+/// a signal that interrupts the wait is retried.
 pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
+    recv_message(socket, buf, RECV_CLOEXEC)?.ok_or_else(|| Error::Driver {
+        backend: "CPU",
+        message: "no message came within the socket's read timeout".into(),
+    })
+}
+
+/// [`recv_fds`] that never waits: `None` when no message is there.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))] // the descriptor lender's clients
+pub(crate) fn try_recv_fds(
+    socket: &UnixStream,
+    buf: &mut [u8],
+) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+    recv_message(socket, buf, RECV_CLOEXEC | libc::MSG_DONTWAIT)
+}
+
+/// One `recvmsg` with `flags` (retried when a signal interrupts it); `None` where it would block.
+fn recv_message(
+    socket: &UnixStream,
+    buf: &mut [u8],
+    flags: libc::c_int,
+) -> Result<Option<(usize, Vec<OwnedFd>)>> {
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u8; space];
@@ -127,11 +172,24 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at live, writable buffers for the duration of the call.
-    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, RECV_CLOEXEC) };
-    if n < 0 {
-        return Err(os_error("recvmsg"));
-    }
+    let n = loop {
+        // SAFETY: `msg` points at live, writable buffers for the duration of the call.
+        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, flags) };
+        if n >= 0 {
+            break n;
+        }
+        let err = std::io::Error::last_os_error();
+        match err.kind() {
+            std::io::ErrorKind::Interrupted => {}
+            std::io::ErrorKind::WouldBlock => return Ok(None),
+            _ => {
+                return Err(Error::Driver {
+                    backend: "CPU",
+                    message: format!("recvmsg failed: {err}"),
+                });
+            }
+        }
+    };
     let mut fds = Vec::new();
     // SAFETY: `msg` was filled by recvmsg; the macros walk its control buffer.
     let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
@@ -167,7 +225,7 @@ pub fn recv_fds(socket: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<Owned
                 .into(),
         ));
     }
-    Ok((n as usize, fds))
+    Ok(Some((n as usize, fds)))
 }
 
 /// Sends a handle (its description and its descriptor) over a Unix socket.

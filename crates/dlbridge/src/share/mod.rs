@@ -17,8 +17,17 @@
 //! A descriptor travels with [`fd::send_handle`] / [`fd::recv_handle`] (`SCM_RIGHTS` over a Unix
 //! socket), where [`SharedHandle::to_bytes`] / [`SharedHandle::from_bytes`] carry the rest; or
 //! the handle travels as bytes alone ([`SharedHandle::to_bytes_lent`], as `dlbridge`'s pickling
-//! does): its descriptor is lent by this process's [`broker`] and claimed by the receiver when it
-//! opens the handle, which must be while this process lives.
+//! does): its descriptor is lent by this process's [`broker`] under a one-time ticket and claimed
+//! by the receiver when it opens the handle, which must be while this process lives (and within
+//! the ticket's lifetime, [`broker::ticket_ttl`]). Only the ticket's token opens it, once; the
+//! [`broker`] says what that guarantees and what it does not (the boundary is the user).
+//!
+//! # What a consumer cannot do to the others
+//! Every process a handle reaches holds a descriptor of the memory. A shared file is sealed at
+//! its size (see [`cpu`]): no holder can shrink it under the others' mappings (which would kill
+//! them with `SIGBUS`), and a received file without those seals is refused. Every mapping is
+//! writable, read-only views included (read-only is a flag for the consumers that honour it), so
+//! no consumer faults on a write.
 //!
 //! # Streams
 //! A CUDA handle carries an IPC event recorded on the producer's current stream after its work on
@@ -142,8 +151,9 @@ fn malformed(why: impl std::fmt::Display) -> Error {
     Error::InvalidArgument(format!("not a dlbridge shared-memory handle: {why}"))
 }
 
-/// Version of the [`SharedHandle::to_bytes`] format.
-const FORMAT: u8 = 3;
+/// Version of the [`SharedHandle::to_bytes`] format (4: a ticket is a lender and a token; 3 also
+/// carried the descriptor's number, which opened it through `/proc` without the token).
+const FORMAT: u8 = 4;
 const MAGIC: &[u8; 4] = b"DLSH";
 
 impl SharedHandle {
@@ -208,11 +218,18 @@ impl SharedHandle {
     /// read by another process of this user on this machine): a duplicate of the descriptor is
     /// lent by this process's [`broker`], and the receiver claims it when it opens the handle
     /// (or forgoes it when the handle is dropped unopened). The receiver must open it while this
-    /// process lives. Each call lends anew; every one of them is valid once.
+    /// process lives, within the ticket's lifetime ([`broker::ticket_ttl`]). Each call lends
+    /// anew; every one of them is valid once.
     pub fn to_bytes_lent(&mut self) -> Result<Vec<u8>> {
+        self.to_bytes_lent_with(&broker::Wait::default())
+    }
+
+    /// [`SharedHandle::to_bytes_lent`], where a handle received as bytes first claims its
+    /// descriptor from its producer within `wait`.
+    pub fn to_bytes_lent_with(&mut self, wait: &broker::Wait<'_>) -> Result<Vec<u8>> {
         if self.fd.is_none() {
             // Received as bytes and not opened: its descriptor is claimed here, to be lent on.
-            let fd = self.descriptor()?;
+            let fd = self.descriptor(wait)?;
             self.fd = Some(fd);
         }
         let fd = self.fd.as_ref().ok_or_else(already_opened)?;
@@ -220,7 +237,7 @@ impl SharedHandle {
             backend: "share",
             message: format!("dup of a shared-memory descriptor failed: {e}"),
         })?;
-        let ticket = broker::lend(dup)?;
+        let ticket = broker::lend(dup, self.tag())?;
         Ok(self.encode(Some(&ticket)))
     }
 
@@ -271,7 +288,6 @@ impl SharedHandle {
                 w.push(t.lender().len() as u8);
                 w.extend_from_slice(t.lender().as_bytes());
                 w.extend_from_slice(&t.token().to_le_bytes());
-                w.extend_from_slice(&t.fd().to_le_bytes());
             }
             None => w.push(0),
         }
@@ -279,29 +295,42 @@ impl SharedHandle {
     }
 
     /// The handle's descriptor, taken out: its own, or the one its ticket claims from the
-    /// producer.
-    fn descriptor(&mut self) -> Result<OwnedFd> {
+    /// producer (the only way a ticket opens: with its token, once).
+    fn descriptor(&mut self, wait: &broker::Wait<'_>) -> Result<OwnedFd> {
         if let Some(fd) = self.fd.take() {
-            return Ok(fd);
+            return fd::still_open(fd);
         }
         let ticket = self.ticket.take().ok_or_else(already_opened)?;
-        broker::claim(&ticket)
+        broker::claim(&ticket, self.tag(), wait)
     }
 
-    /// [`Self::descriptor`] of a shared file: where its ticket's file opens again by path and is
-    /// the handle's file (`inode`), that is one `open` and a message to the producer instead of a
-    /// round trip.
-    fn file_descriptor(&mut self) -> Result<OwnedFd> {
-        if let Some(ticket) = &self.ticket
-            && let Some(fd) = broker::reopen(ticket, cpu::LINK_PREFIX)
-            && cpu::inode(&fd).is_ok_and(|i| i == self.inode)
-        {
-            if let Some(ticket) = self.ticket.take() {
-                broker::forgo(&ticket);
+    /// The memory this handle describes, as a number its lender and its claimer both derive from
+    /// the handle's fields (FNV-1a of the kind, the file's inode, the VMM allocation's key, the
+    /// IPC handle and the size): a ticket is good only for the memory it was lent for.
+    fn tag(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
             }
-            return Ok(fd);
+        };
+        eat(&[self.kind.to_raw()]);
+        eat(&self.inode.to_le_bytes());
+        eat(&self.origin.to_le_bytes());
+        eat(&self.block.to_le_bytes());
+        eat(&(self.alloc_len as u64).to_le_bytes());
+        eat(self.ipc.as_ref().map_or(&[][..], |ipc| &ipc[..]));
+        h
+    }
+
+    /// Ends the handle's ticket, if it still has one, with the producer's word that it was
+    /// valid and unused: a handle whose memory is mapped here already needs no descriptor, but
+    /// opens only as its ticket allows (once, with its token).
+    fn redeem(&mut self, wait: &broker::Wait<'_>) -> Result<()> {
+        match self.ticket.take() {
+            Some(ticket) => broker::redeem(&ticket, self.tag(), wait),
+            None => Ok(()),
         }
-        self.descriptor()
     }
 
     /// The memory kind that [`SharedHandle::to_bytes`] bytes describe, without building the
@@ -360,8 +389,7 @@ impl SharedHandle {
                 let len = usize::from(r.u8()?);
                 let name = String::from_utf8(r.take(len)?.to_vec())
                     .map_err(|_| malformed("lender name"))?;
-                let token = r.u64()?;
-                Some(broker::Ticket::new(name, token, r.i32()?)?)
+                Some(broker::Ticket::new(name, r.u64()?)?)
             }
         };
         if !r.0.is_empty() {
@@ -409,7 +437,7 @@ impl Drop for SharedHandle {
     /// descriptor it kept for it.
     fn drop(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            broker::forgo(&ticket);
+            broker::forgo(&ticket, self.tag());
         }
     }
 }
@@ -546,6 +574,20 @@ pub fn release_kept(device: Device) {
     if device.kind() == DeviceKind::Cuda {
         ipc::release_kept(device.index() as i32);
     }
+}
+
+/// Returns the cached blocks of `device`'s shareable pool to the system (memory in use is
+/// untouched) and lets go of the received memory kept mapped ([`release_kept`]): what
+/// [`crate::empty_cache`] does for shareable memory. Nothing for devices without one.
+pub fn empty_cache(device: Device) {
+    if matches!(
+        device.kind(),
+        DeviceKind::Cpu | DeviceKind::CudaHost | DeviceKind::Cuda
+    ) && let Ok(pool) = pool(device)
+    {
+        pool.clear_cache();
+    }
+    release_kept(device);
 }
 
 /// A compact copy of `t` in shareable memory of its device (the copy [`share`] makes of memory
@@ -895,6 +937,11 @@ pub fn share_many(tensors: &[Tensor], copy: bool) -> Result<SharedGroup> {
 /// view that names no handle or lies outside its allocation fails with a clear error, as does
 /// any handle [`open`] refuses.
 pub fn open_many(group: SharedGroup) -> Result<Vec<Tensor>> {
+    open_many_with(group, &broker::Wait::default())
+}
+
+/// [`open_many`], each claim of a descriptor from a producer waiting as `wait` says.
+pub fn open_many_with(group: SharedGroup, wait: &broker::Wait<'_>) -> Result<Vec<Tensor>> {
     let count = group.handles.len();
     if let Some(v) = group.views.iter().find(|v| v.handle >= count) {
         return Err(malformed(format!(
@@ -905,7 +952,7 @@ pub fn open_many(group: SharedGroup) -> Result<Vec<Tensor>> {
     let opened = group
         .handles
         .into_iter()
-        .map(open)
+        .map(|h| open_with(h, wait))
         .collect::<Result<Vec<_>>>()?;
     group
         .views
@@ -923,9 +970,16 @@ pub fn open_many(group: SharedGroup) -> Result<Vec<Tensor>> {
 /// producer's work first.
 ///
 /// Fails with a clear error for a handle of another boot or machine, a descriptor that is not the
-/// handle's file, a device this process does not have, or a legacy IPC handle whose producer has
-/// exited.
-pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
+/// handle's file (or a shared file not sealed at its size), a device this process does not have,
+/// a legacy IPC handle whose producer has exited, and for a handle received as bytes: a ticket
+/// that its producer does not know (altered, forged, used already: a handle opens once) or a
+/// producer that does not answer within [`broker::default_timeout`].
+pub fn open(handle: SharedHandle) -> Result<Tensor> {
+    open_with(handle, &broker::Wait::default())
+}
+
+/// [`open`], a claim of the handle's descriptor from its producer waiting as `wait` says.
+pub fn open_with(mut handle: SharedHandle, wait: &broker::Wait<'_>) -> Result<Tensor> {
     let here = boot_id();
     if handle.boot_id != here {
         return Err(Error::InvalidArgument(format!(
@@ -937,7 +991,7 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
     let device = handle.device;
     let buffer = match handle.kind {
         SharedKind::HostFile => {
-            let fd = handle.file_descriptor()?;
+            let fd = handle.descriptor(wait)?;
             if cpu::inode(&fd)? != handle.inode {
                 return Err(Error::InvalidArgument(
                     "the file descriptor is not the handle's shared file".into(),
@@ -954,9 +1008,11 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
                 return Err(malformed("a VMM handle without its allocation's key"));
             }
             // The descriptor is claimed only when this process does not map the allocation
-            // already; else the handle's drop forgoes it.
+            // already; else the ticket is redeemed (proved and ended) without it.
             let len = handle.alloc_len;
-            ipc::import(device, || handle.descriptor(), len, key)?
+            let buffer = ipc::import(device, || handle.descriptor(wait), len, key)?;
+            handle.redeem(wait)?;
+            buffer
         }
         SharedKind::CudaIpc => {
             if handle.pid == std::process::id() {
@@ -964,7 +1020,7 @@ pub fn open(mut handle: SharedHandle) -> Result<Tensor> {
                     "a legacy CUDA IPC handle cannot be opened by the process that made it".into(),
                 ));
             }
-            let users = handle.descriptor()?;
+            let users = handle.descriptor(wait)?;
             let ipc_handle = handle.ipc.ok_or_else(already_opened)?;
             ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
         }

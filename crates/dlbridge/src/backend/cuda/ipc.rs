@@ -700,7 +700,9 @@ fn buffer_of(device: Device, mapping: Arc<Mapping>) -> Buffer {
 
 /// Maps the VMM allocation `key` of `len` bytes on `device`: the mapping this process already has
 /// of that allocation when one lives, else a new import of it from its POSIX descriptor, which
-/// `fd` gives (asked only then).
+/// `fd` gives (asked only then, with no lock held: a claim from another process waits for it, and
+/// its wait may run Python's signal handlers). Two threads that import one allocation at once
+/// map it once: the second to finish uses the first one's mapping.
 pub(crate) fn import(
     device: Device,
     fd: impl FnOnce() -> Result<OwnedFd>,
@@ -714,23 +716,14 @@ pub(crate) fn import(
     }
     let ordinal = device.index() as i32;
     let table = imports();
-    // Held while importing, so that an allocation received twice at once is mapped once.
-    let mut by_key = table.by_key.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(mapping) = by_key
-        .get(&(ordinal, key))
-        .and_then(std::sync::Weak::upgrade)
-    {
-        if mapping.len != len {
-            // Unlocked first: dropping `mapping` may drop the mapping, which takes the lock.
-            drop(by_key);
-            return Err(Error::InvalidArgument(format!(
-                "the handle says its VMM allocation has {len} bytes; this process maps it with {}",
-                mapping.len
-            )));
-        }
-        drop(by_key);
-        keep(&mapping);
-        return Ok(buffer_of(device, mapping));
+    let mapped = |by_key: &HashMap<(i32, BlockKey), std::sync::Weak<Mapping>>| {
+        by_key
+            .get(&(ordinal, key))
+            .and_then(std::sync::Weak::upgrade)
+    };
+    let existing = mapped(&table.by_key.lock().unwrap_or_else(PoisonError::into_inner));
+    if let Some(mapping) = existing {
+        return serve(device, mapping, len);
     }
     let _ctx = context(ordinal)?;
     let g = granularity(ordinal).named("cuMemGetAllocationGranularity")?;
@@ -763,6 +756,14 @@ pub(crate) fn import(
         key,
         fd,
     });
+    let mut by_key = table.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(first) = mapped(&by_key) {
+        // Another thread mapped the allocation meanwhile: its mapping serves, this one goes
+        // (dropped unlocked: a mapping's drop takes the lock).
+        drop(by_key);
+        drop(mapping);
+        return serve(device, first, len);
+    }
     by_key.insert((ordinal, key), Arc::downgrade(&mapping));
     // Entries of mappings whose last buffer went while this lock was held elsewhere.
     by_key.retain(|_, w| w.strong_count() > 0);
@@ -772,6 +773,19 @@ pub(crate) fn import(
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .insert(ptr, Arc::downgrade(&mapping));
+    keep(&mapping);
+    Ok(buffer_of(device, mapping))
+}
+
+/// A buffer over `mapping`, an existing mapping of the allocation a handle of `len` bytes names
+/// (called with no lock held: dropping `mapping` on a mismatch may drop the mapping).
+fn serve(device: Device, mapping: Arc<Mapping>, len: usize) -> Result<Buffer> {
+    if mapping.len != len {
+        return Err(Error::InvalidArgument(format!(
+            "the handle says its VMM allocation has {len} bytes; this process maps it with {}",
+            mapping.len
+        )));
+    }
     keep(&mapping);
     Ok(buffer_of(device, mapping))
 }

@@ -3,7 +3,7 @@
 
 use std::os::fd::OwnedFd;
 
-use super::Ticket;
+use super::{Ticket, Wait};
 use crate::error::{Error, Result};
 
 fn unsupported() -> Error {
@@ -15,22 +15,22 @@ fn unsupported() -> Error {
 }
 
 /// Refused: see the module.
-pub fn lend(_fd: OwnedFd) -> Result<Ticket> {
+pub fn lend(_fd: OwnedFd, _tag: u64) -> Result<Ticket> {
     Err(unsupported())
 }
 
 /// Refused: see the module.
-pub fn claim(_ticket: &Ticket) -> Result<OwnedFd> {
+pub fn claim(_ticket: &Ticket, _tag: u64, _wait: &Wait<'_>) -> Result<OwnedFd> {
+    Err(unsupported())
+}
+
+/// Refused: see the module.
+pub fn redeem(_ticket: &Ticket, _tag: u64, _wait: &Wait<'_>) -> Result<()> {
     Err(unsupported())
 }
 
 /// Nothing was lent, so nothing is given back.
-pub fn forgo(_ticket: &Ticket) {}
-
-/// Never opens anything.
-pub fn reopen(_ticket: &Ticket, _link_prefix: &str) -> Option<OwnedFd> {
-    None
-}
+pub fn forgo(_ticket: &Ticket, _tag: u64) {}
 
 /// Nothing is lent.
 pub fn outstanding() -> usize {

@@ -322,6 +322,41 @@ fn unary_ref(op: UnaryOp, out: DType, v: V) -> V {
     ))
 }
 
+/// NumPy's `divmod` of floats (`npy_divmod`) in the type `$t`: the kernels compute
+/// `floor_divide` and `remainder` of `float32` and the 16-bit floats in `float`, as NumPy does.
+macro_rules! numpy_divmod {
+    ($t:ty, $a:expr, $b:expr) => {{
+        let (a, b): ($t, $t) = ($a as $t, $b as $t);
+        let m = a % b;
+        if b == 0.0 {
+            (a / b, m)
+        } else {
+            let (mut m, mut div) = (m, (a - m) / b);
+            if m != 0.0 {
+                if (b < 0.0) != (m < 0.0) {
+                    m += b;
+                    div -= 1.0;
+                }
+            } else {
+                m = (0.0 as $t).copysign(b);
+            }
+            let q = if div != 0.0 {
+                let f = div.floor();
+                if div - f > 0.5 { f + 1.0 } else { f }
+            } else {
+                (0.0 as $t).copysign(a / b)
+            };
+            (q, m)
+        }
+    }};
+}
+
+/// Whether `pow` computing in integer `out` must refuse exponents `exps` (NumPy refuses negative
+/// integer powers).
+fn refuses_power(op: BinaryOp, out: DType, exps: impl IntoIterator<Item = V>) -> bool {
+    op == BinaryOp::Pow && is_signed(out) && exps.into_iter().any(|e| e.i() < 0)
+}
+
 fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
     if is_int(out) {
         let (x, y) = (a.i(), b.i());
@@ -332,10 +367,49 @@ fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
                 BinaryOp::Sub => x - y,
                 BinaryOp::Mul => x.wrapping_mul(y),
                 BinaryOp::Div => unreachable!("integer division returns float64"),
+                // NumPy's values for a zero divisor: 0.
+                BinaryOp::FloorDiv | BinaryOp::Mod if y == 0 => 0,
+                BinaryOp::FloorDiv => {
+                    let q = x / y;
+                    if x % y != 0 && ((x < 0) != (y < 0)) {
+                        q - 1
+                    } else {
+                        q
+                    }
+                }
+                BinaryOp::Mod => {
+                    let r = x % y;
+                    if r != 0 && ((r < 0) != (y < 0)) {
+                        r + y
+                    } else {
+                        r
+                    }
+                }
+                BinaryOp::Pow => {
+                    // Square and multiply modulo 2^128 (the exponent's bits as the dtype holds
+                    // them: an unsigned one is never negative).
+                    let (mut r, mut sq, mut e) = (1u128, x as u128, wrap(out, y) as u128);
+                    while e != 0 {
+                        if e & 1 == 1 {
+                            r = r.wrapping_mul(sq);
+                        }
+                        sq = sq.wrapping_mul(sq);
+                        e >>= 1;
+                    }
+                    r as i128
+                }
             },
         ));
     }
     let (x, y) = (a.f(), b.f());
+    let divmod = |x: f64, y: f64| -> (f64, f64) {
+        if out == DType::F64 {
+            numpy_divmod!(f64, x, y)
+        } else {
+            let (q, m) = numpy_divmod!(f32, x, y);
+            (q as f64, m as f64)
+        }
+    };
     V::F(round_to(
         out,
         match op {
@@ -343,8 +417,21 @@ fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
             BinaryOp::Sub => x - y,
             BinaryOp::Mul => x * y,
             BinaryOp::Div => x / y,
+            BinaryOp::FloorDiv => divmod(x, y).0,
+            BinaryOp::Mod => divmod(x, y).1,
+            BinaryOp::Pow => x.powf(y),
         },
     ))
+}
+
+/// [`tolerance`] for `op`: CUDA's `powf` is within a few ulp rather than one.
+fn op_tolerance(op: BinaryOp, d: DType) -> (f64, f64) {
+    let (rtol, atol) = tolerance(d);
+    if op == BinaryOp::Pow && !is_int(d) {
+        (rtol * 4.0, atol)
+    } else {
+        (rtol, atol)
+    }
 }
 
 /// The row-major index of every element of `shape`.
@@ -424,8 +511,13 @@ fn binary_ops_broadcast_on_every_dtype() {
                 let va = rng.values(dtype, na, -50.0, 50.0);
                 let vb = rng.values(dtype, nb, -50.0, 50.0);
                 let (a, b) = (on(device, dtype, &va, sa), on(device, dtype, &vb, sb));
-                let y = compute::binary(op, &a, &b).unwrap();
                 let out = promote::binary_result(op, dtype);
+                if refuses_power(op, out, vb.iter().copied()) {
+                    let err = compute::binary(op, &a, &b).unwrap_err();
+                    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+                    continue;
+                }
+                let y = compute::binary(op, &a, &b).unwrap();
                 assert_eq!(y.dtype(), out);
                 let shape = compute::broadcast_shapes(sa, sb).unwrap();
                 assert_eq!(y.shape(), &shape[..]);
@@ -436,7 +528,7 @@ fn binary_ops_broadcast_on_every_dtype() {
                         binary_ref(op, out, x, z)
                     })
                     .collect();
-                let (rtol, atol) = tolerance(out);
+                let (rtol, atol) = op_tolerance(op, out);
                 let what = format!("{} of {dtype} {sa:?} {sb:?}", op.name());
                 check(&what, &read(&y), &want, rtol, atol);
             }
@@ -456,9 +548,19 @@ fn scalar_operands_are_weak_on_both_sides() {
         for op in BinaryOp::ALL {
             for scalar in [Scalar::Int(7), Scalar::Int(-300), Scalar::Float(0.3)] {
                 for first in [false, true] {
-                    let y = compute::binary_scalar(op, &x, scalar, first).unwrap();
                     let common = promote::promote_scalar(dtype, scalar).unwrap();
                     let out = promote::binary_result(op, common);
+                    let exps: Vec<V> = if first {
+                        vals.clone()
+                    } else {
+                        vec![V::I(scalar.as_i64() as i128)]
+                    };
+                    if refuses_power(op, out, exps) {
+                        let err = compute::binary_scalar(op, &x, scalar, first).unwrap_err();
+                        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+                        continue;
+                    }
+                    let y = compute::binary_scalar(op, &x, scalar, first).unwrap();
                     assert_eq!(y.dtype(), out);
                     // The scalar takes the dtype the kernel computes in.
                     let s = if is_int(out) {
@@ -477,7 +579,7 @@ fn scalar_operands_are_weak_on_both_sides() {
                             }
                         })
                         .collect();
-                    let (rtol, atol) = tolerance(out);
+                    let (rtol, atol) = op_tolerance(op, out);
                     let what = format!("{} of {dtype} and {scalar:?} (first {first})", op.name());
                     check(&what, &read(&y), &want, rtol, atol);
                 }
@@ -880,12 +982,24 @@ fn reduce_ref(
     let mut ints = vec![0i128; outputs];
     let mut floats = vec![0f64; outputs];
     let mut abs = vec![0f64; outputs];
+    let mut prods = vec![1u64; outputs];
+    let mut float_prods = vec![1f64; outputs];
     let mut best: Vec<Option<V>> = vec![None; outputs];
+    // Each output's elements come in the reduced axes' row-major order: `seen` counts them, and
+    // `best_at` is the position of the first extreme (or first NaN).
+    let mut seen = vec![0usize; outputs];
+    let mut best_at = vec![0usize; outputs];
     let mut idx = vec![0usize; shape.len()];
+    let extreme = match op {
+        ReduceOp::Max | ReduceOp::ArgMax => ReduceOp::Max,
+        _ => ReduceOp::Min,
+    };
     for &v in vals {
         let o = (0..shape.len())
             .filter(|&a| !reduced[a])
             .fold(0, |acc, a| acc * shape[a] + idx[a]);
+        prods[o] = prods[o].wrapping_mul(v.i() as u64);
+        float_prods[o] *= v.f();
         for a in (0..shape.len()).rev() {
             idx[a] += 1;
             if idx[a] < shape[a] {
@@ -905,19 +1019,25 @@ fn reduce_ref(
                 } else if y.is_nan() {
                     true
                 } else if is_int(dtype) {
-                    match op {
+                    match extreme {
                         ReduceOp::Max => v.i() > b.i(),
                         _ => v.i() < b.i(),
                     }
                 } else {
-                    match op {
+                    match extreme {
                         ReduceOp::Max => y > x,
                         _ => y < x,
                     }
                 };
-                if take_new { v } else { b }
+                if take_new {
+                    best_at[o] = seen[o];
+                    v
+                } else {
+                    b
+                }
             }
         });
+        seen[o] += 1;
     }
     let (_, out_dtype) = promote::reduce_types(op, dtype).unwrap();
     let want = (0..outputs)
@@ -925,17 +1045,20 @@ fn reduce_ref(
             ReduceOp::Sum if is_int(dtype) => V::I(wrap(out_dtype, ints[o])),
             ReduceOp::Sum => V::F(round_to(out_dtype, floats[o])),
             ReduceOp::Mean => V::F(round_to(out_dtype, floats[o] / count as f64)),
+            ReduceOp::Prod if is_int(dtype) => V::I(wrap(out_dtype, prods[o] as i128)),
+            ReduceOp::Prod => V::F(round_to(out_dtype, float_prods[o])),
+            ReduceOp::ArgMax | ReduceOp::ArgMin => V::I(best_at[o] as i128),
             _ => best[o].expect("max and min of something"),
         })
         .collect();
     let abs = abs
         .into_iter()
-        .map(|s| {
-            if op == ReduceOp::Mean {
-                s / count.max(1) as f64
-            } else {
-                s
-            }
+        .zip(&float_prods)
+        .map(|(s, p)| match op {
+            ReduceOp::Mean => s / count.max(1) as f64,
+            // Each factor rounds once: a bound relative to the product.
+            ReduceOp::Prod => p.abs() * count as f64,
+            _ => s,
         })
         .collect();
     (want, abs, count)
@@ -957,8 +1080,21 @@ fn check_reduce(what: &str, op: ReduceOp, dtype: DType, got: &Tensor, want: &[V]
             (V::I(a), V::I(b)) => assert_eq!(a, b, "{what}: output {i}"),
             _ => {
                 let (a, b) = (g.f(), w.f());
+                // Partial products may leave float's range before the whole does (NumPy's
+                // products multiply in the dtype too): near either end an infinity or a zero of
+                // the product's sign passes.
+                let (lo, hi) = if dtype == DType::F64 {
+                    (1e-290, 1e290)
+                } else {
+                    (1e-30, 1e30)
+                };
+                let edge = op == ReduceOp::Prod
+                    && (b.abs() > hi && a.is_infinite() || b.abs() < lo && a == 0.0)
+                    && (a == 0.0 || a.is_sign_negative() == b.is_sign_negative());
                 let ok = if b.is_nan() {
                     a.is_nan()
+                } else if b.is_infinite() || edge {
+                    a == b || edge
                 } else {
                     let tol = acc_eps * s + 2.0 * eps(out_dtype) * b.abs() + 1e-30;
                     (a - b).abs() <= tol
@@ -1107,6 +1243,11 @@ fn reductions_over_many_axes_nan_and_empty() {
         let x = on(device, dtype, &vals, &[10_000]);
         for op in ReduceOp::ALL {
             let y = read(&compute::reduce(op, &x, None, false).unwrap());
+            if op.is_arg() {
+                // The (first) NaN is the extreme.
+                assert_eq!(y[0], V::I(7777), "{} of {dtype} with a NaN", op.name());
+                continue;
+            }
             assert!(
                 y[0].f().is_nan(),
                 "{} of {dtype} with a NaN: {:?}",

@@ -101,12 +101,39 @@ fn unary_ref(op: UnaryOp, x: f32) -> f32 {
     }
 }
 
+/// NumPy's `divmod` of floats (`npy_divmod`), in `float`.
+fn numpy_divmod(a: f32, b: f32) -> (f32, f32) {
+    let m = a % b;
+    if b == 0.0 {
+        return (a / b, m);
+    }
+    let (mut m, mut div) = (m, (a - m) / b);
+    if m != 0.0 {
+        if (b < 0.0) != (m < 0.0) {
+            m += b;
+            div -= 1.0;
+        }
+    } else {
+        m = 0.0f32.copysign(b);
+    }
+    let q = if div != 0.0 {
+        let f = div.floor();
+        if div - f > 0.5 { f + 1.0 } else { f }
+    } else {
+        0.0f32.copysign(a / b)
+    };
+    (q, m)
+}
+
 fn binary_ref(op: BinaryOp, a: f32, b: f32) -> f32 {
     match op {
         BinaryOp::Add => a + b,
         BinaryOp::Sub => a - b,
         BinaryOp::Mul => a * b,
         BinaryOp::Div => a / b,
+        BinaryOp::FloorDiv => numpy_divmod(a, b).0,
+        BinaryOp::Mod => numpy_divmod(a, b).1,
+        BinaryOp::Pow => a.powf(b),
     }
 }
 
@@ -486,6 +513,19 @@ fn reductions_match_the_cpu() {
     for op in ReduceOp::ALL {
         for (axes, out_shape) in &cases {
             let y = compute::reduce(op, &x, axes.as_deref(), false).unwrap();
+            if op.is_arg() {
+                // Composed of max / min, comparisons and a max over index keys; checked against
+                // the CPU's kernel.
+                let host = metal::copy_to(&x, Device::CPU, None).unwrap();
+                let want = compute::reduce(op, &host, axes.as_deref(), false).unwrap();
+                assert_eq!(y.shape(), want.shape(), "{op:?} {axes:?}");
+                assert_eq!(
+                    read::<i64>(&y),
+                    want.to_vec::<i64>().unwrap(),
+                    "{op:?} over {axes:?}"
+                );
+                continue;
+            }
             assert_eq!(y.shape(), out_shape.as_slice(), "{op:?} {axes:?}");
             let reduced = |a: usize| match axes {
                 None => true,
@@ -515,6 +555,8 @@ fn reductions_match_the_cpu() {
                             ReduceOp::Mean => (vals.iter().sum::<f64>() / vals.len() as f64) as f32,
                             ReduceOp::Max => vals.iter().cloned().fold(f64::MIN, f64::max) as f32,
                             ReduceOp::Min => vals.iter().cloned().fold(f64::MAX, f64::min) as f32,
+                            ReduceOp::Prod => vals.iter().product::<f64>() as f32,
+                            ReduceOp::ArgMax | ReduceOp::ArgMin => unreachable!("checked above"),
                         });
                     }
                 }

@@ -24,14 +24,18 @@ mod dlpack;
 mod dtype;
 mod errors;
 mod fastcall;
+mod format;
+mod indexing;
 mod kernel;
 mod memory;
 mod metal;
 mod ml_dtypes;
 mod nccl;
+mod npcompat;
 mod ops;
 mod safetensors;
 mod share;
+mod views;
 
 use pyo3::prelude::*;
 
@@ -84,6 +88,11 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(creation::zeros, m)?)?;
     m.add_function(wrap_pyfunction!(creation::full, m)?)?;
     m.add_function(wrap_pyfunction!(creation::arange, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::ones, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::zeros_like, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::ones_like, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::empty_like, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::full_like, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(_free, m)?)?;
     m.add_function(wrap_pyfunction!(synchronize, m)?)?;

@@ -51,6 +51,7 @@ __all__ = [
     "UNARY",
     "BINARY",
     "COMPARISONS",
+    "CLASSIFICATIONS",
     "REDUCTIONS",
     "abs",
     "add",
@@ -66,6 +67,9 @@ __all__ = [
     "floor_divide",
     "greater",
     "greater_equal",
+    "isfinite",
+    "isinf",
+    "isnan",
     "less",
     "less_equal",
     "log",
@@ -98,6 +102,8 @@ __all__ = [
 UNARY = ("sqrt", "exp", "log", "sin", "cos", "abs", "square", "negative")
 #: Element-wise functions of two operands.
 BINARY = ("add", "sub", "mul", "div", "floor_divide", "remainder", "pow")
+#: Element-wise classifications (``bool`` results; NumPy's ``isnan isinf isfinite``).
+CLASSIFICATIONS = ("isnan", "isinf", "isfinite")
 #: Element-wise comparisons (``bool`` results).
 COMPARISONS = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
 #: Reductions.
@@ -146,6 +152,9 @@ def _reduction(name: str) -> Callable[..., Array]:
     return op
 
 
+isnan = _unary("isnan")
+isinf = _unary("isinf")
+isfinite = _unary("isfinite")
 sqrt = _unary("sqrt")
 exp = _unary("exp")
 log = _unary("log")

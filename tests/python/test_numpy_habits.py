@@ -403,6 +403,10 @@ def index_cases(x: np.ndarray):
         ("empty list", lambda m: []),
         ("negative", lambda m: (-1, [-1, -2])),
         ("ellipsis, list", lambda m: (Ellipsis, [0, 0, 1])),
+        ("True", lambda m: True),
+        ("False, slice", lambda m: (False, slice(1, None))),
+        ("0-d mask, list", lambda m: (m.asarray(np.array(True)), slice(None), [0, 1])),
+        ("list, True", lambda m: ([1, 0], True)),
     ]
 
 
@@ -458,8 +462,6 @@ def test_indexing_errors_are_numpys(device):
         a[[0, 1], [0, 1, 2]]
     with pytest.raises(IndexError, match="too many indices"):
         a[[0], [0], [0]]
-    with pytest.raises(IndexError, match="not supported"):
-        a[True]
     with pytest.raises(ValueError, match="broadcast"):
         a[[0, 1]] = dlbridge.asarray([1, 2, 3])
     with pytest.raises(IndexError, match="out of bounds"):

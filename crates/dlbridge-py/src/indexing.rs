@@ -8,8 +8,8 @@
 //! With advanced indices, every integer index counts as one too (NumPy's rule), a mask of `k`
 //! dimensions stands for the `k` integer arrays of its true positions, the index arrays broadcast
 //! together, and their axes replace the indexed ones: in place when the advanced indices are
-//! adjacent in the index, else first. A 0-d boolean index is refused with an `IndexError`
-//! naming it.
+//! adjacent in the index, else first. A 0-d boolean index (`a[True]`, a 0-d mask) adds an axis
+//! that it indexes with `[0]` (true) or `[]` (false), as NumPy does.
 
 use dlbridge::compute::index;
 use dlbridge::{DType, DTypeCode, SliceArg, Tensor};
@@ -37,6 +37,8 @@ enum Item<'py> {
     Ints(Tensor),
     /// A boolean mask of at least one dimension.
     Mask(Tensor),
+    /// A 0-d boolean index: a new axis, indexed by `[0]` when true and `[]` when false.
+    Flag(bool),
 }
 
 impl Item<'_> {
@@ -45,21 +47,19 @@ impl Item<'_> {
         match self {
             Item::Int(_) | Item::Slice(_) | Item::Ints(_) => 1,
             Item::Mask(m) => m.ndim(),
-            Item::NewAxis | Item::Ellipsis => 0,
+            Item::NewAxis | Item::Ellipsis | Item::Flag(_) => 0,
         }
     }
 
     fn is_advanced(&self) -> bool {
-        matches!(self, Item::Ints(_) | Item::Mask(_))
+        matches!(self, Item::Ints(_) | Item::Mask(_) | Item::Flag(_))
     }
 }
 
 /// An array index's tensor: integers or a mask; `IndexError` for other dtypes, as NumPy's.
 fn array_item<'py>(obj: &Bound<'py, PyAny>, t: Tensor) -> PyResult<Item<'py>> {
     match t.dtype().code() {
-        DTypeCode::Bool if t.ndim() == 0 => Err(PyIndexError::new_err(
-            "a 0-d boolean index (a[True]) is not supported by dlbridge; use None to add an axis",
-        )),
+        DTypeCode::Bool if t.ndim() == 0 => Ok(Item::Flag(obj.is_truthy()?)),
         DTypeCode::Bool => Ok(Item::Mask(t)),
         DTypeCode::Int | DTypeCode::UInt if t.ndim() == 0 => Ok(Item::Int(obj.clone())),
         DTypeCode::Int | DTypeCode::UInt => Ok(Item::Ints(t)),
@@ -83,9 +83,7 @@ fn item<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Item<'py>> {
         return Ok(Item::Slice(slice.clone()));
     }
     if obj.is_instance_of::<PyBool>() {
-        return Err(PyIndexError::new_err(
-            "a boolean scalar index (a[True]) is not supported by dlbridge; use None to add an axis",
-        ));
+        return Ok(Item::Flag(obj.is_truthy()?));
     }
     if obj.is_instance_of::<PyInt>() {
         return Ok(Item::Int(obj.clone()));
@@ -209,6 +207,14 @@ fn select(t: &Tensor, key: &Bound<'_, PyAny>) -> PyResult<Selection> {
                 positions.push(k);
                 axis += mask.ndim();
                 source += mask.ndim();
+            }
+            Item::Flag(flag) => {
+                view = view.expand_dims(axis).py()?;
+                let selected: &[i64] = if *flag { &[0] } else { &[] };
+                axes.push(axis);
+                arrays.push(Tensor::from_slice(selected, &[selected.len()]).py()?);
+                positions.push(k);
+                axis += 1;
             }
         }
     }

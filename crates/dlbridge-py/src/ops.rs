@@ -395,9 +395,20 @@ fn write_out(
     unsafe { dst.copy_from_unchecked(&value) }.py()
 }
 
-/// `dlbridge.ops` element-wise function of one operand, by name.
+/// `dlbridge.ops` element-wise function of one operand, by name: a kernel's ([`UnaryOp`]) or a
+/// classification (`isnan`, `isinf`, `isfinite`, `bool` results).
 #[pyfunction]
 pub(crate) fn _unary(py: Python<'_>, op: &str, x: &Bound<'_, PyAny>) -> PyResult<PyArray> {
+    let classify = match op {
+        "isnan" => Some(compute::isnan as fn(&Tensor) -> dlbridge::Result<Tensor>),
+        "isinf" => Some(compute::isinf as fn(&Tensor) -> dlbridge::Result<Tensor>),
+        "isfinite" => Some(compute::isfinite as fn(&Tensor) -> dlbridge::Result<Tensor>),
+        _ => None,
+    };
+    if let Some(f) = classify {
+        let x = tensor_arg(x, op)?;
+        return py.detach(|| f(&x)).py().map(PyArray::new);
+    }
     let op = unary_op(op)?;
     let x = tensor_arg(x, op.name())?;
     unary_tensor(py, op, &x)

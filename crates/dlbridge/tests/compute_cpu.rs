@@ -1549,3 +1549,214 @@ fn casts_on_the_cpu_use_the_host_converter() {
     let r = compute::cast(&x.slice(0, rev()).unwrap(), DType::U8).unwrap();
     assert_eq!(ints(&r), vec![1, 44, 254]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// NumPy's floor division, remainder and power; prod, argmax / argmin, all / any, var / std;
+// advanced indexing
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn integer_floor_division_and_remainder_edges_follow_numpy() {
+    let i8s = |v: &[i128]| int_tensor(v, &[v.len()], DType::I8);
+    let a = i8s(&[7, -7, 7, -7, 0, -128, -128, 5]);
+    let b = i8s(&[2, 2, -2, -2, 0, -1, 0, 0]);
+    let q = compute::binary(BinaryOp::FloorDiv, &a, &b).unwrap();
+    let r = compute::binary(BinaryOp::Mod, &a, &b).unwrap();
+    // NumPy's values: a zero divisor gives 0; -128 // -1 wraps to -128 and its remainder is 0.
+    assert_eq!(ints(&q), vec![3, -4, -4, 3, 0, -128, 0, 0]);
+    assert_eq!(ints(&r), vec![1, 1, -1, -1, 0, 0, 0, 0]);
+    assert_eq!((q.dtype(), r.dtype()), (DType::I8, DType::I8));
+    let u = int_tensor(&[7, 200, 3], &[3], DType::U8);
+    let z = compute::binary_scalar(BinaryOp::FloorDiv, &u, Scalar::Int(0), false).unwrap();
+    assert_eq!(ints(&z), vec![0, 0, 0]);
+    let m = compute::binary_scalar(BinaryOp::Mod, &u, Scalar::Int(7), true).unwrap();
+    assert_eq!(ints(&m), vec![0, 7, 1]);
+}
+
+#[test]
+fn powers_wrap_and_negative_integer_exponents_are_refused() {
+    let x = int_tensor(&[3, -2, 0, 7], &[4], DType::I64);
+    let p = compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(41), false).unwrap();
+    let want: Vec<i128> = [3i64, -2, 0, 7]
+        .iter()
+        .map(|&v| v.wrapping_pow(41) as i128)
+        .collect();
+    assert_eq!(ints(&p), want);
+    let zero = compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(0), false).unwrap();
+    assert_eq!(ints(&zero), vec![1; 4]);
+    for err in [
+        compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(-1), false).unwrap_err(),
+        compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(2), true).unwrap_err(),
+        compute::binary(BinaryOp::Pow, &x, &x).unwrap_err(),
+    ] {
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("negative integer powers"), "{err}");
+    }
+    // Unsigned exponents are never negative; a float scalar computes in float64.
+    let u = int_tensor(&[2, 3], &[2], DType::U8);
+    let p = compute::binary(BinaryOp::Pow, &u, &int_tensor(&[8, 5], &[2], DType::U8)).unwrap();
+    assert_eq!(ints(&p), vec![0, 243]);
+    let f = compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Float(0.5), true).unwrap();
+    assert_eq!(f.dtype(), DType::F64);
+}
+
+#[test]
+fn prod_and_arg_reductions_follow_numpy() {
+    let x = tensor(
+        &[1.0, f64::NAN, 3.0, f64::NAN, 5.0, 5.0],
+        &[2, 3],
+        DType::F32,
+    );
+    let argmax = |t: &Tensor, axes: Option<&[isize]>| {
+        ints(&compute::reduce(ReduceOp::ArgMax, t, axes, false).unwrap())
+    };
+    // The first NaN wins, over everything and along each axis.
+    assert_eq!(argmax(&x, None), vec![1]);
+    assert_eq!(argmax(&x, Some(&[1])), vec![1, 0]);
+    assert_eq!(argmax(&x, Some(&[0])), vec![1, 0, 1]);
+    let ties = int_tensor(&[4, 9, 9, -1, 9], &[5], DType::I16);
+    assert_eq!(argmax(&ties, None), vec![1]);
+    let argmin = compute::reduce(ReduceOp::ArgMin, &ties, None, true).unwrap();
+    assert_eq!((argmin.shape(), ints(&argmin)), (&[1][..], vec![3]));
+    let empty = tensor(&[], &[0, 2], DType::F32);
+    let err = compute::reduce(ReduceOp::ArgMax, &empty, Some(&[0]), false).unwrap_err();
+    assert!(err.to_string().contains("empty sequence"), "{err}");
+    assert_eq!(
+        compute::reduce(ReduceOp::ArgMax, &empty, Some(&[1]), false)
+            .unwrap()
+            .shape(),
+        &[0]
+    );
+    // Products: empty is 1; integers wrap in 64 bits.
+    let p = compute::reduce(ReduceOp::Prod, &empty, Some(&[0]), false).unwrap();
+    assert_eq!(values(&p), vec![1.0, 1.0]);
+    let big = int_tensor(&[1 << 40, 1 << 40, 3], &[3], DType::I64);
+    let p = compute::reduce(ReduceOp::Prod, &big, None, false).unwrap();
+    assert_eq!(
+        ints(&p),
+        vec![(3i64.wrapping_mul(1i64 << 40).wrapping_mul(1 << 40)) as i128]
+    );
+}
+
+#[test]
+fn logical_and_moment_reductions_follow_numpy() {
+    let x = tensor(&[0.0, f64::NAN, 2.0, 0.0, 0.0, 0.0], &[2, 3], DType::F16);
+    let bools = |t: Tensor| {
+        assert_eq!(t.dtype(), DType::BOOL);
+        bools(&t)
+    };
+    // NaN is true.
+    assert_eq!(
+        bools(compute::any(&x, Some(&[1]), false).unwrap()),
+        vec![true, false]
+    );
+    assert_eq!(
+        bools(compute::all(&x, Some(&[0]), true).unwrap()),
+        vec![false, false, false]
+    );
+    let empty = tensor(&[], &[0, 2], DType::F32);
+    assert_eq!(
+        bools(compute::all(&empty, Some(&[0]), false).unwrap()),
+        vec![true, true]
+    );
+    assert_eq!(
+        bools(compute::any(&empty, None, false).unwrap()),
+        vec![false]
+    );
+    let v = tensor(&[1.0, 2.0, 3.0, 4.0], &[4], DType::F32);
+    let var = compute::var(&v, None, 1.0, false).unwrap();
+    assert_eq!(
+        (var.dtype(), values(&var)),
+        (DType::F32, vec![(5.0f32 / 3.0) as f64])
+    );
+    let std = compute::std(&int_tensor(&[1, 3], &[2], DType::I32), None, 0.0, false).unwrap();
+    assert_eq!((std.dtype(), values(&std)), (DType::F64, vec![1.0]));
+    // n - ddof <= 0: NumPy's values (inf, or NaN for 0 / 0).
+    let too_few = compute::var(&v, None, 4.0, false).unwrap();
+    assert!(values(&too_few)[0].is_infinite());
+    let nan = compute::var(&empty, None, 0.0, false).unwrap();
+    assert!(values(&nan)[0].is_nan());
+    let classes = tensor(
+        &[1.0, f64::NAN, f64::INFINITY, -f64::INFINITY],
+        &[4],
+        DType::BF16,
+    );
+    assert_eq!(
+        bools(compute::isnan(&classes).unwrap()),
+        vec![false, true, false, false]
+    );
+    assert_eq!(
+        bools(compute::isinf(&classes).unwrap()),
+        vec![false, false, true, true]
+    );
+    assert_eq!(
+        bools(compute::isfinite(&classes).unwrap()),
+        vec![true, false, false, false]
+    );
+    let i = int_tensor(&[1, 2], &[2], DType::U32);
+    assert_eq!(bools(compute::isfinite(&i).unwrap()), vec![true, true]);
+    assert_eq!(bools(compute::isnan(&i).unwrap()), vec![false, false]);
+}
+
+#[test]
+fn advanced_indexing_gathers_and_scatters_views() {
+    use dlbridge::compute::index;
+    let x = int_tensor(&(0..60).collect::<Vec<_>>(), &[3, 4, 5], DType::I32);
+    // A reversed, strided view: x[::-1, :, ::2] has shape (3, 4, 3).
+    let view = x.slice(0, rev()).unwrap().slice(
+        2,
+        SliceArg {
+            start: None,
+            stop: None,
+            step: 2,
+        },
+    );
+    let view = view.unwrap();
+    let idx = int_tensor(&[3, -4, 1], &[3], DType::I64);
+    let got = index::take(&view, &[1], &[idx.clone()], false).unwrap();
+    assert_eq!(got.shape(), &[3, 3, 3]);
+    let v = ints(&view);
+    let at = |i: usize, j: usize, k: usize| v[(i * 4 + j) * 3 + k];
+    let mut want = Vec::new();
+    for i in 0..3 {
+        for j in [3usize, 0, 1] {
+            for k in 0..3 {
+                want.push(at(i, j, k));
+            }
+        }
+    }
+    assert_eq!(ints(&got), want);
+    // Scatter through the view into `x`, a scalar broadcast to the selection.
+    let zero = int_tensor(&[-1], &[], DType::I32);
+    // SAFETY: `x` and its views are this test's own; no reference into them is alive.
+    unsafe { index::put(&view, &[1], &[idx], false, &zero).unwrap() };
+    let after = ints(&x);
+    for (n, &value) in after.iter().enumerate() {
+        let (i, j, k) = (n / 20, (n / 5) % 4, n % 5);
+        let selected = k % 2 == 0 && [3, 0, 1].contains(&j);
+        assert_eq!(
+            value,
+            if selected { -1 } else { n as i128 },
+            "[{i}, {j}, {k}]"
+        );
+    }
+    // Errors: out of bounds (nothing written), indices that are not integers.
+    let bad = int_tensor(&[4], &[1], DType::I64);
+    assert!(matches!(
+        index::take(&view, &[1], &[bad], false),
+        Err(Error::OutOfBounds(_))
+    ));
+    let float_index = tensor(&[0.0], &[1], DType::F32);
+    assert!(matches!(
+        index::take(&view, &[0], &[float_index], false),
+        Err(Error::UnsupportedOperand(_))
+    ));
+    // nonzero of a 2-d mask, row-major.
+    let mask = Tensor::from_slice(&[0u8, 1, 1, 0, 0, 1], &[2, 3])
+        .unwrap()
+        .cast(DType::BOOL)
+        .unwrap();
+    let nz = index::nonzero(&mask).unwrap();
+    assert_eq!(ints(&nz[0]), vec![0, 0, 1]);
+    assert_eq!(ints(&nz[1]), vec![1, 2, 2]);
+}

@@ -1574,3 +1574,254 @@ fn work_follows_the_current_stream() {
     assert_eq!(m.shape(), &[1024, 1024]);
     set_current_stream(0, previous);
 }
+
+// ---------------------------------------------------------------------------------------------
+// NumPy habits: floor division, remainder and power edges, bool reductions, all / any,
+// var / std, isnan / isinf / isfinite, composed arg reductions, advanced indexing. Each result is
+// checked against the CPU's on the same data (the CPU's are checked against NumPy and against
+// references in compute_cpu.rs).
+
+/// `f` on the device and on the host copy of the same inputs agree: exactly for integers and
+/// bool, within a few ulp of the dtype for floats.
+fn agrees(what: &str, device: Device, f: impl Fn(Device) -> dlbridge::Result<Tensor>) {
+    agrees_within(what, device, 8.0, f)
+}
+
+/// [`agrees`] with floats within `ulps` times the dtype's element-wise tolerance.
+fn agrees_within(
+    what: &str,
+    device: Device,
+    ulps: f64,
+    f: impl Fn(Device) -> dlbridge::Result<Tensor>,
+) {
+    let got = f(device).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
+    let want = f(Device::CPU).unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
+    assert_eq!(got.device(), device, "{what}");
+    assert_eq!(
+        (got.shape(), got.dtype()),
+        (want.shape(), want.dtype()),
+        "{what}"
+    );
+    let (rtol, atol) = if is_int(got.dtype()) || got.dtype() == DType::BOOL {
+        (0.0, 0.0)
+    } else {
+        let (r, a) = tolerance(got.dtype());
+        (r * ulps, a)
+    };
+    check(what, &read(&got), &read(&want), rtol, atol);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn floor_division_remainder_and_power_follow_numpy_on_the_device() {
+    let device = gpu();
+    let mut rng = Rng::new(21);
+    for dtype in DTYPES {
+        let n = 2048;
+        let mut va = rng.values(dtype, n, -50.0, 50.0);
+        let mut vb = rng.values(dtype, n, -9.0, 9.0);
+        // Zero divisors, -1 against the most negative value, special floats.
+        for (k, b) in vb.iter_mut().enumerate().take(64) {
+            *b = value_of(dtype, [0.0, -1.0, 1.0, 3.0][k % 4]);
+        }
+        if is_signed(dtype) {
+            for a in va.iter_mut().take(32) {
+                *a = V::I(-(1i128 << (dtype.bits() - 1)));
+            }
+        }
+        if !is_int(dtype) {
+            let special = [f64::INFINITY, f64::NEG_INFINITY, f64::NAN, -0.0, 0.0, 7.0];
+            for (k, a) in va.iter_mut().skip(64).take(36).enumerate() {
+                *a = V::F(special[k % 6]);
+            }
+            for (k, b) in vb.iter_mut().skip(64).take(36).enumerate() {
+                *b = V::F(special[(k / 6) % 6]);
+            }
+        }
+        let a = |d: Device| on(d, dtype, &va, &[n]);
+        let b = |d: Device| on(d, dtype, &vb, &[n]);
+        for op in [BinaryOp::FloorDiv, BinaryOp::Mod] {
+            agrees(&format!("{} of {dtype}", op.name()), device, |d| {
+                compute::binary(op, &a(d), &b(d))
+            });
+            agrees(&format!("{} of {dtype} by 3", op.name()), device, |d| {
+                compute::binary_scalar(op, &a(d), Scalar::Int(3), false)
+            });
+            agrees(&format!("7 {} {dtype}", op.name()), device, |d| {
+                compute::binary_scalar(op, &b(d), Scalar::Int(7), true)
+            });
+        }
+        // Powers: non-negative small exponents for integers (negative ones are refused).
+        let ve = rng.small(dtype, n, 0.0, if is_int(dtype) { 70.0 } else { 4.0 });
+        let e = |d: Device| on(d, dtype, &ve, &[n]);
+        agrees(&format!("pow of {dtype}"), device, |d| {
+            compute::binary(BinaryOp::Pow, &a(d), &e(d))
+        });
+        if is_signed(dtype) {
+            let err = compute::binary_scalar(BinaryOp::Pow, &a(device), Scalar::Int(-2), false)
+                .unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+            let err = compute::binary(BinaryOp::Pow, &e(device), &a(device)).unwrap_err();
+            assert!(err.to_string().contains("negative integer powers"), "{err}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn composed_reductions_and_classifications_match_the_cpu() {
+    let device = gpu();
+    let mut rng = Rng::new(22);
+    let shape = [6usize, 5, 33];
+    let n: usize = shape.iter().product();
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::I16,
+        DType::U8,
+    ] {
+        let mut vals = rng.small(dtype, n, -3.0, 3.0);
+        if !is_int(dtype) {
+            vals[17] = V::F(f64::NAN);
+            vals[400] = V::F(f64::INFINITY);
+            vals[401] = V::F(f64::NEG_INFINITY);
+        }
+        vals[5] = vals[6]; // ties
+        let x = |d: Device| on(d, dtype, &vals, &shape);
+        let views = |d: Device| {
+            let t = x(d);
+            [
+                t.clone(),
+                t.permute(&[2, 0, 1]).unwrap(),
+                t.slice(
+                    0,
+                    SliceArg {
+                        start: None,
+                        stop: None,
+                        step: -2,
+                    },
+                )
+                .unwrap(),
+            ]
+        };
+        for v in 0..3 {
+            for axes in [
+                None,
+                Some(&[0isize][..]),
+                Some(&[-1][..]),
+                Some(&[0, 2][..]),
+            ] {
+                for keepdims in [false, true] {
+                    let what = |name: &str| format!("{name} of {dtype} view {v} over {axes:?}");
+                    agrees(&what("all"), device, |d| {
+                        compute::all(&views(d)[v], axes, keepdims)
+                    });
+                    agrees(&what("any"), device, |d| {
+                        compute::any(&views(d)[v], axes, keepdims)
+                    });
+                    agrees(&what("var"), device, |d| {
+                        compute::var(&views(d)[v], axes, 1.0, keepdims)
+                    });
+                    agrees(&what("std"), device, |d| {
+                        compute::std(&views(d)[v], axes, 0.0, keepdims)
+                    });
+                    for op in [ReduceOp::ArgMax, ReduceOp::ArgMin] {
+                        agrees(&what(op.name()), device, |d| {
+                            compute::reduce(op, &views(d)[v], axes, keepdims)
+                        });
+                    }
+                }
+            }
+            agrees("isnan", device, |d| compute::isnan(&views(d)[v]));
+            agrees("isinf", device, |d| compute::isinf(&views(d)[v]));
+            agrees("isfinite", device, |d| compute::isfinite(&views(d)[v]));
+        }
+    }
+    // Products: of values near 1 (finite whatever the order), each factor rounding once.
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::I32, DType::U64] {
+        let vals = if is_int(dtype) {
+            rng.values(dtype, n, 0.0, 0.0)
+        } else {
+            rng.small(dtype, n, 0.95, 1.05)
+        };
+        for axes in [None, Some(&[1isize][..]), Some(&[0, 2][..])] {
+            agrees_within(
+                &format!("prod of {dtype} over {axes:?}"),
+                device,
+                64.0,
+                |d| compute::reduce(ReduceOp::Prod, &on(d, dtype, &vals, &shape), axes, false),
+            );
+        }
+    }
+    // bool arrays reduce as NumPy's: counts in int64, max / min stay bool.
+    let flags: Vec<V> = (0..n).map(|i| V::I((i % 3 == 0) as i128)).collect();
+    for op in [
+        ReduceOp::Sum,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Prod,
+        ReduceOp::ArgMax,
+    ] {
+        agrees(&format!("{} of bool", op.name()), device, |d| {
+            compute::reduce(op, &on(d, DType::BOOL, &flags, &shape), Some(&[1]), false)
+        });
+    }
+    // Empty: all is true, any false, argmax refused.
+    let empty = on(device, DType::F32, &[], &[0, 4]);
+    assert_eq!(
+        read(&compute::all(&empty, Some(&[0]), false).unwrap()),
+        vec![V::I(1); 4]
+    );
+    assert_eq!(
+        read(&compute::any(&empty, None, false).unwrap()),
+        vec![V::I(0)]
+    );
+    assert!(compute::reduce(ReduceOp::ArgMax, &empty, Some(&[0]), false).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn advanced_indexing_gathers_and_scatters_device_views() {
+    use dlbridge::compute::index;
+    let device = gpu();
+    let vals: Vec<V> = (0..120).map(|i| V::F(i as f64)).collect();
+    let x = |d: Device| on(d, DType::F32, &vals, &[4, 5, 6]);
+    let idx = |d: Device| {
+        on(
+            d,
+            DType::I64,
+            &[V::I(2), V::I(-1), V::I(0), V::I(2)],
+            &[2, 2],
+        )
+    };
+    let view = |t: &Tensor| {
+        t.slice(0, SliceArg::range(1, 4))
+            .unwrap()
+            .permute(&[2, 0, 1])
+            .unwrap()
+    };
+    agrees("take on one axis", device, |d| {
+        index::take(&view(&x(d)), &[1], &[idx(d)], false)
+    });
+    agrees("take on two axes (first)", device, |d| {
+        index::take(&x(d), &[0, 2], &[idx(d), idx(d)], true)
+    });
+    // Scatter a broadcast value through a device view; the rest stays.
+    let written = |d: Device| -> dlbridge::Result<Tensor> {
+        let t = x(d);
+        let value = on(d, DType::F32, &[V::F(-1.0)], &[]);
+        // SAFETY: `t` is this closure's own; nothing else references it.
+        unsafe { index::put(&view(&t), &[1], &[idx(d)], false, &value)? };
+        Ok(t)
+    };
+    agrees("put through a view", device, written);
+    // A mask read on the host, and the positions it selects.
+    let mask: Vec<V> = (0..120).map(|i| V::I((i % 7 == 0) as i128)).collect();
+    let nz = index::nonzero(&on(device, DType::BOOL, &mask, &[4, 5, 6])).unwrap();
+    let want = index::nonzero(&on(Device::CPU, DType::BOOL, &mask, &[4, 5, 6])).unwrap();
+    for (g, w) in nz.iter().zip(&want) {
+        assert_eq!(read(g), read(w));
+    }
+}

@@ -1,7 +1,7 @@
 //! Operations composed of the built-in kernels, so that every backend has them with no kernel of
 //! its own: `all` / `any` (a comparison and a `max` / `min` over bytes), `var` / `std` (a mean, a
-//! difference, a square and a sum), and `argmax` / `argmin` on backends whose [`reduce`] has no
-//! arg kernel ([`arg_reduce`]).
+//! difference, a square and a sum), `isnan` / `isinf` / `isfinite` (comparisons), and `argmax` /
+//! `argmin` on backends whose [`reduce`] has no arg kernel ([`arg_reduce`]).
 
 use super::{
     BinaryOp, CompareOp, ReduceOp, ReducePlan, Scalar, UnaryOp, binary, binary_scalar, bool_bytes,
@@ -43,6 +43,65 @@ fn logical(any: bool, x: &Tensor, axes: Option<&[isize]>, keepdims: bool) -> Res
     let op = if any { ReduceOp::Max } else { ReduceOp::Min };
     // Any non-zero byte is true: the cast makes it 1.
     cast(&reduce(op, &truth, axes, keepdims)?, DType::BOOL)
+}
+
+/// Where `x` is NaN, a `bool` array (`false` everywhere for integers and `bool`), as NumPy's
+/// `isnan`.
+pub fn isnan(x: &Tensor) -> Result<Tensor> {
+    classify("isnan", x, false, |x| compare(CompareOp::Ne, x, x))
+}
+
+/// Where `x` is an infinity of either sign, a `bool` array (`false` everywhere for integers and
+/// `bool`), as NumPy's `isinf`.
+pub fn isinf(x: &Tensor) -> Result<Tensor> {
+    classify("isinf", x, false, |x| {
+        let magnitude = unary(UnaryOp::Abs, x)?;
+        compare_scalar(
+            CompareOp::Eq,
+            &magnitude,
+            Scalar::Float(f64::INFINITY),
+            false,
+        )
+    })
+}
+
+/// Where `x` is neither NaN nor infinite, a `bool` array (`true` everywhere for integers and
+/// `bool`), as NumPy's `isfinite`.
+pub fn isfinite(x: &Tensor) -> Result<Tensor> {
+    classify("isfinite", x, true, |x| {
+        // NaN compares false, as it should here.
+        let magnitude = unary(UnaryOp::Abs, x)?;
+        compare_scalar(
+            CompareOp::Lt,
+            &magnitude,
+            Scalar::Float(f64::INFINITY),
+            false,
+        )
+    })
+}
+
+/// A classification of `x`'s elements: `float_test` on floats; on integers and `bool`, `integers`
+/// everywhere (each element compared with itself).
+fn classify(
+    what: &str,
+    x: &Tensor,
+    integers: bool,
+    float_test: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    common_device(what, [x])?;
+    if x.dtype() != DType::BOOL {
+        promote::require_numeric(x.dtype(), what)?;
+    }
+    if x.dtype().is_floating() {
+        float_test(x)
+    } else {
+        let op = if integers {
+            CompareOp::Eq
+        } else {
+            CompareOp::Ne
+        };
+        compare(op, x, x)
+    }
 }
 
 /// The variance over `axes` with `ddof` delta degrees of freedom, as NumPy's `var`: the mean

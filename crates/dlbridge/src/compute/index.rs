@@ -51,27 +51,41 @@ pub fn nonzero(mask: &Tensor) -> Result<Vec<Tensor>> {
             mask.dtype()
         )));
     }
-    let bytes = super::bool_bytes(&mask.copy_to(Device::CPU)?)?.to_vec::<u8>()?;
+    // A compact host view of the bytes (a copy only when the mask is elsewhere or strided).
+    let host = if mask.device().is_cpu() && mask.is_contiguous() {
+        mask.clone()
+    } else {
+        mask.copy_to(Device::CPU)?
+    };
+    let host = super::bool_bytes(&host)?;
+    let bytes = host.as_slice::<u8>()?;
     let shape = mask.shape();
     let ndim = shape.len();
     let count = bytes.iter().filter(|&&b| b != 0).count();
     let mut positions: Vec<Vec<i64>> = (0..ndim)
         .map(|_| crate::error::host_vec(count))
         .collect::<Result<_>>()?;
-    let mut index = vec![0usize; ndim];
-    for &b in &bytes {
-        if b != 0 {
-            for (axis, p) in positions.iter_mut().enumerate() {
-                p.push(index[axis] as i64);
-            }
+    if ndim == 0 {
+        return Ok(Vec::new());
+    }
+    // Row by row along the last axis: a row's leading indices are worked out once (no division
+    // per element).
+    let (last, len) = (ndim - 1, shape[ndim - 1]);
+    let mut row = vec![0usize; last];
+    for (r, chunk) in bytes.chunks(len.max(1)).enumerate() {
+        if len == 0 {
+            break;
         }
-        // Row-major odometer.
-        for axis in (0..ndim).rev() {
-            index[axis] += 1;
-            if index[axis] < shape[axis] {
-                break;
+        let mut rest = r;
+        for axis in (0..last).rev() {
+            row[axis] = rest % shape[axis];
+            rest /= shape[axis];
+        }
+        for (j, _) in chunk.iter().enumerate().filter(|(_, b)| **b != 0) {
+            for (axis, p) in positions[..last].iter_mut().enumerate() {
+                p.push(row[axis] as i64);
             }
-            index[axis] = 0;
+            positions[last].push(j as i64);
         }
     }
     positions
@@ -104,20 +118,24 @@ fn positions(index: &Tensor, shape: &[usize]) -> Result<Vec<i64>> {
             "arrays used as indices must be of integer (or boolean) type, not {dtype}"
         )));
     }
-    let wide = if dtype == DType::U64 {
-        index.clone()
-    } else {
-        cast(index, DType::I64)?
+    let wide = match dtype {
+        DType::U64 | DType::I64 => index.clone(),
+        _ => cast(index, DType::I64)?,
     };
-    let host = wide.broadcast_to(shape)?.copy_to(Device::CPU)?;
+    // Read in place when the positions are already compact host memory of the broadcast shape.
+    let host = if wide.device().is_cpu() && wide.is_contiguous() && wide.shape() == shape {
+        wide
+    } else {
+        wide.broadcast_to(shape)?.copy_to(Device::CPU)?
+    };
     if dtype == DType::U64 {
         Ok(host
-            .to_vec::<u64>()?
-            .into_iter()
-            .map(|v| i64::try_from(v).unwrap_or(i64::MAX))
+            .as_slice::<u64>()?
+            .iter()
+            .map(|&v| i64::try_from(v).unwrap_or(i64::MAX))
             .collect())
     } else {
-        host.to_vec::<i64>()
+        Ok(host.as_slice::<i64>()?.to_vec())
     }
 }
 

@@ -36,7 +36,7 @@ use crate::dtype::{DType, DTypeCode};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-pub use compose::{all, any, std, var};
+pub use compose::{all, any, isfinite, isinf, isnan, std, var};
 pub use device::{Backend, BackendType};
 pub(crate) use elem::Elem;
 pub use plan::{MapPlan, MatmulShape, MatrixLayout, ReducePlan, broadcast_shapes};

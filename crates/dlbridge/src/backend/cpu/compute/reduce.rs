@@ -308,14 +308,14 @@ bounded! {
 #[inline(always)]
 #[allow(clippy::eq_op)]
 fn max_nan<T: PartialOrd>(m: T, x: T) -> T {
-    if x > m || x != x { x } else { m }
+    if (x > m) | (x != x) { x } else { m }
 }
 
 /// The smaller of two values, NaN propagating.
 #[inline(always)]
 #[allow(clippy::eq_op)]
 fn min_nan<T: PartialOrd>(m: T, x: T) -> T {
-    if x < m || x != x { x } else { m }
+    if (x < m) | (x != x) { x } else { m }
 }
 
 struct Max<T>(PhantomData<fn() -> T>);
@@ -777,7 +777,7 @@ fn arg_block<W: Bounded>(best: &mut ArgBest<W>, xs: &[W], start: usize, max: boo
         feed::<Min<W>>(W::HIGHEST, xs)
     };
     if m != m {
-        let i = xs.iter().position(|&x| x != x).unwrap_or(0);
+        let i = first_index(xs, |x| x != x);
         *best = ArgBest {
             value: m,
             index: start + i,
@@ -785,7 +785,7 @@ fn arg_block<W: Bounded>(best: &mut ArgBest<W>, xs: &[W], start: usize, max: boo
             nan: true,
         };
     } else if !best.found || beyond(m, best.value, max) {
-        let i = xs.iter().position(|&x| x == m).unwrap_or(0);
+        let i = first_index(xs, |x| x == m);
         *best = ArgBest {
             value: m,
             index: start + i,
@@ -793,6 +793,21 @@ fn arg_block<W: Bounded>(best: &mut ArgBest<W>, xs: &[W], start: usize, max: boo
             nan: false,
         };
     }
+}
+
+/// The index of the first element of `xs` for which `hit` holds (0 if none): groups of 64 tested
+/// at once (a loop the compiler vectorises), then the element within the group.
+#[inline(always)]
+fn first_index<W: Copy>(xs: &[W], hit: impl Fn(W) -> bool) -> usize {
+    const GROUP: usize = 64;
+    let mut groups = xs.chunks_exact(GROUP);
+    for (g, group) in (&mut groups).enumerate() {
+        if group.iter().fold(false, |any, &x| any | hit(x)) {
+            return g * GROUP + group.iter().position(|&x| hit(x)).unwrap_or(0);
+        }
+    }
+    let done = xs.len() - groups.remainder().len();
+    done + groups.remainder().iter().position(|&x| hit(x)).unwrap_or(0)
 }
 
 /// The arg reduction over reduced elements `start..end` of the output whose first input element

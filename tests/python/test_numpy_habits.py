@@ -630,3 +630,13 @@ def test_device_arrays_name_their_device(device):
     a = dlbridge.asarray(np.array([1.5, 2.5], dtype=np.float32), device=device)
     assert repr(a) == f"Array([1.5, 2.5], dtype=float32, device='{a.device}')"
     assert str(a) == "[1.5 2.5]"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "bool"])
+def test_isnan_isinf_isfinite_match_numpy(device, dtype):
+    skip_f64(device, dtype)
+    x = np.array([0.0, -1.5, np.nan, np.inf, -np.inf, 3.0]) if dtype.startswith("float") else np.arange(6) % 2
+    x = x.astype(dtype)
+    a = put(x, device)
+    for name in ("isnan", "isinf", "isfinite"):
+        same(getattr(ops, name)(a), getattr(np, name)(x))

@@ -327,7 +327,7 @@ impl FloatFormat {
             f.pad_left += 1;
         }
         if data.len() != finite.len() {
-            let neginf = sign != '-' || data.iter().any(|&v| v == f64::NEG_INFINITY);
+            let neginf = sign != '-' || data.contains(&f64::NEG_INFINITY);
             let offset = f.pad_right as isize + 1;
             let nan = f.nanstr.chars().count() as isize - offset;
             let inf = f.infstr.chars().count() as isize + isize::from(neginf) - offset;

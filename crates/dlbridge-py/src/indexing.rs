@@ -117,13 +117,20 @@ fn item<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Item<'py>> {
     )))
 }
 
-/// What an index selects: a view of the array, and where there are advanced indices, the view's
-/// axes they index and their index arrays.
+/// The advanced part of an index, on the view the basic part made.
+enum Advanced {
+    /// The view's axes, their index arrays, and whether the broadcast index axes go first (the
+    /// advanced indices were not adjacent).
+    Arrays(Vec<usize>, Vec<Tensor>, bool),
+    /// One mask, the only advanced index, over the view's axes from this one on: gathered
+    /// straight from the mask ([`index::take_mask`]), without index arrays.
+    Mask(usize, Tensor),
+}
+
+/// What an index selects: a view of the array, and its advanced part if any.
 struct Selection {
     view: Tensor,
-    /// The advanced part: the view's axes, their index arrays, and whether the broadcast index
-    /// axes go first (the advanced indices were not adjacent).
-    advanced: Option<(Vec<usize>, Vec<Tensor>, bool)>,
+    advanced: Option<Advanced>,
 }
 
 /// Applies `key` to `t`: the basic indices as a view, the advanced ones gathered for
@@ -147,6 +154,14 @@ fn select(t: &Tensor, key: &Bound<'_, PyAny>) -> PyResult<Selection> {
         )));
     }
     let advanced = items.iter().any(Item::is_advanced);
+    // One mask and no other advanced index (integers count as advanced ones beside it).
+    let lone_mask = items
+        .iter()
+        .filter(|i| i.is_advanced() || matches!(i, Item::Int(_)))
+        .count()
+        == 1
+        && items.iter().any(|i| matches!(i, Item::Mask(_)));
+    let mut mask_selection = None;
     let mut view = t.clone();
     // `axis` counts the view's axes as it is built; `source` counts this array's, which messages
     // name (an integer index removes an axis from the view, not from the source).
@@ -199,10 +214,14 @@ fn select(t: &Tensor, key: &Bound<'_, PyAny>) -> PyResult<Selection> {
                         )));
                     }
                 }
-                let nonzero = key.py().detach(|| index::nonzero(mask)).py()?;
-                for (j, positions_j) in nonzero.into_iter().enumerate() {
-                    axes.push(axis + j);
-                    arrays.push(positions_j);
+                if lone_mask {
+                    mask_selection = Some(Advanced::Mask(axis, mask.clone()));
+                } else {
+                    let nonzero = key.py().detach(|| index::nonzero(mask)).py()?;
+                    for (j, positions_j) in nonzero.into_iter().enumerate() {
+                        axes.push(axis + j);
+                        arrays.push(positions_j);
+                    }
                 }
                 positions.push(k);
                 axis += mask.ndim();
@@ -218,10 +237,10 @@ fn select(t: &Tensor, key: &Bound<'_, PyAny>) -> PyResult<Selection> {
             }
         }
     }
-    if !advanced {
+    if !advanced || mask_selection.is_some() {
         return Ok(Selection {
             view,
-            advanced: None,
+            advanced: mask_selection,
         });
     }
     // The index arrays must broadcast together (an IndexError in NumPy).
@@ -245,18 +264,23 @@ fn select(t: &Tensor, key: &Bound<'_, PyAny>) -> PyResult<Selection> {
         == Some(positions.len());
     Ok(Selection {
         view,
-        advanced: Some((axes, arrays, !adjacent)),
+        advanced: Some(Advanced::Arrays(axes, arrays, !adjacent)),
     })
 }
 
 /// `a[key]`: a view for basic indices, a copy for advanced ones.
 pub(crate) fn get(t: &Tensor, key: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let sel = select(t, key)?;
+    let view = sel.view;
     match sel.advanced {
-        None => Ok(sel.view),
-        Some((axes, arrays, first)) => key
+        None => Ok(view),
+        Some(Advanced::Arrays(axes, arrays, first)) => key
             .py()
-            .detach(|| index::take(&sel.view, &axes, &arrays, first))
+            .detach(|| index::take(&view, &axes, &arrays, first))
+            .py(),
+        Some(Advanced::Mask(axis, mask)) => key
+            .py()
+            .detach(|| index::take_mask(&view, axis, &mask))
             .py(),
     }
 }
@@ -267,14 +291,21 @@ pub(crate) fn set(t: &Tensor, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) 
     let sel = select(t, key)?;
     let view = sel.view;
     let dtype = view.dtype();
-    if let Some((axes, arrays, first)) = sel.advanced {
+    if let Some(advanced) = sel.advanced {
         let values = match value.cast::<PyArray>() {
             Ok(a) => a.get().tensor()?.clone(),
             Err(_) => crate::creation::tensor_from(value, Some(dtype), None, None, None)?,
         };
-        // SAFETY: no Rust reference into this array's memory outlives a Python call, and the GIL
-        // is held for the whole write (as for basic assignment below).
-        return unsafe { index::put(&view, &axes, &arrays, first, &values) }.py();
+        return match advanced {
+            // SAFETY: no Rust reference into this array's memory outlives a Python call, and the
+            // GIL is held for the whole write (as for basic assignment below).
+            Advanced::Arrays(axes, arrays, first) => unsafe {
+                index::put(&view, &axes, &arrays, first, &values)
+            },
+            // SAFETY: as above.
+            Advanced::Mask(axis, mask) => unsafe { index::put_mask(&view, axis, &mask, &values) },
+        }
+        .py();
     }
     if convert::scalar_kind(value).is_some() {
         let mut element = Vec::with_capacity(dtype.itemsize());

@@ -1713,7 +1713,7 @@ fn advanced_indexing_gathers_and_scatters_views() {
     );
     let view = view.unwrap();
     let idx = int_tensor(&[3, -4, 1], &[3], DType::I64);
-    let got = index::take(&view, &[1], &[idx.clone()], false).unwrap();
+    let got = index::take(&view, &[1], std::slice::from_ref(&idx), false).unwrap();
     assert_eq!(got.shape(), &[3, 3, 3]);
     let v = ints(&view);
     let at = |i: usize, j: usize, k: usize| v[(i * 4 + j) * 3 + k];

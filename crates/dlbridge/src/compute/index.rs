@@ -19,20 +19,41 @@ use crate::dtype::{DType, DTypeCode};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// Copies of equally shaped blocks from `src` to `dst`: block `b` starts `src_offsets[b]`
-/// elements after `src`'s first element and `dst_offsets[b]` after `dst`'s, and `block`
-/// addresses its elements (operand 0 `dst`, operand 1 `src`). Both tensors are host memory of
-/// one dtype.
+/// Where the blocks of a [`BlockCopy`] start in one tensor, in elements from its first element.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Offsets<'a> {
+    /// Listed, one per block.
+    List(&'a [isize]),
+    /// Block `b` at `b * step` (blocks laid out evenly: a compact result, a broadcast value).
+    Step(isize),
+}
+
+impl Offsets<'_> {
+    /// The offset of block `b`.
+    #[inline(always)]
+    pub(crate) fn of(self, b: usize) -> isize {
+        match self {
+            Offsets::List(l) => l[b],
+            Offsets::Step(s) => b as isize * s,
+        }
+    }
+}
+
+/// Copies of `count` equally shaped blocks from `src` to `dst`: block `b` starts at
+/// `src_offsets.of(b)` in `src` and `dst_offsets.of(b)` in `dst`, and `block` addresses its
+/// elements (operand 0 `dst`, operand 1 `src`). Both tensors are host memory of one dtype.
 #[derive(Debug)]
 pub(crate) struct BlockCopy<'a> {
     /// Where the blocks go.
     pub(crate) dst: &'a Tensor,
     /// Where they come from.
     pub(crate) src: &'a Tensor,
-    /// Per block, the element offset of its first element in `dst`.
-    pub(crate) dst_offsets: &'a [isize],
-    /// Per block, the element offset of its first element in `src`.
-    pub(crate) src_offsets: &'a [isize],
+    /// How many blocks.
+    pub(crate) count: usize,
+    /// Where each block starts in `dst`.
+    pub(crate) dst_offsets: Offsets<'a>,
+    /// Where each block starts in `src`.
+    pub(crate) src_offsets: Offsets<'a>,
     /// One block's index space: operand 0 `dst`'s strides, operand 1 `src`'s.
     pub(crate) block: MapPlan,
     /// Whether no two blocks write one element (a gather): blocks may then run in any order.
@@ -45,49 +66,23 @@ pub(crate) struct BlockCopy<'a> {
 /// # Errors
 /// [`Error::UnsupportedOperand`] for a mask that is not `bool`.
 pub fn nonzero(mask: &Tensor) -> Result<Vec<Tensor>> {
-    if mask.dtype() != DType::BOOL {
-        return Err(Error::UnsupportedOperand(format!(
-            "a mask is a bool array, not {}",
-            mask.dtype()
-        )));
-    }
-    // A compact host view of the bytes (a copy only when the mask is elsewhere or strided).
-    let host = if mask.device().is_cpu() && mask.is_contiguous() {
-        mask.clone()
-    } else {
-        mask.copy_to(Device::CPU)?
-    };
-    let host = super::bool_bytes(&host)?;
+    let host = mask_bytes(mask)?;
     let bytes = host.as_slice::<u8>()?;
     let shape = mask.shape();
     let ndim = shape.len();
+    if ndim == 0 {
+        return Ok(Vec::new());
+    }
     let count = bytes.iter().filter(|&&b| b != 0).count();
     let mut positions: Vec<Vec<i64>> = (0..ndim)
         .map(|_| crate::error::host_vec(count))
         .collect::<Result<_>>()?;
-    if ndim == 0 {
-        return Ok(Vec::new());
-    }
-    // Row by row along the last axis: a row's leading indices are worked out once (no division
-    // per element).
-    let (last, len) = (ndim - 1, shape[ndim - 1]);
-    let mut row = vec![0usize; last];
-    for (r, chunk) in bytes.chunks(len.max(1)).enumerate() {
-        if len == 0 {
-            break;
+    for_each_true(bytes, shape, |row, j| {
+        for (p, &i) in positions.iter_mut().zip(row) {
+            p.push(i as i64);
         }
-        let mut rest = r;
-        for axis in (0..last).rev() {
-            row[axis] = rest % shape[axis];
-            rest /= shape[axis];
-        }
-        for (j, _) in chunk.iter().enumerate().filter(|(_, b)| **b != 0) {
-            for (axis, p) in positions[..last].iter_mut().enumerate() {
-                p.push(row[axis] as i64);
-            }
-            positions[last].push(j as i64);
-        }
-    }
+        positions[ndim - 1].push(j as i64);
+    });
     positions
         .iter()
         .map(|p| Tensor::from_slice(p, &[p.len()]))
@@ -109,9 +104,17 @@ struct Selection {
     offsets: Vec<isize>,
 }
 
-/// The integer positions of `index` broadcast to `shape`, on the host, as `i64` (a `uint64`
-/// past `i64::MAX` saturates: it is out of bounds anyway).
-fn positions(index: &Tensor, shape: &[usize]) -> Result<Vec<i64>> {
+/// Adds `stride` times the integer positions of `index` (broadcast to `shape`, checked against
+/// an axis of `len`, negative ones counted from the end) to `offsets` (`None`: sets them), one per
+/// element of `shape` in row-major order. `axis` names the axis in messages.
+fn add_positions(
+    offsets: &mut Option<Vec<isize>>,
+    index: &Tensor,
+    shape: &[usize],
+    len: usize,
+    stride: isize,
+    axis: usize,
+) -> Result<()> {
     let dtype = index.dtype();
     if !matches!(dtype.code(), DTypeCode::Int | DTypeCode::UInt) || dtype.lanes() != 1 {
         return Err(Error::UnsupportedOperand(format!(
@@ -128,15 +131,36 @@ fn positions(index: &Tensor, shape: &[usize]) -> Result<Vec<i64>> {
     } else {
         wide.broadcast_to(shape)?.copy_to(Device::CPU)?
     };
-    if dtype == DType::U64 {
-        Ok(host
-            .as_slice::<u64>()?
-            .iter()
-            .map(|&v| i64::try_from(v).unwrap_or(i64::MAX))
-            .collect())
+    let len = len as i64;
+    let place = |v: i64| -> Result<isize> {
+        let at = if v < 0 { v + len } else { v };
+        if (0..len).contains(&at) {
+            Ok(at as isize * stride)
+        } else {
+            Err(Error::OutOfBounds(format!(
+                "index {v} is out of bounds for axis {axis} with size {len}"
+            )))
+        }
+    };
+    // A `uint64` past `i64::MAX` saturates: it is out of bounds anyway.
+    let values: Box<dyn Iterator<Item = i64> + '_> = if dtype == DType::U64 {
+        Box::new(
+            host.as_slice::<u64>()?
+                .iter()
+                .map(|&v| i64::try_from(v).unwrap_or(i64::MAX)),
+        )
     } else {
-        Ok(host.as_slice::<i64>()?.to_vec())
+        Box::new(host.as_slice::<i64>()?.iter().copied())
+    };
+    match offsets {
+        None => *offsets = Some(values.map(place).collect::<Result<Vec<_>>>()?),
+        Some(o) => {
+            for (o, v) in o.iter_mut().zip(values) {
+                *o += place(v)?;
+            }
+        }
     }
+    Ok(())
 }
 
 /// Plans the selection of `indices` on `axes` of a view of `shape`, offsets computed over
@@ -177,22 +201,18 @@ fn select(
             ))
         })?;
     }
-    let count: usize = index_shape.iter().product();
-    let mut offsets: Vec<isize> = crate::error::host_vec(count)?;
-    offsets.resize(count, 0);
+    let mut offsets = None;
     for (&axis, index) in axes.iter().zip(indices) {
-        let len = shape[axis] as i64;
-        let stride = strides[axis];
-        for (o, v) in offsets.iter_mut().zip(positions(index, &index_shape)?) {
-            let at = if v < 0 { v + len } else { v };
-            if !(0..len).contains(&at) {
-                return Err(Error::OutOfBounds(format!(
-                    "index {v} is out of bounds for axis {axis} with size {len}"
-                )));
-            }
-            *o += at as isize * stride;
-        }
+        add_positions(
+            &mut offsets,
+            index,
+            &index_shape,
+            shape[axis],
+            strides[axis],
+            axis,
+        )?;
     }
+    let offsets = offsets.unwrap_or_default();
     let rest: Vec<usize> = (0..ndim).filter(|a| !seen[*a]).collect();
     let place = if first {
         0
@@ -216,11 +236,51 @@ fn select(
     })
 }
 
-/// The element offsets of the blocks of `t` (a view whose leading `nb` axes are the index
-/// shape), row-major over those axes.
-fn block_offsets(t: &Tensor, nb: usize) -> Vec<isize> {
+/// Where the blocks of `t` (a view whose leading `nb` axes are the index shape) start, row-major
+/// over those axes: a step when they collapse to one axis (a compact result, a value broadcast
+/// along them), else a list.
+enum BlockStarts {
+    Step(isize),
+    List(Vec<isize>),
+}
+
+impl BlockStarts {
+    fn offsets(&self) -> Offsets<'_> {
+        match self {
+            BlockStarts::Step(s) => Offsets::Step(*s),
+            BlockStarts::List(l) => Offsets::List(l),
+        }
+    }
+}
+
+fn block_offsets(t: &Tensor, nb: usize) -> BlockStarts {
     let plan = MapPlan::new(&t.shape()[..nb], &[&t.strides()[..nb]]);
-    (0..plan.len()).map(|b| plan.offset(0, b)).collect()
+    if plan.shape.len() == 1 {
+        return BlockStarts::Step(plan.strides[0][0]);
+    }
+    BlockStarts::List(block_list(&plan))
+}
+
+/// The offsets of a collapsed plan's elements, row-major (an odometer: no division per block).
+fn block_list(plan: &MapPlan) -> Vec<isize> {
+    let (shape, strides) = (&plan.shape, &plan.strides[0]);
+    // A row-major odometer over the collapsed axes (no division per block).
+    let mut offsets = Vec::with_capacity(plan.len());
+    let mut index = vec![0usize; shape.len()];
+    let mut off = 0isize;
+    for _ in 0..plan.len() {
+        offsets.push(off);
+        for axis in (0..shape.len()).rev() {
+            index[axis] += 1;
+            off += strides[axis];
+            if index[axis] < shape[axis] {
+                break;
+            }
+            off -= shape[axis] as isize * strides[axis];
+            index[axis] = 0;
+        }
+    }
+    offsets
 }
 
 /// The elements of `view` that integer arrays `indices` select on its axes `axes`, gathered into
@@ -232,6 +292,26 @@ fn block_offsets(t: &Tensor, nb: usize) -> Vec<isize> {
 /// [`Error::OutOfBounds`] for an index outside its axis; [`Error::Shape`] for index arrays that
 /// do not broadcast; [`Error::UnsupportedOperand`] for index arrays that are not integers.
 pub fn take(view: &Tensor, axes: &[usize], indices: &[Tensor], first: bool) -> Result<Tensor> {
+    take_with(view, |src| {
+        select(src.shape(), src.strides(), axes, indices, first)
+    })
+}
+
+/// The elements of `view` where the `bool` array `mask` is true, `mask` covering `view`'s axes
+/// from `axis` on (NumPy's `a[..., mask]`): a new compact array on `view`'s device whose masked
+/// axes are replaced by one, of the true elements in row-major order. The same as [`take`] with
+/// [`nonzero`]'s arrays, without making them.
+///
+/// # Errors
+/// [`Error::Shape`] when `mask`'s shape is not that of the axes it covers.
+pub fn take_mask(view: &Tensor, axis: usize, mask: &Tensor) -> Result<Tensor> {
+    take_with(view, |src| {
+        select_mask(src.shape(), src.strides(), axis, mask)
+    })
+}
+
+/// Gathers the selection `plan` makes of `view` (read on the host).
+fn take_with(view: &Tensor, plan: impl Fn(&Tensor) -> Result<Selection>) -> Result<Tensor> {
     let device = view.device();
     // A device's view is read on the host (the bytes it spans, compact).
     let src = if device.is_cpu() {
@@ -239,7 +319,7 @@ pub fn take(view: &Tensor, axes: &[usize], indices: &[Tensor], first: bool) -> R
     } else {
         view.copy_to(Device::CPU)?
     };
-    let sel = select(src.shape(), src.strides(), axes, indices, first)?;
+    let sel = plan(&src)?;
     let out = Tensor::empty(&sel.shape, src.dtype(), Device::CPU)?;
     let out_first = out.permute(&sel.first_order)?;
     let nb = sel.index_shape.len();
@@ -250,8 +330,9 @@ pub fn take(view: &Tensor, axes: &[usize], indices: &[Tensor], first: bool) -> R
     let req = BlockCopy {
         dst: &out,
         src: &src,
-        dst_offsets: &dst_offsets,
-        src_offsets: &sel.offsets,
+        count: sel.offsets.len(),
+        dst_offsets: dst_offsets.offsets(),
+        src_offsets: Offsets::List(&sel.offsets),
         block,
         disjoint: true,
     };
@@ -283,6 +364,43 @@ pub unsafe fn put(
     first: bool,
     values: &Tensor,
 ) -> Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe {
+        put_with(
+            view,
+            |dst| select(dst.shape(), dst.strides(), axes, indices, first),
+            values,
+        )
+    }
+}
+
+/// Writes `values` where `mask` is true ([`take_mask`]'s selection): NumPy's `a[mask] = values`.
+///
+/// # Safety
+/// As [`put`].
+///
+/// # Errors
+/// As [`take_mask`] and [`put`].
+pub unsafe fn put_mask(view: &Tensor, axis: usize, mask: &Tensor, values: &Tensor) -> Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe {
+        put_with(
+            view,
+            |dst| select_mask(dst.shape(), dst.strides(), axis, mask),
+            values,
+        )
+    }
+}
+
+/// Scatters `values` into the selection `plan` makes of `view`.
+///
+/// # Safety
+/// As [`put`].
+unsafe fn put_with(
+    view: &Tensor,
+    plan: impl Fn(&Tensor) -> Result<Selection>,
+    values: &Tensor,
+) -> Result<()> {
     if view.is_read_only() {
         return Err(Error::ReadOnly("assigning to an indexed selection".into()));
     }
@@ -292,7 +410,7 @@ pub unsafe fn put(
     } else {
         view.copy_to(Device::CPU)?
     };
-    let sel = select(dst.shape(), dst.strides(), axes, indices, first)?;
+    let sel = plan(&dst)?;
     let values = if values.dtype() == view.dtype() {
         values.clone()
     } else {
@@ -318,8 +436,9 @@ pub unsafe fn put(
     let req = BlockCopy {
         dst: &dst,
         src: &src,
-        dst_offsets: &sel.offsets,
-        src_offsets: &src_offsets,
+        count: sel.offsets.len(),
+        dst_offsets: Offsets::List(&sel.offsets),
+        src_offsets: src_offsets.offsets(),
         block,
         disjoint: false,
     };
@@ -333,6 +452,96 @@ pub unsafe fn put(
         unsafe { view.copy_from_unchecked(&dst)? };
     }
     Ok(())
+}
+
+/// The bytes of a `bool` mask on the host, compact (copied only when the mask is elsewhere or
+/// strided).
+fn mask_bytes(mask: &Tensor) -> Result<Tensor> {
+    if mask.dtype() != DType::BOOL {
+        return Err(Error::UnsupportedOperand(format!(
+            "a mask is a bool array, not {}",
+            mask.dtype()
+        )));
+    }
+    let host = if mask.device().is_cpu() && mask.is_contiguous() {
+        mask.clone()
+    } else {
+        mask.copy_to(Device::CPU)?
+    };
+    super::bool_bytes(&host)
+}
+
+/// Calls `hit(row, j)` for each true element of the compact mask bytes `bytes` of `shape` (at
+/// least one axis), in row-major order: `row` the element's indices on the axes but the last
+/// (worked out once per row), `j` its index on the last.
+fn for_each_true(bytes: &[u8], shape: &[usize], mut hit: impl FnMut(&[usize], usize)) {
+    let (last, len) = (shape.len() - 1, shape[shape.len() - 1]);
+    if len == 0 {
+        return;
+    }
+    let mut row = vec![0usize; last];
+    for (r, chunk) in bytes.chunks(len).enumerate() {
+        if chunk.iter().all(|&b| b == 0) {
+            continue;
+        }
+        let mut rest = r;
+        for axis in (0..last).rev() {
+            row[axis] = rest % shape[axis];
+            rest /= shape[axis];
+        }
+        for (j, _) in chunk.iter().enumerate().filter(|(_, b)| **b != 0) {
+            hit(&row, j);
+        }
+    }
+}
+
+/// Plans the selection of `mask` on the axes of a view of `shape` from `axis` on, offsets over
+/// `strides`.
+fn select_mask(
+    shape: &[usize],
+    strides: &[isize],
+    axis: usize,
+    mask: &Tensor,
+) -> Result<Selection> {
+    let k = mask.ndim();
+    if k == 0 || axis + k > shape.len() || mask.shape() != &shape[axis..axis + k] {
+        return Err(Error::Shape(format!(
+            "a mask of shape {} does not match the axes {axis}.. of an array of shape {}",
+            crate::layout::shape_text(mask.shape()),
+            crate::layout::shape_text(shape)
+        )));
+    }
+    let host = mask_bytes(mask)?;
+    let bytes = host.as_slice::<u8>()?;
+    let count = bytes.iter().filter(|&&b| b != 0).count();
+    let mut offsets: Vec<isize> = crate::error::host_vec(count)?;
+    let mask_strides = &strides[axis..axis + k];
+    let last = mask_strides[k - 1];
+    for_each_true(bytes, mask.shape(), |row, j| {
+        let base: isize = row
+            .iter()
+            .zip(mask_strides)
+            .map(|(&i, &s)| i as isize * s)
+            .sum();
+        offsets.push(base + j as isize * last);
+    });
+    let rest: Vec<usize> = (0..shape.len())
+        .filter(|a| !(axis..axis + k).contains(a))
+        .collect();
+    let mut out_shape: Vec<usize> = shape[..axis].to_vec();
+    out_shape.push(count);
+    out_shape.extend(&shape[axis + k..]);
+    let first_order: Vec<usize> = std::iter::once(axis)
+        .chain(0..axis)
+        .chain(axis + 1..out_shape.len())
+        .collect();
+    Ok(Selection {
+        index_shape: vec![count],
+        rest,
+        shape: out_shape,
+        first_order,
+        offsets,
+    })
 }
 
 #[cfg(test)]

@@ -8,13 +8,13 @@
 //! so that the last write wins, as in NumPy.
 
 use super::{SharedPtr, for_chunks, walk};
-use crate::compute::index::BlockCopy;
+use crate::compute::index::{BlockCopy, Offsets};
 use crate::error::{Error, Result};
 
 /// Runs `req`.
 ///
 /// # Safety
-/// Every element the blocks address from `req.dst_offsets` and `req.src_offsets` (over the
+/// Every element the `req.count` blocks address from `req.dst_offsets` and `req.src_offsets` (over the
 /// block's strides) lies inside the tensors' views' buffers; no reference into those bytes is
 /// alive during the call and no other thread accesses them (as
 /// [`crate::Tensor::copy_from_unchecked`]).
@@ -30,7 +30,11 @@ pub(crate) unsafe fn copy_blocks(req: &BlockCopy<'_>) -> Result<()> {
     if dst.is_read_only() {
         return Err(Error::ReadOnly("writing an indexed selection".into()));
     }
-    if req.dst_offsets.len() != req.src_offsets.len() || req.block.strides.len() != 2 {
+    let listed = |o: Offsets<'_>| match o {
+        Offsets::List(l) => l.len() == req.count,
+        Offsets::Step(_) => true,
+    };
+    if !listed(req.dst_offsets) || !listed(req.src_offsets) || req.block.strides.len() != 2 {
         return Err(Error::InvalidArgument(
             "a block copy needs one offset per block in each tensor and a two-operand plan".into(),
         ));
@@ -72,32 +76,33 @@ unsafe fn run<T: Copy + Send + Sync>(req: &BlockCopy<'_>, dst: SharedPtr<u8>, sr
         for b in start..end {
             let d = dst
                 .get()
-                .wrapping_offset(req.dst_offsets[b] * size)
+                .wrapping_offset(req.dst_offsets.of(b) * size)
                 .cast::<T>();
             let s = src
                 .get()
-                .wrapping_offset(req.src_offsets[b] * size)
+                .wrapping_offset(req.src_offsets.of(b) * size)
                 .cast::<T>();
             if len == 1 {
-                // SAFETY: one element of each view, inside its buffer (the caller's contract);
-                // unaligned accesses, so any address is fine.
-                unsafe { d.write_unaligned(s.read_unaligned()) };
+                // SAFETY: one element of `src`, inside its buffer (the caller's contract); an
+                // unaligned read, so any address is fine.
+                let x = unsafe { s.read_unaligned() };
+                // SAFETY: one element of `dst`, inside its buffer, written by this block alone.
+                unsafe { d.write_unaligned(x) };
                 continue;
             }
             walk(&plan.shape, [ds, ss], 0, len, |off, run| {
                 let (d, s) = (d.wrapping_offset(off[0]), s.wrapping_offset(off[1]));
                 for i in 0..run as isize {
-                    // SAFETY: element `i` of a run of the block, inside both buffers by the
-                    // caller's contract; unaligned accesses.
-                    unsafe {
-                        d.wrapping_offset(i * d_inner)
-                            .write_unaligned(s.wrapping_offset(i * s_inner).read_unaligned())
-                    };
+                    // SAFETY: element `i` of a run of the block, inside `src`'s buffer by the
+                    // caller's contract; an unaligned read.
+                    let x = unsafe { s.wrapping_offset(i * s_inner).read_unaligned() };
+                    // SAFETY: the same element of `dst`'s block, inside its buffer.
+                    unsafe { d.wrapping_offset(i * d_inner).write_unaligned(x) };
                 }
             });
         }
     };
-    let count = req.dst_offsets.len();
+    let count = req.count;
     if req.disjoint {
         // Enough blocks per chunk that a chunk moves at least 32 Ki elements.
         for_chunks(count, (32usize << 10).div_ceil(len.max(1)), blocks);

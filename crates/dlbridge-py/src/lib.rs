@@ -9,6 +9,10 @@
 //! | `dlbridge.Backend` | [`backend::PyBackend`] over [`dlbridge::compute::Backend`] |
 //! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
 //! | `dlbridge.cuda`, `dlbridge.metal` | [`cuda`], [`metal`] (natives the Python modules wrap) |
+//! | `Array.__getitem__` / `__setitem__` | [`indexing`]: basic indices as views, integer arrays and masks through [`dlbridge::compute::index`] |
+//! | `repr(a)`, `str(a)` | [`format`]: NumPy's printing, with NumPy's print options ([`npcompat`]) |
+//! | operators, reductions, `dlbridge.ops` | [`ops`] over [`dlbridge::compute`]; shape methods in [`views`] |
+//! | `dlbridge.ones`, `zeros_like`, ... | [`creation`] |
 
 // The extension's modules are its own (the Python package is its public face): its docs are
 // for the people who work on it, and link to them.

@@ -10,7 +10,7 @@
 //! | step | where |
 //! | --- | --- |
 //! | index arrays read, checked, turned into one element offset per selected block | here, on the host (a device's index arrays are copied over) |
-//! | blocks moved | the CPU's block copier ([`BlockCopy`]); a device's view is staged through host memory |
+//! | blocks moved | the CPU's block copier (`BlockCopy`); a device's view is staged through host memory |
 
 use super::{MapPlan, broadcast_shapes, cast};
 use crate::backend;

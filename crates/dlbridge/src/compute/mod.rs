@@ -1,11 +1,14 @@
 //! Built-in kernels over [`Tensor`]s on any backend: element-wise arithmetic with NumPy
-//! broadcasting, reductions, (batched) matrix products and dtype casts; and user kernels compiled
-//! at run time ([`kernel`]).
+//! broadcasting, reductions, (batched) matrix products and dtype casts; operations composed of
+//! them (`all`, `any`, `var`, `std`, `isnan`, ...); advanced indexing ([`index`]); and user kernels
+//! compiled at run time ([`kernel`]).
 //!
 //! | layer | here | what it decides |
 //! | --- | --- | --- |
 //! | device | [`Backend`] | one device's allocation, copies, synchronization, memory figures and run-time kernels |
 //! | front | [`unary`], [`binary`], [`binary_scalar`], [`compare`], [`compare_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
+//! | composed | [`all`], [`any`], [`var`], [`std()`], [`isnan`], [`isinf`], [`isfinite`]; `argmax` / `argmin` where a backend has no arg kernel | the front's operations in sequence, so every backend has them |
+//! | indexing | [`index::take`], [`index::put`], [`index::take_mask`], [`index::put_mask`], [`index::nonzero`] | NumPy's advanced indexing: index arrays checked and turned into block offsets on the host, blocks moved by the CPU (a device's view staged through host memory) |
 //! | request | [`MapRequest`], [`ReduceRequest`], [`MatmulRequest`] | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
 //! | backend | `backend::{cpu,cuda,metal}::compute` | how: Rust loops and `gemm` on the CPU; NVRTC kernels and cuBLAS on CUDA; MSL kernels on Metal |
 //!
@@ -15,9 +18,12 @@
 //!
 //! # Numbers
 //! `float16` and `bfloat16` are computed in `float32` and rounded once when stored. Integer
-//! arithmetic wraps, as NumPy's does; integer division by zero is not possible (`div` of
-//! integers returns `float64`). `max` and `min` propagate NaN. A `sum` of nothing is 0, a `mean`
-//! of nothing is NaN, and `max` / `min` of nothing are errors. Comparisons return `bool` and
+//! arithmetic wraps, as NumPy's does; `div` of integers returns `float64`; `floor_divide` and
+//! `remainder` of integers by zero give 0 (NumPy's values, without its warning), and the most
+//! negative integer divided by -1 wraps to itself; integers to negative integer powers are an
+//! error, as in NumPy. `max` and `min` propagate NaN; `argmax` / `argmin` find the first NaN. A
+//! `sum` of nothing is 0, a `prod` 1, a `mean` NaN, and `max` / `min` / `argmax` / `argmin` of
+//! nothing are errors. Comparisons return `bool` and
 //! follow IEEE 754 as NumPy does: NaN is unequal to everything, itself included, so `!=` is its
 //! only true comparison. An integer scalar outside the array's dtype compares by its value (`int8`
 //! values are all `< 1000`), not wrapped into the dtype.

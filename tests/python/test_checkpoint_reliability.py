@@ -63,6 +63,9 @@ _WRITE_CHILD = """
     elif how == "get_tensors":
         with dlbridge.safe_open(path) as f:
             arrays = f.get_tensors()
+    elif how == "get_slice":
+        with dlbridge.safe_open(path) as f:
+            arrays = {"w": f.get_slice("w")[:]}
     else:  # a sharded checkpoint, through its index
         arrays = dlbridge.load_file(path)
     w = arrays["w"]
@@ -94,7 +97,7 @@ def _write_case(tmp_path, how):
     return [str(path)], path, _save(path, w=w)
 
 
-@pytest.mark.parametrize("how", ["load_file", "safe_open", "get_tensors", "index"])
+@pytest.mark.parametrize("how", ["load_file", "safe_open", "get_tensors", "get_slice", "index"])
 def test_a_torch_write_into_a_cpu_load_does_not_crash_and_stays_private(tmp_path, how):
     """`torch.from_dlpack(load_file(p)["w"]).add_(1)` killed the process (SIGSEGV: the file was
     mapped read-only and PyTorch ignores DLPack's READ_ONLY flag). The file is now mapped
@@ -113,7 +116,7 @@ def test_a_torch_write_into_a_cpu_load_does_not_crash_and_stays_private(tmp_path
     assert path.read_bytes() == before
 
 
-@pytest.mark.parametrize("how", ["load_file", "safe_open", "index"])
+@pytest.mark.parametrize("how", ["load_file", "safe_open", "get_slice", "index"])
 def test_where_copy_on_write_is_refused_cpu_loads_are_read_only_copies(tmp_path, how):
     """Where the system refuses a writable private mapping (strict overcommit; forced here with
     the test-only switch, which takes the loader's real fallback path), the file is mapped

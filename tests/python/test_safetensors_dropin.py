@@ -35,6 +35,8 @@ import dlbridge.safetensors.torch  # noqa: E402
 
 CUDA = dlbridge.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+METAL = dlbridge.metal.is_available()
+needs_metal = pytest.mark.skipif(not METAL, reason="needs a Metal device")
 PROC_IO = os.path.exists("/proc/self/io")
 needs_proc_io = pytest.mark.skipif(not PROC_IO, reason="needs Linux's /proc/self/io")
 
@@ -644,6 +646,17 @@ def test_save_model_and_load_model_handle_tied_weights_as_safetensors_does(tmp_p
         assert set(missing) == set() and list(unexpected) == ["extra"]
 
 
+@pytest.mark.parametrize("name", ["dlbridge.safetensors", "dlbridge.safetensors.torch",
+                                  "dlbridge.safetensors.numpy", "dlbridge.safetensors.jax"])
+def test_the_modules_examples_run_as_written(name):
+    import doctest
+    import importlib
+    if name.endswith("jax"):
+        _jax()
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted >= 3 and result.failed == 0, result
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA (the GPU machine runs these)
 
@@ -670,7 +683,7 @@ def test_cuda_safe_open_equals_safetensors(checkpoint, device):
 def test_cuda_slices_equal_safetensors_slices(tmp_path):
     path = _three_d(tmp_path)
     with dlbridge.safe_open(path, "pt", device="cuda:0") as ours, \
-            safetensors.safe_open(str(path), "pt", device="cuda:0") as ref:
+            safetensors.safe_open(str(path), "pt") as ref:
         for key in SLICES:
             want = eval("ref.get_slice('a')" + key).to("cuda:0")
             got = eval("ours.get_slice('a')" + key)
@@ -703,3 +716,52 @@ def test_a_cuda_slice_reads_only_the_bytes_it_needs(tmp_path, monkeypatch, key, 
         assert read < w.numel() * 4 // 2
         grown = dlbridge.memory_stats("cuda:0")["requested_bytes"] - active
         assert grown == needed, (key, grown, needed)
+
+
+@needs_cuda
+def test_cupy_takes_the_loaded_device_memory(checkpoint):
+    cupy = pytest.importorskip("cupy")
+    path, tensors = checkpoint
+    with dlbridge.safe_open(path, "cupy", device="cuda:0") as f:
+        ours = f.get_tensor("f32")
+        part = f.get_slice("f32")[1:3, 2:]
+        raw = dlbridge.safe_open(path, device="cuda:0").get_tensor("f32")
+    assert isinstance(ours, cupy.ndarray) and isinstance(part, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(ours), tensors["f32"].numpy())
+    np.testing.assert_array_equal(cupy.asnumpy(part), tensors["f32"][1:3, 2:].numpy())
+    assert raw.data_ptr != ours.data.ptr  # two loads, two allocations: each handed over as is
+    loaded = dlbridge.load_file(path, "cuda:0", framework="cupy", keys="f32")
+    assert isinstance(loaded["f32"], cupy.ndarray)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metal (a Mac runs these)
+
+
+@needs_metal
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_metal_slices_are_views_of_the_file_s_pages_or_copies(tmp_path, backend):
+    """In shared storage (the default on Apple silicon), a part is a read-only view of the mapped
+    file's pages wrapped for the GPU, at its file offset; `backend="pread"` (or private storage)
+    gets a copy of only its bytes. Either way, the values PyTorch's indexing gives."""
+    path = _three_d(tmp_path)
+    full = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+    info = dlbridge.metal.device_info()
+    start = dlbridge._dlbridge._Checkpoint(str(path)).info("a")[2][0]
+    with dlbridge.safe_open(path, "dlbridge", device="metal:0", backend=backend) as f:
+        whole = f.get_tensor("a")
+        for key in SLICES:
+            got = eval("f.get_slice('a')" + key)
+            want = eval("full" + key)
+            assert got.device == "metal:0", key
+            assert tuple(got.shape) == tuple(want.shape), key
+            np.testing.assert_array_equal(np.asarray(got), want.numpy())
+            view = backend == "mmap" and info["default_storage"] == "shared" and got.size
+            if view:
+                assert got.readonly and got.is_foreign, key
+                offset = np.asarray(got).ctypes.data - np.asarray(whole).ctypes.data
+                assert offset == want.storage_offset() * 4, key
+                assert np.asarray(got).ctypes.data % info["page_size"] == (
+                    start + offset) % info["page_size"], key
+            elif got.size:
+                assert not got.is_foreign, key

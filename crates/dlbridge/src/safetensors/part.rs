@@ -5,8 +5,10 @@
 //! each with its offset in one compact destination.
 //!
 //! A part of a dim-0 range is one run; a range of an inner dimension is one run per outer index;
-//! runs whose gap is at most `max_gap` bytes are read as one, gap included (a read of a few
-//! kilobytes more costs less than another read, and the storage reads whole pages anyway).
+//! runs whose gap is at most `max_gap` bytes are read as one, gap included: a step through the
+//! elements (`[:, ::2]`) would otherwise be one read per element, and copying a few hundred
+//! bytes more costs less than another read. The default gap is small enough that the rows of a
+//! tensor-parallel rank's columns (a kilobyte or more each) are read apart.
 
 use std::ops::Range;
 
@@ -14,8 +16,8 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 
 /// The largest gap between two needed byte ranges that a plan reads through rather than reading
-/// the two apart: one 4 KiB page.
-pub const DEFAULT_MAX_GAP: usize = 4096;
+/// the two apart: 256 bytes.
+pub const DEFAULT_MAX_GAP: usize = 256;
 
 /// The reads that bring a strided part of a dense array into a compact destination
 /// ([`PartPlan::new`]).

@@ -18,7 +18,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -673,10 +672,19 @@ def test_cuda_safe_open_equals_safetensors(checkpoint, device):
             assert got.dtype == want.dtype and torch.equal(got, want), name
     with dlbridge.safe_open(path, "pt", device=torch.device("cuda", 0)) as ours:
         assert ours.get_tensor("f32").device == torch.device("cuda:0")
-    loaded = dlbridge.safetensors.torch.load_file(path, device="cuda:0")
     reference = safetensors.torch.load_file(str(path), device="cuda:0")
+    # Zero-copy: the memory is dlbridge's, handed to PyTorch as it is (PyTorch allocates none).
+    torch.cuda.synchronize()
+    torch_before = torch.cuda.memory_allocated(0)
+    ours_before = dlbridge.memory_stats("cuda:0")["requested_bytes"]
+    loaded = dlbridge.safetensors.torch.load_file(path, device="cuda:0")
+    part = dlbridge.safe_open(path, "pt", device="cuda:0").get_slice("f32")[2:5]
+    assert torch.cuda.memory_allocated(0) == torch_before
+    assert dlbridge.memory_stats("cuda:0")["requested_bytes"] >= ours_before + sum(
+        t.numel() * t.element_size() for t in tensors.values())
     for name in tensors:
         assert torch.equal(loaded[name], reference[name]), name
+    assert torch.equal(part, reference["f32"][2:5])
 
 
 @needs_cuda

@@ -1,5 +1,5 @@
 //! `dlbridge.safetensors` natives: opening checkpoints, loading onto any device, saving. The
-//! Python module (python/dlbridge/safetensors.py) wraps them with `load_file`, `safe_open`,
+//! Python package (python/dlbridge/safetensors/) wraps them with `load_file`, `safe_open`,
 //! `save_file` and the progress bar.
 
 use std::collections::BTreeMap;

@@ -106,6 +106,28 @@ def numpy_habits() -> None:
     assert a.dtype.itemsize == 4
 
 
+def checkpoints() -> None:
+    import os
+    import tempfile
+
+    import torch
+
+    from dlbridge.safetensors.torch import load_file
+
+    path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    dlbridge.save_file({"w": np.ones((4, 2), np.float32)}, path, metadata={"format": "np"})
+    arrays = dlbridge.load_file(path, keys="w")
+    assert_type(arrays, dict[str, Array])
+    tensors = load_file(path)
+    assert_type(tensors, dict[str, torch.Tensor])
+    anything = dlbridge.load_file(path, framework="pt")
+    assert_type(anything, dict[str, Any])
+    with dlbridge.safe_open(path, framework="np") as f:
+        assert_type(f.metadata(), dict[str, str] | None)
+        rows = f.get_slice("w")[1:3]
+        assert rows.shape == (2, 2)
+
+
 if __name__ == "__main__":
     shared_with_numpy()
     created_here()
@@ -113,3 +135,4 @@ if __name__ == "__main__":
     print(devices())
     ops()
     numpy_habits()
+    checkpoints()

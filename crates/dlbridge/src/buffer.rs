@@ -250,6 +250,15 @@ impl Buffer {
         }
     }
 
+    /// The pool block this buffer owns, when it is one (`share::cpu` moves such a block into a
+    /// shared file in place).
+    pub(crate) fn pooled_block(&self) -> Option<&crate::pool::PooledBlock> {
+        match &self.inner.owner {
+            Owner::Pooled(block) => Some(block),
+            _ => None,
+        }
+    }
+
     /// How many handles share this allocation.
     pub fn ref_count(&self) -> usize {
         Arc::strong_count(&self.inner)

@@ -12,7 +12,13 @@ import pytest
 import dlbridge
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SCRIPTS = ["cpu_interop.py", "cuda_streams.py", "memory_pool.py", "kernels.py"]
+SCRIPTS = [
+    "cpu_interop.py",
+    "cuda_streams.py",
+    "memory_pool.py",
+    "kernels.py",
+    "multiprocessing_shared.py",
+]
 
 
 def test_every_example_is_listed():

@@ -5,6 +5,8 @@ CUDA: add and exp on 2^28 float32 (GB/s moved), sum over 2^28 float32 (GB/s read
 in float32 and bfloat16 (TFLOP/s). Both libraries run on the legacy default stream and are timed
 by CUDA events around each call (Python dispatch included, as a user sees it).
 CPU: the same element-wise ops and sum on 2^24 float32 beside NumPy, and matmul 1024³ float32.
+Both: the NumPy habits' reductions and indexing on the same sizes (argmax, prod, var, floor_divide,
+a boolean-mask selection).
 
 Usage: python bench/bench_compute.py [--devices cpu,cuda] [--quick]
 """
@@ -77,7 +79,20 @@ def bench_cuda() -> None:
         print(f"| {case} | {moved / o * 1e3:.0f} | {moved / p * 1e3:.0f} | {p / o:.2f} |")
     # Check the results agree (same inputs).
     assert abs(float(ops.sum(dx)) - float(torch.sum(tx))) <= 1e-3 * float(torch.sum(tx))
-    del tx, ty, dx, dy
+    # The NumPy habits: argmax (composed of max, == and a max over index keys on CUDA), prod of
+    # values near 1, var (mean, difference, square, sum).
+    tn = 1.0 + (torch.rand(n, device="cuda") - 0.5) * 1e-6
+    dn = dlbridge.from_dlpack(tn)
+    for case, ours, peer, moved in [
+        ("argmax 2^%d float32 (GB/s)" % (n.bit_length() - 1), lambda: ops.argmax(dx), lambda: torch.argmax(tx), gb),
+        ("prod 2^%d float32 (GB/s)" % (n.bit_length() - 1), lambda: ops.prod(dn), lambda: torch.prod(tn), gb),
+        ("var 2^%d float32 (GB/s)" % (n.bit_length() - 1), lambda: ops.var(dx), lambda: torch.var(tx, correction=0), gb),
+    ]:
+        p = cuda_ms(peer, reps)
+        o = cuda_ms(ours, reps)
+        print(f"| {case} | {moved / o * 1e3:.0f} | {moved / p * 1e3:.0f} | {p / o:.2f} |")
+    assert int(ops.argmax(dx)) == int(torch.argmax(tx))
+    del tx, ty, dx, dy, tn, dn
     torch.cuda.empty_cache()
     dlbridge.empty_cache("cuda:0")
     m = 2048 if QUICK else 8192
@@ -151,6 +166,25 @@ def bench_cpu() -> None:
         p = cpu_ms(peer, reps)
         o = cpu_ms(ours, reps)
         print(f"| {case} | {moved / o * 1e3:.1f} | {moved / p * 1e3:.1f} | {p / o:.2f} |")
+    # The NumPy habits: reductions (prod of values near 1, so that it stays finite), floor
+    # division, and a boolean-mask selection of about half the elements (bytes read: values and
+    # mask).
+    near_one = (1.0 + (rng.random(n, dtype=np.float32) - 0.5) * 1e-6).astype(np.float32)
+    dn = dlbridge.from_dlpack(near_one)
+    mask = y > 0.5
+    dmask = dlbridge.asarray(mask)
+    for case, ours, peer, moved in [
+        (f"argmax 2^{bits} float32 (GB/s)", lambda: ops.argmax(dx), lambda: np.argmax(x), gb),
+        (f"prod 2^{bits} float32 (GB/s)", lambda: ops.prod(dn), lambda: np.prod(near_one), gb),
+        (f"var 2^{bits} float32 (GB/s)", lambda: ops.var(dx), lambda: np.var(x), gb),
+        (f"floor_divide 2^{bits} float32 (GB/s)", lambda: dx // dy, lambda: x // y, 3 * gb),
+        (f"x[mask] 2^{bits} float32 (GB/s)", lambda: dx[dmask], lambda: x[mask], gb * 1.25),
+    ]:
+        p = cpu_ms(peer, reps)
+        o = cpu_ms(ours, reps)
+        print(f"| {case} | {moved / o * 1e3:.1f} | {moved / p * 1e3:.1f} | {p / o:.2f} |")
+    assert int(ops.argmax(dx)) == int(np.argmax(x))
+    assert np.array_equal(np.asarray(dx[dmask]), x[mask])
     m = 512 if QUICK else 1024
     a = rng.standard_normal((m, m), dtype=np.float32)
     b = rng.standard_normal((m, m), dtype=np.float32)

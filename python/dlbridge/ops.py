@@ -11,6 +11,18 @@ array's type (an ``int`` array with a ``float`` gives ``float64``); ``div`` of i
 ``sqrt exp log sin cos`` of integers give floats as NumPy does; ``bool`` and complex arrays are
 refused. ``float16`` and ``bfloat16`` are computed in ``float32``.
 
+``floor_divide`` (``//``), ``remainder`` (``%``, alias ``mod``) and ``pow`` (``**``, alias
+``power``) follow NumPy's rules: the floored quotient, and a remainder with the divisor's sign;
+integers keep their type (an integer divided by zero gives 0, NumPy's value, without NumPy's
+warning); integers to negative integer powers raise ``ValueError`` as in NumPy (on a GPU this
+reads the exponents' minimum back, a wait for the device).
+
+Reductions take ``axis`` (None, an int, a tuple; ``argmax`` / ``argmin`` one int) and
+``keepdims``: ``sum mean max min prod`` (integer sums and products in 64 bits, wrapping as NumPy's),
+``argmax argmin`` (``int64``; the first among equals, the first NaN if any), ``all any`` (``bool``;
+NaN is true), ``var std`` (``ddof``; floats keep their dtype, integers give ``float64``). ``bool``
+arrays reduce as NumPy's (``sum`` counts in ``int64``).
+
 Comparisons (``equal not_equal less less_equal greater greater_equal``, and the operators
 ``== != < <= > >=`` of :class:`dlbridge.Array`) return ``bool`` arrays, compare ``bool`` arrays
 too, and follow NumPy: NaN is unequal to everything, itself included; an integer outside the
@@ -39,16 +51,25 @@ __all__ = [
     "UNARY",
     "BINARY",
     "COMPARISONS",
+    "CLASSIFICATIONS",
     "REDUCTIONS",
     "abs",
     "add",
+    "all",
+    "any",
+    "argmax",
+    "argmin",
     "cos",
     "div",
     "divide",
     "equal",
     "exp",
+    "floor_divide",
     "greater",
     "greater_equal",
+    "isfinite",
+    "isinf",
+    "isnan",
     "less",
     "less_equal",
     "log",
@@ -56,26 +77,37 @@ __all__ = [
     "max",
     "mean",
     "min",
+    "mod",
     "mul",
     "multiply",
     "negative",
     "not_equal",
+    "pow",
+    "power",
+    "prod",
+    "ravel",
+    "remainder",
     "sin",
     "sqrt",
     "square",
+    "std",
     "sub",
     "subtract",
     "sum",
+    "transpose",
+    "var",
 ]
 
 #: Element-wise functions of one operand.
 UNARY = ("sqrt", "exp", "log", "sin", "cos", "abs", "square", "negative")
 #: Element-wise functions of two operands.
-BINARY = ("add", "sub", "mul", "div")
+BINARY = ("add", "sub", "mul", "div", "floor_divide", "remainder", "pow")
+#: Element-wise classifications (``bool`` results; NumPy's ``isnan isinf isfinite``).
+CLASSIFICATIONS = ("isnan", "isinf", "isfinite")
 #: Element-wise comparisons (``bool`` results).
 COMPARISONS = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
 #: Reductions.
-REDUCTIONS = ("sum", "mean", "max", "min")
+REDUCTIONS = ("sum", "mean", "max", "min", "prod", "argmax", "argmin", "all", "any", "var", "std")
 
 
 def _unary(name: str) -> Callable[[Any], Array]:
@@ -120,6 +152,9 @@ def _reduction(name: str) -> Callable[..., Array]:
     return op
 
 
+isnan = _unary("isnan")
+isinf = _unary("isinf")
+isfinite = _unary("isfinite")
 sqrt = _unary("sqrt")
 exp = _unary("exp")
 log = _unary("log")
@@ -144,10 +179,54 @@ less_equal = _comparison("less_equal", "<=")
 greater = _comparison("greater", ">")
 greater_equal = _comparison("greater_equal", ">=")
 
+floor_divide = _binary("floor_divide")
+remainder = _binary("remainder")
+pow = _binary("pow")
+mod = remainder
+power = pow
+
 sum = _reduction("sum")
 mean = _reduction("mean")
 max = _reduction("max")
 min = _reduction("min")
+prod = _reduction("prod")
+all = _reduction("all")
+any = _reduction("any")
+
+
+def argmax(x: Any, axis: Optional[int] = None, keepdims: bool = False) -> Array:
+    """The index of the largest element along ``axis`` (None: of the flattened array), ``int64``;
+    the first among equals, the first NaN if there is one (as NumPy)."""
+    return _dlbridge._reduce("argmax", x, axis, keepdims)
+
+
+def argmin(x: Any, axis: Optional[int] = None, keepdims: bool = False) -> Array:
+    """The index of the smallest element along ``axis`` (None: of the flattened array), ``int64``;
+    the first among equals, the first NaN if there is one (as NumPy)."""
+    return _dlbridge._reduce("argmin", x, axis, keepdims)
+
+
+def var(x: Any, axis: Axis = None, ddof: float = 0, keepdims: bool = False) -> Array:
+    """The variance over ``axis``: the mean squared deviation, divided by ``n - ddof`` (``inf`` or
+    NaN where that is 0 or less, as NumPy's values). Floats keep their dtype (computed in at least
+    ``float32``); integers and ``bool`` give ``float64``."""
+    return _dlbridge._reduce("var", x, axis, keepdims, ddof)
+
+
+def std(x: Any, axis: Axis = None, ddof: float = 0, keepdims: bool = False) -> Array:
+    """The standard deviation over ``axis``: the square root of :func:`var`."""
+    return _dlbridge._reduce("std", x, axis, keepdims, ddof)
+
+
+def transpose(x: Any, axes: Optional[Tuple[int, ...]] = None) -> Array:
+    """``x`` with its axes permuted (reversed when ``axes`` is None), a view."""
+    a = _dlbridge.asarray(x)
+    return a.transpose() if axes is None else a.transpose(tuple(axes))
+
+
+def ravel(x: Any) -> Array:
+    """The elements of ``x`` in one axis, row-major: a view when the layout allows, else a copy."""
+    return _dlbridge.asarray(x).ravel()
 
 
 def matmul(a: Any, b: Any) -> Array:

@@ -63,6 +63,9 @@ _WRITE_CHILD = """
     elif how == "get_tensors":
         with dlbridge.safe_open(path) as f:
             arrays = f.get_tensors()
+    elif how == "get_slice":
+        with dlbridge.safe_open(path) as f:
+            arrays = {"w": f.get_slice("w")[:]}
     else:  # a sharded checkpoint, through its index
         arrays = dlbridge.load_file(path)
     w = arrays["w"]
@@ -94,7 +97,7 @@ def _write_case(tmp_path, how):
     return [str(path)], path, _save(path, w=w)
 
 
-@pytest.mark.parametrize("how", ["load_file", "safe_open", "get_tensors", "index"])
+@pytest.mark.parametrize("how", ["load_file", "safe_open", "get_tensors", "get_slice", "index"])
 def test_a_torch_write_into_a_cpu_load_does_not_crash_and_stays_private(tmp_path, how):
     """`torch.from_dlpack(load_file(p)["w"]).add_(1)` killed the process (SIGSEGV: the file was
     mapped read-only and PyTorch ignores DLPack's READ_ONLY flag). The file is now mapped
@@ -113,7 +116,7 @@ def test_a_torch_write_into_a_cpu_load_does_not_crash_and_stays_private(tmp_path
     assert path.read_bytes() == before
 
 
-@pytest.mark.parametrize("how", ["load_file", "safe_open", "index"])
+@pytest.mark.parametrize("how", ["load_file", "safe_open", "get_slice", "index"])
 def test_where_copy_on_write_is_refused_cpu_loads_are_read_only_copies(tmp_path, how):
     """Where the system refuses a writable private mapping (strict overcommit; forced here with
     the test-only switch, which takes the loader's real fallback path), the file is mapped
@@ -242,7 +245,8 @@ def test_a_path_that_is_not_a_regular_file_is_an_oserror_not_a_hang(tmp_path, ho
     """`mkfifo f.safetensors; load_file("f.safetensors")` blocked in open() forever, and Ctrl-C did
     not stop it. Every path dlbridge opens a user's file through (a file, a list of shards, an
     index, the shards it names, a save's target) refuses anything but a regular file with an
-    OSError naming the path and what it is, at once."""
+    OSError naming the path and what it is, at once. (A folder given as the checkpoint itself
+    opens the checkpoint it holds: this empty one is a FileNotFoundError saying so.)"""
     good = tmp_path / "good.safetensors"
     _save(good, g=np.ones(2, np.float32))
     name = "special.index.json" if how == "index" else "special.safetensors"
@@ -255,8 +259,14 @@ def test_a_path_that_is_not_a_regular_file_is_an_oserror_not_a_hang(tmp_path, ho
     assert child.returncode == 0, child.stderr[-3000:]
     error = json.loads(child.stdout.splitlines()[-1])
     assert error[:2] == [error[0], True], error
-    assert str(path) in error[2] and _KINDS[kind] in error[2], error
-    if kind == "directory":
+    says = _KINDS[kind]
+    if kind == "directory" and how in ("load_file", "safe_open"):
+        says = "is a directory holding no model.safetensors.index.json and no *.safetensors file"
+    assert str(path) in error[2] and says in error[2], error
+    if kind == "directory" and how in ("load_file", "safe_open"):
+        # A folder given as the checkpoint opens the checkpoint in it; this one holds none.
+        assert error[0] == "FileNotFoundError", error
+    elif kind == "directory":
         assert error[0] == "IsADirectoryError"
     if kind == "char_device":
         assert os.path.islink(path) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
@@ -567,10 +577,15 @@ def test_safe_open_has_the_reference_methods_and_return_types(tmp_path):
         with safetensors.safe_open(str(path), "np") as ref, dlbridge.safe_open(path) as ours:
             assert ours.metadata() == ref.metadata() == metadata
     # backend="pread" reads into memory of its own; "mmap" (the default) views the file.
-    with dlbridge.safe_open(path, "np", backend="pread") as f:
+    with dlbridge.safe_open(path, "dlbridge", backend="pread") as f:
         assert not f.get_tensor("a").readonly and not f.get_tensor("a").is_foreign
-    with dlbridge.safe_open(path, "np", backend="mmap") as f:
+    with dlbridge.safe_open(path, "dlbridge", backend="mmap") as f:
         assert f.get_tensor("a").readonly and f.get_tensor("a").is_foreign
+    # In NumPy's arrays: writable memory of its own, or read-only views.
+    with dlbridge.safe_open(path, "np", backend="pread") as f:
+        assert f.get_tensor("a").flags.writeable and f.get_slice("a")[1:].flags.writeable
+    with dlbridge.safe_open(path, "np", backend="mmap") as f:
+        assert not f.get_tensor("a").flags.writeable and not f.get_slice("a")[1:].flags.writeable
     with pytest.raises(ValueError, match="backend 'disk'"):
         dlbridge.safe_open(path, backend="disk")
 

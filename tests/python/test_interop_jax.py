@@ -20,6 +20,15 @@ import pytest  # noqa: E402
 import dlbridge  # noqa: E402
 from conftest import capsule_info, collect, ptr_of, random_values  # noqa: E402
 
+
+
+@pytest.fixture(autouse=True)
+def _jax_on_the_cpu():
+    """This file is about JAX's CPU arrays; on a GPU machine JAX's default device is the GPU."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 STANDARD = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
             "float16", "float32", "float64", "complex64", "complex128"]
 EXTENDED = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",

@@ -22,3 +22,4 @@ dlbridge.zeros((2, 2), dtype="float32", storage=None, device="cpu", order="C")  
 dlbridge.set_memory_limit(limit=1 << 20)  # type: ignore[call-arg]
 dlbridge.cuda.stream(1, 2, 3)  # type: ignore[call-arg]
 dlbridge.DType("float32").name = "x"  # type: ignore[misc]
+dlbridge.load_file("model.safetensors", keys=3)  # type: ignore[call-overload]

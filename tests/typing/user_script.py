@@ -77,9 +77,62 @@ def ops() -> None:
     assert y.shape == (2, 3) and m.shape == (2, 2)
 
 
+def numpy_habits() -> None:
+    a = dlbridge.asarray([[1.5, -2.0], [3.0, 0.5]], dtype="float32")
+    # `item` is typed `Any`, as NumPy's: a float array's element assigns to a float.
+    x: float = a[0, 0].item()
+    assert x == 1.5
+    n: int = a.argmax().item()
+    assert n == 2
+    assert_type(a // 2, Array)
+    assert_type(a % 2, Array)
+    assert_type(a**2, Array)
+    assert_type(2**a, Array)
+    assert_type(a.prod(axis=0), Array)
+    assert_type(a.std(ddof=1), Array)
+    assert_type(a.var(axis=(0, 1), keepdims=True), Array)
+    assert_type(a.all(), Array)
+    assert_type(a.any(axis=1), Array)
+    assert_type(a.transpose(), Array)
+    assert_type(a.transpose(1, 0), Array)
+    assert_type(a.ravel(), Array)
+    assert_type(a.flatten(), Array)
+    assert_type(a[a > 0], Array)
+    assert_type(dlbridge.ones((2, 2)), Array)
+    assert_type(dlbridge.zeros_like(a), Array)
+    assert_type(dlbridge.full_like(a, 3.0, dtype="float64"), Array)
+    assert_type(dlbridge.ops.argmin(a, axis=0), Array)
+    assert np.dtype(a.dtype) == np.float32
+    assert a.dtype.itemsize == 4
+
+
+def checkpoints() -> None:
+    import os
+    import tempfile
+
+    import torch
+
+    from dlbridge.safetensors.torch import load_file
+
+    path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    dlbridge.save_file({"w": np.ones((4, 2), np.float32)}, path, metadata={"format": "np"})
+    arrays = dlbridge.load_file(path, keys="w")
+    assert_type(arrays, dict[str, Array])
+    tensors = load_file(path)
+    assert_type(tensors, dict[str, torch.Tensor])
+    anything = dlbridge.load_file(path, framework="pt")
+    assert_type(anything, dict[str, Any])
+    with dlbridge.safe_open(path, framework="np") as f:
+        assert_type(f.metadata(), dict[str, str] | None)
+        rows = f.get_slice("w")[1:3]
+        assert rows.shape == (2, 2)
+
+
 if __name__ == "__main__":
     shared_with_numpy()
     created_here()
     memory()
     print(devices())
     ops()
+    numpy_habits()
+    checkpoints()

@@ -1,12 +1,12 @@
 //! `dlbridge.Array`: the Python face of a [`Tensor`].
 
-use dlbridge::{Device, SliceArg, Tensor};
+use dlbridge::{Device, Tensor};
 use std::ops::Deref;
 use std::sync::{RwLock, RwLockReadGuard};
 
-use pyo3::exceptions::{PyBufferError, PyIndexError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyEllipsis, PyList, PySlice, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 use pyo3::{IntoPyObjectExt, intern};
 
 use crate::convert;
@@ -14,7 +14,7 @@ use crate::device::{self, PyDevice};
 use crate::dtype::PyDType;
 use crate::errors::IntoPyResult;
 use crate::fastcall::{self, Attach, FastArgs, MethodDef, Signature};
-use crate::ops;
+use crate::ops::{self, Reduction};
 use dlbridge::compute::{BinaryOp, CompareOp, ReduceOp, UnaryOp};
 
 /// A strided array on the CPU, a CUDA device or a Metal device, exchanged with other libraries
@@ -118,57 +118,6 @@ impl PyArray {
             *slot = Some(new);
         }
         Ok(())
-    }
-
-    /// The view `key` selects.
-    fn view(&self, key: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-        let items: Vec<Bound<'_, PyAny>> = match key.cast::<PyTuple>() {
-            Ok(t) => t.iter().collect(),
-            Err(_) => vec![key.clone()],
-        };
-        let ellipses = items
-            .iter()
-            .filter(|i| i.is_instance_of::<PyEllipsis>())
-            .count();
-        if ellipses > 1 {
-            return Err(PyIndexError::new_err(
-                "an index can only have a single ellipsis ('...')",
-            ));
-        }
-        let consuming = items
-            .iter()
-            .filter(|i| !i.is_instance_of::<PyEllipsis>() && !i.is_none())
-            .count();
-        let ndim = self.tensor()?.ndim();
-        if consuming > ndim {
-            return Err(PyIndexError::new_err(format!(
-                "too many indices: the array has {ndim} dimensions but {consuming} were indexed"
-            )));
-        }
-        let mut t = self.tensor()?.clone();
-        // `axis` counts the view's axes as it is built; `source` counts this array's, which
-        // messages name (an integer index removes an axis from the view, not from the source).
-        let mut axis = 0usize;
-        let mut source = 0usize;
-        for item in &items {
-            if item.is_instance_of::<PyEllipsis>() {
-                axis += ndim - consuming;
-                source += ndim - consuming;
-            } else if item.is_none() {
-                t = t.expand_dims(axis).py()?;
-                axis += 1;
-            } else if let Ok(slice) = item.cast::<PySlice>() {
-                let arg = slice_arg(slice, t.shape()[axis])?;
-                t = t.slice(axis as isize, arg).py()?;
-                axis += 1;
-                source += 1;
-            } else {
-                let i = int_index(item, source, t.shape()[axis])?;
-                t = t.index(axis as isize, i).py()?;
-                source += 1;
-            }
-        }
-        Ok(t)
     }
 
     fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -298,73 +247,6 @@ unsafe extern "C" fn dlpack_fastcall(
             )
         },
     )
-}
-
-/// An integer index from an `int` or any object with `__index__`, checked against an axis of
-/// `len` elements (`axis` as the user counts it): `IndexError` as NumPy words it, also for
-/// integers too large for 64 bits.
-fn int_index(obj: &Bound<'_, PyAny>, axis: usize, len: usize) -> PyResult<isize> {
-    let not_an_index = || {
-        PyIndexError::new_err(format!(
-            "only integers, slices, '...' and None are valid indices (got {})",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))
-    };
-    if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(PyIndexError::new_err("booleans are not valid indices"));
-    }
-    let value = match obj.extract::<isize>() {
-        Ok(i) => Some(i),
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => None,
-        Err(_) => return Err(not_an_index()),
-    };
-    let len_i = len as isize;
-    match value {
-        Some(i) if (-len_i..len_i).contains(&i) => Ok(i),
-        _ => Err(PyIndexError::new_err(format!(
-            "index {} is out of bounds for axis {axis} with size {len}",
-            obj.str()?
-        ))),
-    }
-}
-
-/// One bound or step of a slice: `None`, or an integer (through `__index__`) saturated to
-/// `isize` (a bound past either end of the axis selects as the end itself, as in Python).
-fn slice_part(v: &Bound<'_, PyAny>) -> PyResult<Option<isize>> {
-    if v.is_none() {
-        return Ok(None);
-    }
-    match v.extract::<isize>() {
-        Ok(i) => Ok(Some(i)),
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(v.py()) => {
-            Ok(Some(if v.lt(0)? { isize::MIN } else { isize::MAX }))
-        }
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "slice indices must be integers or None or have an __index__ method (got {})",
-            v.get_type().name()?
-        ))),
-    }
-}
-
-/// A Python slice over an axis of `len` elements, clamped as Python and NumPy clamp: any bound
-/// (even past 64 bits) selects, and a step as long as the axis or longer picks one element.
-fn slice_arg(slice: &Bound<'_, PySlice>, len: usize) -> PyResult<SliceArg> {
-    let py = slice.py();
-    let step = slice_part(&slice.getattr(intern!(py, "step"))?)?.unwrap_or(1);
-    if step == 0 {
-        return Err(PyValueError::new_err("slice step cannot be zero"));
-    }
-    // A step past the axis's length selects what a step of the length selects (the start
-    // alone), and keeps the new stride far from overflow.
-    let longest = len.max(1).min(isize::MAX as usize) as isize;
-    Ok(SliceArg {
-        start: slice_part(&slice.getattr(intern!(py, "start"))?)?,
-        stop: slice_part(&slice.getattr(intern!(py, "stop"))?)?,
-        step: step.clamp(-longest, longest),
-    })
 }
 
 #[pymethods]
@@ -650,27 +532,11 @@ impl PyArray {
     }
 
     fn __getitem__(&self, key: &Bound<'_, PyAny>) -> PyResult<PyArray> {
-        Ok(PyArray::new(self.view(key)?))
+        crate::indexing::get(&*self.tensor()?, key).map(PyArray::new)
     }
 
     fn __setitem__(&self, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
-        let view = self.view(key)?;
-        let dtype = view.dtype();
-        if convert::scalar_kind(value).is_some() {
-            let mut element = Vec::with_capacity(dtype.itemsize());
-            convert::write_element(dtype, value, &mut element)?;
-            // SAFETY: no Rust reference into this array's memory outlives a Python call, and the
-            // GIL is held for the whole write. (Writers outside Python, such as a library's own
-            // threads, race here exactly as they would with NumPy.)
-            return unsafe { view.fill_bytes_unchecked(&element) }.py();
-        }
-        // Another dlbridge array is copied straight across devices (no intermediate copy).
-        let src = match value.cast::<PyArray>() {
-            Ok(a) if a.get().tensor()?.dtype() == dtype => a.get().tensor()?.clone(),
-            _ => crate::creation::tensor_from(value, Some(dtype), Some(view.device()), None, None)?,
-        };
-        // SAFETY: as above.
-        unsafe { view.copy_from_unchecked(&src) }.py()
+        crate::indexing::set(&*self.tensor()?, key, value)
     }
 
     /// NumPy's conversion hook: a zero-copy NumPy view (through DLPack), or a copy when asked.
@@ -732,19 +598,14 @@ impl PyArray {
         }
     }
 
+    /// NumPy's `repr`, with `Array(` and, off the CPU, `device='...'` ([`crate::format`]).
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let t = &*self.tensor()?;
-        let mut extra = format!("dtype={}", t.dtype());
-        if !t.device().is_cpu() {
-            extra.push_str(&format!(", device='{}'", t.device()));
-        }
-        let host_readable = t.device().kind().is_host_accessible() && !t.is_packed();
-        if t.numel() <= 1000 && host_readable {
-            if let Ok(list) = self.to_list(py) {
-                return Ok(format!("dlbridge.Array({}, {extra})", list.repr()?));
-            }
-        }
-        Ok(format!("dlbridge.Array(shape={:?}, {extra})", t.shape()))
+        crate::format::repr(py, &self.tensor()?.clone())
+    }
+
+    /// NumPy's `str` ([`crate::format`]).
+    fn __str__(&self, py: Python<'_>) -> PyResult<String> {
+        crate::format::str(py, &self.tensor()?.clone())
     }
 
     fn __add__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
@@ -822,7 +683,15 @@ impl PyArray {
         keepdims: bool,
     ) -> PyResult<Py<PyAny>> {
         let x = &*self.tensor()?;
-        ops::reduce_method(py, ReduceOp::Sum, x, axis, keepdims, dtype, out)
+        ops::reduce_method(
+            py,
+            Reduction::Op(ReduceOp::Sum),
+            x,
+            axis,
+            keepdims,
+            dtype,
+            out,
+        )
     }
 
     /// The mean over `axis` (None: all elements); `dtype` and `out` as for [`sum`].
@@ -836,7 +705,15 @@ impl PyArray {
         keepdims: bool,
     ) -> PyResult<Py<PyAny>> {
         let x = &*self.tensor()?;
-        ops::reduce_method(py, ReduceOp::Mean, x, axis, keepdims, dtype, out)
+        ops::reduce_method(
+            py,
+            Reduction::Op(ReduceOp::Mean),
+            x,
+            axis,
+            keepdims,
+            dtype,
+            out,
+        )
     }
 
     /// The largest element over `axis` (None: all elements); NaN if any is NaN. `out` as for
@@ -850,7 +727,15 @@ impl PyArray {
         keepdims: bool,
     ) -> PyResult<Py<PyAny>> {
         let x = &*self.tensor()?;
-        ops::reduce_method(py, ReduceOp::Max, x, axis, keepdims, None, out)
+        ops::reduce_method(
+            py,
+            Reduction::Op(ReduceOp::Max),
+            x,
+            axis,
+            keepdims,
+            None,
+            out,
+        )
     }
 
     /// The smallest element over `axis` (None: all elements); NaN if any is NaN. `out` as for
@@ -864,7 +749,198 @@ impl PyArray {
         keepdims: bool,
     ) -> PyResult<Py<PyAny>> {
         let x = &*self.tensor()?;
-        ops::reduce_method(py, ReduceOp::Min, x, axis, keepdims, None, out)
+        ops::reduce_method(
+            py,
+            Reduction::Op(ReduceOp::Min),
+            x,
+            axis,
+            keepdims,
+            None,
+            out,
+        )
+    }
+
+    /// The product over `axis` (None: all elements); integers wrap in 64 bits, as NumPy's.
+    /// `dtype` and `out` as for `sum`.
+    #[pyo3(signature = (axis=None, dtype=None, out=None, keepdims=false))]
+    fn prod(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(
+            py,
+            Reduction::Op(ReduceOp::Prod),
+            x,
+            axis,
+            keepdims,
+            dtype,
+            out,
+        )
+    }
+
+    /// Whether every element over `axis` is true (non-zero; NaN is true), a bool array.
+    #[pyo3(signature = (axis=None, out=None, keepdims=false))]
+    fn all(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, Reduction::All, x, axis, keepdims, None, out)
+    }
+
+    /// Whether any element over `axis` is true (non-zero; NaN is true), a bool array.
+    #[pyo3(signature = (axis=None, out=None, keepdims=false))]
+    fn any(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, Reduction::Any, x, axis, keepdims, None, out)
+    }
+
+    /// The index of the largest element along `axis` (None: of the flattened array), int64;
+    /// the first among equals, the first NaN if any.
+    #[pyo3(signature = (axis=None, out=None, *, keepdims=false))]
+    fn argmax(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(
+            py,
+            Reduction::Op(ReduceOp::ArgMax),
+            x,
+            axis,
+            keepdims,
+            None,
+            out,
+        )
+    }
+
+    /// The index of the smallest element along `axis` (None: of the flattened array), int64;
+    /// the first among equals, the first NaN if any.
+    #[pyo3(signature = (axis=None, out=None, *, keepdims=false))]
+    fn argmin(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let x = &*self.tensor()?;
+        ops::reduce_method(
+            py,
+            Reduction::Op(ReduceOp::ArgMin),
+            x,
+            axis,
+            keepdims,
+            None,
+            out,
+        )
+    }
+
+    /// The variance over `axis`, divided by `n - ddof` (the array API's `correction` is the same
+    /// number); `dtype` and `out` as for `sum`.
+    #[pyo3(signature = (axis=None, dtype=None, out=None, ddof=None, keepdims=false, *, correction=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn var(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        ddof: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+        correction: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let red = Reduction::Var(ops::degrees_of_freedom(ddof, correction)?);
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, red, x, axis, keepdims, dtype, out)
+    }
+
+    /// The standard deviation over `axis` (the square root of `var`, same arguments).
+    #[pyo3(signature = (axis=None, dtype=None, out=None, ddof=None, keepdims=false, *, correction=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn std(
+        &self,
+        py: Python<'_>,
+        axis: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        ddof: Option<&Bound<'_, PyAny>>,
+        keepdims: bool,
+        correction: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let red = Reduction::Std(ops::degrees_of_freedom(ddof, correction)?);
+        let x = &*self.tensor()?;
+        ops::reduce_method(py, red, x, axis, keepdims, dtype, out)
+    }
+
+    /// The axes permuted: reversed with no argument, else as given (`a.transpose(1, 0)` or
+    /// `a.transpose((1, 0))`; negative axes count from the end), a view.
+    #[pyo3(signature = (*axes))]
+    fn transpose(&self, axes: &Bound<'_, PyTuple>) -> PyResult<PyArray> {
+        crate::views::transpose(&*self.tensor()?, axes).map(PyArray::new)
+    }
+
+    /// The elements in one axis, row-major: a view when the layout allows, else a copy.
+    #[pyo3(signature = (order="C"))]
+    fn ravel(&self, order: &str) -> PyResult<PyArray> {
+        crate::views::ravel(&*self.tensor()?, order, false).map(PyArray::new)
+    }
+
+    /// A compact copy of the elements in one axis, row-major.
+    #[pyo3(signature = (order="C"))]
+    fn flatten(&self, order: &str) -> PyResult<PyArray> {
+        crate::views::ravel(&*self.tensor()?, order, true).map(PyArray::new)
+    }
+
+    fn __floordiv__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::FloorDiv, &*self.tensor()?, other, false)
+    }
+
+    fn __rfloordiv__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::FloorDiv, &*self.tensor()?, other, true)
+    }
+
+    fn __mod__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Mod, &*self.tensor()?, other, false)
+    }
+
+    fn __rmod__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        ops::operator(py, BinaryOp::Mod, &*self.tensor()?, other, true)
+    }
+
+    fn __pow__(
+        &self,
+        py: Python<'_>,
+        other: &Bound<'_, PyAny>,
+        modulo: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        ops::power_operator(py, &*self.tensor()?, other, modulo, false)
+    }
+
+    fn __rpow__(
+        &self,
+        py: Python<'_>,
+        other: &Bound<'_, PyAny>,
+        modulo: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        ops::power_operator(py, &*self.tensor()?, other, modulo, true)
     }
 
     fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {

@@ -474,3 +474,146 @@ unsafe extern "C" fn from_dlpack_fastcall(
         Ok(Bound::new(py, PyArray::new(t))?.into_any())
     })
 }
+
+/// A new array filled with ones. The default dtype is float32 (NumPy's is float64); the default
+/// device is the CPU.
+#[pyfunction]
+#[pyo3(signature = (shape, dtype=None, *, device=None, storage=None))]
+pub(crate) fn ones(
+    shape: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<PyArray> {
+    let dtype = parse_opt_dtype(dtype)?.unwrap_or(DType::F32);
+    let (device, storage) = placement(device, storage)?;
+    let one = 1i64.into_pyobject(shape.py())?;
+    filled(
+        &parse_shape(shape)?,
+        dtype,
+        device,
+        storage,
+        Some(one.as_any()),
+    )
+    .map(PyArray::new)
+}
+
+/// A new array of `shape` on `device`, filled with `value` converted to `dtype` (`None`: zeros).
+fn filled(
+    shape: &[usize],
+    dtype: DType,
+    device: Device,
+    storage: Option<StorageMode>,
+    value: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Tensor> {
+    let Some(value) = value else {
+        return Tensor::allocate(shape, dtype, device, storage, true).py();
+    };
+    let mut element = Vec::with_capacity(dtype.itemsize());
+    convert::write_element(dtype, value, &mut element)?;
+    let t = Tensor::allocate(shape, dtype, device, storage, false).py()?;
+    // SAFETY: `t` is new memory that nothing else references.
+    unsafe { t.fill_bytes_unchecked(&element) }.py()?;
+    Ok(t)
+}
+
+/// How a `*_like` function fills its new array.
+enum Fill<'a, 'py> {
+    Empty,
+    Zeros,
+    Value(&'a Bound<'py, PyAny>),
+}
+
+/// A new array like `a` (any array `asarray` takes): `a`'s shape, dtype, device and storage mode
+/// unless `shape`, `dtype`, `device` or `storage` say otherwise, filled as `fill` says.
+fn like(
+    a: &Bound<'_, PyAny>,
+    fill: Fill<'_, '_>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    shape: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<PyArray> {
+    let source = tensor_from(a, None, None, None, None)?;
+    let dtype = parse_opt_dtype(dtype)?.unwrap_or(source.dtype());
+    let shape: Shape = match shape.filter(|s| !s.is_none()) {
+        Some(s) => parse_shape(s)?,
+        None => source.shape().iter().copied().collect(),
+    };
+    let (device, storage) = if device.is_none_or(|d| d.is_none()) && storage.is_none() {
+        // Where `a` is, in its storage mode.
+        (source.device(), Some(source.buffer().storage_mode()))
+    } else {
+        let device = parse_opt_device(device)?.unwrap_or(source.device());
+        let storage = parse_storage(storage)?;
+        (dlbridge::backend::placement(device, storage).py()?, storage)
+    };
+    crate::memory::warn_env_once(a.py())?;
+    let t = match fill {
+        Fill::Empty => Tensor::allocate(&shape, dtype, device, storage, false).py()?,
+        Fill::Zeros => filled(&shape, dtype, device, storage, None)?,
+        Fill::Value(v) => filled(&shape, dtype, device, storage, Some(v))?,
+    };
+    Ok(PyArray::new(t))
+}
+
+/// A zero-filled array with `a`'s shape, dtype, device and storage mode (each may be overridden).
+#[pyfunction]
+#[pyo3(signature = (a, dtype=None, *, shape=None, device=None, storage=None))]
+pub(crate) fn zeros_like(
+    a: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    shape: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<PyArray> {
+    like(a, Fill::Zeros, dtype, shape, device, storage)
+}
+
+/// An array of ones with `a`'s shape, dtype, device and storage mode (each may be overridden).
+#[pyfunction]
+#[pyo3(signature = (a, dtype=None, *, shape=None, device=None, storage=None))]
+pub(crate) fn ones_like(
+    a: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    shape: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<PyArray> {
+    let one = 1i64.into_pyobject(a.py())?;
+    like(a, Fill::Value(one.as_any()), dtype, shape, device, storage)
+}
+
+/// An array with undefined contents and `a`'s shape, dtype, device and storage mode (each may be
+/// overridden).
+#[pyfunction]
+#[pyo3(signature = (a, dtype=None, *, shape=None, device=None, storage=None))]
+pub(crate) fn empty_like(
+    a: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    shape: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<PyArray> {
+    like(a, Fill::Empty, dtype, shape, device, storage)
+}
+
+/// An array filled with `fill_value` (converted to the dtype as `full` converts it) with `a`'s
+/// shape, dtype, device and storage mode (each may be overridden).
+#[pyfunction]
+#[pyo3(signature = (a, fill_value, dtype=None, *, shape=None, device=None, storage=None))]
+pub(crate) fn full_like(
+    a: &Bound<'_, PyAny>,
+    fill_value: &Bound<'_, PyAny>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    shape: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    storage: Option<&str>,
+) -> PyResult<PyArray> {
+    if convert::scalar_kind(fill_value).is_none() {
+        return Err(PyTypeError::new_err(
+            "fill_value must be a number or a bool",
+        ));
+    }
+    like(a, Fill::Value(fill_value), dtype, shape, device, storage)
+}

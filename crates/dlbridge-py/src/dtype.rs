@@ -51,6 +51,13 @@ impl PyDType {
         self.0.itemsize()
     }
 
+    /// The NumPy dtype (`numpy.dtype(a.dtype)` and `numpy.zeros(n, a.dtype)` read it): NumPy's
+    /// own, or `ml_dtypes`'s for `bfloat16` and the minifloats.
+    #[getter]
+    fn dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        crate::npcompat::numpy_dtype(py, self.0)
+    }
+
     fn __str__(&self) -> String {
         self.0.name()
     }

@@ -9,6 +9,10 @@
 //! | `dlbridge.Backend` | [`backend::PyBackend`] over [`dlbridge::compute::Backend`] |
 //! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
 //! | `dlbridge.cuda`, `dlbridge.metal` | [`cuda`], [`metal`] (natives the Python modules wrap) |
+//! | `Array.__getitem__` / `__setitem__` | [`indexing`]: basic indices as views, integer arrays and masks through [`dlbridge::compute::index`] |
+//! | `repr(a)`, `str(a)` | [`format`]: NumPy's printing, with NumPy's print options ([`npcompat`]) |
+//! | operators, reductions, `dlbridge.ops` | [`ops`] over [`dlbridge::compute`]; shape methods in [`views`] |
+//! | `dlbridge.ones`, `zeros_like`, ... | [`creation`] |
 
 // The extension's modules are its own (the Python package is its public face): its docs are
 // for the people who work on it, and link to them.
@@ -24,14 +28,18 @@ mod dlpack;
 mod dtype;
 mod errors;
 mod fastcall;
+mod format;
+mod indexing;
 mod kernel;
 mod memory;
 mod metal;
 mod ml_dtypes;
 mod nccl;
+mod npcompat;
 mod ops;
 mod safetensors;
 mod share;
+mod views;
 
 use pyo3::prelude::*;
 
@@ -84,6 +92,11 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(creation::zeros, m)?)?;
     m.add_function(wrap_pyfunction!(creation::full, m)?)?;
     m.add_function(wrap_pyfunction!(creation::arange, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::ones, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::zeros_like, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::ones_like, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::empty_like, m)?)?;
+    m.add_function(wrap_pyfunction!(creation::full_like, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(_free, m)?)?;
     m.add_function(wrap_pyfunction!(synchronize, m)?)?;

@@ -150,11 +150,59 @@ fn compare_op(name: &str) -> PyResult<CompareOp> {
         .ok_or_else(|| PyValueError::new_err(format!("unknown comparison {name:?}")))
 }
 
-fn reduce_op(name: &str) -> PyResult<ReduceOp> {
-    ReduceOp::ALL
-        .into_iter()
-        .find(|op| op.name() == name)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown reduction {name:?}")))
+/// A reduction as the methods of `Array` and `dlbridge.ops` name it: a kernel's
+/// ([`ReduceOp`]), or one composed of kernels (`all`, `any`, `var`, `std` with their `ddof`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Reduction {
+    Op(ReduceOp),
+    All,
+    Any,
+    Var(f64),
+    Std(f64),
+}
+
+impl Reduction {
+    /// The reduction named `name` (`ddof` for `var` and `std`).
+    fn parse(name: &str, ddof: f64) -> PyResult<Reduction> {
+        Ok(match name {
+            "all" => Reduction::All,
+            "any" => Reduction::Any,
+            "var" => Reduction::Var(ddof),
+            "std" => Reduction::Std(ddof),
+            _ => Reduction::Op(
+                ReduceOp::ALL
+                    .into_iter()
+                    .find(|op| op.name() == name)
+                    .ok_or_else(|| PyValueError::new_err(format!("unknown reduction {name:?}")))?,
+            ),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Reduction::Op(op) => op.name(),
+            Reduction::All => "all",
+            Reduction::Any => "any",
+            Reduction::Var(_) => "var",
+            Reduction::Std(_) => "std",
+        }
+    }
+
+    /// Whether the reduction takes one axis at most (`argmax`, `argmin`, as NumPy's).
+    fn single_axis(self) -> bool {
+        matches!(self, Reduction::Op(op) if op.is_arg())
+    }
+
+    /// Runs the reduction (the GIL released by the caller).
+    fn run(self, x: &Tensor, axes: Option<&[isize]>, keepdims: bool) -> dlbridge::Result<Tensor> {
+        match self {
+            Reduction::Op(op) => compute::reduce(op, x, axes, keepdims),
+            Reduction::All => compute::all(x, axes, keepdims),
+            Reduction::Any => compute::any(x, axes, keepdims),
+            Reduction::Var(ddof) => compute::var(x, axes, ddof, keepdims),
+            Reduction::Std(ddof) => compute::std(x, axes, ddof, keepdims),
+        }
+    }
 }
 
 /// `op(a, b)` on read operands; `None` when neither is an array.
@@ -229,14 +277,24 @@ pub(crate) fn unary_tensor(py: Python<'_>, op: UnaryOp, x: &Tensor) -> PyResult<
     py.detach(|| compute::unary(op, x)).py().map(PyArray::new)
 }
 
-/// Reads `axis`: None, an int, or a tuple of ints.
-fn parse_axes(axis: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<isize>>> {
+/// Reads `axis` for `red`: None, an int, or (but for `argmax` and `argmin`, which take one axis
+/// as NumPy's) a tuple of ints.
+fn parse_axes(red: Reduction, axis: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<isize>>> {
     match axis {
         None => Ok(None),
         Some(a) if a.is_none() => Ok(None),
         Some(a) => {
+            if a.is_instance_of::<PyBool>() {
+                return Err(PyTypeError::new_err("axis must be an integer, not a bool"));
+            }
             if let Ok(i) = a.extract::<isize>() {
                 Ok(Some(vec![i]))
+            } else if red.single_axis() {
+                Err(PyTypeError::new_err(format!(
+                    "{}: axis must be None or an int (one axis), not {}",
+                    red.name(),
+                    a.get_type().name()?
+                )))
             } else if let Ok(t) = a.cast::<PyTuple>() {
                 Ok(Some(t.extract().map_err(|_| {
                     PyTypeError::new_err("axis must be None, an int or a tuple of ints")
@@ -253,13 +311,13 @@ fn parse_axes(axis: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<isize>>> {
 /// A reduction of `x` over `axis`.
 pub(crate) fn reduce_tensor(
     py: Python<'_>,
-    op: ReduceOp,
+    red: Reduction,
     x: &Tensor,
     axis: Option<&Bound<'_, PyAny>>,
     keepdims: bool,
 ) -> PyResult<PyArray> {
-    let axes = parse_axes(axis)?;
-    py.detach(|| compute::reduce(op, x, axes.as_deref(), keepdims))
+    let axes = parse_axes(red, axis)?;
+    py.detach(|| red.run(x, axes.as_deref(), keepdims))
         .py()
         .map(PyArray::new)
 }
@@ -270,7 +328,7 @@ pub(crate) fn reduce_tensor(
 /// shape) receives the result, converted to its dtype, and is returned.
 pub(crate) fn reduce_method(
     py: Python<'_>,
-    op: ReduceOp,
+    red: Reduction,
     x: &Tensor,
     axis: Option<&Bound<'_, PyAny>>,
     keepdims: bool,
@@ -281,7 +339,7 @@ pub(crate) fn reduce_method(
         Some(d) => Some(crate::dtype::parse(d)?),
         None => None,
     };
-    let axes = parse_axes(axis)?;
+    let axes = parse_axes(red, axis)?;
     let x = x.clone();
     let result = py
         .detach(|| {
@@ -289,7 +347,7 @@ pub(crate) fn reduce_method(
                 Some(d) if d != x.dtype() => compute::cast(&x, d)?,
                 _ => x,
             };
-            let r = compute::reduce(op, &x, axes.as_deref(), keepdims)?;
+            let r = red.run(&x, axes.as_deref(), keepdims)?;
             match dtype {
                 Some(d) if d != r.dtype() => compute::cast(&r, d),
                 _ => Ok(r),
@@ -299,7 +357,7 @@ pub(crate) fn reduce_method(
     match out.filter(|o| !o.is_none()) {
         None => PyArray::new(result).into_py_any(py),
         Some(target) => {
-            write_out(py, target, &result, op.name())?;
+            write_out(py, target, &result, red.name())?;
             Ok(target.clone().unbind())
         }
     }
@@ -337,9 +395,20 @@ fn write_out(
     unsafe { dst.copy_from_unchecked(&value) }.py()
 }
 
-/// `dlbridge.ops` element-wise function of one operand, by name.
+/// `dlbridge.ops` element-wise function of one operand, by name: a kernel's ([`UnaryOp`]) or a
+/// classification (`isnan`, `isinf`, `isfinite`, `bool` results).
 #[pyfunction]
 pub(crate) fn _unary(py: Python<'_>, op: &str, x: &Bound<'_, PyAny>) -> PyResult<PyArray> {
+    let classify = match op {
+        "isnan" => Some(compute::isnan as fn(&Tensor) -> dlbridge::Result<Tensor>),
+        "isinf" => Some(compute::isinf as fn(&Tensor) -> dlbridge::Result<Tensor>),
+        "isfinite" => Some(compute::isfinite as fn(&Tensor) -> dlbridge::Result<Tensor>),
+        _ => None,
+    };
+    if let Some(f) = classify {
+        let x = tensor_arg(x, op)?;
+        return py.detach(|| f(&x)).py().map(PyArray::new);
+    }
     let op = unary_op(op)?;
     let x = tensor_arg(x, op.name())?;
     unary_tensor(py, op, &x)
@@ -383,19 +452,52 @@ pub(crate) fn _compare(
     compare_args(py, op, x, y)
 }
 
-/// `dlbridge.ops` reduction, by name.
+/// `dlbridge.ops` reduction, by name (`ddof` for `var` and `std`).
 #[pyfunction]
-#[pyo3(signature = (op, x, axis=None, keepdims=false))]
+#[pyo3(signature = (op, x, axis=None, keepdims=false, ddof=0.0))]
 pub(crate) fn _reduce(
     py: Python<'_>,
     op: &str,
     x: &Bound<'_, PyAny>,
     axis: Option<&Bound<'_, PyAny>>,
     keepdims: bool,
+    ddof: f64,
 ) -> PyResult<PyArray> {
-    let op = reduce_op(op)?;
-    let x = tensor_arg(x, op.name())?;
-    reduce_tensor(py, op, &x, axis, keepdims)
+    let red = Reduction::parse(op, ddof)?;
+    let x = tensor_arg(x, red.name())?;
+    reduce_tensor(py, red, &x, axis, keepdims)
+}
+
+/// The body of `Array.__pow__` / `__rpow__`: NumPy's arrays take no modulo (`pow(a, b, m)`
+/// answers `NotImplemented`, so Python raises its `TypeError`).
+pub(crate) fn power_operator(
+    py: Python<'_>,
+    this: &Tensor,
+    other: &Bound<'_, PyAny>,
+    modulo: Option<&Bound<'_, PyAny>>,
+    reflected: bool,
+) -> PyResult<Py<PyAny>> {
+    if modulo.is_some_and(|m| !m.is_none()) {
+        return Ok(py.NotImplemented());
+    }
+    operator(py, BinaryOp::Pow, this, other, reflected)
+}
+
+/// Reads the `ddof` of `var` / `std`, or the array API's `correction` (the same number; at most
+/// one of them).
+pub(crate) fn degrees_of_freedom(
+    ddof: Option<&Bound<'_, PyAny>>,
+    correction: Option<&Bound<'_, PyAny>>,
+) -> PyResult<f64> {
+    let ddof = ddof.filter(|v| !v.is_none());
+    let correction = correction.filter(|v| !v.is_none());
+    match (ddof, correction) {
+        (Some(_), Some(_)) => Err(PyValueError::new_err(
+            "ddof and correction are the same number: give one of them",
+        )),
+        (Some(v), None) | (None, Some(v)) => v.extract::<f64>(),
+        (None, None) => Ok(0.0),
+    }
 }
 
 /// The matrix product (`dlbridge.ops.matmul`).

@@ -1,15 +1,17 @@
 //! `dlbridge.safetensors` natives: opening checkpoints, loading onto any device, saving. The
-//! Python module (python/dlbridge/safetensors.py) wraps them with `load_file`, `safe_open`,
+//! Python package (python/dlbridge/safetensors/) wraps them with `load_file`, `safe_open`,
 //! `save_file` and the progress bar.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use dlbridge::safetensors::{Allocation, Checkpoint, LoadOptions, dtype_name, save_file};
-use dlbridge::{Device, Tensor};
-use pyo3::exceptions::{PyKeyError, PyTypeError};
+use dlbridge::safetensors::{
+    Allocation, Checkpoint, LoadOptions, deserialize, dtype_name, save_file, serialize,
+};
+use dlbridge::{Device, Layout, Tensor};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyEllipsis, PyList, PySlice, PyString, PyTuple};
 
 use crate::array::PyArray;
 use crate::errors::IntoPyResult;
@@ -105,13 +107,17 @@ impl PyCheckpoint {
         allocation: Option<&str>,
         gds: Option<bool>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let device: Device = crate::device::parse(device)?;
-        let storage = crate::creation::parse_storage(storage)?;
-        let allocation = allocation.map(str::parse::<Allocation>).transpose().py()?;
-        let dtype = match dtype.filter(|d| !d.is_none()) {
-            Some(d) => Some(crate::dtype::parse(d)?),
-            None => None,
-        };
+        let options = load_options(
+            device,
+            copy,
+            dtype,
+            threads,
+            chunk_bytes,
+            direct_io,
+            storage,
+            allocation,
+            gds,
+        )?;
         if let Some(keys) = &keys {
             if let Some(missing) = keys.iter().find(|k| self.inner.info(k).is_none()) {
                 return Err(PyKeyError::new_err(format!(
@@ -119,23 +125,6 @@ impl PyCheckpoint {
                 )));
             }
         }
-        let options = LoadOptions {
-            device,
-            copy,
-            // Else the environment's storage mode, else the device's default.
-            storage,
-            dtype,
-            threads,
-            chunk_bytes,
-            direct_io,
-            // The environment's `DLBRIDGE_LOAD_REGISTER`, else staging buffers.
-            register_pages: None,
-            // Else the environment's `DLBRIDGE_LOAD_GDS`, else cuFile where it reads without a
-            // copy.
-            gds,
-            // Else the environment's `DLBRIDGE_LOAD_ALLOCATION`, else one allocation per file.
-            allocation,
-        };
         let wanted: Option<std::collections::BTreeSet<String>> =
             keys.map(|k| k.into_iter().collect());
         let select = |name: &str| wanted.as_ref().is_none_or(|w| w.contains(name));
@@ -166,6 +155,137 @@ impl PyCheckpoint {
         }
         Ok(out)
     }
+
+    /// The part of tensor `name` that `key` selects (basic indexing: integers, slices with a
+    /// positive step, `...`, `None`, as `Array.__getitem__` takes them), on `device`, reading only
+    /// the bytes it needs (`Checkpoint::load_part`): on the CPU a view of the mapped file unless
+    /// `copy`.
+    #[pyo3(signature = (name, key, device, copy))]
+    fn load_part(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        key: &Bound<'_, PyAny>,
+        device: &Bound<'_, PyAny>,
+        copy: bool,
+    ) -> PyResult<PyArray> {
+        let (shard, info) = self
+            .inner
+            .info(name)
+            .ok_or_else(|| PyKeyError::new_err(format!("no tensor named {name:?}")))?;
+        let options = load_options(device, copy, None, None, None, None, None, None, None)?;
+        check_part_key(key)?;
+        let whole = Layout::contiguous(info.shape()).py()?;
+        let part = if info.is_packed() {
+            // The loader says why a part of packed elements cannot be read.
+            whole
+        } else {
+            // The key applied as an array applies it, to a view of the tensor in the mapped file
+            // that goes nowhere else: its layout is the part (no byte is read for it).
+            let start = info.byte_range().start as usize;
+            let at = whole.with_byte_offset(start);
+            let view = Tensor::new(shard.buffer().clone(), info.dtype(), at).py()?;
+            let selected = Bound::new(py, PyArray::new(view))?.get_item(key)?;
+            let selected = selected.cast::<PyArray>()?.get().tensor()?.clone();
+            if !selected.buffer().same_allocation(shard.buffer()) {
+                return Err(PyIndexError::new_err(
+                    "get_slice takes basic indexing (integers, slices, '...', None) only",
+                ));
+            }
+            // An empty view keeps its offset, so every view begins at or after the tensor.
+            let offset = selected.byte_offset().saturating_sub(start);
+            selected.layout().with_byte_offset(offset)
+        };
+        let tensor = py
+            .detach(|| self.inner.load_part(name, &part, &options))
+            .py()?;
+        Ok(PyArray::new(tensor))
+    }
+}
+
+/// The loader's options from `load`'s and `load_part`'s arguments.
+#[allow(clippy::too_many_arguments)]
+fn load_options(
+    device: &Bound<'_, PyAny>,
+    copy: bool,
+    dtype: Option<&Bound<'_, PyAny>>,
+    threads: Option<usize>,
+    chunk_bytes: Option<usize>,
+    direct_io: Option<bool>,
+    storage: Option<&str>,
+    allocation: Option<&str>,
+    gds: Option<bool>,
+) -> PyResult<LoadOptions> {
+    let device: Device = crate::device::parse(device)?;
+    let storage = crate::creation::parse_storage(storage)?;
+    let allocation = allocation.map(str::parse::<Allocation>).transpose().py()?;
+    let dtype = match dtype.filter(|d| !d.is_none()) {
+        Some(d) => Some(crate::dtype::parse(d)?),
+        None => None,
+    };
+    Ok(LoadOptions {
+        device,
+        copy,
+        // Else the environment's storage mode, else the device's default.
+        storage,
+        dtype,
+        threads,
+        chunk_bytes,
+        direct_io,
+        // The environment's `DLBRIDGE_LOAD_REGISTER`, else staging buffers.
+        register_pages: None,
+        // Else the environment's `DLBRIDGE_LOAD_GDS`, else cuFile where it reads without a copy.
+        gds,
+        // Else the environment's `DLBRIDGE_LOAD_ALLOCATION`, else one allocation per file.
+        allocation,
+    })
+}
+
+/// Refuses what a part of a file cannot be selected by, before the key is applied: anything but
+/// basic indexing (integers, slices, `...`, `None`), and slices that step backwards.
+fn check_part_key(key: &Bound<'_, PyAny>) -> PyResult<()> {
+    let items: Vec<Bound<'_, PyAny>> = match key.cast::<PyTuple>() {
+        Ok(t) => t.iter().collect(),
+        Err(_) => vec![key.clone()],
+    };
+    for item in &items {
+        if item.is_none() || item.is_instance_of::<PyEllipsis>() {
+            continue;
+        }
+        if let Ok(slice) = item.cast::<PySlice>() {
+            let step = slice.getattr("step")?;
+            if !step.is_none() && step.lt(0)? {
+                return Err(PyValueError::new_err(format!(
+                    "slice step must be positive, got {}: a part of a file is read forwards \
+                     (reverse it once loaded)",
+                    step.str()?
+                )));
+            }
+            continue;
+        }
+        let integer = !item.is_instance_of::<PyBool>() && item.hasattr("__index__")?;
+        if !integer {
+            return Err(PyIndexError::new_err(format!(
+                "get_slice takes integers, slices, '...' and None (got {}): for a gather, load \
+                 the tensor and index it",
+                item.get_type().name()?
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The tensors of a Python mapping (name → any array dlbridge can import), in its order.
+fn named_tensors(tensors: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Tensor)>> {
+    let mut owned: Vec<(String, Tensor)> = Vec::with_capacity(tensors.len());
+    for (name, value) in tensors.iter() {
+        let name: String = name
+            .extract()
+            .map_err(|_| PyTypeError::new_err("safetensors names must be str".to_owned()))?;
+        let tensor = crate::creation::tensor_from(&value, None, None, None, None)?;
+        owned.push((name, tensor));
+    }
+    Ok(owned)
 }
 
 /// Writes `tensors` (name → any array dlbridge can import) with `metadata` to `path`.
@@ -177,17 +297,39 @@ fn _st_save(
     path: PathBuf,
     metadata: Option<BTreeMap<String, String>>,
 ) -> PyResult<()> {
-    let mut owned: Vec<(String, Tensor)> = Vec::with_capacity(tensors.len());
-    for (name, value) in tensors.iter() {
-        let name: String = name
-            .extract()
-            .map_err(|_| PyTypeError::new_err("safetensors names must be str".to_owned()))?;
-        let tensor = crate::creation::tensor_from(&value, None, None, None, None)?;
-        owned.push((name, tensor));
-    }
+    let owned = named_tensors(tensors)?;
     let refs: Vec<(&str, &Tensor)> = owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
     py.detach(|| save_file(&refs, metadata.as_ref(), &path))
         .py()
+}
+
+/// `tensors` with `metadata` in the safetensors format, as bytes.
+#[pyfunction]
+#[pyo3(signature = (tensors, metadata=None))]
+fn _st_serialize<'py>(
+    py: Python<'py>,
+    tensors: &Bound<'py, PyDict>,
+    metadata: Option<BTreeMap<String, String>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let owned = named_tensors(tensors)?;
+    let refs: Vec<(&str, &Tensor)> = owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let bytes = py.detach(|| serialize(&refs, metadata.as_ref())).py()?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// The metadata and tensors (each in CPU memory of its own) of safetensors bytes.
+#[pyfunction]
+#[allow(clippy::type_complexity)] // (metadata, tensors), as `_st_serialize` takes them
+fn _st_deserialize<'py>(
+    py: Python<'py>,
+    data: &[u8],
+) -> PyResult<(Option<BTreeMap<String, String>>, Bound<'py, PyDict>)> {
+    let (metadata, tensors) = py.detach(|| deserialize(data)).py()?;
+    let out = PyDict::new(py);
+    for (name, tensor) in tensors {
+        out.set_item(name, Bound::new(py, PyArray::new(tensor))?)?;
+    }
+    Ok((metadata, out))
 }
 
 /// The safetensors dtype names dlbridge reads, in the order safetensors lists them.
@@ -200,6 +342,8 @@ fn _st_dtype_names(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCheckpoint>()?;
     m.add_function(wrap_pyfunction!(_st_save, m)?)?;
+    m.add_function(wrap_pyfunction!(_st_serialize, m)?)?;
+    m.add_function(wrap_pyfunction!(_st_deserialize, m)?)?;
     m.add_function(wrap_pyfunction!(_st_dtype_names, m)?)?;
     Ok(())
 }

@@ -220,12 +220,54 @@ fn unary_int(op: UnaryOp, x: i128) -> i128 {
     }
 }
 
-fn binary_f64(op: BinaryOp, x: f64, y: f64) -> f64 {
+/// NumPy's `divmod` of floats (`npy_divmod`), in the type `$t` (`floor_divide` and `remainder`
+/// of `float32` run in `float32`, those of the 16-bit floats too, as NumPy's).
+macro_rules! numpy_divmod {
+    ($t:ty, $a:expr, $b:expr) => {{
+        let (a, b): ($t, $t) = ($a as $t, $b as $t);
+        let m = a % b;
+        if b == 0.0 {
+            (a / b, m)
+        } else {
+            let (mut m, mut div) = (m, (a - m) / b);
+            if m != 0.0 {
+                if (b < 0.0) != (m < 0.0) {
+                    m += b;
+                    div -= 1.0;
+                }
+            } else {
+                m = (0.0 as $t).copysign(b);
+            }
+            let q = if div != 0.0 {
+                let f = div.floor();
+                if div - f > 0.5 { f + 1.0 } else { f }
+            } else {
+                (0.0 as $t).copysign(a / b)
+            };
+            (q, m)
+        }
+    }};
+}
+
+/// The float reference of `op`, for results of `dtype` (floor division and remainder computed
+/// in `dtype`'s computing type, as the kernels and NumPy compute them; the rest in `f64`).
+fn binary_f64(op: BinaryOp, x: f64, y: f64, dtype: DType) -> f64 {
+    let divmod = |x: f64, y: f64| -> (f64, f64) {
+        if dtype == DType::F64 {
+            numpy_divmod!(f64, x, y)
+        } else {
+            let (q, m) = numpy_divmod!(f32, x, y);
+            (q as f64, m as f64)
+        }
+    };
     match op {
         BinaryOp::Add => x + y,
         BinaryOp::Sub => x - y,
         BinaryOp::Mul => x * y,
         BinaryOp::Div => x / y,
+        BinaryOp::FloorDiv => divmod(x, y).0,
+        BinaryOp::Mod => divmod(x, y).1,
+        BinaryOp::Pow => x.powf(y),
     }
 }
 
@@ -235,7 +277,45 @@ fn binary_int(op: BinaryOp, x: i128, y: i128) -> i128 {
         BinaryOp::Sub => x - y,
         BinaryOp::Mul => x.wrapping_mul(y),
         BinaryOp::Div => unreachable!("integer division returns floats"),
+        // NumPy's values for a zero divisor: 0.
+        BinaryOp::FloorDiv if y == 0 => 0,
+        BinaryOp::FloorDiv => {
+            let q = x / y;
+            if x % y != 0 && ((x < 0) != (y < 0)) {
+                q - 1
+            } else {
+                q
+            }
+        }
+        BinaryOp::Mod if y == 0 => 0,
+        BinaryOp::Mod => {
+            let r = x % y;
+            if r != 0 && ((r < 0) != (y < 0)) {
+                r + y
+            } else {
+                r
+            }
+        }
+        BinaryOp::Pow => {
+            // Square and multiply modulo 2^128: the low bits are those of the exact power.
+            assert!(y >= 0, "negative integer exponents are refused");
+            let (mut r, mut sq, mut e) = (1u128, x as u128, y as u128);
+            while e != 0 {
+                if e & 1 == 1 {
+                    r = r.wrapping_mul(sq);
+                }
+                sq = sq.wrapping_mul(sq);
+                e >>= 1;
+            }
+            r as i128
+        }
     }
+}
+
+/// Whether `binary(op, ..)` computing in integer `dtype` must refuse exponents `exps` (NumPy
+/// refuses negative integer powers).
+fn refuses_power(op: BinaryOp, dtype: DType, exps: &[i128]) -> bool {
+    op == BinaryOp::Pow && is_signed(dtype) && exps.iter().any(|&e| e < 0)
 }
 
 /// The range each unary op is tested on, per dtype.
@@ -268,6 +348,15 @@ fn check_unary(op: UnaryOp, x: &Tensor, what: &str) {
 
 /// Checks `binary(op, a, b)` against the reference (broadcasting `a` and `b` itself).
 fn check_binary(op: BinaryOp, a: &Tensor, b: &Tensor, what: &str) {
+    let common = compute::promote::promote(a.dtype(), b.dtype()).unwrap();
+    if !common.is_floating() && refuses_power(op, common, &ints(b)) {
+        let err = compute::binary(op, a, b).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("negative"),
+            "{what}: {err}"
+        );
+        return;
+    }
     let got = compute::binary(op, a, b).unwrap();
     let shape = got.shape().to_vec();
     let what = format!("{what} {} {} {}", op.name(), a.dtype(), b.dtype());
@@ -280,7 +369,7 @@ fn check_binary(op: BinaryOp, a: &Tensor, b: &Tensor, what: &str) {
         let want: Vec<f64> = va
             .iter()
             .zip(&vb)
-            .map(|(&x, &y)| binary_f64(op, x, y))
+            .map(|(&x, &y)| binary_f64(op, x, y, got.dtype()))
             .collect();
         assert_close(&values(&got), &want, got.dtype(), &what);
     } else {
@@ -488,13 +577,25 @@ fn scalars_on_either_side() {
         for s in scalars {
             for op in BinaryOp::ALL {
                 for first in [false, true] {
-                    let got = compute::binary_scalar(op, &x, s, first).unwrap();
                     let what = format!("{} {dtype} {s:?} first={first}", op.name());
+                    let int_compute = !dtype.is_floating() && matches!(s, Scalar::Int(_));
+                    let exps = if first {
+                        ints(&x)
+                    } else {
+                        vec![s.as_i64() as i128]
+                    };
+                    if int_compute && refuses_power(op, dtype, &exps) {
+                        let err = compute::binary_scalar(op, &x, s, first).unwrap_err();
+                        assert!(matches!(err, Error::InvalidArgument(_)), "{what}: {err}");
+                        continue;
+                    }
+                    let got = compute::binary_scalar(op, &x, s, first).unwrap();
+                    let out = got.dtype();
                     let f = |v: f64, sv: f64| {
                         if first {
-                            binary_f64(op, sv, v)
+                            binary_f64(op, sv, v, out)
                         } else {
-                            binary_f64(op, v, sv)
+                            binary_f64(op, v, sv, out)
                         }
                     };
                     if got.dtype().is_floating() {
@@ -934,6 +1035,71 @@ fn check_reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool
     assert_eq!(got.shape(), want_shape.as_slice(), "{what}");
     let groups = groups(x.shape(), &axes_u);
     let dtype = x.dtype();
+    if op.is_arg() {
+        // The first extreme of each group (its elements are in the reduced axes' row-major
+        // order), or its first NaN.
+        let v = values(x);
+        let want: Vec<i128> = groups
+            .iter()
+            .map(|g| {
+                let xs: Vec<f64> = g.iter().map(|&i| v[i]).collect();
+                if let Some(p) = xs.iter().position(|x| x.is_nan()) {
+                    return p as i128;
+                }
+                let mut best = 0;
+                for (j, &x) in xs.iter().enumerate() {
+                    let beyond = if op == ReduceOp::ArgMax {
+                        x > xs[best]
+                    } else {
+                        x < xs[best]
+                    };
+                    if beyond {
+                        best = j;
+                    }
+                }
+                best as i128
+            })
+            .collect();
+        // Integer values compared exactly (int64 and uint64 are not all exact in f64).
+        let want = if dtype.is_floating() {
+            want
+        } else {
+            let v = ints(x);
+            groups
+                .iter()
+                .map(|g| {
+                    let xs: Vec<i128> = g.iter().map(|&i| v[i]).collect();
+                    let m = if op == ReduceOp::ArgMax {
+                        *xs.iter().max().unwrap()
+                    } else {
+                        *xs.iter().min().unwrap()
+                    };
+                    xs.iter().position(|&x| x == m).unwrap() as i128
+                })
+                .collect()
+        };
+        assert_eq!(got.dtype(), DType::I64, "{what}");
+        assert_eq!(ints(&got), want, "{what}");
+        return;
+    }
+    if !dtype.is_floating() && op == ReduceOp::Prod {
+        let v = ints(x);
+        let want: Vec<i128> = groups
+            .iter()
+            .map(|g| {
+                let p = g.iter().fold(1u64, |p, &i| p.wrapping_mul(v[i] as u64));
+                wrap(p as i128, got.dtype())
+            })
+            .collect();
+        let want_dtype = if is_signed(dtype) {
+            DType::I64
+        } else {
+            DType::U64
+        };
+        assert_eq!(got.dtype(), want_dtype, "{what}");
+        assert_eq!(ints(&got), want, "{what}");
+        return;
+    }
     if !dtype.is_floating() && matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min) {
         let v = ints(x);
         let want: Vec<i128> = groups
@@ -957,6 +1123,7 @@ fn check_reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool
         return;
     }
     let v = values(x);
+    let got_values = values(&got);
     let mut want = Vec::new();
     let mut scale = Vec::new();
     for g in &groups {
@@ -986,6 +1153,25 @@ fn check_reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool
                 want.push(m);
                 scale.push(0.0);
             }
+            ReduceOp::Prod => {
+                // Products round once per factor, in the computing type: a bound of n + 1
+                // roundings of it, relative to the product. Partial products may leave the
+                // computing type's range before the whole does (as NumPy's, which multiply in
+                // it too): near either end of the range, an infinity or a zero of the right
+                // sign also passes.
+                let p = xs.iter().product::<f64>();
+                let (eps, lo, hi) = if dtype == DType::F64 {
+                    (1.2e-16, 1e-290, 1e290)
+                } else {
+                    (6e-8, 1e-30, 1e30)
+                };
+                let g = got_values[want.len()];
+                let edge = (p.abs() > hi && g.is_infinite() || p.abs() < lo && g == 0.0)
+                    && (g.is_sign_negative() == p.is_sign_negative() || g == 0.0);
+                want.push(if edge { g } else { p });
+                scale.push(p.abs() * (1.0 + (n + 1.0) * eps / tol(got.dtype())));
+            }
+            ReduceOp::ArgMax | ReduceOp::ArgMin => unreachable!("checked above"),
         }
     }
     let out_dtype = got.dtype();
@@ -1329,10 +1515,9 @@ fn errors_name_what_went_wrong() {
         compute::unary(UnaryOp::Negative, &flags),
         Err(Error::UnsupportedOperand(_))
     ));
-    assert!(matches!(
-        compute::reduce(ReduceOp::Sum, &flags, None, false),
-        Err(Error::UnsupportedOperand(_))
-    ));
+    // bool arrays reduce as NumPy's: sums count in int64.
+    let count = compute::reduce(ReduceOp::Sum, &flags, None, false).unwrap();
+    assert_eq!((count.dtype(), ints(&count)), (DType::I64, vec![1]));
     assert!(matches!(
         compute::binary(
             BinaryOp::Add,
@@ -1363,4 +1548,215 @@ fn casts_on_the_cpu_use_the_host_converter() {
     assert_eq!(ints(&r), vec![-2, 300, 1]);
     let r = compute::cast(&x.slice(0, rev()).unwrap(), DType::U8).unwrap();
     assert_eq!(ints(&r), vec![1, 44, 254]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// NumPy's floor division, remainder and power; prod, argmax / argmin, all / any, var / std;
+// advanced indexing
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn integer_floor_division_and_remainder_edges_follow_numpy() {
+    let i8s = |v: &[i128]| int_tensor(v, &[v.len()], DType::I8);
+    let a = i8s(&[7, -7, 7, -7, 0, -128, -128, 5]);
+    let b = i8s(&[2, 2, -2, -2, 0, -1, 0, 0]);
+    let q = compute::binary(BinaryOp::FloorDiv, &a, &b).unwrap();
+    let r = compute::binary(BinaryOp::Mod, &a, &b).unwrap();
+    // NumPy's values: a zero divisor gives 0; -128 // -1 wraps to -128 and its remainder is 0.
+    assert_eq!(ints(&q), vec![3, -4, -4, 3, 0, -128, 0, 0]);
+    assert_eq!(ints(&r), vec![1, 1, -1, -1, 0, 0, 0, 0]);
+    assert_eq!((q.dtype(), r.dtype()), (DType::I8, DType::I8));
+    let u = int_tensor(&[7, 200, 3], &[3], DType::U8);
+    let z = compute::binary_scalar(BinaryOp::FloorDiv, &u, Scalar::Int(0), false).unwrap();
+    assert_eq!(ints(&z), vec![0, 0, 0]);
+    let m = compute::binary_scalar(BinaryOp::Mod, &u, Scalar::Int(7), true).unwrap();
+    assert_eq!(ints(&m), vec![0, 7, 1]);
+}
+
+#[test]
+fn powers_wrap_and_negative_integer_exponents_are_refused() {
+    let x = int_tensor(&[3, -2, 0, 7], &[4], DType::I64);
+    let p = compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(41), false).unwrap();
+    let want: Vec<i128> = [3i64, -2, 0, 7]
+        .iter()
+        .map(|&v| v.wrapping_pow(41) as i128)
+        .collect();
+    assert_eq!(ints(&p), want);
+    let zero = compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(0), false).unwrap();
+    assert_eq!(ints(&zero), vec![1; 4]);
+    for err in [
+        compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(-1), false).unwrap_err(),
+        compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Int(2), true).unwrap_err(),
+        compute::binary(BinaryOp::Pow, &x, &x).unwrap_err(),
+    ] {
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("negative integer powers"), "{err}");
+    }
+    // Unsigned exponents are never negative; a float scalar computes in float64.
+    let u = int_tensor(&[2, 3], &[2], DType::U8);
+    let p = compute::binary(BinaryOp::Pow, &u, &int_tensor(&[8, 5], &[2], DType::U8)).unwrap();
+    assert_eq!(ints(&p), vec![0, 243]);
+    let f = compute::binary_scalar(BinaryOp::Pow, &x, Scalar::Float(0.5), true).unwrap();
+    assert_eq!(f.dtype(), DType::F64);
+}
+
+#[test]
+fn prod_and_arg_reductions_follow_numpy() {
+    let x = tensor(
+        &[1.0, f64::NAN, 3.0, f64::NAN, 5.0, 5.0],
+        &[2, 3],
+        DType::F32,
+    );
+    let argmax = |t: &Tensor, axes: Option<&[isize]>| {
+        ints(&compute::reduce(ReduceOp::ArgMax, t, axes, false).unwrap())
+    };
+    // The first NaN wins, over everything and along each axis.
+    assert_eq!(argmax(&x, None), vec![1]);
+    assert_eq!(argmax(&x, Some(&[1])), vec![1, 0]);
+    assert_eq!(argmax(&x, Some(&[0])), vec![1, 0, 1]);
+    let ties = int_tensor(&[4, 9, 9, -1, 9], &[5], DType::I16);
+    assert_eq!(argmax(&ties, None), vec![1]);
+    let argmin = compute::reduce(ReduceOp::ArgMin, &ties, None, true).unwrap();
+    assert_eq!((argmin.shape(), ints(&argmin)), (&[1][..], vec![3]));
+    let empty = tensor(&[], &[0, 2], DType::F32);
+    let err = compute::reduce(ReduceOp::ArgMax, &empty, Some(&[0]), false).unwrap_err();
+    assert!(err.to_string().contains("empty sequence"), "{err}");
+    assert_eq!(
+        compute::reduce(ReduceOp::ArgMax, &empty, Some(&[1]), false)
+            .unwrap()
+            .shape(),
+        &[0]
+    );
+    // Products: empty is 1; integers wrap in 64 bits.
+    let p = compute::reduce(ReduceOp::Prod, &empty, Some(&[0]), false).unwrap();
+    assert_eq!(values(&p), vec![1.0, 1.0]);
+    let big = int_tensor(&[1 << 40, 1 << 40, 3], &[3], DType::I64);
+    let p = compute::reduce(ReduceOp::Prod, &big, None, false).unwrap();
+    assert_eq!(
+        ints(&p),
+        vec![(3i64.wrapping_mul(1i64 << 40).wrapping_mul(1 << 40)) as i128]
+    );
+}
+
+#[test]
+fn logical_and_moment_reductions_follow_numpy() {
+    let x = tensor(&[0.0, f64::NAN, 2.0, 0.0, 0.0, 0.0], &[2, 3], DType::F16);
+    let bools = |t: Tensor| {
+        assert_eq!(t.dtype(), DType::BOOL);
+        bools(&t)
+    };
+    // NaN is true.
+    assert_eq!(
+        bools(compute::any(&x, Some(&[1]), false).unwrap()),
+        vec![true, false]
+    );
+    assert_eq!(
+        bools(compute::all(&x, Some(&[0]), true).unwrap()),
+        vec![false, false, false]
+    );
+    let empty = tensor(&[], &[0, 2], DType::F32);
+    assert_eq!(
+        bools(compute::all(&empty, Some(&[0]), false).unwrap()),
+        vec![true, true]
+    );
+    assert_eq!(
+        bools(compute::any(&empty, None, false).unwrap()),
+        vec![false]
+    );
+    let v = tensor(&[1.0, 2.0, 3.0, 4.0], &[4], DType::F32);
+    let var = compute::var(&v, None, 1.0, false).unwrap();
+    assert_eq!(
+        (var.dtype(), values(&var)),
+        (DType::F32, vec![(5.0f32 / 3.0) as f64])
+    );
+    let std = compute::std(&int_tensor(&[1, 3], &[2], DType::I32), None, 0.0, false).unwrap();
+    assert_eq!((std.dtype(), values(&std)), (DType::F64, vec![1.0]));
+    // n - ddof <= 0: NumPy's values (inf, or NaN for 0 / 0).
+    let too_few = compute::var(&v, None, 4.0, false).unwrap();
+    assert!(values(&too_few)[0].is_infinite());
+    let nan = compute::var(&empty, None, 0.0, false).unwrap();
+    assert!(values(&nan)[0].is_nan());
+    let classes = tensor(
+        &[1.0, f64::NAN, f64::INFINITY, -f64::INFINITY],
+        &[4],
+        DType::BF16,
+    );
+    assert_eq!(
+        bools(compute::isnan(&classes).unwrap()),
+        vec![false, true, false, false]
+    );
+    assert_eq!(
+        bools(compute::isinf(&classes).unwrap()),
+        vec![false, false, true, true]
+    );
+    assert_eq!(
+        bools(compute::isfinite(&classes).unwrap()),
+        vec![true, false, false, false]
+    );
+    let i = int_tensor(&[1, 2], &[2], DType::U32);
+    assert_eq!(bools(compute::isfinite(&i).unwrap()), vec![true, true]);
+    assert_eq!(bools(compute::isnan(&i).unwrap()), vec![false, false]);
+}
+
+#[test]
+fn advanced_indexing_gathers_and_scatters_views() {
+    use dlbridge::compute::index;
+    let x = int_tensor(&(0..60).collect::<Vec<_>>(), &[3, 4, 5], DType::I32);
+    // A reversed, strided view: x[::-1, :, ::2] has shape (3, 4, 3).
+    let view = x.slice(0, rev()).unwrap().slice(
+        2,
+        SliceArg {
+            start: None,
+            stop: None,
+            step: 2,
+        },
+    );
+    let view = view.unwrap();
+    let idx = int_tensor(&[3, -4, 1], &[3], DType::I64);
+    let got = index::take(&view, &[1], std::slice::from_ref(&idx), false).unwrap();
+    assert_eq!(got.shape(), &[3, 3, 3]);
+    let v = ints(&view);
+    let at = |i: usize, j: usize, k: usize| v[(i * 4 + j) * 3 + k];
+    let mut want = Vec::new();
+    for i in 0..3 {
+        for j in [3usize, 0, 1] {
+            for k in 0..3 {
+                want.push(at(i, j, k));
+            }
+        }
+    }
+    assert_eq!(ints(&got), want);
+    // Scatter through the view into `x`, a scalar broadcast to the selection.
+    let zero = int_tensor(&[-1], &[], DType::I32);
+    // SAFETY: `x` and its views are this test's own; no reference into them is alive.
+    unsafe { index::put(&view, &[1], &[idx], false, &zero).unwrap() };
+    let after = ints(&x);
+    for (n, &value) in after.iter().enumerate() {
+        let (i, j, k) = (n / 20, (n / 5) % 4, n % 5);
+        let selected = k % 2 == 0 && [3, 0, 1].contains(&j);
+        assert_eq!(
+            value,
+            if selected { -1 } else { n as i128 },
+            "[{i}, {j}, {k}]"
+        );
+    }
+    // Errors: out of bounds (nothing written), indices that are not integers.
+    let bad = int_tensor(&[4], &[1], DType::I64);
+    assert!(matches!(
+        index::take(&view, &[1], &[bad], false),
+        Err(Error::OutOfBounds(_))
+    ));
+    let float_index = tensor(&[0.0], &[1], DType::F32);
+    assert!(matches!(
+        index::take(&view, &[0], &[float_index], false),
+        Err(Error::UnsupportedOperand(_))
+    ));
+    // nonzero of a 2-d mask, row-major.
+    let mask = Tensor::from_slice(&[0u8, 1, 1, 0, 0, 1], &[2, 3])
+        .unwrap()
+        .cast(DType::BOOL)
+        .unwrap();
+    let nz = index::nonzero(&mask).unwrap();
+    assert_eq!(ints(&nz[0]), vec![0, 0, 1]);
+    assert_eq!(ints(&nz[1]), vec![1, 2, 2]);
 }

@@ -322,6 +322,41 @@ fn unary_ref(op: UnaryOp, out: DType, v: V) -> V {
     ))
 }
 
+/// NumPy's `divmod` of floats (`npy_divmod`) in the type `$t`: the kernels compute
+/// `floor_divide` and `remainder` of `float32` and the 16-bit floats in `float`, as NumPy does.
+macro_rules! numpy_divmod {
+    ($t:ty, $a:expr, $b:expr) => {{
+        let (a, b): ($t, $t) = ($a as $t, $b as $t);
+        let m = a % b;
+        if b == 0.0 {
+            (a / b, m)
+        } else {
+            let (mut m, mut div) = (m, (a - m) / b);
+            if m != 0.0 {
+                if (b < 0.0) != (m < 0.0) {
+                    m += b;
+                    div -= 1.0;
+                }
+            } else {
+                m = (0.0 as $t).copysign(b);
+            }
+            let q = if div != 0.0 {
+                let f = div.floor();
+                if div - f > 0.5 { f + 1.0 } else { f }
+            } else {
+                (0.0 as $t).copysign(a / b)
+            };
+            (q, m)
+        }
+    }};
+}
+
+/// Whether `pow` computing in integer `out` must refuse exponents `exps` (NumPy refuses negative
+/// integer powers).
+fn refuses_power(op: BinaryOp, out: DType, exps: impl IntoIterator<Item = V>) -> bool {
+    op == BinaryOp::Pow && is_signed(out) && exps.into_iter().any(|e| e.i() < 0)
+}
+
 fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
     if is_int(out) {
         let (x, y) = (a.i(), b.i());
@@ -332,10 +367,49 @@ fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
                 BinaryOp::Sub => x - y,
                 BinaryOp::Mul => x.wrapping_mul(y),
                 BinaryOp::Div => unreachable!("integer division returns float64"),
+                // NumPy's values for a zero divisor: 0.
+                BinaryOp::FloorDiv | BinaryOp::Mod if y == 0 => 0,
+                BinaryOp::FloorDiv => {
+                    let q = x / y;
+                    if x % y != 0 && ((x < 0) != (y < 0)) {
+                        q - 1
+                    } else {
+                        q
+                    }
+                }
+                BinaryOp::Mod => {
+                    let r = x % y;
+                    if r != 0 && ((r < 0) != (y < 0)) {
+                        r + y
+                    } else {
+                        r
+                    }
+                }
+                BinaryOp::Pow => {
+                    // Square and multiply modulo 2^128 (the exponent's bits as the dtype holds
+                    // them: an unsigned one is never negative).
+                    let (mut r, mut sq, mut e) = (1u128, x as u128, wrap(out, y) as u128);
+                    while e != 0 {
+                        if e & 1 == 1 {
+                            r = r.wrapping_mul(sq);
+                        }
+                        sq = sq.wrapping_mul(sq);
+                        e >>= 1;
+                    }
+                    r as i128
+                }
             },
         ));
     }
     let (x, y) = (a.f(), b.f());
+    let divmod = |x: f64, y: f64| -> (f64, f64) {
+        if out == DType::F64 {
+            numpy_divmod!(f64, x, y)
+        } else {
+            let (q, m) = numpy_divmod!(f32, x, y);
+            (q as f64, m as f64)
+        }
+    };
     V::F(round_to(
         out,
         match op {
@@ -343,8 +417,21 @@ fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
             BinaryOp::Sub => x - y,
             BinaryOp::Mul => x * y,
             BinaryOp::Div => x / y,
+            BinaryOp::FloorDiv => divmod(x, y).0,
+            BinaryOp::Mod => divmod(x, y).1,
+            BinaryOp::Pow => x.powf(y),
         },
     ))
+}
+
+/// [`tolerance`] for `op`: CUDA's `powf` is within a few ulp rather than one.
+fn op_tolerance(op: BinaryOp, d: DType) -> (f64, f64) {
+    let (rtol, atol) = tolerance(d);
+    if op == BinaryOp::Pow && !is_int(d) {
+        (rtol * 4.0, atol)
+    } else {
+        (rtol, atol)
+    }
 }
 
 /// The row-major index of every element of `shape`.
@@ -424,8 +511,13 @@ fn binary_ops_broadcast_on_every_dtype() {
                 let va = rng.values(dtype, na, -50.0, 50.0);
                 let vb = rng.values(dtype, nb, -50.0, 50.0);
                 let (a, b) = (on(device, dtype, &va, sa), on(device, dtype, &vb, sb));
-                let y = compute::binary(op, &a, &b).unwrap();
                 let out = promote::binary_result(op, dtype);
+                if refuses_power(op, out, vb.iter().copied()) {
+                    let err = compute::binary(op, &a, &b).unwrap_err();
+                    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+                    continue;
+                }
+                let y = compute::binary(op, &a, &b).unwrap();
                 assert_eq!(y.dtype(), out);
                 let shape = compute::broadcast_shapes(sa, sb).unwrap();
                 assert_eq!(y.shape(), &shape[..]);
@@ -436,7 +528,7 @@ fn binary_ops_broadcast_on_every_dtype() {
                         binary_ref(op, out, x, z)
                     })
                     .collect();
-                let (rtol, atol) = tolerance(out);
+                let (rtol, atol) = op_tolerance(op, out);
                 let what = format!("{} of {dtype} {sa:?} {sb:?}", op.name());
                 check(&what, &read(&y), &want, rtol, atol);
             }
@@ -456,9 +548,19 @@ fn scalar_operands_are_weak_on_both_sides() {
         for op in BinaryOp::ALL {
             for scalar in [Scalar::Int(7), Scalar::Int(-300), Scalar::Float(0.3)] {
                 for first in [false, true] {
-                    let y = compute::binary_scalar(op, &x, scalar, first).unwrap();
                     let common = promote::promote_scalar(dtype, scalar).unwrap();
                     let out = promote::binary_result(op, common);
+                    let exps: Vec<V> = if first {
+                        vals.clone()
+                    } else {
+                        vec![V::I(scalar.as_i64() as i128)]
+                    };
+                    if refuses_power(op, out, exps) {
+                        let err = compute::binary_scalar(op, &x, scalar, first).unwrap_err();
+                        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+                        continue;
+                    }
+                    let y = compute::binary_scalar(op, &x, scalar, first).unwrap();
                     assert_eq!(y.dtype(), out);
                     // The scalar takes the dtype the kernel computes in.
                     let s = if is_int(out) {
@@ -477,7 +579,7 @@ fn scalar_operands_are_weak_on_both_sides() {
                             }
                         })
                         .collect();
-                    let (rtol, atol) = tolerance(out);
+                    let (rtol, atol) = op_tolerance(op, out);
                     let what = format!("{} of {dtype} and {scalar:?} (first {first})", op.name());
                     check(&what, &read(&y), &want, rtol, atol);
                 }
@@ -880,12 +982,24 @@ fn reduce_ref(
     let mut ints = vec![0i128; outputs];
     let mut floats = vec![0f64; outputs];
     let mut abs = vec![0f64; outputs];
+    let mut prods = vec![1u64; outputs];
+    let mut float_prods = vec![1f64; outputs];
     let mut best: Vec<Option<V>> = vec![None; outputs];
+    // Each output's elements come in the reduced axes' row-major order: `seen` counts them, and
+    // `best_at` is the position of the first extreme (or first NaN).
+    let mut seen = vec![0usize; outputs];
+    let mut best_at = vec![0usize; outputs];
     let mut idx = vec![0usize; shape.len()];
+    let extreme = match op {
+        ReduceOp::Max | ReduceOp::ArgMax => ReduceOp::Max,
+        _ => ReduceOp::Min,
+    };
     for &v in vals {
         let o = (0..shape.len())
             .filter(|&a| !reduced[a])
             .fold(0, |acc, a| acc * shape[a] + idx[a]);
+        prods[o] = prods[o].wrapping_mul(v.i() as u64);
+        float_prods[o] *= v.f();
         for a in (0..shape.len()).rev() {
             idx[a] += 1;
             if idx[a] < shape[a] {
@@ -905,19 +1019,25 @@ fn reduce_ref(
                 } else if y.is_nan() {
                     true
                 } else if is_int(dtype) {
-                    match op {
+                    match extreme {
                         ReduceOp::Max => v.i() > b.i(),
                         _ => v.i() < b.i(),
                     }
                 } else {
-                    match op {
+                    match extreme {
                         ReduceOp::Max => y > x,
                         _ => y < x,
                     }
                 };
-                if take_new { v } else { b }
+                if take_new {
+                    best_at[o] = seen[o];
+                    v
+                } else {
+                    b
+                }
             }
         });
+        seen[o] += 1;
     }
     let (_, out_dtype) = promote::reduce_types(op, dtype).unwrap();
     let want = (0..outputs)
@@ -925,17 +1045,20 @@ fn reduce_ref(
             ReduceOp::Sum if is_int(dtype) => V::I(wrap(out_dtype, ints[o])),
             ReduceOp::Sum => V::F(round_to(out_dtype, floats[o])),
             ReduceOp::Mean => V::F(round_to(out_dtype, floats[o] / count as f64)),
+            ReduceOp::Prod if is_int(dtype) => V::I(wrap(out_dtype, prods[o] as i128)),
+            ReduceOp::Prod => V::F(round_to(out_dtype, float_prods[o])),
+            ReduceOp::ArgMax | ReduceOp::ArgMin => V::I(best_at[o] as i128),
             _ => best[o].expect("max and min of something"),
         })
         .collect();
     let abs = abs
         .into_iter()
-        .map(|s| {
-            if op == ReduceOp::Mean {
-                s / count.max(1) as f64
-            } else {
-                s
-            }
+        .zip(&float_prods)
+        .map(|(s, p)| match op {
+            ReduceOp::Mean => s / count.max(1) as f64,
+            // Each factor rounds once: a bound relative to the product.
+            ReduceOp::Prod => p.abs() * count as f64,
+            _ => s,
         })
         .collect();
     (want, abs, count)
@@ -957,8 +1080,21 @@ fn check_reduce(what: &str, op: ReduceOp, dtype: DType, got: &Tensor, want: &[V]
             (V::I(a), V::I(b)) => assert_eq!(a, b, "{what}: output {i}"),
             _ => {
                 let (a, b) = (g.f(), w.f());
+                // Partial products may leave float's range before the whole does (NumPy's
+                // products multiply in the dtype too): near either end an infinity or a zero of
+                // the product's sign passes.
+                let (lo, hi) = if dtype == DType::F64 {
+                    (1e-290, 1e290)
+                } else {
+                    (1e-30, 1e30)
+                };
+                let edge = op == ReduceOp::Prod
+                    && (b.abs() > hi && a.is_infinite() || b.abs() < lo && a == 0.0)
+                    && (a == 0.0 || a.is_sign_negative() == b.is_sign_negative());
                 let ok = if b.is_nan() {
                     a.is_nan()
+                } else if b.is_infinite() || edge {
+                    a == b || edge
                 } else {
                     let tol = acc_eps * s + 2.0 * eps(out_dtype) * b.abs() + 1e-30;
                     (a - b).abs() <= tol
@@ -1107,6 +1243,11 @@ fn reductions_over_many_axes_nan_and_empty() {
         let x = on(device, dtype, &vals, &[10_000]);
         for op in ReduceOp::ALL {
             let y = read(&compute::reduce(op, &x, None, false).unwrap());
+            if op.is_arg() {
+                // The (first) NaN is the extreme.
+                assert_eq!(y[0], V::I(7777), "{} of {dtype} with a NaN", op.name());
+                continue;
+            }
             assert!(
                 y[0].f().is_nan(),
                 "{} of {dtype} with a NaN: {:?}",
@@ -1432,4 +1573,255 @@ fn work_follows_the_current_stream() {
     assert!((got - want).abs() < 1e-4 * want, "{got} vs {want}");
     assert_eq!(m.shape(), &[1024, 1024]);
     set_current_stream(0, previous);
+}
+
+// ---------------------------------------------------------------------------------------------
+// NumPy habits: floor division, remainder and power edges, bool reductions, all / any,
+// var / std, isnan / isinf / isfinite, composed arg reductions, advanced indexing. Each result is
+// checked against the CPU's on the same data (the CPU's are checked against NumPy and against
+// references in compute_cpu.rs).
+
+/// `f` on the device and on the host copy of the same inputs agree: exactly for integers and
+/// bool, within a few ulp of the dtype for floats.
+fn agrees(what: &str, device: Device, f: impl Fn(Device) -> dlbridge::Result<Tensor>) {
+    agrees_within(what, device, 8.0, f)
+}
+
+/// [`agrees`] with floats within `ulps` times the dtype's element-wise tolerance.
+fn agrees_within(
+    what: &str,
+    device: Device,
+    ulps: f64,
+    f: impl Fn(Device) -> dlbridge::Result<Tensor>,
+) {
+    let got = f(device).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
+    let want = f(Device::CPU).unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
+    assert_eq!(got.device(), device, "{what}");
+    assert_eq!(
+        (got.shape(), got.dtype()),
+        (want.shape(), want.dtype()),
+        "{what}"
+    );
+    let (rtol, atol) = if is_int(got.dtype()) || got.dtype() == DType::BOOL {
+        (0.0, 0.0)
+    } else {
+        let (r, a) = tolerance(got.dtype());
+        (r * ulps, a)
+    };
+    check(what, &read(&got), &read(&want), rtol, atol);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn floor_division_remainder_and_power_follow_numpy_on_the_device() {
+    let device = gpu();
+    let mut rng = Rng::new(21);
+    for dtype in DTYPES {
+        let n = 2048;
+        let mut va = rng.values(dtype, n, -50.0, 50.0);
+        let mut vb = rng.values(dtype, n, -9.0, 9.0);
+        // Zero divisors, -1 against the most negative value, special floats.
+        for (k, b) in vb.iter_mut().enumerate().take(64) {
+            *b = value_of(dtype, [0.0, -1.0, 1.0, 3.0][k % 4]);
+        }
+        if is_signed(dtype) {
+            for a in va.iter_mut().take(32) {
+                *a = V::I(-(1i128 << (dtype.bits() - 1)));
+            }
+        }
+        if !is_int(dtype) {
+            let special = [f64::INFINITY, f64::NEG_INFINITY, f64::NAN, -0.0, 0.0, 7.0];
+            for (k, a) in va.iter_mut().skip(64).take(36).enumerate() {
+                *a = V::F(special[k % 6]);
+            }
+            for (k, b) in vb.iter_mut().skip(64).take(36).enumerate() {
+                *b = V::F(special[(k / 6) % 6]);
+            }
+        }
+        let a = |d: Device| on(d, dtype, &va, &[n]);
+        let b = |d: Device| on(d, dtype, &vb, &[n]);
+        for op in [BinaryOp::FloorDiv, BinaryOp::Mod] {
+            agrees(&format!("{} of {dtype}", op.name()), device, |d| {
+                compute::binary(op, &a(d), &b(d))
+            });
+            agrees(&format!("{} of {dtype} by 3", op.name()), device, |d| {
+                compute::binary_scalar(op, &a(d), Scalar::Int(3), false)
+            });
+            agrees(&format!("7 {} {dtype}", op.name()), device, |d| {
+                compute::binary_scalar(op, &b(d), Scalar::Int(7), true)
+            });
+        }
+        // Powers: non-negative small exponents for integers (negative ones are refused).
+        let ve = rng.small(dtype, n, 0.0, if is_int(dtype) { 70.0 } else { 4.0 });
+        let e = |d: Device| on(d, dtype, &ve, &[n]);
+        agrees(&format!("pow of {dtype}"), device, |d| {
+            compute::binary(BinaryOp::Pow, &a(d), &e(d))
+        });
+        if is_signed(dtype) {
+            let err = compute::binary_scalar(BinaryOp::Pow, &a(device), Scalar::Int(-2), false)
+                .unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+            let err = compute::binary(BinaryOp::Pow, &e(device), &a(device)).unwrap_err();
+            assert!(err.to_string().contains("negative integer powers"), "{err}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn composed_reductions_and_classifications_match_the_cpu() {
+    let device = gpu();
+    let mut rng = Rng::new(22);
+    let shape = [6usize, 5, 33];
+    let n: usize = shape.iter().product();
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::I16,
+        DType::U8,
+    ] {
+        let mut vals = rng.small(dtype, n, -3.0, 3.0);
+        if !is_int(dtype) {
+            vals[17] = V::F(f64::NAN);
+            vals[400] = V::F(f64::INFINITY);
+            vals[401] = V::F(f64::NEG_INFINITY);
+        }
+        vals[5] = vals[6]; // ties
+        let x = |d: Device| on(d, dtype, &vals, &shape);
+        let views = |d: Device| {
+            let t = x(d);
+            [
+                t.clone(),
+                t.permute(&[2, 0, 1]).unwrap(),
+                t.slice(
+                    0,
+                    SliceArg {
+                        start: None,
+                        stop: None,
+                        step: -2,
+                    },
+                )
+                .unwrap(),
+            ]
+        };
+        for v in 0..3 {
+            for axes in [
+                None,
+                Some(&[0isize][..]),
+                Some(&[-1][..]),
+                Some(&[0, 2][..]),
+            ] {
+                for keepdims in [false, true] {
+                    let what = |name: &str| format!("{name} of {dtype} view {v} over {axes:?}");
+                    agrees(&what("all"), device, |d| {
+                        compute::all(&views(d)[v], axes, keepdims)
+                    });
+                    agrees(&what("any"), device, |d| {
+                        compute::any(&views(d)[v], axes, keepdims)
+                    });
+                    agrees(&what("var"), device, |d| {
+                        compute::var(&views(d)[v], axes, 1.0, keepdims)
+                    });
+                    agrees(&what("std"), device, |d| {
+                        compute::std(&views(d)[v], axes, 0.0, keepdims)
+                    });
+                    for op in [ReduceOp::ArgMax, ReduceOp::ArgMin] {
+                        agrees(&what(op.name()), device, |d| {
+                            compute::reduce(op, &views(d)[v], axes, keepdims)
+                        });
+                    }
+                }
+            }
+            agrees("isnan", device, |d| compute::isnan(&views(d)[v]));
+            agrees("isinf", device, |d| compute::isinf(&views(d)[v]));
+            agrees("isfinite", device, |d| compute::isfinite(&views(d)[v]));
+        }
+    }
+    // Products: of values near 1 (finite whatever the order), each factor rounding once.
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::I32, DType::U64] {
+        let vals = if is_int(dtype) {
+            rng.values(dtype, n, 0.0, 0.0)
+        } else {
+            rng.small(dtype, n, 0.95, 1.05)
+        };
+        for axes in [None, Some(&[1isize][..]), Some(&[0, 2][..])] {
+            agrees_within(
+                &format!("prod of {dtype} over {axes:?}"),
+                device,
+                64.0,
+                |d| compute::reduce(ReduceOp::Prod, &on(d, dtype, &vals, &shape), axes, false),
+            );
+        }
+    }
+    // bool arrays reduce as NumPy's: counts in int64, max / min stay bool.
+    let flags: Vec<V> = (0..n).map(|i| V::I((i % 3 == 0) as i128)).collect();
+    for op in [
+        ReduceOp::Sum,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Prod,
+        ReduceOp::ArgMax,
+    ] {
+        agrees(&format!("{} of bool", op.name()), device, |d| {
+            compute::reduce(op, &on(d, DType::BOOL, &flags, &shape), Some(&[1]), false)
+        });
+    }
+    // Empty: all is true, any false, argmax refused.
+    let empty = on(device, DType::F32, &[], &[0, 4]);
+    assert_eq!(
+        read(&compute::all(&empty, Some(&[0]), false).unwrap()),
+        vec![V::I(1); 4]
+    );
+    assert_eq!(
+        read(&compute::any(&empty, None, false).unwrap()),
+        vec![V::I(0)]
+    );
+    assert!(compute::reduce(ReduceOp::ArgMax, &empty, Some(&[0]), false).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn advanced_indexing_gathers_and_scatters_device_views() {
+    use dlbridge::compute::index;
+    let device = gpu();
+    let vals: Vec<V> = (0..120).map(|i| V::F(i as f64)).collect();
+    let x = |d: Device| on(d, DType::F32, &vals, &[4, 5, 6]);
+    let idx = |d: Device| {
+        on(
+            d,
+            DType::I64,
+            &[V::I(2), V::I(-1), V::I(0), V::I(2)],
+            &[2, 2],
+        )
+    };
+    let view = |t: &Tensor| {
+        t.slice(0, SliceArg::range(1, 4))
+            .unwrap()
+            .permute(&[2, 0, 1])
+            .unwrap()
+    };
+    agrees("take on one axis", device, |d| {
+        index::take(&view(&x(d)), &[1], &[idx(d)], false)
+    });
+    agrees("take on two axes (first)", device, |d| {
+        index::take(&x(d), &[0, 2], &[idx(d), idx(d)], true)
+    });
+    // Scatter a broadcast value through a device view; the rest stays.
+    let written = |d: Device| -> dlbridge::Result<Tensor> {
+        let t = x(d);
+        let value = on(d, DType::F32, &[V::F(-1.0)], &[]);
+        // SAFETY: `t` is this closure's own; nothing else references it.
+        unsafe { index::put(&view(&t), &[1], &[idx(d)], false, &value)? };
+        Ok(t)
+    };
+    agrees("put through a view", device, written);
+    // A mask read on the host, and the positions it selects.
+    let mask: Vec<V> = (0..120).map(|i| V::I((i % 7 == 0) as i128)).collect();
+    let nz = index::nonzero(&on(device, DType::BOOL, &mask, &[4, 5, 6])).unwrap();
+    let want = index::nonzero(&on(Device::CPU, DType::BOOL, &mask, &[4, 5, 6])).unwrap();
+    for (g, w) in nz.iter().zip(&want) {
+        assert_eq!(read(g), read(w));
+    }
 }

@@ -101,12 +101,39 @@ fn unary_ref(op: UnaryOp, x: f32) -> f32 {
     }
 }
 
+/// NumPy's `divmod` of floats (`npy_divmod`), in `float`.
+fn numpy_divmod(a: f32, b: f32) -> (f32, f32) {
+    let m = a % b;
+    if b == 0.0 {
+        return (a / b, m);
+    }
+    let (mut m, mut div) = (m, (a - m) / b);
+    if m != 0.0 {
+        if (b < 0.0) != (m < 0.0) {
+            m += b;
+            div -= 1.0;
+        }
+    } else {
+        m = 0.0f32.copysign(b);
+    }
+    let q = if div != 0.0 {
+        let f = div.floor();
+        if div - f > 0.5 { f + 1.0 } else { f }
+    } else {
+        0.0f32.copysign(a / b)
+    };
+    (q, m)
+}
+
 fn binary_ref(op: BinaryOp, a: f32, b: f32) -> f32 {
     match op {
         BinaryOp::Add => a + b,
         BinaryOp::Sub => a - b,
         BinaryOp::Mul => a * b,
         BinaryOp::Div => a / b,
+        BinaryOp::FloorDiv => numpy_divmod(a, b).0,
+        BinaryOp::Mod => numpy_divmod(a, b).1,
+        BinaryOp::Pow => a.powf(b),
     }
 }
 
@@ -486,6 +513,19 @@ fn reductions_match_the_cpu() {
     for op in ReduceOp::ALL {
         for (axes, out_shape) in &cases {
             let y = compute::reduce(op, &x, axes.as_deref(), false).unwrap();
+            if op.is_arg() {
+                // Composed of max / min, comparisons and a max over index keys; checked against
+                // the CPU's kernel.
+                let host = metal::copy_to(&x, Device::CPU, None).unwrap();
+                let want = compute::reduce(op, &host, axes.as_deref(), false).unwrap();
+                assert_eq!(y.shape(), want.shape(), "{op:?} {axes:?}");
+                assert_eq!(
+                    read::<i64>(&y),
+                    want.to_vec::<i64>().unwrap(),
+                    "{op:?} over {axes:?}"
+                );
+                continue;
+            }
             assert_eq!(y.shape(), out_shape.as_slice(), "{op:?} {axes:?}");
             let reduced = |a: usize| match axes {
                 None => true,
@@ -515,6 +555,8 @@ fn reductions_match_the_cpu() {
                             ReduceOp::Mean => (vals.iter().sum::<f64>() / vals.len() as f64) as f32,
                             ReduceOp::Max => vals.iter().cloned().fold(f64::MIN, f64::max) as f32,
                             ReduceOp::Min => vals.iter().cloned().fold(f64::MAX, f64::min) as f32,
+                            ReduceOp::Prod => vals.iter().product::<f64>() as f32,
+                            ReduceOp::ArgMax | ReduceOp::ArgMin => unreachable!("checked above"),
                         });
                     }
                 }
@@ -840,4 +882,128 @@ fn compile_errors_carry_the_log() {
     );
     let err = kernel::compile(device, VECTOR_ADD, "vector_add", &["-O3".into()]).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+/// The elements of a tensor on any device, as `f64` (bool as 0 / 1).
+fn as_f64(t: &Tensor) -> Vec<f64> {
+    let host = if t.device() == Device::CPU {
+        t.clone()
+    } else {
+        metal::copy_to(t, Device::CPU, None).unwrap()
+    };
+    let host = if host.dtype() == DType::BOOL {
+        host.cast(DType::U8).unwrap()
+    } else {
+        host
+    };
+    host.cast(DType::F64).unwrap().to_vec::<f64>().unwrap()
+}
+
+/// `host` on `device` (itself for the CPU).
+fn place(host: Tensor, device: Device) -> dlbridge::Result<Tensor> {
+    if device == Device::CPU {
+        Ok(host)
+    } else {
+        metal::copy_to(&host, device, None)
+    }
+}
+
+/// `f` on the Metal device and on the CPU agree on the same inputs (floats within `rel`).
+fn agrees(what: &str, device: Device, rel: f32, f: impl Fn(Device) -> dlbridge::Result<Tensor>) {
+    let got = f(device).unwrap_or_else(|e| panic!("{what} on Metal: {e}"));
+    let want = f(Device::CPU).unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
+    assert_eq!(
+        (got.shape(), got.dtype()),
+        (want.shape(), want.dtype()),
+        "{what}"
+    );
+    let (g, w) = (as_f64(&got), as_f64(&want));
+    let g: Vec<f32> = g.iter().map(|&v| v as f32).collect();
+    let w: Vec<f32> = w.iter().map(|&v| v as f32).collect();
+    assert_close(&g, &w, rel, what);
+}
+
+#[test]
+#[ignore = "needs a Metal device"]
+fn numpy_habits_match_the_cpu() {
+    use dlbridge::compute::index;
+    let (device, _serial) = gpu();
+    let mut data = noise(600, 11, 6.0);
+    data[7] = f32::NAN;
+    data[8] = f32::INFINITY;
+    data[9] = 0.0;
+    data[10] = data[11]; // ties
+    let divisors = noise(600, 12, 4.0);
+    let ints: Vec<i32> = data
+        .iter()
+        .map(|&v| if v.is_finite() { (v * 20.0) as i32 } else { 0 })
+        .collect();
+    let x = |d: Device| place(Tensor::from_slice(&data, &[6, 100]).unwrap(), d);
+    let y = |d: Device| place(Tensor::from_slice(&divisors, &[6, 100]).unwrap(), d);
+    let i = |d: Device| place(Tensor::from_slice(&ints, &[6, 100]).unwrap(), d);
+    let small = |d: Device| {
+        let e: Vec<i32> = (0..600).map(|k| (k % 9) as i32).collect();
+        place(Tensor::from_slice(&e, &[6, 100]).unwrap(), d)
+    };
+    for op in [BinaryOp::FloorDiv, BinaryOp::Mod, BinaryOp::Pow] {
+        agrees(op.name(), device, 1e-5, |d| {
+            compute::binary(op, &x(d)?, &y(d)?)
+        });
+        agrees(&format!("{} of int32", op.name()), device, 0.0, |d| {
+            let b = if op == BinaryOp::Pow {
+                small(d)?
+            } else {
+                i(d)?.transpose()?.transpose()?
+            };
+            compute::binary(op, &i(d)?, &b)
+        });
+        agrees(&format!("{} by 3", op.name()), device, 1e-5, |d| {
+            compute::binary_scalar(op, &i(d)?, Scalar::Int(3), false)
+        });
+    }
+    let err = compute::binary_scalar(BinaryOp::Pow, &i(device).unwrap(), Scalar::Int(-1), false)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    for axes in [None, Some(&[0isize][..]), Some(&[-1][..])] {
+        for keepdims in [false, true] {
+            let what = |name: &str| format!("{name} over {axes:?}");
+            for op in [ReduceOp::ArgMax, ReduceOp::ArgMin] {
+                agrees(&what(op.name()), device, 0.0, |d| {
+                    compute::reduce(op, &x(d)?, axes, keepdims)
+                });
+                agrees(&what(op.name()), device, 0.0, |d| {
+                    compute::reduce(op, &x(d)?.transpose()?, axes, keepdims)
+                });
+            }
+            agrees(&what("all"), device, 0.0, |d| {
+                compute::all(&x(d)?, axes, keepdims)
+            });
+            agrees(&what("any"), device, 0.0, |d| {
+                compute::any(&i(d)?, axes, keepdims)
+            });
+            agrees(&what("var"), device, 1e-4, |d| {
+                compute::var(&y(d)?, axes, 1.0, keepdims)
+            });
+            agrees(&what("std"), device, 1e-4, |d| {
+                compute::std(&y(d)?, axes, 0.0, keepdims)
+            });
+            agrees(&what("prod"), device, 0.0, |d| {
+                compute::reduce(ReduceOp::Prod, &small(d)?, axes, keepdims)
+            });
+        }
+    }
+    agrees("isnan", device, 0.0, |d| compute::isnan(&x(d)?));
+    agrees("isfinite", device, 0.0, |d| compute::isfinite(&x(d)?));
+    // Advanced indexing of a Metal view (staged through the host).
+    let idx = |d: Device| place(Tensor::from_slice(&[5i64, -1, 0], &[3]).unwrap(), d);
+    agrees("take", device, 0.0, |d| {
+        index::take(&x(d)?.transpose()?, &[0], &[idx(d)?], false)
+    });
+    agrees("put", device, 0.0, |d| {
+        let t = x(d)?;
+        let value = place(Tensor::from_slice(&[-2.0f32], &[]).unwrap(), d)?;
+        // SAFETY: `t` is this closure's own; nothing else references it.
+        unsafe { index::put(&t, &[1], &[idx(d)?], false, &value)? };
+        Ok(t)
+    });
 }

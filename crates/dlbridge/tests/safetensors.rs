@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dlbridge::safetensors::{
-    Checkpoint, Header, MAX_HEADER_LEN, SafeTensors, dtype_from_name, dtype_name, dtype_names,
-    save_file, serialize,
+    Checkpoint, DEFAULT_MAX_GAP, Header, LoadOptions, MAX_HEADER_LEN, PartPlan, SafeTensors,
+    deserialize, dtype_from_name, dtype_name, dtype_names, save_file, serialize,
 };
-use dlbridge::{DType, Device, Error, Layout, Tensor};
+use dlbridge::{DType, Device, Error, Layout, SliceArg, Tensor};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -896,7 +896,8 @@ fn mkfifo(path: &Path) {
 /// Every way the crate opens a file a caller names (one file, a list of shards, an index, the
 /// shards an index lists, a header alone) refuses a FIFO, a socket, a character device and a
 /// directory with an `Error::Io` saying what it is, and none of them blocks (a FIFO without a
-/// writer blocked `open` forever). A save refuses them as its target too.
+/// writer blocked `open` forever). A save refuses them as its target too. (`Checkpoint::open`
+/// opens a folder as the checkpoint in it: an empty one is `NotFound`, saying so.)
 #[test]
 fn non_regular_files_are_refused_without_blocking() {
     let dir = TempDir::new("special");
@@ -958,7 +959,13 @@ fn non_regular_files_are_refused_without_blocking() {
         for (what, open) in opens {
             let (p, g) = (path.clone(), good.clone());
             let result = within_seconds(what, move || open(p, g));
-            expect(result, path, says, kind);
+            if what == "Checkpoint::open" && path == &folder {
+                // A folder opens as the checkpoint it holds: this one holds none.
+                let says = "is a directory holding no model.safetensors.index.json";
+                expect(result, path, says, IoKind::NotFound);
+            } else {
+                expect(result, path, says, kind);
+            }
         }
         // An index naming it as a shard.
         let name = path.file_name().unwrap().to_str().unwrap();
@@ -1197,5 +1204,423 @@ fn a_save_refuses_a_header_over_the_cap() {
     assert_eq!(
         header.metadata().unwrap()["k"].len(),
         MAX_HEADER_LEN as usize - 200
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parts of tensors: only the bytes a part needs (a tensor-parallel rank's rows or columns)
+
+/// The bytes a plan's runs bring into its destination, from `array`.
+fn gather(plan: &PartPlan, array: &[u8]) -> Vec<u8> {
+    let mut dst = vec![0xEEu8; plan.len];
+    for (run, at) in &plan.runs {
+        let (start, end) = (run.start as usize, run.end as usize);
+        dst[*at..*at + (end - start)].copy_from_slice(&array[start..end]);
+    }
+    dst
+}
+
+/// The `u32` elements `layout` addresses in `bytes`, in row-major order of the layout.
+fn elements(layout: &Layout, bytes: &[u8]) -> Vec<u32> {
+    let t = tensor_of(bytes, DType::U8, &[bytes.len()]);
+    let view = Tensor::new(t.buffer().clone(), DType::U32, layout.clone()).unwrap();
+    view.copy().unwrap().to_vec::<u32>().unwrap()
+}
+
+/// An array of `n` `u32` elements each holding its own index.
+fn counting(n: usize) -> Vec<u8> {
+    (0..n as u32).flat_map(u32::to_le_bytes).collect()
+}
+
+/// A layout over `shape` (row-major, byte offset 0) with `ops` applied: `Ok(arg)` slices the
+/// axis, `Err(i)` indexes it.
+fn part_of(shape: &[usize], ops: &[(isize, std::result::Result<SliceArg, isize>)]) -> Layout {
+    let mut layout = Layout::contiguous(shape).unwrap();
+    for (axis, op) in ops {
+        layout = match op {
+            Ok(arg) => layout.slice(*axis, *arg, 4).unwrap(),
+            Err(i) => layout.index(*axis, *i, 4).unwrap(),
+        };
+    }
+    layout
+}
+
+fn range(start: isize, stop: isize, step: isize) -> std::result::Result<SliceArg, isize> {
+    Ok(SliceArg {
+        start: Some(start),
+        stop: Some(stop),
+        step,
+    })
+}
+
+/// Every kind of part of a (4, 6, 8) `u32` array, planned with no gap read through and with the
+/// default: the destination holds exactly the part's elements where its layout says, the runs
+/// are increasing and disjoint, and without gaps only the part's own bytes are read, in as few
+/// runs as its rows allow (a dim-0 range is one run; an inner range one run per outer index).
+#[test]
+fn part_plans_read_only_the_bytes_a_part_needs() {
+    let shape = [4usize, 6, 8];
+    let array = counting(4 * 6 * 8);
+    let cases: Vec<(&str, Layout, usize)> = vec![
+        ("whole", part_of(&shape, &[]), 1),
+        ("rows 1:3", part_of(&shape, &[(0, range(1, 3, 1))]), 1),
+        ("row 2", part_of(&shape, &[(0, Err(2))]), 1),
+        ("last row", part_of(&shape, &[(0, Err(-1))]), 1),
+        ("columns 2:4", part_of(&shape, &[(1, range(2, 4, 1))]), 4),
+        ("inner 1:3", part_of(&shape, &[(2, range(1, 3, 1))]), 24),
+        (
+            "row 1, inner 5:8",
+            part_of(&shape, &[(0, Err(1)), (1, range(5, 8, 1))]),
+            6,
+        ),
+        (
+            "every other row",
+            part_of(&shape, &[(0, range(0, 4, 2))]),
+            2,
+        ),
+        ("a step inside", part_of(&shape, &[(2, range(0, 8, 3))]), 72),
+        (
+            "element",
+            part_of(&shape, &[(0, Err(3)), (0, Err(5)), (0, Err(7))]),
+            1,
+        ),
+        (
+            "new axes",
+            {
+                let l = part_of(&shape, &[(1, range(1, 2, 1))]);
+                l.expand_dims(0).unwrap().expand_dims(3).unwrap()
+            },
+            4,
+        ),
+        ("empty", part_of(&shape, &[(0, range(2, 2, 1))]), 0),
+    ];
+    for (name, part, runs_without_gaps) in &cases {
+        let want = elements(part, &array);
+        let exact = PartPlan::new(part, 4, array.len(), 0).unwrap();
+        let merged = PartPlan::new(part, 4, array.len(), DEFAULT_MAX_GAP).unwrap();
+        assert_eq!(exact.runs.len(), *runs_without_gaps, "{name}: {exact:?}");
+        assert_eq!(
+            exact.bytes_read(),
+            4 * part.numel() as u64,
+            "{name}: only the part's bytes"
+        );
+        assert_eq!(exact.len, 4 * part.numel(), "{name}");
+        for plan in [&exact, &merged] {
+            assert!(
+                plan.runs.windows(2).all(|w| w[0].0.end < w[1].0.start),
+                "{name}: runs increasing, disjoint and apart: {:?}",
+                plan.runs
+            );
+            assert_eq!(plan.layout.shape(), part.shape(), "{name}");
+            assert_eq!(
+                elements(&plan.layout, &gather(plan, &array)),
+                want,
+                "{name}"
+            );
+            assert!(plan.bytes_read() as usize <= plan.len && plan.len <= array.len());
+        }
+        // Through gaps of at most `DEFAULT_MAX_GAP` (256 bytes), this small array is one run.
+        assert!(merged.runs.len() <= 1, "{name}: {:?}", merged.runs);
+    }
+    // A 0-d array's part is its one element.
+    let scalar = PartPlan::new(&Layout::contiguous(&[]).unwrap(), 4, 4, 0).unwrap();
+    assert_eq!((scalar.runs.clone(), scalar.len), (vec![(0..4, 0)], 4));
+    // A rank's columns: 1 KiB rows, 64 bytes of each, one run per row.
+    let wide = part_of(&[16, 256], &[(1, range(8, 24, 1))]);
+    let plan = PartPlan::new(&wide, 4, 16 * 1024, DEFAULT_MAX_GAP).unwrap();
+    assert_eq!(plan.runs.len(), 16);
+    assert_eq!(plan.runs[1], (1024 + 32..1024 + 96, 64));
+    assert_eq!(plan.layout.strides(), [16, 1]);
+}
+
+#[test]
+fn part_plans_refuse_what_is_not_a_part() {
+    let shape = [4usize, 6];
+    let backwards = part_of(&shape, &[(0, range(3, 0, -1))]);
+    let transposed = Layout::contiguous(&shape).unwrap().transpose();
+    let broadcast = Layout::contiguous(&[1, 6])
+        .unwrap()
+        .broadcast_to(&[4, 6])
+        .unwrap();
+    for (name, part) in [
+        ("backwards", &backwards),
+        ("transposed", &transposed),
+        ("broadcast", &broadcast),
+    ] {
+        match PartPlan::new(part, 4, 96, 0) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("axis"), "{name}: {m}"),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    let whole = Layout::contiguous(&shape).unwrap();
+    assert!(matches!(
+        PartPlan::new(&whole, 4, 95, 0),
+        Err(Error::OutOfBounds(_))
+    ));
+}
+
+/// A file with a (16, 12) `f32` "w" (aligned), a `u8` "odd" of 3 bytes, and an (8, 5) `f32`
+/// "m" after it, three bytes off its alignment; "w" holds its element indexes, "m" 1000 + index.
+fn part_file(dir: &TempDir) -> PathBuf {
+    let w: Vec<u8> = (0..192).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let m: Vec<u8> = (0..40)
+        .flat_map(|i| (1000.0 + i as f32).to_le_bytes())
+        .collect();
+    let mut data = w.clone();
+    data.extend_from_slice(&[1, 2, 3]);
+    data.extend_from_slice(&m);
+    let json = format!(
+        r#"{{"w":{{"dtype":"F32","shape":[16,12],"data_offsets":[0,{a}]}},"odd":{{"dtype":"U8","shape":[3],"data_offsets":[{a},{b}]}},"m":{{"dtype":"F32","shape":[8,5],"data_offsets":[{b},{c}]}}}}"#,
+        a = w.len(),
+        b = w.len() + 3,
+        c = data.len()
+    );
+    dir.file("parts.safetensors", &st_bytes(&json, &data))
+}
+
+/// The elements of `t` as `f32`, in row-major order.
+fn f32s(t: &Tensor) -> Vec<f32> {
+    t.copy_to(Device::CPU)
+        .unwrap()
+        .copy()
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
+/// On the CPU a part is a view of the mapped file with the part's strides (zero-copy); asked for
+/// a copy, or where its bytes are misaligned, it is a compact copy of only its bytes, read from
+/// the file: the same elements as the whole tensor sliced, every way.
+#[test]
+fn a_part_on_the_cpu_is_a_view_of_the_file_or_a_copy_of_its_bytes() {
+    let dir = TempDir::new("parts");
+    let path = part_file(&dir);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let shard = &ckpt.shards()[0];
+    for name in ["w", "m"] {
+        let whole = ckpt.tensor(name, true).unwrap();
+        let shape = whole.shape().to_vec();
+        let parts = [
+            part_of(&shape, &[(0, range(2, 5, 1))]),
+            part_of(&shape, &[(1, range(1, 4, 1))]),
+            part_of(&shape, &[(0, Err(-1))]),
+            part_of(&shape, &[(1, range(0, 5, 2))]),
+            part_of(&shape, &[(0, range(4, 4, 1))]),
+        ];
+        for part in &parts {
+            let mut expected = whole.clone();
+            // The same selection on the loaded tensor: its layout is the part's.
+            expected = Tensor::new(expected.buffer().clone(), DType::F32, part.clone()).unwrap();
+            let want = f32s(&expected);
+            for copy in [false, true] {
+                let options = LoadOptions {
+                    copy,
+                    ..LoadOptions::new(Device::CPU)
+                };
+                let got = ckpt.load_part(name, part, &options).unwrap();
+                assert_eq!(got.shape(), part.shape(), "{name} {part:?}");
+                assert_eq!(f32s(&got), want, "{name} {part:?} copy={copy}");
+                let is_view = got.buffer().same_allocation(shard.buffer());
+                let viewable = !copy && name == "w" && part.numel() > 0;
+                assert_eq!(is_view, viewable, "{name} {part:?} copy={copy}");
+                assert_eq!(got.is_read_only(), !copy, "{name} {part:?} copy={copy}");
+                if is_view {
+                    assert_eq!(got.strides(), part.strides(), "a view keeps the strides");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn parts_that_cannot_be_read_are_clear_errors() {
+    let dir = TempDir::new("part-errors");
+    let path = part_file(&dir);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let cpu = LoadOptions::new(Device::CPU);
+    let whole = Layout::contiguous(&[16, 12]).unwrap();
+    assert!(matches!(
+        ckpt.load_part("nope", &whole, &cpu),
+        Err(Error::InvalidArgument(m)) if m.contains("nope")
+    ));
+    // A part of another tensor's shape that reaches past this one.
+    let bigger = Layout::contiguous(&[17, 12]).unwrap();
+    assert!(matches!(
+        ckpt.load_part("w", &bigger, &cpu),
+        Err(Error::OutOfBounds(_))
+    ));
+    // Packed sub-byte elements.
+    let packed = dir.file(
+        "fp4.safetensors",
+        &st_bytes(
+            r#"{"q":{"dtype":"F4","shape":[4,4],"data_offsets":[0,8]}}"#,
+            &[0x21; 8],
+        ),
+    );
+    let packed = Checkpoint::open(&packed).unwrap();
+    let rows = part_of(&[4, 4], &[(0, range(0, 2, 1))]);
+    assert!(matches!(
+        packed.load_part("q", &rows, &cpu),
+        Err(Error::UnsupportedDType(m)) if m.contains("packed")
+    ));
+    // A conversion to a type that is not floating-point would truncate: refused, for whole
+    // loads and parts alike.
+    for dtype in [DType::I8, DType::U32, DType::BOOL] {
+        let options = LoadOptions {
+            dtype: Some(dtype),
+            ..LoadOptions::new(Device::CPU)
+        };
+        for result in [
+            ckpt.load_to(|_| true, &options, &mut |_, _| {}).map(drop),
+            ckpt.load_part("w", &whole, &options).map(drop),
+        ] {
+            match result {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("truncate"), "{m}"),
+                other => panic!("{dtype}: {other:?}"),
+            }
+        }
+    }
+    let half = LoadOptions {
+        dtype: Some(DType::F16),
+        ..LoadOptions::new(Device::CPU)
+    };
+    let part = ckpt.load_part("w", &rows_of(2), &half).unwrap();
+    assert_eq!(part.dtype(), DType::F16);
+    assert_eq!(
+        part.cast(DType::F32).unwrap().to_vec::<f32>().unwrap()[13],
+        13.0
+    );
+}
+
+fn rows_of(n: isize) -> Layout {
+    part_of(&[16, 12], &[(0, range(0, n, 1))])
+}
+
+/// On the GPU a part's runs alone are read (staging or direct reads), into one allocation: the
+/// same elements as the CPU's, for rows, columns, steps, an element and an empty part.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_part_on_the_gpu_holds_the_same_elements() {
+    let device = gpu();
+    let dir = TempDir::new("parts-gpu");
+    let path = part_file(&dir);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    for name in ["w", "m"] {
+        let shape = ckpt.info(name).unwrap().1.shape().to_vec();
+        for part in [
+            part_of(&shape, &[(0, range(2, 5, 1))]),
+            part_of(&shape, &[(1, range(1, 4, 1))]),
+            part_of(&shape, &[(1, range(0, 5, 2))]),
+            part_of(&shape, &[(0, Err(3)), (0, Err(1))]),
+            part_of(&shape, &[(0, range(4, 4, 1))]),
+        ] {
+            let want = f32s(
+                &ckpt
+                    .load_part(name, &part, &LoadOptions::new(Device::CPU))
+                    .unwrap(),
+            );
+            for direct in [Some(false), Some(true)] {
+                let options = LoadOptions {
+                    direct_io: direct,
+                    threads: Some(2),
+                    ..LoadOptions::new(device)
+                };
+                let got = ckpt.load_part(name, &part, &options).unwrap();
+                assert_eq!(got.device(), device);
+                assert_eq!(got.shape(), part.shape());
+                assert_eq!(f32s(&got), want, "{name} {part:?} direct={direct:?}");
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Folders, and files in memory
+
+#[test]
+fn a_folder_opens_as_the_checkpoint_it_holds() {
+    let dir = TempDir::new("folder");
+    let (one, two) = two_shards(&dir);
+    // No index: every *.safetensors file, in name order.
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    assert_eq!(ckpt.keys().collect::<Vec<_>>(), ["a", "b", "c"]);
+    let shards: Vec<&Path> = ckpt.shards().iter().map(|s| s.path()).collect();
+    assert_eq!(shards, [one.as_path(), two.as_path()]);
+    // An index is preferred: this one leaves the second shard out.
+    std::fs::write(dir.path("notes.txt"), "not a checkpoint").unwrap();
+    dir.file(
+        "model.safetensors.index.json",
+        br#"{"metadata": {"m": "1"}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+            "b": "model-00001-of-00002.safetensors"}}"#,
+    );
+    let ckpt = Checkpoint::open_folder(&dir.0).unwrap();
+    assert_eq!(ckpt.keys().collect::<Vec<_>>(), ["a", "b"]);
+    assert_eq!(ckpt.metadata().unwrap()["m"], "1");
+    // Another index beside it: model.safetensors.index.json still wins.
+    dir.file(
+        "other.safetensors.index.json",
+        br#"{"weight_map": {"c": "model-00002-of-00002.safetensors"}}"#,
+    );
+    assert_eq!(Checkpoint::open(&dir.0).unwrap().keys().count(), 2);
+    // Without it, two indexes are ambiguous; one is taken.
+    std::fs::remove_file(dir.path("model.safetensors.index.json")).unwrap();
+    assert_eq!(
+        Checkpoint::open(&dir.0).unwrap().keys().collect::<Vec<_>>(),
+        ["c"]
+    );
+    dir.file(
+        "third.safetensors.index.json",
+        br#"{"weight_map": {"c": "model-00002-of-00002.safetensors"}}"#,
+    );
+    match Checkpoint::open(&dir.0) {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains("other.safetensors.index.json"), "{m}");
+            assert!(m.contains("third.safetensors.index.json"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A folder holding none of these says what it looked for.
+    let empty = TempDir::new("empty-folder");
+    std::fs::write(empty.path("README.md"), "hello").unwrap();
+    match Checkpoint::open(&empty.0) {
+        Err(Error::Io { path, source }) => {
+            assert_eq!(path, empty.0);
+            assert_eq!(source.kind(), IoKind::NotFound);
+            assert!(
+                source.to_string().contains("is a directory holding no"),
+                "{source}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // A list of files still names files: a folder in it is refused.
+    assert!(matches!(
+        Checkpoint::open_files(&[&dir.0]),
+        Err(Error::Io { source, .. }) if source.kind() == IoKind::IsADirectory
+    ));
+}
+
+#[test]
+fn bytes_in_memory_round_trip() {
+    let a = Tensor::from_slice(&[1.5f32, -2.0, 3.25, 4.0], &[2, 2]).unwrap();
+    let b = Tensor::from_slice(&[7u8, 8, 9], &[3]).unwrap();
+    let empty = Tensor::zeros(&[0, 3], DType::F16, Device::CPU).unwrap();
+    let metadata = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+    let bytes = serialize(&[("a", &a), ("b", &b), ("e", &empty)], Some(&metadata)).unwrap();
+    let (meta, tensors) = deserialize(&bytes).unwrap();
+    assert_eq!(meta, Some(metadata));
+    assert_eq!(
+        tensors["a"].to_vec::<f32>().unwrap(),
+        a.to_vec::<f32>().unwrap()
+    );
+    assert_eq!(tensors["b"].to_vec::<u8>().unwrap(), vec![7, 8, 9]);
+    assert_eq!(tensors["e"].shape(), [0, 3]);
+    assert!(!tensors["a"].is_read_only(), "memory of its own");
+    let (meta, _) = deserialize(&serialize(&[("a", &a)], None).unwrap()).unwrap();
+    assert_eq!(meta, None);
+    assert_invalid(
+        deserialize(b"PK\x03\x04 this is a zip file"),
+        Path::new("<bytes>"),
+        &["not a safetensors file"],
     );
 }

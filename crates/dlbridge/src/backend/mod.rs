@@ -20,7 +20,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, StorageMode};
-use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
+use crate::compute::{MapRequest, MatmulRequest, ReduceOp, ReduceRequest};
 use crate::device::{Device, DeviceKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -101,6 +101,12 @@ pub(crate) trait Backend: Sync {
 
     /// Runs a reduction ([`crate::compute`]).
     fn reduce(&self, req: &ReduceRequest<'_>) -> Result<()>;
+
+    /// Whether [`Backend::reduce`] has a kernel for `op`; the front composes the others of the
+    /// built-in kernels (by default the arg reductions).
+    fn reduces(&self, op: ReduceOp) -> bool {
+        !op.is_arg()
+    }
 
     /// Runs a batched matrix product ([`crate::compute`]).
     fn matmul(&self, req: &MatmulRequest<'_>) -> Result<()>;
@@ -504,6 +510,11 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     compute_on(req.out.device())?.reduce(req)
 }
 
+/// Whether the backend of `device` has a reduction kernel for `op` ([`Backend::reduces`]).
+pub(crate) fn reduces(device: Device, op: ReduceOp) -> bool {
+    compute_on(device).is_ok_and(|b| b.reduces(op))
+}
+
 /// Runs a batched matrix product on the request's device ([`crate::compute`]).
 pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {
     compute_on(req.out.device())?.matmul(req)
@@ -519,6 +530,16 @@ fn compute_on(device: Device) -> Result<&'static dyn Backend> {
 /// do not convert.
 pub(crate) fn cast_on_host(x: &Tensor, dtype: DType) -> Result<Tensor> {
     cpu::cast::cast_tensor(x, dtype)
+}
+
+/// Moves blocks of elements between two host tensors ([`crate::compute::index`]).
+///
+/// # Safety
+/// As `cpu::compute::copy_blocks`: every block lies inside both tensors' buffers, and nothing
+/// else accesses the destination's bytes during the call.
+pub(crate) unsafe fn copy_blocks_on_host(req: &crate::compute::index::BlockCopy<'_>) -> Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe { cpu::compute::copy_blocks(req) }
 }
 
 /// Compiles a CUDA C kernel with NVRTC ([`crate::compute::kernel::compile`]).

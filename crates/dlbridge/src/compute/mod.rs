@@ -1,11 +1,14 @@
 //! Built-in kernels over [`Tensor`]s on any backend: element-wise arithmetic with NumPy
-//! broadcasting, reductions, (batched) matrix products and dtype casts; and user kernels compiled
-//! at run time ([`kernel`]).
+//! broadcasting, reductions, (batched) matrix products and dtype casts; operations composed of
+//! them (`all`, `any`, `var`, `std`, `isnan`, ...); advanced indexing ([`index`]); and user kernels
+//! compiled at run time ([`kernel`]).
 //!
 //! | layer | here | what it decides |
 //! | --- | --- | --- |
 //! | device | [`Backend`] | one device's allocation, copies, synchronization, memory figures and run-time kernels |
 //! | front | [`unary`], [`binary`], [`binary_scalar`], [`compare`], [`compare_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
+//! | composed | [`all`], [`any`], [`var`], [`std()`], [`isnan`], [`isinf`], [`isfinite`]; `argmax` / `argmin` where a backend has no arg kernel | the front's operations in sequence, so every backend has them |
+//! | indexing | [`index::take`], [`index::put`], [`index::take_mask`], [`index::put_mask`], [`index::nonzero`] | NumPy's advanced indexing: index arrays checked and turned into block offsets on the host, blocks moved by the CPU (a device's view staged through host memory) |
 //! | request | [`MapRequest`], [`ReduceRequest`], [`MatmulRequest`] | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
 //! | backend | `backend::{cpu,cuda,metal}::compute` | how: Rust loops and `gemm` on the CPU; NVRTC kernels and cuBLAS on CUDA; MSL kernels on Metal |
 //!
@@ -15,25 +18,31 @@
 //!
 //! # Numbers
 //! `float16` and `bfloat16` are computed in `float32` and rounded once when stored. Integer
-//! arithmetic wraps, as NumPy's does; integer division by zero is not possible (`div` of
-//! integers returns `float64`). `max` and `min` propagate NaN. A `sum` of nothing is 0, a `mean`
-//! of nothing is NaN, and `max` / `min` of nothing are errors. Comparisons return `bool` and
+//! arithmetic wraps, as NumPy's does; `div` of integers returns `float64`; `floor_divide` and
+//! `remainder` of integers by zero give 0 (NumPy's values, without its warning), and the most
+//! negative integer divided by -1 wraps to itself; integers to negative integer powers are an
+//! error, as in NumPy. `max` and `min` propagate NaN; `argmax` / `argmin` find the first NaN. A
+//! `sum` of nothing is 0, a `prod` 1, a `mean` NaN, and `max` / `min` / `argmax` / `argmin` of
+//! nothing are errors. Comparisons return `bool` and
 //! follow IEEE 754 as NumPy does: NaN is unequal to everything, itself included, so `!=` is its
 //! only true comparison. An integer scalar outside the array's dtype compares by its value (`int8`
 //! values are all `< 1000`), not wrapped into the dtype.
 
+mod compose;
 mod device;
 mod elem;
+pub mod index;
 pub mod kernel;
 pub mod plan;
 pub mod promote;
 
 use crate::backend;
 use crate::device::{Device, DeviceKind};
-use crate::dtype::DType;
+use crate::dtype::{DType, DTypeCode};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
+pub use compose::{all, any, isfinite, isinf, isnan, std, var};
 pub use device::{Backend, BackendType};
 pub(crate) use elem::Elem;
 pub use plan::{MapPlan, MatmulShape, MatrixLayout, ReducePlan, broadcast_shapes};
@@ -106,11 +115,29 @@ pub enum BinaryOp {
     Mul,
     /// `a / b` (true division).
     Div,
+    /// `a // b`: the quotient rounded toward negative infinity (NumPy's `floor_divide`; an
+    /// integer divided by zero gives 0, as NumPy's values, and the most negative integer divided
+    /// by -1 wraps to itself).
+    FloorDiv,
+    /// `a % b`: the remainder with the divisor's sign (NumPy's `remainder`, Python's `%`); an
+    /// integer modulo zero gives 0, as NumPy's values.
+    Mod,
+    /// `a ** b` (NumPy's `power`; integers wrap, and a negative integer exponent is refused by
+    /// the front, as NumPy refuses it).
+    Pow,
 }
 
 impl BinaryOp {
     /// Every binary op.
-    pub const ALL: [BinaryOp; 4] = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div];
+    pub const ALL: [BinaryOp; 7] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::FloorDiv,
+        BinaryOp::Mod,
+        BinaryOp::Pow,
+    ];
 
     /// The op's name (`"add"`, ...).
     pub const fn name(self) -> &'static str {
@@ -119,6 +146,9 @@ impl BinaryOp {
             BinaryOp::Sub => "sub",
             BinaryOp::Mul => "mul",
             BinaryOp::Div => "div",
+            BinaryOp::FloorDiv => "floor_divide",
+            BinaryOp::Mod => "remainder",
+            BinaryOp::Pow => "pow",
         }
     }
 }
@@ -212,11 +242,27 @@ pub enum ReduceOp {
     Max,
     /// The smallest element (NaN if any is NaN).
     Min,
+    /// The product (integers wrap in 64 bits, as NumPy's).
+    Prod,
+    /// The index of the largest element in the reduced axes' row-major order (the first one
+    /// among equals; the first NaN if there is one, as NumPy).
+    ArgMax,
+    /// The index of the smallest element (the first one among equals; the first NaN if there is
+    /// one).
+    ArgMin,
 }
 
 impl ReduceOp {
     /// Every reduction.
-    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
+    pub const ALL: [ReduceOp; 7] = [
+        ReduceOp::Sum,
+        ReduceOp::Mean,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Prod,
+        ReduceOp::ArgMax,
+        ReduceOp::ArgMin,
+    ];
 
     /// The op's name (`"sum"`, ...).
     pub const fn name(self) -> &'static str {
@@ -225,7 +271,24 @@ impl ReduceOp {
             ReduceOp::Mean => "mean",
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
+            ReduceOp::Prod => "prod",
+            ReduceOp::ArgMax => "argmax",
+            ReduceOp::ArgMin => "argmin",
         }
+    }
+
+    /// Whether the op returns an index (`argmax`, `argmin`) rather than a value.
+    pub const fn is_arg(self) -> bool {
+        matches!(self, ReduceOp::ArgMax | ReduceOp::ArgMin)
+    }
+
+    /// Whether the op has no value over no elements (`max`, `min` and the arg reductions: they
+    /// have no identity).
+    pub const fn needs_elements(self) -> bool {
+        matches!(
+            self,
+            ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin
+        )
     }
 }
 
@@ -603,6 +666,31 @@ pub fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// `x` (`bool` elements, bytes of 0 or 1) viewed as `uint8` bytes: what the reductions and
+/// arithmetic of `bool` arrays run on.
+pub(crate) fn bool_bytes(x: &Tensor) -> Result<Tensor> {
+    Tensor::new(x.buffer().clone(), DType::U8, x.layout().clone())
+}
+
+/// The error for integers raised to negative integer powers (NumPy's `ValueError`).
+fn negative_power() -> Error {
+    Error::InvalidArgument("integers to negative integer powers are not allowed".into())
+}
+
+/// Fails when the signed integer exponents `exponents` (of a `pow` computed in integers) hold a
+/// negative one, as NumPy does; reads their minimum back on the host (a device waits for it).
+fn refuse_negative_exponents(exponents: &Tensor) -> Result<()> {
+    if exponents.dtype().code() != DTypeCode::Int || exponents.numel() == 0 {
+        return Ok(());
+    }
+    let least = cast(&reduce(ReduceOp::Min, exponents, None, false)?, DType::I64)?;
+    let least = least.copy_to(Device::CPU)?.to_vec::<i64>()?;
+    if least.first().is_some_and(|&v| v < 0) {
+        return Err(negative_power());
+    }
+    Ok(())
+}
+
 /// `op(a, b)` element-wise with NumPy broadcasting; the dtype follows [`promote::promote`] and
 /// [`promote::binary_result`].
 pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -611,6 +699,9 @@ pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let dtype = promote::binary_result(op, promote::promote(a.dtype(), b.dtype())?);
     let a = with_dtype(a, dtype)?.broadcast_to(&shape)?;
     let b = with_dtype(b, dtype)?.broadcast_to(&shape)?;
+    if op == BinaryOp::Pow {
+        refuse_negative_exponents(&b)?;
+    }
     let out = new_on(&a, &shape, dtype)?;
     let inputs = vec![Operand::Tensor(&a), Operand::Tensor(&b)];
     run_map(&map_request(MapOp::Binary(op), inputs, &out))?;
@@ -622,6 +713,13 @@ pub fn binary_scalar(op: BinaryOp, a: &Tensor, s: Scalar, scalar_first: bool) ->
     common_device(op.name(), [a])?;
     let dtype = promote::binary_result(op, promote::promote_scalar(a.dtype(), s)?);
     let a = with_dtype(a, dtype)?;
+    if op == BinaryOp::Pow && dtype.code() == DTypeCode::Int {
+        if scalar_first {
+            refuse_negative_exponents(&a)?;
+        } else if s.as_i64() < 0 {
+            return Err(negative_power());
+        }
+    }
     let out = new_on(&a, a.shape(), dtype)?;
     let inputs = if scalar_first {
         vec![Operand::Scalar(s), Operand::Tensor(&a)]
@@ -671,18 +769,44 @@ pub fn compare_scalar(op: CompareOp, a: &Tensor, s: Scalar, scalar_first: bool) 
 
 /// `op` over `axes` of `x` (`None`: every axis; negative axes count from the end). With
 /// `keepdims` the reduced axes stay, with length 1.
+///
+/// `bool` arrays reduce as NumPy's: `sum` and `prod` count in `int64`, `mean` gives `float64`,
+/// `max` / `min` stay `bool`. `argmax` / `argmin` give `int64` indices into the reduced axes taken
+/// in row-major order (over one axis, the position along it); on a backend without an arg kernel
+/// they are composed of a `max` (`min`), comparisons and a `max` over index keys.
 pub fn reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool) -> Result<Tensor> {
     common_device(op.name(), [x])?;
+    if x.dtype() == DType::BOOL {
+        let r = reduce(op, &bool_bytes(x)?, axes, keepdims)?;
+        return match op {
+            ReduceOp::Sum | ReduceOp::Prod => cast(&r, DType::I64),
+            // Any non-zero byte is true.
+            ReduceOp::Max | ReduceOp::Min => cast(&r, DType::BOOL),
+            ReduceOp::Mean | ReduceOp::ArgMax | ReduceOp::ArgMin => Ok(r),
+        };
+    }
     let (acc, out_dtype) = promote::reduce_types(op, x.dtype())?;
     let plan = ReducePlan::new(x.shape(), x.strides(), axes)?;
     let keepdims_shape: Vec<Option<usize>> =
         plan.keepdims_shape.iter().copied().map(Some).collect();
-    if plan.count == 0 && matches!(op, ReduceOp::Max | ReduceOp::Min) && plan.outputs() > 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{} of an empty selection (shape {:?}) has no value: the operation has no identity",
-            op.name(),
-            x.shape()
-        )));
+    if plan.count == 0 && op.needs_elements() && plan.outputs() > 0 {
+        return Err(Error::InvalidArgument(if op.is_arg() {
+            format!(
+                "attempt to get {} of an empty sequence (shape {:?})",
+                op.name(),
+                x.shape()
+            )
+        } else {
+            format!(
+                "{} of an empty selection (shape {:?}) has no value: the operation has no \
+                 identity",
+                op.name(),
+                x.shape()
+            )
+        }));
+    }
+    if op.is_arg() && plan.outputs() > 0 && !backend::reduces(x.device(), op) {
+        return compose::arg_reduce(op, x, &plan, keepdims);
     }
     let out = new_on(x, &plan.out_shape, out_dtype)?;
     if plan.outputs() > 0 {

@@ -12,9 +12,12 @@
 //! | `bool` and complex operands | refused: no arithmetic rule is defined for them here |
 //! | comparisons | as arithmetic, and `bool` too: two `bool` arrays compare as `bool`, a `bool` array with a numeric one in the numeric type, a `bool` array with a Python `int` as `bool` (0 and 1; others compare by value), with a `float` in `float64` |
 //!
-//! Reductions: `sum` of an integer array accumulates and returns in 64 bits (`int64` / `uint64`);
-//! `mean` of integers returns `float64`; `max` / `min` keep the dtype; floating sums keep the
-//! dtype and accumulate in at least `float32`.
+//! | `floor_divide remainder pow` | as arithmetic (integers stay integers) |
+//!
+//! Reductions: `sum` and `prod` of an integer array accumulate and return in 64 bits (`int64` /
+//! `uint64`); `mean` of integers returns `float64`; `max` / `min` keep the dtype; floating sums and
+//! products keep the dtype and accumulate in at least `float32`; `argmax` / `argmin` return
+//! `int64` indices.
 
 use crate::dtype::{DType, DTypeCode};
 use crate::error::{Error, Result};
@@ -199,11 +202,14 @@ pub fn reduce_types(op: ReduceOp, dtype: DType) -> Result<(DType, DType)> {
     require_numeric(dtype, op.name())?;
     let k = kind(dtype).expect("checked numeric");
     Ok(match (op, k) {
-        (ReduceOp::Sum, Kind::Signed) => (DType::I64, DType::I64),
-        (ReduceOp::Sum, Kind::Unsigned) => (DType::U64, DType::U64),
+        (ReduceOp::Sum | ReduceOp::Prod, Kind::Signed) => (DType::I64, DType::I64),
+        (ReduceOp::Sum | ReduceOp::Prod, Kind::Unsigned) => (DType::U64, DType::U64),
         (ReduceOp::Mean, Kind::Signed | Kind::Unsigned) => (DType::F64, DType::F64),
-        (ReduceOp::Sum | ReduceOp::Mean, Kind::Float) => (wide_float(dtype), dtype),
+        (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, Kind::Float) => {
+            (wide_float(dtype), dtype)
+        }
         (ReduceOp::Max | ReduceOp::Min, _) => (dtype, dtype),
+        (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => (dtype, DType::I64),
     })
 }
 

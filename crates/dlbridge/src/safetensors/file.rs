@@ -372,15 +372,80 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens an index (a path ending in `.json`) with [`Checkpoint::open_index`], else one
-    /// safetensors file.
+    /// Opens an index (a path ending in `.json`) with [`Checkpoint::open_index`], a folder with
+    /// [`Checkpoint::open_folder`], else one safetensors file.
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
         let path = path.as_ref();
         if path.extension().is_some_and(|ext| ext == "json") {
             Checkpoint::open_index(path)
+        } else if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+            Checkpoint::open_folder(path)
         } else {
             Checkpoint::open_files(&[path])
         }
+    }
+
+    /// Opens the checkpoint a folder holds, as Hugging Face lays one out: its
+    /// `model.safetensors.index.json` where there is one, else its one `*.safetensors.index.json`
+    /// (such as diffusers' `diffusion_pytorch_model.safetensors.index.json`), else every
+    /// `*.safetensors` file in it, in name order. Links are followed (a snapshot of the Hugging
+    /// Face cache is a folder of links).
+    ///
+    /// # Errors
+    /// A folder with none of these ([`Error::Io`] of kind `NotFound`, saying what was looked
+    /// for), several indexes and no `model.safetensors.index.json` ([`Error::InvalidArgument`]
+    /// naming them), and the errors of [`Checkpoint::open_index`] and
+    /// [`Checkpoint::open_files`].
+    pub fn open_folder(folder: impl AsRef<Path>) -> Result<Checkpoint> {
+        const INDEX: &str = "model.safetensors.index.json";
+        let folder = folder.as_ref();
+        let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(folder)
+            .map_err(|e| io_error(folder, e))?
+            .map(|entry| entry.map(|e| e.file_name()))
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| io_error(folder, e))?;
+        names.sort();
+        let ends = |name: &std::ffi::OsString, suffix: &str| {
+            name.as_encoded_bytes().ends_with(suffix.as_bytes())
+        };
+        let indexes: Vec<&std::ffi::OsString> = names
+            .iter()
+            .filter(|n| ends(n, ".safetensors.index.json"))
+            .collect();
+        let index = match indexes.as_slice() {
+            _ if indexes.iter().any(|n| *n == INDEX) => Some(Path::new(INDEX)),
+            [one] => Some(Path::new(one.as_os_str())),
+            [] => None,
+            several => {
+                let listed: Vec<String> = several
+                    .iter()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .collect();
+                return Err(Error::InvalidArgument(format!(
+                    "{} holds several checkpoint indexes ({}) and no {INDEX}: name the one to load",
+                    folder.display(),
+                    listed.join(", ")
+                )));
+            }
+        };
+        if let Some(index) = index {
+            return Checkpoint::open_index(folder.join(index));
+        }
+        let files: Vec<std::path::PathBuf> = names
+            .iter()
+            .filter(|n| ends(n, ".safetensors"))
+            .map(|n| folder.join(n))
+            .collect();
+        if files.is_empty() {
+            return Err(io_error(
+                folder,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("is a directory holding no {INDEX} and no *.safetensors file"),
+                ),
+            ));
+        }
+        Checkpoint::open_files(&files)
     }
 
     /// Opens the given shards; a tensor name in two of them is an [`Error::InvalidFile`].
@@ -513,6 +578,36 @@ impl Checkpoint {
         }
         Ok(out)
     }
+}
+
+/// The tensors and metadata of a safetensors file held in memory (what [`serialize`] gives; the
+/// `safetensors` package's `load(bytes)`): the header is checked as [`Header::parse`] checks a
+/// file's (errors name the file `<bytes>`), and each tensor is copied into writable CPU memory
+/// of its own.
+///
+/// [`serialize`]: super::serialize
+#[allow(clippy::type_complexity)] // (metadata, tensors): what `serialize` takes, given back
+pub fn deserialize(
+    bytes: &[u8],
+) -> Result<(Option<BTreeMap<String, String>>, BTreeMap<String, Tensor>)> {
+    let header = Header::parse(bytes, bytes.len() as u64, Path::new("<bytes>"))?;
+    let mut out = BTreeMap::new();
+    for (name, info) in header.tensors() {
+        let range = info.byte_range();
+        // Inside `bytes` (checked by the parser).
+        let src = &bytes[range.start as usize..range.end as usize];
+        let buffer = backend::allocate(Device::CPU, src.len(), None, false)?;
+        if !src.is_empty() {
+            let dst = buffer.require_host("copying a tensor")?;
+            // SAFETY: `dst` is a new allocation of `src.len()` bytes that nothing else references,
+            // so it cannot overlap `src`.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), src.len()) };
+        }
+        let layout = Layout::contiguous(info.shape())?;
+        let tensor = Tensor::with_packing(buffer, info.dtype(), layout, info.is_packed())?;
+        out.insert(name.clone(), tensor);
+    }
+    Ok((header.metadata().cloned(), out))
 }
 
 /// Whether bytes at `address` can be viewed in place as elements of `dtype`: aligned for its

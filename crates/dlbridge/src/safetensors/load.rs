@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::file::{Checkpoint, SafeTensors, TensorLocation, is_aligned};
+use super::part::{DEFAULT_MAX_GAP, PartPlan};
 use crate::backend::{self, FileRead, ReadOptions};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
@@ -180,6 +181,7 @@ impl Checkpoint {
             .iter()
             .map(|l| l.byte_range.end - l.byte_range.start)
             .sum();
+        check_cast(options.dtype)?;
         let mut loaded = if options.device.is_cpu() {
             let names: Vec<&str> = plan.iter().map(|l| l.name.as_str()).collect();
             let out = self.load(&names, options.copy)?;
@@ -188,14 +190,63 @@ impl Checkpoint {
         } else {
             self.load_to_device(&plan, options, total, progress)?
         };
-        if let Some(dtype) = options.dtype {
-            for tensor in loaded.values_mut() {
-                if tensor.dtype() != dtype && tensor.dtype().is_floating() {
-                    *tensor = crate::compute::cast(tensor, dtype)?;
-                }
-            }
+        for tensor in loaded.values_mut() {
+            cast_floating(tensor, options.dtype)?;
         }
         Ok(loaded)
+    }
+
+    /// The part of tensor `name` that `part` selects, on `options.device`, reading only the bytes
+    /// it needs. `part` is a layout over the tensor's elements, its byte offset counted from the
+    /// tensor's first byte: what basic indexing gives (`Layout::contiguous(shape)` then
+    /// [`Layout::slice`] and [`Layout::index`]: integers, ranges with a positive step, new axes),
+    /// as a tensor-parallel rank takes its rows (one run of the file) or its columns (one run per
+    /// row). [`PartPlan`](super::PartPlan) says what is read.
+    ///
+    /// - CPU: a read-only view of the mapped file, zero-copy, with the part's strides, unless
+    ///   `copy` asks for memory of its own, the bytes are not aligned for the element type, or the
+    ///   system refused a copy-on-write mapping: then a compact copy of only the part's bytes,
+    ///   read from the file (read-only without `copy`).
+    /// - A device that addresses the file's pages (Metal in shared storage, without `copy`): a
+    ///   read-only view of the wrapped pages of the part's byte range.
+    /// - Elsewhere (CUDA; Metal copies): only the part's runs of bytes are read, through the
+    ///   loader's reader (pinned staging and asynchronous copies on CUDA), into one allocation
+    ///   holding them one after another; the tensor is a view of it with the part's shape (and
+    ///   strides in it, where gaps of at most [`DEFAULT_MAX_GAP`](super::DEFAULT_MAX_GAP) bytes
+    ///   were read through).
+    ///
+    /// `options.dtype` converts a floating-point part as [`Checkpoint::load_to`] does; the other
+    /// options tune the reader as they do there.
+    ///
+    /// # Errors
+    /// No tensor `name` ([`Error::InvalidArgument`]); a part outside the tensor or not in storage
+    /// order, as [`PartPlan::new`](super::PartPlan::new) says; packed sub-byte elements
+    /// ([`Error::UnsupportedDType`]); and the errors of [`Checkpoint::load_to`].
+    pub fn load_part(&self, name: &str, part: &Layout, options: &LoadOptions) -> Result<Tensor> {
+        check_cast(options.dtype)?;
+        let (shard, info) = self.info(name).ok_or_else(|| {
+            Error::InvalidArgument(format!("no tensor `{name}` in the checkpoint"))
+        })?;
+        let dtype = info.dtype();
+        if info.is_packed() {
+            return Err(Error::UnsupportedDType(format!(
+                "tensor `{name}` holds packed sub-byte {dtype} elements: a part of it cannot be \
+                 read on its own; load the tensor whole"
+            )));
+        }
+        let plan = PartPlan::new(
+            part,
+            dtype.itemsize(),
+            info.nbytes() as usize,
+            DEFAULT_MAX_GAP,
+        )?;
+        let start = info.byte_range().start;
+        let mut tensor = match view_part(shard, start, part, dtype, options)? {
+            Some(view) => view,
+            None => read_part(shard, start, &plan, dtype, options)?,
+        };
+        cast_floating(&mut tensor, options.dtype)?;
+        Ok(tensor)
     }
 
     fn load_to_device(
@@ -241,6 +292,149 @@ impl Checkpoint {
     }
 }
 
+/// Refuses a conversion to a type that is not floating-point: a load converts floating-point
+/// tensors only, and a cast to an integer type would truncate them silently.
+fn check_cast(dtype: Option<DType>) -> Result<()> {
+    match dtype {
+        Some(dtype) if !is_real_floating(dtype) => Err(Error::InvalidArgument(format!(
+            "dtype {dtype}: a load converts floating-point tensors to another floating-point \
+                 type (float32, bfloat16, float16, ...), never to {dtype}, which would truncate \
+                 them; convert the loaded tensors yourself if that is meant"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Whether `dtype` is a real floating-point type (complex types hold two, and a cast to a real
+/// type drops one: a load leaves them as they are).
+fn is_real_floating(dtype: DType) -> bool {
+    dtype.is_floating() && dtype.code() != crate::dtype::DTypeCode::Complex
+}
+
+/// `tensor` converted to `dtype` (on its device) where it is floating-point and of another type.
+fn cast_floating(tensor: &mut Tensor, dtype: Option<DType>) -> Result<()> {
+    if let Some(dtype) = dtype
+        && tensor.dtype() != dtype
+        && is_real_floating(tensor.dtype())
+    {
+        *tensor = crate::compute::cast(tensor, dtype)?;
+    }
+    Ok(())
+}
+
+/// The part `part` of the tensor at byte `start` of `shard` as a view of the file's pages, where
+/// the device addresses them in place and nothing asks for memory of its own (as
+/// [`Placement::of`] decides); `None` where the part must be read.
+fn view_part(
+    shard: &SafeTensors,
+    start: u64,
+    part: &Layout,
+    dtype: DType,
+    options: &LoadOptions,
+) -> Result<Option<Tensor>> {
+    let mapping = shard.buffer();
+    // Views of pages a write would fault on are handed out nowhere.
+    if !shard.is_copy_on_write() || part.numel() == 0 {
+        return Ok(None);
+    }
+    let base = mapping.require_host("loading a tensor")?.as_ptr() as usize;
+    let aligned = is_aligned(base + start as usize, dtype);
+    // Inside the mapped file (checked by the parser and the plan), so it fits in usize.
+    let at = |offset: usize| part.with_byte_offset(offset);
+    if options.device.is_cpu() {
+        if options.copy || !aligned {
+            return Ok(None);
+        }
+        let view = Tensor::new(
+            mapping.clone(),
+            dtype,
+            at(start as usize + part.byte_offset()),
+        )?;
+        return Ok(Some(view));
+    }
+    let device = backend::placement(options.device, options.storage)?;
+    let storage = backend::resolve_storage(device, options.storage)?.mode;
+    if Placement::of(storage, options.copy, aligned) != Placement::View {
+        return Ok(None);
+    }
+    let bytes = part.byte_range(dtype.itemsize())?;
+    let covering = start as usize + bytes.start..start as usize + bytes.end;
+    match backend::wrap_host(device, mapping, std::slice::from_ref(&covering)) {
+        Some(Ok(wrapped)) => match wrapped.into_iter().next() {
+            // The part's first element is its lowest byte (positive strides).
+            Some((buffer, offset)) => Ok(Some(Tensor::new(buffer, dtype, at(offset))?)),
+            None => Err(Error::Driver {
+                backend: "loader",
+                message: "the backend placed no range of the one it was given".into(),
+            }),
+        },
+        Some(Err(e)) => {
+            log::debug!(
+                "dlbridge: {device} did not wrap the pages of {} ({e}); reading the part instead",
+                shard.path().display()
+            );
+            Ok(None)
+        }
+        None => Ok(None),
+    }
+}
+
+/// The runs of `plan` (byte ranges of the tensor at byte `start` of `shard`) read into one new
+/// allocation on `options.device`, and the part as a view of it (read-only on the CPU without
+/// `copy`, as every CPU load without it is).
+fn read_part(
+    shard: &SafeTensors,
+    start: u64,
+    plan: &PartPlan,
+    dtype: DType,
+    options: &LoadOptions,
+) -> Result<Tensor> {
+    let device = if options.device.is_cpu() {
+        Device::CPU
+    } else {
+        backend::placement(options.device, options.storage)?
+    };
+    let memory = Tensor::allocate(&[plan.len], DType::U8, device, options.storage, false)?;
+    // The CPU reader reads through the page cache (it has no staging buffers to align).
+    let direct = if device.is_cpu() {
+        None
+    } else {
+        direct_file(shard, options)
+    };
+    let reads: Vec<FileRead<'_>> = plan
+        .runs
+        .iter()
+        .map(|(run, dst_offset)| FileRead {
+            path: shard.path(),
+            file: shard.file(),
+            direct: direct.as_ref(),
+            offset: start + run.start,
+            len: (run.end - run.start) as usize,
+            dst: memory.buffer(),
+            dst_offset: *dst_offset,
+        })
+        .collect();
+    if !reads.is_empty() {
+        let done = AtomicU64::new(0);
+        let total = plan.bytes_read();
+        run_reads(
+            &reads,
+            device,
+            options,
+            direct.is_some(),
+            &done,
+            total,
+            &mut |_, _| {},
+        )?;
+    }
+    let tensor = Tensor::new(memory.buffer().clone(), dtype, plan.layout.clone())?;
+    Ok(if device.is_cpu() && !options.copy {
+        tensor.into_read_only()
+    } else {
+        tensor
+    })
+}
+
 /// Reads the files' selected bytes into their allocations, reporting `done` bytes of `total`
 /// about ten times a second while the backend reads.
 fn read_files(
@@ -252,6 +446,25 @@ fn read_files(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
     let direct = files.iter().all(|f| f.direct.is_some());
+    let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();
+    run_reads(&reads, device, options, direct, done, total, progress)
+}
+
+/// The engine: reads each (file, byte range) of `reads` into its destination (a buffer and an
+/// offset there) on `device` through the backend's reader ([`backend::read_file`]: parallel
+/// positioned reads, and pinned staging with asynchronous copies for device memory), reporting
+/// `done` bytes of `total` about ten times a second while it reads. It knows no file format:
+/// whole-file loads and partial reads ([`Checkpoint::load_part`]) hand it their plans alike.
+/// `direct`: every read has a direct-I/O descriptor (the reader's defaults follow).
+fn run_reads(
+    reads: &[FileRead<'_>],
+    device: Device,
+    options: &LoadOptions,
+    direct: bool,
+    done: &AtomicU64,
+    total: u64,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
     let read_options = ReadOptions {
         threads: options.threads.unwrap_or_else(if direct {
             default_direct_threads
@@ -275,11 +488,10 @@ fn read_files(
             }),
         done,
     };
-    let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();
     let caller = std::thread::current();
     std::thread::scope(|scope| {
         let reader = scope.spawn(|| {
-            let r = backend::read_file(device, &reads, &read_options);
+            let r = backend::read_file(device, reads, &read_options);
             // Wake the caller now rather than at its next progress tick.
             caller.unpark();
             r
@@ -444,13 +656,7 @@ impl<'a> FileLoad<'a> {
         // The descriptor the shard was opened and checked with: the path is not opened again
         // for buffered reads (it may name another file by now).
         let file = shard.file();
-        let direct = match options.direct_io {
-            Some(false) => false,
-            Some(true) => true,
-            None => resident_fraction(shard) < 0.5,
-        };
-        // Some file systems (tmpfs) refuse O_DIRECT: read through the page cache there.
-        let direct = direct.then(|| open_direct(shard)).flatten();
+        let direct = direct_file(shard, options);
         let mut spans: Vec<Range<u64>> = match allocation {
             Allocation::PerFile => {
                 let start = locations.iter().map(|l| l.byte_range.start).min();
@@ -553,6 +759,17 @@ impl<'a> FileLoad<'a> {
         }
         Ok(())
     }
+}
+
+/// The shard's file opened for reads around the page cache where `options` ask for them, or, by
+/// default, where most of the file is not in the page cache; `None`: read through the page cache
+/// (also where the file system refuses `O_DIRECT`, as tmpfs does).
+fn direct_file(shard: &SafeTensors, options: &LoadOptions) -> Option<File> {
+    let direct = match options.direct_io {
+        Some(direct) => direct,
+        None => resident_fraction(shard) < 0.5,
+    };
+    direct.then(|| open_direct(shard)).flatten()
 }
 
 /// The fraction of a file's pages in the page cache, estimated by `mincore` over

@@ -7,10 +7,12 @@
 //! | --- | --- | --- |
 //! | parse | [`Header::parse`], [`Header::read`] | length prefix, JSON, dtypes, byte ranges: all checked once, then trusted |
 //! | open | [`SafeTensors::open`] | maps the whole file copy-on-write as a foreign, read-only [`Buffer`](crate::Buffer) |
-//! | shards | [`Index::parse`], [`Checkpoint::open_index`], [`Checkpoint::open_files`] | one name → one shard, from `model.safetensors.index.json` or a list |
+//! | shards | [`Index::parse`], [`Checkpoint::open_index`], [`Checkpoint::open_files`], [`Checkpoint::open_folder`] | one name → one shard, from `model.safetensors.index.json`, a list, or a folder |
 //! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order, for any loader |
 //! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only; a consumer that writes anyway writes private pages), or private copies |
+//! | part | [`PartPlan`], [`Checkpoint::load_part`] | a strided part of one tensor (a rank's rows or columns) reading only the bytes it needs: CPU views, or runs of bytes read into one allocation on any device |
 //! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | any device, with progress: Metal from the mapped files without a copy (read-only views in shared storage, a GPU blit into private storage), CUDA through pinned staging buffers and asynchronous copies |
+//! | bytes | [`serialize`], [`deserialize`] | a file's bytes in memory, both ways |
 //! | save | [`save_file`], [`write()`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
 //!
 //! ```
@@ -37,16 +39,18 @@ mod file;
 mod header;
 mod index;
 mod load;
+mod part;
 mod save;
 
 pub use dtype::{dtype_from_name, dtype_name, dtype_names};
 #[cfg_attr(not(cuda), allow(unused_imports))] // the CUDA reader's shared mappings
 pub(crate) use file::Mapping;
-pub use file::{Checkpoint, SafeTensors, TensorLocation};
+pub use file::{Checkpoint, SafeTensors, TensorLocation, deserialize};
 pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
 pub use index::Index;
 pub use load::{
     Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, LoadOptions, default_direct_threads,
     default_threads,
 };
+pub use part::{DEFAULT_MAX_GAP, PartPlan};
 pub use save::{save_file, serialize, write};

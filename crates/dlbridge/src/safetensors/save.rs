@@ -174,8 +174,8 @@ fn write_planned(
     writer.flush().map_err(io)
 }
 
-/// Checks names and dtypes and orders the tensors as they will lie in the file: widest element
-/// first, then by name.
+/// Checks names and dtypes and orders the tensors as they will lie in the file: by element type
+/// as [`FILE_ORDER`] has them (widest first), then by name.
 fn plan<'a>(tensors: &'a [(&'a str, &'a Tensor)]) -> Result<Vec<Planned<'a>>> {
     let mut seen = BTreeSet::new();
     let mut plan = Vec::with_capacity(tensors.len());
@@ -211,15 +211,42 @@ fn plan<'a>(tensors: &'a [(&'a str, &'a Tensor)]) -> Result<Vec<Planned<'a>>> {
             nbytes: (bits / 8) as u64,
         });
     }
+    let rank = |dtype: &str| FILE_ORDER.iter().position(|&d| d == dtype);
     plan.sort_by(|a, b| {
-        b.tensor
-            .dtype()
-            .bits()
-            .cmp(&a.tensor.dtype().bits())
+        rank(b.dtype)
+            .cmp(&rank(a.dtype))
             .then_with(|| a.name.cmp(b.name))
     });
     Ok(plan)
 }
+
+/// The order of element types in a file, last first: the `safetensors` package's (its `Dtype`'s
+/// order), so that both write the same bytes for the same tensors. It goes by size, so every
+/// tensor is aligned for its elements.
+const FILE_ORDER: [&str; 22] = [
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "F64",
+    "I64",
+    "U64",
+];
 
 /// The header JSON, padded with spaces so that `8 + len` is a multiple of 8; an
 /// [`Error::InvalidArgument`] naming the sizes where it would be longer than [`MAX_HEADER_LEN`].
@@ -337,4 +364,27 @@ fn pack(padded: &[u8], dtype: DType, nbytes: usize) -> Vec<u8> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element type the format names has its place in the file order, and the order goes
+    /// from the widest to the narrowest, so each tensor starts aligned for its elements.
+    #[test]
+    fn the_file_order_covers_every_dtype_widest_first() {
+        let names: Vec<&str> = crate::safetensors::dtype_names().collect();
+        assert_eq!(names.len(), FILE_ORDER.len());
+        let bits = |name: &str| crate::safetensors::dtype_from_name(name).unwrap().bits();
+        for name in names {
+            assert!(FILE_ORDER.contains(&name), "{name}");
+        }
+        // BOOL (a byte, aligned anywhere) comes last, below the packed types, as safetensors
+        // places it.
+        assert_eq!(FILE_ORDER[0], "BOOL");
+        for pair in FILE_ORDER[1..].windows(2) {
+            assert!(bits(pair[0]) <= bits(pair[1]), "{pair:?}");
+        }
+    }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::backend::{Backend, no_stream_here, unreachable_copy};
 use crate::buffer::{Buffer, StorageMode};
-use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
+use crate::compute::{MapRequest, MatmulRequest, ReduceOp, ReduceRequest};
 use crate::device::{Device, DeviceKind};
 use crate::error::Result;
 use crate::pool::Pool;
@@ -76,6 +76,10 @@ impl Backend for Cpu {
 
     fn reduce(&self, req: &ReduceRequest<'_>) -> Result<()> {
         super::compute::reduce(req)
+    }
+
+    fn reduces(&self, _: ReduceOp) -> bool {
+        true
     }
 
     fn matmul(&self, req: &MatmulRequest<'_>) -> Result<()> {

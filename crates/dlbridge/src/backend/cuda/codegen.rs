@@ -122,6 +122,51 @@ __device__ __forceinline__ u16 f64_to_bf16(double d) {
   if (d == d && (double)f != d) u |= 1u;
   return bits_to_bf16(u);
 }
+// NumPy's floor_divide and remainder of floats (npy_divmod): the floored quotient, and the
+// remainder with the divisor's sign, from fmod (exact).
+__device__ __forceinline__ float dlb_floor_divide(float a, float b) {
+  if (b == 0.0f) return a / b;
+  const float m = fmodf(a, b);
+  float div = (a - m) / b;
+  if (m != 0.0f && ((b < 0.0f) != (m < 0.0f))) div -= 1.0f;
+  if (div != 0.0f) { const float f = floorf(div); return (div - f > 0.5f) ? f + 1.0f : f; }
+  return copysignf(0.0f, a / b);
+}
+__device__ __forceinline__ double dlb_floor_divide(double a, double b) {
+  if (b == 0.0) return a / b;
+  const double m = fmod(a, b);
+  double div = (a - m) / b;
+  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) div -= 1.0;
+  if (div != 0.0) { const double f = floor(div); return (div - f > 0.5) ? f + 1.0 : f; }
+  return copysign(0.0, a / b);
+}
+__device__ __forceinline__ float dlb_remainder(float a, float b) {
+  float m = fmodf(a, b);
+  if (b == 0.0f) return m;
+  if (m != 0.0f) { if ((b < 0.0f) != (m < 0.0f)) m += b; } else { m = copysignf(0.0f, b); }
+  return m;
+}
+__device__ __forceinline__ double dlb_remainder(double a, double b) {
+  double m = fmod(a, b);
+  if (b == 0.0) return m;
+  if (m != 0.0) { if ((b < 0.0) != (m < 0.0)) m += b; } else { m = copysign(0.0, b); }
+  return m;
+}
+// Integer floor division and remainder for a divisor other than 0 and (signed) -1: no overflow.
+template <typename T> __device__ __forceinline__ T dlb_floor_div_int(T a, T b) {
+  const T q = (T)(a / b);
+  return ((T)(a % b) != (T)0 && ((a < (T)0) != (b < (T)0))) ? (T)(q - (T)1) : q;
+}
+template <typename T> __device__ __forceinline__ T dlb_remainder_int(T a, T b) {
+  const T r = (T)(a % b);
+  return (r != (T)0 && ((r < (T)0) != (b < (T)0))) ? (T)(r + b) : r;
+}
+// base ** e wrapping in the unsigned type U (square and multiply).
+template <typename U> __device__ __forceinline__ U dlb_pow_bits(U base, u64 e) {
+  U r = (U)1;
+  while (e != 0) { if (e & 1) r *= base; base *= base; e >>= 1; }
+  return r;
+}
 // NumPy's astype: truncate toward zero, NaN to 0; values past int64 go through uint64.
 __device__ __forceinline__ u64 f64_to_int_bits(double d) {
   if (d != d) return 0;
@@ -232,16 +277,44 @@ fn unary_expr(op: UnaryOp, t: Elem, a: &str) -> String {
 }
 
 fn binary_expr(op: BinaryOp, t: Elem, a: &str, b: &str) -> String {
+    let (c, w) = (t.compute(), t.wrap());
     let sym = match op {
         BinaryOp::Add => "+",
         BinaryOp::Sub => "-",
         BinaryOp::Mul => "*",
         BinaryOp::Div => "/",
+        BinaryOp::FloorDiv if t.is_float() => return format!("dlb_floor_divide({a}, {b})"),
+        BinaryOp::Mod if t.is_float() => return format!("dlb_remainder({a}, {b})"),
+        BinaryOp::Pow if c == "float" => return format!("powf({a}, {b})"),
+        BinaryOp::Pow if t.is_float() => return format!("pow({a}, {b})"),
+        // Integers: 0 for a zero divisor (NumPy's values); the most negative value divided by -1
+        // wraps to itself, and its remainder is 0.
+        BinaryOp::FloorDiv if t.is_signed() => {
+            return format!(
+                "(({b}) == 0 ? ({c})0 : ({b}) == ({c})-1 ? ({c})(({w})0 - ({w})({a})) : \
+                 dlb_floor_div_int<{c}>({a}, {b}))"
+            );
+        }
+        BinaryOp::FloorDiv => return format!("(({b}) == 0 ? ({c})0 : ({c})(({a}) / ({b})))"),
+        BinaryOp::Mod if t.is_signed() => {
+            return format!(
+                "((({b}) == 0 || ({b}) == ({c})-1) ? ({c})0 : dlb_remainder_int<{c}>({a}, {b}))"
+            );
+        }
+        BinaryOp::Mod => return format!("(({b}) == 0 ? ({c})0 : ({c})(({a}) % ({b})))"),
+        BinaryOp::Pow => {
+            // A negative exponent never comes (the front refuses it); it would give 0.
+            let power = format!("({c})dlb_pow_bits<{w}>(({w})({a}), (u64)({b}))");
+            return if t.is_signed() {
+                format!("(({b}) < 0 ? ({c})0 : {power})")
+            } else {
+                power
+            };
+        }
     };
     if t.is_float() {
         return format!("({a}) {sym} ({b})");
     }
-    let (c, w) = (t.compute(), t.wrap());
     match op {
         // Not reached: integer division returns float64, computed on float64 operands.
         BinaryOp::Div => format!("({c})(({b}) == 0 ? 0 : ({a}) / ({b}))"),
@@ -565,12 +638,14 @@ impl ReduceKey {
     /// The C type partial results are kept in.
     pub(crate) fn acc_c(&self) -> &'static str {
         match self.op {
-            ReduceOp::Sum | ReduceOp::Mean => match self.acc {
+            ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod => match self.acc {
                 Elem::I64 | Elem::U64 => "u64",
                 Elem::F64 => "double",
                 _ => "float",
             },
-            ReduceOp::Max | ReduceOp::Min => match self.input {
+            // The arg reductions never reach a kernel (the front composes them).
+            ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin => match self.input
+            {
                 Elem::I8 | Elem::I16 | Elem::I32 => "i32",
                 Elem::U8 | Elem::U16 | Elem::U32 | Elem::Bool => "u32",
                 other => other.compute(),
@@ -589,7 +664,8 @@ impl ReduceKey {
 
 fn identity(op: ReduceOp, c: &str) -> &'static str {
     match (op, c) {
-        (ReduceOp::Sum | ReduceOp::Mean, _) => "0",
+        (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "0",
+        (ReduceOp::Prod, _) => "1",
         (ReduceOp::Max, "float") => "__int_as_float(0xff800000)",
         (ReduceOp::Max, "double") => "__longlong_as_double(0xfff0000000000000ll)",
         (ReduceOp::Max, "i32") => "(-2147483647 - 1)",
@@ -618,7 +694,9 @@ pub(crate) fn reduce_source(key: &ReduceKey) -> String {
         identity(key.op, c)
     );
     let comb = match (key.op, float) {
-        (ReduceOp::Sum | ReduceOp::Mean, _) => "a + b",
+        (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "a + b",
+        // Unsigned for integers: the product wraps.
+        (ReduceOp::Prod, _) => "a * b",
         // NaN wins: `a` when it is NaN, `b` when it is (the comparison fails).
         (ReduceOp::Max, true) => "(a > b || a != a) ? a : b",
         (ReduceOp::Min, true) => "(a < b || a != a) ? a : b",
@@ -879,17 +957,18 @@ mod tests {
 
     fn reduce_keys(input: Elem) -> Vec<ReduceKey> {
         let mut keys = Vec::new();
-        for op in ReduceOp::ALL {
+        // The arg reductions have no kernel (the front composes them).
+        for op in ReduceOp::ALL.into_iter().filter(|op| !op.is_arg()) {
             let acc = match (op, input) {
-                (ReduceOp::Sum, t) if t.is_signed() => Elem::I64,
-                (ReduceOp::Sum, t) if !t.is_float() => Elem::U64,
+                (ReduceOp::Sum | ReduceOp::Prod, t) if t.is_signed() => Elem::I64,
+                (ReduceOp::Sum | ReduceOp::Prod, t) if !t.is_float() => Elem::U64,
                 (ReduceOp::Mean, t) if !t.is_float() => Elem::F64,
-                (ReduceOp::Sum | ReduceOp::Mean, Elem::F64) => Elem::F64,
-                (ReduceOp::Sum | ReduceOp::Mean, _) => Elem::F32,
+                (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, Elem::F64) => Elem::F64,
+                (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, _) => Elem::F32,
                 _ => input,
             };
             let out = match op {
-                ReduceOp::Sum | ReduceOp::Mean if !input.is_float() => acc,
+                ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod if !input.is_float() => acc,
                 _ => input,
             };
             for kind in [

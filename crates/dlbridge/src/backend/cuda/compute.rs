@@ -281,6 +281,12 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
         return reduce(&req.with_input(&input, plan));
     }
     let op = req.op;
+    if op.is_arg() {
+        return Err(Error::UnsupportedOperand(format!(
+            "{} has no CUDA kernel (the front composes it of other reductions)",
+            op.name()
+        )));
+    }
     let input = ty(req.input.dtype(), op.name())?;
     let acc = ty(req.acc, op.name())?;
     let out = ty(req.out.dtype(), op.name())?;

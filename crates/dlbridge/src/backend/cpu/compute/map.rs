@@ -40,6 +40,28 @@ trait Num: Copy + Default + Send + Sync + 'static {
     fn mul(self, y: Self) -> Self;
     fn neg(self) -> Self;
     fn abs(self) -> Self;
+    /// NumPy's `floor_divide` (integers: 0 for a zero divisor, as NumPy's values).
+    fn floor_div(self, y: Self) -> Self;
+    /// NumPy's `remainder`: the divisor's sign (integers: 0 for a zero divisor).
+    fn modulo(self, y: Self) -> Self;
+    /// NumPy's `power` (integers wrap; a negative integer exponent never reaches a kernel: the
+    /// front refuses it, and it gives 0 here).
+    fn pow(self, y: Self) -> Self;
+}
+
+/// `base ** exponent` wrapping in `u64` (square and multiply): the low bits are those of the
+/// exact power for every integer type of at most 64 bits.
+#[inline(always)]
+fn wrapping_pow_u64(base: u64, mut exponent: u64) -> u64 {
+    let (mut result, mut square) = (1u64, base);
+    while exponent != 0 {
+        if exponent & 1 == 1 {
+            result = result.wrapping_mul(square);
+        }
+        square = square.wrapping_mul(square);
+        exponent >>= 1;
+    }
+    result
 }
 
 /// Arithmetic only floats have.
@@ -64,6 +86,33 @@ macro_rules! signed {
             #[inline(always)] fn neg(self) -> Self { self.wrapping_neg() }
             // abs of the most negative value wraps to itself, as NumPy's.
             #[inline(always)] fn abs(self) -> Self { self.wrapping_abs() }
+            #[inline(always)]
+            fn floor_div(self, y: Self) -> Self {
+                match y {
+                    0 => 0,
+                    // The most negative value divided by -1 wraps to itself, as NumPy's.
+                    -1 => self.wrapping_neg(),
+                    _ => {
+                        let q = self / y;
+                        if self % y != 0 && ((self < 0) != (y < 0)) { q - 1 } else { q }
+                    }
+                }
+            }
+            #[inline(always)]
+            fn modulo(self, y: Self) -> Self {
+                if y == 0 || y == -1 {
+                    return 0;
+                }
+                let r = self % y;
+                if r != 0 && ((r < 0) != (y < 0)) { r + y } else { r }
+            }
+            #[inline(always)]
+            fn pow(self, y: Self) -> Self {
+                if y < 0 {
+                    return 0;
+                }
+                wrapping_pow_u64(self as i64 as u64, y as u64) as Self
+            }
         }
     )*};
 }
@@ -76,6 +125,12 @@ macro_rules! unsigned {
             #[inline(always)] fn mul(self, y: Self) -> Self { self.wrapping_mul(y) }
             #[inline(always)] fn neg(self) -> Self { self.wrapping_neg() }
             #[inline(always)] fn abs(self) -> Self { self }
+            #[inline(always)] fn floor_div(self, y: Self) -> Self { self.checked_div(y).unwrap_or(0) }
+            #[inline(always)] fn modulo(self, y: Self) -> Self { self.checked_rem(y).unwrap_or(0) }
+            #[inline(always)]
+            fn pow(self, y: Self) -> Self {
+                wrapping_pow_u64(self as u64, y as u64) as Self
+            }
         }
     )*};
 }
@@ -105,6 +160,24 @@ macro_rules! float {
             #[inline(always)]
             fn abs(self) -> Self {
                 <$t>::abs(self)
+            }
+            #[inline(always)]
+            fn floor_div(self, y: Self) -> Self {
+                if y == 0.0 {
+                    return self / y;
+                }
+                float_divmod(self, y).0
+            }
+            #[inline(always)]
+            fn modulo(self, y: Self) -> Self {
+                if y == 0.0 {
+                    return self % y;
+                }
+                float_divmod(self, y).1
+            }
+            #[inline(always)]
+            fn pow(self, y: Self) -> Self {
+                self.powf(y)
             }
         }
 
@@ -137,6 +210,71 @@ macro_rules! float {
         }
     };
 }
+
+/// NumPy's `divmod` of floats (`npy_divmod`) for a non-zero divisor: the floored quotient and
+/// the remainder with the divisor's sign, from `fmod` (Rust's `%`, exact), so that
+/// `a == q * b + r` as nearly as floats allow; zeros keep the signs NumPy gives them.
+#[inline(always)]
+fn float_divmod<T>(a: T, b: T) -> (T, T)
+where
+    T: Copy
+        + PartialOrd
+        + std::ops::Add<Output = T>
+        + std::ops::Sub<Output = T>
+        + std::ops::Div<Output = T>
+        + std::ops::Rem<Output = T>
+        + FloatBits,
+{
+    let (zero, one, half) = (T::ZERO, T::ONE, T::HALF);
+    let mut m = a % b;
+    // `a - m` is very nearly a multiple of `b`.
+    let mut div = (a - m) / b;
+    if m != zero {
+        if (b < zero) != (m < zero) {
+            m = m + b;
+            div = div - one;
+        }
+    } else {
+        m = T::copysign(zero, b);
+    }
+    let q = if div != zero {
+        // Snap to the nearest integral value.
+        let f = T::floor(div);
+        if div - f > half { f + one } else { f }
+    } else {
+        T::copysign(zero, a / b)
+    };
+    (q, m)
+}
+
+/// The float operations [`float_divmod`] needs from `f32` and `f64`.
+trait FloatBits: Sized {
+    const ZERO: Self;
+    const ONE: Self;
+    const HALF: Self;
+    fn floor(x: Self) -> Self;
+    fn copysign(x: Self, sign: Self) -> Self;
+}
+
+macro_rules! float_bits {
+    ($($t:ty),*) => {$(
+        impl FloatBits for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const HALF: Self = 0.5;
+            #[inline(always)]
+            fn floor(x: Self) -> Self {
+                x.floor()
+            }
+            #[inline(always)]
+            fn copysign(x: Self, sign: Self) -> Self {
+                x.copysign(sign)
+            }
+        }
+    )*};
+}
+
+float_bits!(f32, f64);
 
 float!(
     f32,
@@ -194,6 +332,9 @@ funcs! { Num:
     Add => |x, y| x.add(y);
     Sub => |x, y| x.sub(y);
     Mul => |x, y| x.mul(y);
+    FloorDiv => |x, y| x.floor_div(y);
+    Mod => |x, y| x.modulo(y);
+    Pow => |x, y| x.pow(y);
     Square => |x, y| x.mul(x);
     Negative => |x, y| x.neg();
     Abs => |x, y| x.abs();
@@ -318,10 +459,14 @@ macro_rules! pick {
     };
 }
 
-/// The integer kernels (no division, no transcendental functions: the front computes those in
-/// floats).
+/// The integer kernels (no true division, no transcendental functions: the front computes those
+/// in floats).
 fn int_kernel<C: Num>(op: MapOp) -> Option<Kernel<C>> {
-    pick!(op, native, C, binary [Add, Sub, Mul], unary [Square, Negative, Abs])
+    pick!(
+        op, native, C,
+        binary [Add, Sub, Mul, FloorDiv, Mod, Pow],
+        unary [Square, Negative, Abs]
+    )
 }
 
 /// The float kernels.
@@ -329,7 +474,7 @@ fn int_kernel<C: Num>(op: MapOp) -> Option<Kernel<C>> {
 fn float_kernel<C: Float>(op: MapOp) -> Option<Kernel<C>> {
     pick!(
         op, native, C,
-        binary [Add, Sub, Mul, Div],
+        binary [Add, Sub, Mul, Div, FloorDiv, Mod, Pow],
         unary [Square, Negative, Abs, Sqrt, Exp, Log, Sin, Cos]
     )
 }
@@ -339,7 +484,7 @@ fn float_kernel<C: Float>(op: MapOp) -> Option<Kernel<C>> {
 fn half_kernel<H: Half>(op: MapOp) -> Option<Kernel<H>> {
     pick!(
         op, halves, H,
-        binary [Add, Sub, Mul, Div],
+        binary [Add, Sub, Mul, Div, FloorDiv, Mod, Pow],
         unary [Square, Negative, Abs, Sqrt, Exp, Log, Sin, Cos]
     )
 }

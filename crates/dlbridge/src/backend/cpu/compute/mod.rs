@@ -17,6 +17,7 @@
 //! (negative and zero strides included). A foreign input whose address is not aligned for its
 //! dtype is read from an aligned copy of the bytes it spans ([`Input`]).
 
+mod gather;
 mod map;
 mod math;
 mod matmul;
@@ -38,6 +39,8 @@ pub(crate) fn map(req: &MapRequest<'_>) -> Result<()> {
 pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     reduce::run(req)
 }
+
+pub(crate) use gather::copy_blocks;
 
 /// Runs a batched matrix product ([`MatmulRequest`]).
 pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {

@@ -1,4 +1,4 @@
-//! Reductions: `sum`, `mean`, `max`, `min` over a [`ReducePlan`].
+//! Reductions: `sum`, `mean`, `max`, `min`, `prod`, `argmax`, `argmin` over a [`ReducePlan`].
 //!
 //! | layout | mode | how |
 //! | --- | --- | --- |
@@ -8,6 +8,11 @@
 //! Sums of floats absorb their `f32` (or `f64`) block results into a compensated `f64` total, so
 //! a `float32` sum of 2^28 elements is as accurate as NumPy's pairwise sum or better. Integer sums
 //! wrap in 64 bits; `mean` divides the total by the count. `max` and `min` propagate NaN.
+//!
+//! Products fold like sums, in the input's type (`float32` for the 16-bit floats) or, for
+//! integers, wrapping in 64 bits. `argmax` / `argmin` walk each output's elements in the reduced
+//! axes' row-major order a block at a time: the block's extreme by the vectorised fold, then the
+//! first element equal to it (or the first NaN, which ends the search).
 //!
 //! A reduced range longer than [`SPLIT`] is folded in pieces of that size merged in order, in
 //! parallel where there are few outputs: the result does not depend on the number of threads.
@@ -209,6 +214,73 @@ impl<T: Widen> Fold for SumInt<T> {
     }
 }
 
+/// Integer products: wrapping 64-bit arithmetic (two's complement: the low bits are right for
+/// both signs).
+struct ProdInt<T>(PhantomData<fn() -> T>);
+
+impl<T: Widen> Fold for ProdInt<T> {
+    type In = T;
+    type Acc = u64;
+    type Total = u64;
+    #[inline(always)]
+    fn identity() -> u64 {
+        1
+    }
+    #[inline(always)]
+    fn step(acc: u64, x: T) -> u64 {
+        acc.wrapping_mul(x.widen())
+    }
+    #[inline(always)]
+    fn combine(a: u64, b: u64) -> u64 {
+        a.wrapping_mul(b)
+    }
+    fn zero() -> u64 {
+        1
+    }
+    #[inline(always)]
+    fn absorb(total: u64, acc: u64) -> u64 {
+        total.wrapping_mul(acc)
+    }
+    fn merge(a: u64, b: u64) -> u64 {
+        a.wrapping_mul(b)
+    }
+}
+
+/// Float products in the computing type (`f32` or `f64`), as NumPy's: a product that leaves the
+/// type's range is infinite, as there.
+struct ProdFloat<T>(PhantomData<fn() -> T>);
+
+impl<T> Fold for ProdFloat<T>
+where
+    T: Copy + Send + Sync + 'static + std::ops::Mul<Output = T> + From<u8>,
+{
+    type In = T;
+    type Acc = T;
+    type Total = T;
+    #[inline(always)]
+    fn identity() -> T {
+        T::from(1)
+    }
+    #[inline(always)]
+    fn step(acc: T, x: T) -> T {
+        acc * x
+    }
+    #[inline(always)]
+    fn combine(a: T, b: T) -> T {
+        a * b
+    }
+    fn zero() -> T {
+        T::from(1)
+    }
+    #[inline(always)]
+    fn absorb(total: T, acc: T) -> T {
+        total * acc
+    }
+    fn merge(a: T, b: T) -> T {
+        a * b
+    }
+}
+
 /// Ordered element types and their extremes (the identities of `max` and `min`).
 trait Bounded: Copy + PartialOrd + Send + Sync + 'static {
     const LOWEST: Self;
@@ -236,14 +308,14 @@ bounded! {
 #[inline(always)]
 #[allow(clippy::eq_op)]
 fn max_nan<T: PartialOrd>(m: T, x: T) -> T {
-    if x > m || x != x { x } else { m }
+    if (x > m) | (x != x) { x } else { m }
 }
 
 /// The smaller of two values, NaN propagating.
 #[inline(always)]
 #[allow(clippy::eq_op)]
 fn min_nan<T: PartialOrd>(m: T, x: T) -> T {
-    if x < m || x != x { x } else { m }
+    if (x < m) | (x != x) { x } else { m }
 }
 
 struct Max<T>(PhantomData<fn() -> T>);
@@ -375,7 +447,7 @@ fn step_row<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
 
 /// Runs a reduction request.
 pub(super) fn run(req: &ReduceRequest<'_>) -> Result<()> {
-    use ReduceOp::{Max as OpMax, Mean, Min as OpMin, Sum};
+    use ReduceOp::{ArgMax, ArgMin, Max as OpMax, Mean, Min as OpMin, Prod, Sum};
     let dtype = req.input.dtype();
     let count = req.plan.count as f64;
     macro_rules! float_case {
@@ -393,6 +465,12 @@ pub(super) fn run(req: &ReduceRequest<'_>) -> Result<()> {
                 OpMin => {
                     execute::<$s, Min<<$s as Storage>::Wide>, $s>(req, <$s as Storage>::narrow)
                 }
+                Prod => execute::<$s, ProdFloat<<$s as Storage>::Wide>, $s>(
+                    req,
+                    <$s as Storage>::narrow,
+                ),
+                ArgMax => execute_arg::<$s>(req, true),
+                ArgMin => execute_arg::<$s>(req, false),
             }
         };
     }
@@ -403,6 +481,9 @@ pub(super) fn run(req: &ReduceRequest<'_>) -> Result<()> {
                 Mean => execute::<$s, SumF64<$s>, f64>(req, |t: Sum64| t.value() / count),
                 OpMax => execute::<$s, Max<$s>, $s>(req, |t: $s| t),
                 OpMin => execute::<$s, Min<$s>, $s>(req, |t: $s| t),
+                Prod => execute::<$s, ProdInt<$s>, $sum>(req, |t: u64| t as $sum),
+                ArgMax => execute_arg::<$s>(req, true),
+                ArgMin => execute_arg::<$s>(req, false),
             }
         };
     }
@@ -457,7 +538,7 @@ where
         unsafe { *at = v };
     };
     if plan.count == 0 {
-        // Only `sum` (0) and `mean` (0 / 0 = NaN) come here.
+        // Only `sum` (0), `prod` (1) and `mean` (0 / 0 = NaN) come here.
         for o in 0..outputs {
             write(o as isize, finish(F::zero()));
         }
@@ -642,4 +723,210 @@ fn by_rows<S, F, O>(
             }
         }
     });
+}
+
+/// Where an arg reduction stands: the extreme so far and its index in the reduced order.
+#[derive(Clone, Copy, Debug)]
+struct ArgBest<W> {
+    value: W,
+    index: usize,
+    /// Whether any element was seen.
+    found: bool,
+    /// Whether `value` is NaN (the first NaN wins: the search is over).
+    nan: bool,
+}
+
+impl<W: Bounded> ArgBest<W> {
+    const NONE: ArgBest<W> = ArgBest {
+        value: W::LOWEST,
+        index: 0,
+        found: false,
+        nan: false,
+    };
+
+    /// `self` (earlier elements) merged with `later`: the later one wins only when strictly
+    /// beyond, so that the first among equals stays.
+    fn merge(self, later: ArgBest<W>, max: bool) -> ArgBest<W> {
+        if self.nan || !later.found {
+            return self;
+        }
+        if !self.found || later.nan || beyond(later.value, self.value, max) {
+            later
+        } else {
+            self
+        }
+    }
+}
+
+#[inline(always)]
+fn beyond<W: PartialOrd>(x: W, than: W, max: bool) -> bool {
+    if max { x > than } else { x < than }
+}
+
+/// Folds the block `xs`, whose first element has reduced index `start`, into `best`.
+#[inline(always)]
+#[allow(clippy::eq_op)]
+fn arg_block<W: Bounded>(best: &mut ArgBest<W>, xs: &[W], start: usize, max: bool) {
+    if best.nan || xs.is_empty() {
+        return;
+    }
+    // The block's extreme (NaN if it has one), vectorised; then the first element equal to it.
+    let m = if max {
+        feed::<Max<W>>(W::LOWEST, xs)
+    } else {
+        feed::<Min<W>>(W::HIGHEST, xs)
+    };
+    if m != m {
+        let i = first_index(xs, |x| x != x);
+        *best = ArgBest {
+            value: m,
+            index: start + i,
+            found: true,
+            nan: true,
+        };
+    } else if !best.found || beyond(m, best.value, max) {
+        let i = first_index(xs, |x| x == m);
+        *best = ArgBest {
+            value: m,
+            index: start + i,
+            found: true,
+            nan: false,
+        };
+    }
+}
+
+/// The index of the first element of `xs` for which `hit` holds (0 if none): groups of 64 tested
+/// at once (a loop the compiler vectorises), then the element within the group.
+#[inline(always)]
+fn first_index<W: Copy>(xs: &[W], hit: impl Fn(W) -> bool) -> usize {
+    const GROUP: usize = 64;
+    let mut groups = xs.chunks_exact(GROUP);
+    for (g, group) in (&mut groups).enumerate() {
+        if group.iter().fold(false, |any, &x| any | hit(x)) {
+            return g * GROUP + group.iter().position(|&x| hit(x)).unwrap_or(0);
+        }
+    }
+    let done = xs.len() - groups.remainder().len();
+    done + groups.remainder().iter().position(|&x| hit(x)).unwrap_or(0)
+}
+
+/// The arg reduction over reduced elements `start..end` of the output whose first input element
+/// is at `base`.
+///
+/// # Safety
+/// As [`fold_range`].
+unsafe fn arg_range<S: Storage>(
+    base: *const S,
+    red: &MapPlan,
+    start: usize,
+    end: usize,
+    max: bool,
+) -> ArgBest<S::Wide>
+where
+    S::Wide: Bounded,
+{
+    let mut best = ArgBest::NONE;
+    let stride = red.strides[0][red.shape.len() - 1];
+    let mut pos = start;
+    walk(
+        &red.shape,
+        [red.strides[0].as_slice()],
+        start,
+        end,
+        |off, len| {
+            let at = base.wrapping_offset(off[0]);
+            // SAFETY: `len` elements of the reduced plan from `base`, readable by the caller's
+            // contract.
+            unsafe {
+                S::read_run(at, stride, len, |xs| {
+                    arg_block(&mut best, xs, pos, max);
+                    pos += xs.len();
+                })
+            };
+        },
+    );
+    best
+}
+
+/// Runs `argmax` (`max`) or `argmin` over input stored as `S`, writing `int64` indices.
+fn execute_arg<S: Storage>(req: &ReduceRequest<'_>, max: bool) -> Result<()>
+where
+    S::Wide: Bounded,
+{
+    let plan = &req.plan;
+    let outputs = plan.outputs();
+    if req.out.dtype() != DType::I64 || req.out.numel() != outputs || plan.kept.strides.len() != 2 {
+        return Err(Error::InvalidArgument(format!(
+            "{} writes one int64 per output of its plan",
+            req.op.name()
+        )));
+    }
+    if plan.count == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "attempt to get {} of an empty sequence",
+            req.op.name()
+        )));
+    }
+    let input = Input::new(req.input, "reducing it")?;
+    let first = SharedPtr(input.ptr::<S>().cast_mut());
+    let out = SharedPtr(output::<i64>(req.out)?);
+    let (kept, red, count) = (&plan.kept, &plan.reduced, plan.count);
+    let kn = kept.shape.len();
+    let (out_step, in_step) = (kept.strides[0][kn - 1], kept.strides[1][kn - 1]);
+    let threads = crate::backend::cpu::workers::threads();
+    let pieces = count.div_ceil(SPLIT);
+    let split_pieces = pieces > 1 && outputs < 2 * threads;
+    let one = |base: *const S| -> ArgBest<S::Wide> {
+        let base = SharedPtr(base.cast_mut());
+        let piece = |p: usize| {
+            // SAFETY: the reduced plan from an output's first input element addresses elements
+            // of the input (its layout was checked when the view was built), which no one writes
+            // during the call.
+            unsafe {
+                arg_range::<S>(
+                    base.get(),
+                    red,
+                    p * SPLIT,
+                    ((p + 1) * SPLIT).min(count),
+                    max,
+                )
+            }
+        };
+        let parts: Vec<ArgBest<S::Wide>> = if split_pieces {
+            use rayon::prelude::*;
+            crate::backend::cpu::workers::install(|| {
+                (0..pieces).into_par_iter().map(piece).collect()
+            })
+        } else {
+            (0..pieces).map(piece).collect()
+        };
+        // Merged in order: the first among equals wins whatever the number of threads.
+        parts
+            .into_iter()
+            .fold(ArgBest::NONE, |a, b| a.merge(b, max))
+    };
+    let min_chunk = if split_pieces {
+        usize::MAX
+    } else {
+        (64usize << 10).div_ceil(count)
+    };
+    for_chunks(outputs, min_chunk, |start, end| {
+        walk(
+            &kept.shape,
+            [kept.strides[0].as_slice(), kept.strides[1].as_slice()],
+            start,
+            end,
+            |off, len| {
+                for i in 0..len as isize {
+                    let base = first.get().wrapping_offset(off[1] + i * in_step);
+                    let at = out.get().wrapping_offset(off[0] + i * out_step);
+                    // SAFETY: `at` is an output element the plan addresses inside the compact
+                    // `out`, written by this task alone.
+                    unsafe { *at = one(base).index as i64 };
+                }
+            },
+        );
+    });
+    drop(input);
+    Ok(())
 }

@@ -558,6 +558,12 @@ pub(crate) struct ReduceLaunch {
 /// The accumulator type of `op` with accumulator dtype `acc` (as the front chose it).
 pub(crate) fn work_type(op: ReduceOp, acc: DType) -> Result<Work> {
     let elem = Elem::of(acc, op.name())?;
+    if op.is_arg() {
+        return Err(Error::UnsupportedOperand(format!(
+            "{} has no Metal kernel (the front composes it of other reductions)",
+            op.name()
+        )));
+    }
     Ok(match (op, elem) {
         (_, Elem::F16 | Elem::BF16 | Elem::F32) => Work::Float,
         (ReduceOp::Max | ReduceOp::Min, Elem::I8 | Elem::I16 | Elem::I32) => Work::Int,

@@ -143,6 +143,59 @@ inline ushort dlb_float_to_bf16(float f) {
     return ushort(u >> 16);
 }
 
+// NumPy's floor_divide and remainder of floats (npy_divmod): the floored quotient, and the
+// remainder with the divisor's sign, from fmod.
+inline float dlb_floor_divide(float a, float b) {
+    if (b == 0.0f) {
+        return a / b;
+    }
+    float m = fmod(a, b);
+    float div = (a - m) / b;
+    if (m != 0.0f && ((b < 0.0f) != (m < 0.0f))) {
+        div -= 1.0f;
+    }
+    if (div != 0.0f) {
+        float f = floor(div);
+        return (div - f > 0.5f) ? f + 1.0f : f;
+    }
+    return copysign(0.0f, a / b);
+}
+inline float dlb_remainder(float a, float b) {
+    float m = fmod(a, b);
+    if (b == 0.0f) {
+        return m;
+    }
+    if (m != 0.0f) {
+        if ((b < 0.0f) != (m < 0.0f)) {
+            m += b;
+        }
+    } else {
+        m = copysign(0.0f, b);
+    }
+    return m;
+}
+// Integer floor division and remainder for a divisor other than 0 and -1 (no overflow).
+template <typename T> inline T dlb_floor_div_int(T a, T b) {
+    T q = T(a / b);
+    return (T(a % b) != T(0) && ((a < T(0)) != (b < T(0)))) ? T(q - T(1)) : q;
+}
+template <typename T> inline T dlb_remainder_int(T a, T b) {
+    T r = T(a % b);
+    return (r != T(0) && ((r < T(0)) != (b < T(0)))) ? T(r + b) : r;
+}
+// base ** e wrapping in the unsigned type U (square and multiply).
+template <typename U> inline U dlb_pow_bits(U base, ulong e) {
+    U r = U(1);
+    while (e != 0ul) {
+        if ((e & 1ul) != 0ul) {
+            r *= base;
+        }
+        base *= base;
+        e >>= 1;
+    }
+    return r;
+}
+
 // The low 64 bits of `f` truncated toward zero into a saturating 128-bit integer (NaN: 0): what
 // NumPy's and Rust's float-to-integer casts keep before wrapping to the target width.
 inline ulong dlb_float_to_bits(float f) {
@@ -240,11 +293,50 @@ fn map_expr(op: MapOp, elem: Elem, args: &[&str]) -> Result<String> {
         }
         MapOp::Binary(b) => {
             let (x, y) = (args[0], args[1]);
+            let t = elem.storage();
             let sym = match b {
                 BinaryOp::Add => '+',
                 BinaryOp::Sub => '-',
                 BinaryOp::Mul => '*',
                 BinaryOp::Div => '/',
+                BinaryOp::FloorDiv if float => return Ok(format!("dlb_floor_divide({x}, {y})")),
+                BinaryOp::Mod if float => return Ok(format!("dlb_remainder({x}, {y})")),
+                BinaryOp::Pow if float => return Ok(format!("precise::pow({x}, {y})")),
+                // Integers: 0 for a zero divisor (NumPy's values); the most negative value
+                // divided by -1 wraps to itself, and its remainder is 0.
+                BinaryOp::FloorDiv if elem.is_signed() => {
+                    return Ok(format!(
+                        "(({y}) == {t}(0) ? {t}(0) : ({y}) == {t}(-1) ? {} : \
+                         dlb_floor_div_int({x}, {y}))",
+                        elem.wrapping("0", '-', x)
+                    ));
+                }
+                BinaryOp::FloorDiv => {
+                    return Ok(format!("(({y}) == {t}(0) ? {t}(0) : {t}(({x}) / ({y})))"));
+                }
+                BinaryOp::Mod if elem.is_signed() => {
+                    return Ok(format!(
+                        "((({y}) == {t}(0) || ({y}) == {t}(-1)) ? {t}(0) : \
+                         dlb_remainder_int({x}, {y}))"
+                    ));
+                }
+                BinaryOp::Mod => {
+                    return Ok(format!("(({y}) == {t}(0) ? {t}(0) : {t}(({x}) % ({y})))"));
+                }
+                BinaryOp::Pow => {
+                    // Square and multiply in the wide unsigned type, truncated to the width (a
+                    // negative exponent never comes: the front refuses it).
+                    let w = elem.wide_unsigned();
+                    let power = format!(
+                        "as_type<{t}>({}(dlb_pow_bits({w}({x}), ulong({y}))))",
+                        elem.bits_type()
+                    );
+                    return Ok(if elem.is_signed() {
+                        format!("(({y}) < {t}(0) ? {t}(0) : {power})")
+                    } else {
+                        power
+                    });
+                }
             };
             if float {
                 format!("({x} {sym} {y})")
@@ -415,6 +507,12 @@ impl Work {
             (ReduceOp::Min, Work::UInt) => "0xffffffffu",
             (ReduceOp::Min, Work::Long) => "9223372036854775807L",
             (ReduceOp::Min, Work::ULong) => "0xfffffffffffffffful",
+            (ReduceOp::Prod, Work::Float) => "1.0f",
+            (ReduceOp::Prod, Work::Int | Work::Long) => "1",
+            (ReduceOp::Prod, Work::UInt) => "1u",
+            (ReduceOp::Prod, Work::ULong) => "1ul",
+            // Never compiled: `work_type` refuses the arg reductions (the front composes them).
+            (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "0",
         }
     }
 
@@ -432,6 +530,11 @@ impl Work {
             (ReduceOp::Min, Work::Float) => "(isnan(a) || a < b) ? a : b",
             (ReduceOp::Max, _) => "a > b ? a : b",
             (ReduceOp::Min, _) => "a < b ? a : b",
+            (ReduceOp::Prod, Work::Long) => "as_type<long>(as_type<ulong>(a) * as_type<ulong>(b))",
+            (ReduceOp::Prod, Work::Int) => "as_type<int>(as_type<uint>(a) * as_type<uint>(b))",
+            (ReduceOp::Prod, _) => "a * b",
+            // Never compiled: `work_type` refuses the arg reductions.
+            (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "a",
         }
     }
 

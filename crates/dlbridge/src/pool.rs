@@ -430,7 +430,8 @@ impl Pool {
 
     /// Installs `check`, asked of every block released from now on (the first check installed
     /// stays): shareable memory uses it to give a block moved into a shared file its private
-    /// pages back before the block can serve another allocation (`share::cpu`).
+    /// pages back before the block can serve another allocation (`share::cpu`, on Linux).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     pub(crate) fn set_release_check(&self, check: ReleaseCheck) {
         let _ = self.release_check.set(check);
     }

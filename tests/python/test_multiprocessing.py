@@ -320,17 +320,17 @@ def test_the_module_level_process_shares_its_arguments():
 def test_pool_arguments_and_results_are_shared_both_ways(method):
     with dmp.get_context(method).Pool(1) as pool:
         args = [dlbridge.zeros((n,)) for n in (4, 1 << 16)]
-        assert pool.map(_pool_task, [("write", a) for a in args]) == [None, None]
+        assert pool.map_async(_pool_task, [("write", a) for a in args]).get(60) == [None, None]
         assert [float(a[0]) for a in args] == [11.0, 11.0]
-        result = pool.apply(_pool_task, (("make", 1 << 16),))
+        result = pool.apply_async(_pool_task, (("make", 1 << 16),)).get(60)
         result[1] = 6.0
-        assert pool.apply(_pool_task, (("read", None),)) == 6.0
+        assert pool.apply_async(_pool_task, (("read", None),)).get(60) == 6.0
 
 
 def test_the_module_pool_of_the_default_start_method():
     with dmp.Pool(1) as pool:
         a = dlbridge.zeros((1 << 16,))
-        pool.map(_pool_task, [("write", a)])
+        pool.map_async(_pool_task, [("write", a)]).get(60)
     assert float(a[0]) == 11.0
 
 

@@ -2,12 +2,18 @@
 
 For each side (CPU; CUDA where a device is present) and each framework:
 
+* the first send of an ordinary tensor (``torch.ones``, ``dlbridge.full``), which moves it into
+  shared memory (``share_memory_()``: torch copies it into a new shared file; dlbridge moves a
+  tensor of whole pages in place, writing its bytes into a shared file mapped at the same
+  address), for a 4 KiB and a 1 GiB tensor;
 * latency: one message through a ``Queue`` to a spawned consumer that reads one element and
-  answers with it (a round trip; the median of many), for a 4 KiB and a 1 GiB tensor that already
-  lives in shared memory (``share_memory_()`` / ``open_shared(share())``);
-* throughput: messages per second of small (256 B) tensors, pipelined;
+  answers with it (a round trip; the median of many sends of the same tensor, after the first);
+* with ``--pre-shared``, the same latencies for tensors made in shared memory beforehand
+  (``share_memory_()`` / ``open_shared(share())``, the figures of earlier versions);
+* throughput: messages per second of small (256 B) tensors, pipelined (64 ordinary tensors sent
+  round robin: each moves on its first send);
 * bytes pickled per message (the handle, not the data), and a write by the consumer that the
-  producer sees (zero bytes copied).
+  producer sees through the tensor it sent (zero bytes copied).
 
 Then a consumer that outlives its producer. Run: ``python bench/bench_ipc.py [--big-mib N]``.
 """
@@ -64,21 +70,23 @@ def _producer_then_exit(q, received) -> None:
     import dlbridge
     import dlbridge.multiprocessing  # noqa: F401
 
-    a = dlbridge.open_shared(dlbridge.asarray(np.arange(1 << 20, dtype=np.float32)).share())
-    q.put(a)
+    q.put(dlbridge.asarray(np.arange(1 << 20, dtype=np.float32)))  # an ordinary array
     received.wait(60)
 
 
-def _make(framework: str, nbytes: int, device: str):
+def _make(framework: str, nbytes: int, device: str, pre_shared: bool = False):
+    """An ordinary tensor of ``nbytes`` (the first send moves it into shared memory), or with
+    ``pre_shared`` one made in shared memory beforehand."""
     n = nbytes // 4
     if framework == "torch":
         import torch
 
         t = torch.ones(n, dtype=torch.float32, device=device)
-        return t.share_memory_() if device == "cpu" else t
+        return t.share_memory_() if pre_shared and device == "cpu" else t
     import dlbridge
 
-    return dlbridge.open_shared(dlbridge.full((n,), 1.0, "float32", device=device).share())
+    a = dlbridge.full((n,), 1.0, "float32", device=device)
+    return dlbridge.open_shared(a.share()) if pre_shared else a
 
 
 def _pickled_bytes(x) -> int:
@@ -89,7 +97,9 @@ def _pickled_bytes(x) -> int:
     return len(buf.getvalue())
 
 
-def run_framework(framework: str, device: str, big: int, reps: int, small_msgs: int) -> dict[str, float]:
+def run_framework(
+    framework: str, device: str, big: int, reps: int, small_msgs: int, pre_shared: bool
+) -> dict[str, float]:
     ctx = multiprocessing_of(framework).get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_consumer, args=(framework, q_in, q_out))
@@ -100,6 +110,10 @@ def run_framework(framework: str, device: str, big: int, reps: int, small_msgs: 
         q_out.get(timeout=120)
         for label, nbytes in (("4 KiB", 4096), (f"{big >> 20} MiB", big)):
             x = _make(framework, nbytes, device)
+            t0 = time.perf_counter()
+            q_in.put(("read", x))  # the first send moves it into shared memory
+            assert q_out.get(timeout=300) == 1.0
+            out[f"first send {label} (us)"] = (time.perf_counter() - t0) * 1e6
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
@@ -107,6 +121,16 @@ def run_framework(framework: str, device: str, big: int, reps: int, small_msgs: 
                 assert q_out.get(timeout=300) == 1.0
                 times.append(time.perf_counter() - t0)
             out[f"latency {label} (us)"] = statistics.median(times) * 1e6
+            if pre_shared:
+                y = _make(framework, nbytes, device, pre_shared=True)
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    q_in.put(("read", y))
+                    assert q_out.get(timeout=300) == 1.0
+                    times.append(time.perf_counter() - t0)
+                out[f"latency {label} pre-shared (us)"] = statistics.median(times) * 1e6
+                del y
             out[f"pickled bytes {label}"] = _pickled_bytes(x)
             if nbytes == big:
                 q_in.put(("write", x))
@@ -151,6 +175,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50, help="round trips per size")
     ap.add_argument("--small-msgs", type=int, default=2000, help="messages in the throughput run")
     ap.add_argument("--cpu-only", action="store_true", help="skip CUDA even where present")
+    ap.add_argument("--pre-shared", action="store_true",
+                    help="also time tensors made in shared memory beforehand")
     args = ap.parse_args()
     import dlbridge
 
@@ -165,14 +191,18 @@ def main() -> None:
             pass
     big = args.big_mib << 20
     for device in devices:
-        res = {fw: run_framework(fw, device, big, args.reps, args.small_msgs) for fw in ("dlbridge", "torch")}
+        res = {
+            fw: run_framework(fw, device, big, args.reps, args.small_msgs, args.pre_shared)
+            for fw in ("dlbridge", "torch")
+        }
         print(f"\n== {device} (spawn, Queue; dlbridge vs torch.multiprocessing) ==")
-        print(f"{'metric':<28}{'dlbridge':>14}{'torch':>14}{'dlbridge/torch':>16}")
+        print(f"{'metric':<36}{'dlbridge':>14}{'torch':>14}{'dlbridge/torch':>16}")
         for key in res["dlbridge"]:
             d, t = res["dlbridge"][key], res["torch"][key]
             ratio = f"{d / t:.2f}" if t else "-"
-            print(f"{key:<28}{d:>14.1f}{t:>14.1f}{ratio:>16}")
-        print("(latency: median round trip of one message and one element back; lower is better.)")
+            print(f"{key:<36}{d:>14.1f}{t:>14.1f}{ratio:>16}")
+        print("(first send: one round trip that moves an ordinary tensor into shared memory;")
+        print(" latency: median round trip of one message and one element back; lower is better.)")
     print("\n" + outlives_producer())
 
 

@@ -80,7 +80,8 @@ class Array:
     def device(self) -> Device: ...
     @property
     def storage(self) -> Literal["private", "shared", "managed"]:
-        """The buffer's storage mode (host memory is always "shared")."""
+        """The buffer's storage mode (host memory is always "shared"): whether host and device
+        address the memory. Whether other processes can map it is `is_shared()`."""
         ...
     @property
     def ndim(self) -> int: ...
@@ -233,9 +234,22 @@ class Array:
     def transpose(self, *axes: int | Sequence[int]) -> Array: ...
     def ravel(self, order: Literal["C"] = "C") -> Array: ...
     def flatten(self, order: Literal["C"] = "C") -> Array: ...
+    def share_memory_(self) -> Self:
+        """Moves the array into process-shareable memory in place and returns it (PyTorch's
+        `Tensor.share_memory_`). Host memory dlbridge allocated in whole pages (64 KiB and more,
+        Linux) keeps its address, so views and exports made before see the shared memory; other
+        host memory is replaced by a shared copy (views and exports made before keep the old
+        memory); CUDA memory is shareable as it is (a no-op, except for memory without legacy IPC,
+        copied into the shareable pool). BufferError on devices without process-shareable memory."""
+    def is_shared(self) -> _bool:
+        """Whether other processes can map the array's memory as it is (PyTorch's
+        `Tensor.is_shared`): memory `share_memory_`, `share` or `dlbridge.multiprocessing` put in
+        process-shareable memory, memory opened from a handle, and CUDA device memory that can be
+        shared without a copy. Not the storage mode."""
     def share(self, *, copy: _bool | None = None) -> SharedHandle:
         """A picklable handle to this array's memory for another process; copies once into
-        shareable memory unless it is there already (`copy=False` refuses with BufferError)."""
+        shareable memory unless it is there already (`copy=False` refuses with BufferError: the
+        array is not in process-shareable memory; `share_memory_()` moves it there)."""
     def to_shareable(self) -> Array:
         """This array when its memory is shareable already, else a copy in shareable memory (keep
         it where an array is shared many times, so that no share copies it again)."""

@@ -20,6 +20,7 @@ SCRIPTS = [
     "kernels.py",
     "load_checkpoint.py",
     "ray_actors.py",
+    "multiprocessing_shared.py",
 ]
 
 
@@ -45,5 +46,6 @@ def test_example_runs(script):
         assert out.startswith("cuda_streams: skipped, no CUDA device: ")
     else:
         assert f"{name}: ok" in out
-        if script in ("memory_pool.py", "kernels.py", "load_checkpoint.py", "ray_actors.py"):
+        if script in ("memory_pool.py", "kernels.py", "load_checkpoint.py", "ray_actors.py",
+                      "multiprocessing_shared.py"):
             assert "skipped, no CUDA device" in out

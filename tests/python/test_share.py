@@ -131,7 +131,10 @@ def test_share_and_open_see_each_others_writes():
 
 def test_copy_false_refuses_memory_that_is_not_shareable():
     a = dlbridge.zeros((4,))
-    with pytest.raises(BufferError, match="not in shareable memory"):
+    # The process-shareable property is named apart from the storage mode ("shared" for every
+    # host array), and the refusal says how to move the array there.
+    assert a.storage == "shared" and not a.is_shared()
+    with pytest.raises(BufferError, match="not in process-shareable memory.*share_memory_"):
         a.share(copy=False)
 
 
@@ -877,7 +880,9 @@ def _cuda_read_cupy_or_jax(reader, q_in, q_out) -> None:
 
 def _cuda_produce_then_exit(q, received) -> None:
     a = dlbridge.asarray(np.arange(256, dtype=np.float32), device="cuda:0")
-    q.put(a)  # copied once into VMM shareable memory
+    # An ordinary array would go as itself, by a legacy IPC handle valid while this process
+    # lives (PyTorch's rule); a copy in the shareable (VMM) pool outlives it.
+    q.put(a.to_shareable())
     received.wait(60)
 
 

@@ -88,6 +88,38 @@ impl PyArray {
         Ok(())
     }
 
+    /// Puts `f`'s tensor in place of the array's (`share_memory_`'s copy; `None` keeps it), under
+    /// the array's write lock: a running call on another thread holds the array for a moment,
+    /// so the lock is tried for up to ten seconds, the GIL released between tries (a blocking
+    /// wait could deadlock with a reader waiting for the GIL), then `BufferError`.
+    pub(crate) fn replace(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Tensor) -> PyResult<Option<Tensor>>,
+    ) -> PyResult<()> {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut slot = loop {
+            match self.slot.try_write() {
+                Ok(slot) => break slot,
+                Err(_) if std::time::Instant::now() < until => {
+                    py.detach(|| std::thread::sleep(std::time::Duration::from_millis(1)));
+                }
+                Err(_) => {
+                    return Err(PyBufferError::new_err(
+                        "the array is in use by a running call on another thread",
+                    ));
+                }
+            }
+        };
+        let tensor = slot.as_ref().ok_or_else(|| {
+            PyValueError::new_err("the array was freed (Backend.free); it has no memory any more")
+        })?;
+        if let Some(new) = f(tensor)? {
+            *slot = Some(new);
+        }
+        Ok(())
+    }
+
     fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let t = self.tensor()?;
         let host = if t.is_packed() {
@@ -263,7 +295,8 @@ impl PyArray {
     }
 
     /// The buffer's storage mode: `"private"` (device only), `"shared"` (host and device; all
-    /// host memory) or `"managed"`.
+    /// host memory) or `"managed"`. Whether other processes can map the memory is another
+    /// property: `is_shared()`.
     #[getter]
     fn storage(&self) -> PyResult<&'static str> {
         Ok(self.tensor()?.buffer().storage_mode().name())
@@ -401,11 +434,26 @@ impl PyArray {
     }
 
     /// A picklable handle to this array's memory for another process (`dlbridge.open_shared`
-    /// opens it there without a copy). An array that is not in shareable memory is copied once
-    /// into shareable memory of its device; `copy=False` refuses that with `BufferError`.
+    /// opens it there without a copy). An array that is not in process-shareable memory
+    /// (`is_shared()`) is copied once into shareable memory of its device, the array itself left
+    /// as it is (`share_memory_()` moves it instead); `copy=False` refuses that with
+    /// `BufferError`.
     #[pyo3(signature = (*, copy=None))]
     fn share(&self, py: Python<'_>, copy: Option<bool>) -> PyResult<crate::share::PySharedHandle> {
         crate::share::share_array(py, &self.tensor()?.clone(), copy)
+    }
+
+    /// Moves the array into process-shareable memory, in place, and returns it (PyTorch's
+    /// `Tensor.share_memory_`); `dlbridge.multiprocessing` calls it on every array it sends.
+    fn share_memory_<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
+        crate::share::share_memory(slf.py(), slf.get())?;
+        Ok(slf.clone())
+    }
+
+    /// Whether another process can map the array's memory as it is (PyTorch's
+    /// `Tensor.is_shared`): not the storage mode.
+    fn is_shared(&self) -> PyResult<bool> {
+        Ok(dlbridge::share::is_shared(&*self.tensor()?))
     }
 
     /// This array when its memory is shareable already (dlbridge's shareable pool, or memory

@@ -233,6 +233,22 @@ pub(crate) fn share_array(
     Ok(PySharedHandle::new(handle))
 }
 
+/// `Array.share_memory_`: the array's memory moved into process-shareable memory in place where
+/// it can be, else the array's tensor replaced by a shareable copy (see
+/// `dlbridge::share::share_memory`). The GIL is held throughout, so that no Python thread writes
+/// the array through dlbridge while its bytes move.
+pub(crate) fn share_memory(py: Python<'_>, array: &PyArray) -> PyResult<()> {
+    // Shareable already, or moved in place: nothing to replace, no write lock needed.
+    let t = array.tensor()?.clone();
+    if share::share_memory_in_place(&t).py()? {
+        return Ok(());
+    }
+    array.replace(py, |t| {
+        let moved = share::share_memory(t).py()?;
+        Ok((!moved.buffer().same_allocation(t.buffer())).then_some(moved))
+    })
+}
+
 /// Opens a handle made by `Array.share()` (in this or another process): an array over the same
 /// memory. The handle opens once. A handle received as bytes claims its descriptor from its
 /// producer, waiting at most `timeout` seconds (default `DLBRIDGE_SHARE_TIMEOUT`, or 30) and

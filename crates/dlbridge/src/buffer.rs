@@ -250,6 +250,16 @@ impl Buffer {
         }
     }
 
+    /// The pool block this buffer owns, when it is one (`share::cpu` moves such a block into a
+    /// shared file in place; on Linux only).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    pub(crate) fn pooled_block(&self) -> Option<&crate::pool::PooledBlock> {
+        match &self.inner.owner {
+            Owner::Pooled(block) => Some(block),
+            _ => None,
+        }
+    }
+
     /// How many handles share this allocation.
     pub fn ref_count(&self) -> usize {
         Arc::strong_count(&self.inner)

@@ -59,7 +59,7 @@ use std::ffi::c_void;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use crate::buffer::{Allocation, StorageMode};
 use crate::device::Device;
@@ -402,12 +402,18 @@ fn detach(
     list.remove(index)
 }
 
+/// Asked of every block released to a pool that has one ([`Pool::set_release_check`]), before
+/// the block is cached: whether it may be reused (`false` keeps it out of the pool for good).
+/// Called with the block's address and size, no lock of the pool held.
+pub(crate) type ReleaseCheck = fn(NonNull<c_void>, usize) -> bool;
+
 /// A caching allocator for one device and storage mode; see the module documentation.
 pub struct Pool {
     device: Device,
     storage: StorageMode,
     allocator: Box<dyn RawAllocator>,
     state: Mutex<State>,
+    release_check: OnceLock<ReleaseCheck>,
 }
 
 impl Pool {
@@ -418,7 +424,16 @@ impl Pool {
             storage,
             allocator: Box::new(allocator),
             state: Mutex::new(State::default()),
+            release_check: OnceLock::new(),
         })
+    }
+
+    /// Installs `check`, asked of every block released from now on (the first check installed
+    /// stays): shareable memory uses it to give a block moved into a shared file its private
+    /// pages back before the block can serve another allocation (`share::cpu`, on Linux).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    pub(crate) fn set_release_check(&self, check: ReleaseCheck) {
+        let _ = self.release_check.set(check);
     }
 
     /// The device the pool allocates on.
@@ -590,6 +605,16 @@ impl Pool {
         requested: usize,
         stream: Option<StreamKey>,
     ) {
+        if let Some(check) = self.release_check.get()
+            && !check(ptr, size)
+        {
+            // Kept out of the pool: neither cached nor freed (its memory is not ours to reuse).
+            let mut state = self.lock();
+            state.stats.active_bytes -= size;
+            state.stats.active_blocks -= 1;
+            state.stats.requested_bytes -= requested;
+            return;
+        }
         let fence = match stream.map(|s| self.allocator.fence(s)).transpose() {
             Ok(fence) => fence.flatten(),
             Err(err) => {

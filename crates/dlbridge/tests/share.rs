@@ -1488,3 +1488,198 @@ mod hostile {
         assert_eq!(on_host(&legacy), vec![2.0; 1024]);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// share_memory: ordinary memory moved into process-shareable memory, in place where dlbridge owns
+// whole pages (Linux: a shared file mapped over the block's own addresses).
+
+#[cfg(target_os = "linux")]
+mod in_place {
+    use super::*;
+
+    /// The `/proc/self/maps` line of the mapping holding `addr`.
+    fn mapping_of(addr: usize) -> String {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines()
+            .find(|line| {
+                let range = line.split_whitespace().next().unwrap();
+                let (lo, hi) = range.split_once('-').unwrap();
+                let lo = usize::from_str_radix(lo, 16).unwrap();
+                let hi = usize::from_str_radix(hi, 16).unwrap();
+                (lo..hi).contains(&addr)
+            })
+            .unwrap_or_else(|| panic!("{addr:#x} is not mapped"))
+            .to_owned()
+    }
+
+    fn in_shared_file(addr: usize) -> bool {
+        mapping_of(addr).contains("dlbridge-shared")
+    }
+
+    /// 256 KiB of `f32` from the CPU pool: a block of whole pages of its own.
+    fn whole_pages() -> Tensor {
+        let data: Vec<f32> = (0..1 << 16).map(|i| i as f32).collect();
+        Tensor::from_slice(&data, &[1 << 16]).unwrap()
+    }
+
+    #[test]
+    fn a_block_of_whole_pages_moves_in_place_and_every_view_sees_the_shared_memory() {
+        let t = whole_pages();
+        let view = t.slice(0, SliceArg::range(10, 20)).unwrap();
+        let addr = t.buffer().handle().expose_provenance();
+        assert!(!share::is_shared(&t) && !in_shared_file(addr));
+
+        let moved = share::share_memory(&t).unwrap();
+        assert!(moved.buffer().same_allocation(t.buffer()));
+        assert_eq!(moved.buffer().handle().expose_provenance(), addr);
+        assert!(share::is_shared(&t) && share::is_shared(&view) && in_shared_file(addr));
+        assert_eq!(view.to_vec::<f32>().unwrap()[0], 10.0); // the bytes moved with it
+        // Moving again is nothing; sharing needs no copy now.
+        assert!(share::share_memory_in_place(&t).unwrap());
+        let mut other = share::open(share::share(&view, false).unwrap()).unwrap();
+        assert_ne!(other.buffer().handle().expose_provenance(), addr);
+        other.as_mut_slice::<f32>().unwrap()[1] = -1.0;
+        assert_eq!(t.to_vec::<f32>().unwrap()[11], -1.0);
+        assert_eq!(view.to_vec::<f32>().unwrap()[1], -1.0);
+    }
+
+    #[test]
+    fn a_moved_block_gets_private_pages_back_before_the_pool_reuses_it() {
+        // Alone in a child process: the pool then hands the same block back.
+        if let Some((role, s)) = child() {
+            if role != "alone" {
+                return;
+            }
+            let t = whole_pages();
+            let addr = t.buffer().handle().expose_provenance();
+            share::share_memory(&t).unwrap();
+            // A consumer's mapping of the file, as another process would hold it.
+            let mut other = share::open(share::share(&t, false).unwrap()).unwrap();
+            drop(t);
+            let mut again = Tensor::zeros(&[1 << 16], DType::F32, Device::CPU).unwrap();
+            assert_eq!(again.buffer().handle().expose_provenance(), addr);
+            assert!(!share::is_shared(&again) && !in_shared_file(addr));
+            again.as_mut_slice::<f32>().unwrap()[0] = 9.0;
+            other.as_mut_slice::<f32>().unwrap()[1] = 8.0;
+            assert_eq!(other.to_vec::<f32>().unwrap()[..2], [0.0, 8.0]);
+            assert_eq!(again.to_vec::<f32>().unwrap()[..2], [9.0, 0.0]);
+            ack(&s);
+            return;
+        }
+        let (mut alone, s) = spawn(
+            "in_place::a_moved_block_gets_private_pages_back_before_the_pool_reuses_it",
+            "alone",
+        );
+        wait_ack(&s);
+        assert!(alone.wait().unwrap().success());
+    }
+
+    #[test]
+    fn another_process_writes_the_moved_block_at_its_old_address() {
+        if let Some((role, s)) = child() {
+            if role != "writer" {
+                return;
+            }
+            let mut t = share::open(share::recv_handle(&s).unwrap()).unwrap();
+            assert_eq!(t.to_vec::<f32>().unwrap()[5], 5.0);
+            t.as_mut_slice::<f32>().unwrap()[0] = 42.0;
+            ack(&s);
+            return;
+        }
+        let t = whole_pages();
+        let addr = t.buffer().host_ptr().unwrap();
+        share::share_memory(&t).unwrap();
+        let (mut writer, s) = spawn(
+            "in_place::another_process_writes_the_moved_block_at_its_old_address",
+            "writer",
+        );
+        share::send_handle(&s, share::share(&t, false).unwrap()).unwrap();
+        wait_ack(&s);
+        assert!(writer.wait().unwrap().success());
+        // Read through the address taken before the move (an export's view of it).
+        // SAFETY: `t` keeps the block, 256 KiB of f32 from `addr`, alive.
+        assert_eq!(unsafe { addr.cast::<f32>().read() }, 42.0);
+    }
+
+    #[test]
+    fn what_cannot_move_in_place_is_copied() {
+        // A small block shares its pages with other allocations.
+        let small = Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap();
+        assert!(!share::share_memory_in_place(&small).unwrap());
+        let copy = share::share_memory(&small).unwrap();
+        assert!(!copy.buffer().same_allocation(small.buffer()));
+        assert!(share::is_shared(&copy) && !share::is_shared(&small));
+        assert_eq!(copy.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        // Memory of a foreign producer is never remapped, however large.
+        let values = vec![1.5f32; 1 << 16];
+        let (foreign, _probe) = common::Spec::f32(&values, &[1 << 16]).import().tensor();
+        assert!(foreign.buffer().is_foreign());
+        let copy = share::share_memory(&foreign).unwrap();
+        assert!(!copy.buffer().same_allocation(foreign.buffer()) && share::is_shared(&copy));
+        assert!(!share::is_shared(&foreign));
+        // A strided view of a small block: a compact copy of its elements, read-only kept.
+        let base = Tensor::from_slice(&(0..12).collect::<Vec<i32>>(), &[3, 4]).unwrap();
+        let view = base
+            .slice(
+                1,
+                SliceArg {
+                    start: None,
+                    stop: None,
+                    step: 2,
+                },
+            )
+            .unwrap()
+            .into_read_only();
+        let copy = share::share_memory(&view).unwrap();
+        assert!(copy.is_read_only() && copy.is_contiguous());
+        assert_eq!(copy.to_vec::<i32>().unwrap(), view.to_vec::<i32>().unwrap());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_ordinary_memory_is_shared_as_it_is_and_opens_in_its_own_process() {
+    let t = filled(2.0, 1024, gpu());
+    let view = t.slice(0, SliceArg::range(16, 32)).unwrap();
+    // PyTorch's rule: CUDA memory is shareable without a copy (a legacy IPC handle).
+    assert!(share::is_shared(&t) && share::is_shared(&view));
+    let moved = share::share_memory(&view).unwrap();
+    assert!(moved.buffer().same_allocation(t.buffer()));
+    let h = share::share(&view, false).unwrap();
+    assert_eq!(h.kind(), SharedKind::CudaIpc);
+    // The process that made a legacy handle opens it as the memory it was made of.
+    let opened = share::open(h).unwrap();
+    assert!(opened.buffer().same_allocation(t.buffer()));
+    assert_eq!(opened.byte_offset(), view.byte_offset());
+    assert_eq!(opened.shape(), view.shape());
+    assert_eq!(on_host(&opened), vec![2.0; 16]);
+    // Once only: the same handle's bytes again are refused.
+    let mut h = share::share(&view, false).unwrap();
+    let bytes = h.to_bytes_lent().unwrap();
+    drop(h);
+    let again = SharedHandle::from_bytes(&bytes, None).unwrap();
+    share::open(again).unwrap();
+    assert!(share::open(SharedHandle::from_bytes(&bytes, None).unwrap()).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_pinned_memory_outside_the_shareable_pool_is_copied_into_it() {
+    let device = Device::cuda_host(gpu().index());
+    let t = Tensor::from_slice(&[1u32, 2, 3], &[3])
+        .unwrap()
+        .copy_to(device)
+        .unwrap();
+    assert!(!share::is_shared(&t));
+    assert!(!share::share_memory_in_place(&t).unwrap());
+    let copy = share::share_memory(&t).unwrap();
+    assert!(!copy.buffer().same_allocation(t.buffer()));
+    assert!(share::is_shared(&copy) && copy.device() == device);
+    assert_eq!(
+        share::share(&copy, false).unwrap().kind(),
+        SharedKind::HostFile
+    );
+    // The shareable pool's device memory is shared already.
+    let vmm = share::to_shareable(&filled(1.0, 8, gpu())).unwrap();
+    assert!(share::is_shared(&vmm));
+}

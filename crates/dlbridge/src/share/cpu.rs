@@ -9,6 +9,7 @@
 //! | [`allocate`] | a [`Buffer`] of a pooled block |
 //! | `export` | a duplicate of the descriptor of the block a buffer lies in, and where in the block it starts |
 //! | `map` | the receiving side: maps a received descriptor, after checking its seals (a file any holder could truncate is refused); the mapping alone keeps the memory |
+//! | `move_in_place` | a block of the ordinary CPU pool moved into a new shared file *at the same addresses* (Linux): what `share_memory` does to host memory dlbridge owns in whole pages |
 //!
 //! Nothing has a name in the file system, so nothing is left in `/dev/shm` when a process dies:
 //! the kernel frees a file when its last descriptor and mapping go. Every process a handle
@@ -22,11 +23,24 @@
 //! its addresses, the consumers keep the old file, and the old memory is freed by the kernel when
 //! the last consumer unmaps it, whichever process goes first. (The fresh file is sealed like
 //! every other: nothing resizes a block's file once it is made.)
+//!
+//! # Moving ordinary memory in place
+//! A block of the ordinary CPU pool ([`crate::backend::cpu::pool`]) of at least
+//! [`PAGE_ALIGN_THRESHOLD`](crate::backend::cpu::PAGE_ALIGN_THRESHOLD) bytes starts on a page and
+//! fills whole pages that no other allocation shares. `move_in_place` writes its bytes into a new
+//! sealed shared file and maps the file over the block's own addresses (`MAP_FIXED`, as the reuse
+//! above does): every view of the block and every export made of it before (a PyTorch tensor, a
+//! NumPy array) keeps its address and now reads and writes the shared memory. The block stays
+//! the pool's: when its last buffer goes, the pool asks `release_moved` before caching it, which
+//! maps private anonymous pages over it again (the consumers keep the file), so a block that was
+//! shared never serves a later allocation. Smaller blocks share pages with other allocations and
+//! cannot be moved; nor can memory dlbridge does not own (a foreign producer's).
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use super::Exported;
@@ -445,7 +459,7 @@ fn mappings() -> std::sync::MutexGuard<'static, BTreeMap<usize, (usize, OwnedFd)
         .unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The one lookup of both registries: the `(start, len, fd)` of the file range that holds
+/// The one lookup of every registry: the `(start, len, fd)` of the file range that holds
 /// `[addr, addr + len)`, if any.
 fn find<'a>(
     mut map: impl DoubleEndedIterator<Item = (&'a usize, usize, &'a OwnedFd)>,
@@ -457,42 +471,215 @@ fn find<'a>(
     Some((start, size, fd))
 }
 
-/// A new descriptor of the shared file `buffer` lies in (a block of this process's shareable pool,
-/// or a file it mapped from a handle), with the buffer's place in it; the block, if it is one, is
-/// marked exported. `None` when the buffer is not in a shared file.
+/// Runs `f` on the shared file `buffer` lies in: a file this process mapped from a handle, a CPU
+/// pool block moved into a file in place, or a block of this process's shareable pool (then with
+/// that block's `exported` mark, for `f` to set). `f` gets the descriptor and the start address
+/// and size of the file's mapping. `None` when the buffer lies in no shared file.
+fn locate<R>(
+    buffer: &Buffer,
+    f: impl FnOnce(&OwnedFd, usize, usize, Option<&mut bool>) -> R,
+) -> Option<R> {
+    let addr = buffer.handle().expose_provenance();
+    let len = buffer.len();
+    {
+        let mapped = mappings();
+        let range = mapped.range(..=addr).map(|(k, (len, fd))| (k, *len, fd));
+        if let Some((start, size, fd)) = find(range, addr, len) {
+            return Some(f(fd, start, size, None));
+        }
+    }
+    if buffer.device().kind() == DeviceKind::Cpu && MOVED_BLOCKS.load(Ordering::Acquire) > 0 {
+        let moved = moved();
+        let range = moved.range(..=addr).map(|(k, b)| (k, b.len, &b.fd));
+        if let Some((start, size, fd)) = find(range, addr, len) {
+            return Some(f(fd, start, size, None));
+        }
+    }
+    let shared = shareable(buffer.device()).ok()?;
+    let mut blocks = shared.files.blocks();
+    let range = blocks.range(..=addr).map(|(k, b)| (k, b.len, &b.fd));
+    let (start, size, _) = find(range, addr, len)?;
+    let block = blocks.get_mut(&start)?;
+    Some(f(&block.fd, start, size, Some(&mut block.exported)))
+}
+
+/// Whether `buffer` lies in a shared file (see `locate`): memory another process can map.
+pub(crate) fn is_shared(buffer: &Buffer) -> bool {
+    locate(buffer, |_, _, _, _| ()).is_some()
+}
+
+/// A new descriptor of the shared file `buffer` lies in (see `locate`), with the buffer's place
+/// in it; a block of the shareable pool is marked exported. `None` when the buffer is not in a
+/// shared file.
 pub(crate) fn export(buffer: &Buffer) -> Result<Option<Exported>> {
     let addr = buffer.handle().expose_provenance();
-    let dup = |fd: &OwnedFd, start: usize, len: usize| -> Result<Exported> {
+    locate(buffer, |fd, start, len, exported| {
         let fd = fd.try_clone().map_err(|e| Error::Driver {
             backend: "CPU",
             message: format!("dup of a shared file failed: {e}"),
         })?;
+        if let Some(exported) = exported {
+            *exported = true;
+        }
         Ok(Exported {
             fd,
             len,
             offset: addr - start,
         })
-    };
+    })
+    .transpose()
+}
+
+/// CPU pool blocks moved into a shared file in place (`move_in_place`), by address: the file
+/// mapped over each block's pages, kept to share the block and closed when the block goes back to
+/// the pool (the consumers keep their own descriptors and mappings).
+fn moved() -> std::sync::MutexGuard<'static, BTreeMap<usize, Block>> {
+    static MOVED: OnceLock<Mutex<BTreeMap<usize, Block>>> = OnceLock::new();
+    MOVED
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How many blocks `moved` holds: while it is zero, the lookups skip `moved`'s lock (every
+/// release of a large CPU pool block asks `release_moved`).
+static MOVED_BLOCKS: AtomicUsize = AtomicUsize::new(0);
+
+/// Moves the CPU pool block `buffer` owns into a new sealed shared file *in place* (see the
+/// module documentation): its bytes are written to the file and the file is mapped over the
+/// block's own pages, so that every view and export of the buffer, made before or after, sees the
+/// shared memory at the same address. `Ok(false)`, with nothing done, for memory that cannot be
+/// moved so: not a block of the CPU pool (foreign memory, a mapped file, another device), a block
+/// smaller than [`PAGE_ALIGN_THRESHOLD`](crate::backend::cpu::PAGE_ALIGN_THRESHOLD) (it shares
+/// pages with other allocations), or a system other than Linux. `Ok(true)` also when the block
+/// was moved already.
+///
+/// Writes made to the block by other threads while it moves may be lost (between the copy and
+/// the remap): safe Rust cannot make them (mutable access needs the only handle of a buffer, and
+/// the caller holds one); writers through raw pointers must not run meanwhile.
+pub(crate) fn move_in_place(buffer: &Buffer) -> Result<bool> {
+    #[cfg(target_os = "linux")]
     {
-        let mapped = mappings();
-        let range = mapped.range(..=addr).map(|(k, (len, fd))| (k, *len, fd));
-        if let Some((start, len, fd)) = find(range, addr, buffer.len()) {
-            return dup(fd, start, len).map(Some);
+        let Some(block) = buffer.pooled_block() else {
+            return Ok(false);
+        };
+        let pool = crate::backend::cpu::pool();
+        let page = page_size();
+        let start = block.as_ptr();
+        let len = block.block_size();
+        let addr = start.as_ptr().expose_provenance();
+        let ours = std::ptr::eq(block.pool(), &**pool)
+            && buffer.device() == Device::CPU
+            && buffer.host_ptr().map(|p| p.as_ptr().cast::<c_void>()) == Some(start.as_ptr())
+            && len >= crate::backend::cpu::PAGE_ALIGN_THRESHOLD
+            && len % page == 0
+            && addr % page == 0;
+        if !ours {
+            return Ok(false);
+        }
+        let mut moved = moved();
+        if moved.contains_key(&addr) {
+            return Ok(true);
+        }
+        let fd = anonymous_file(len)?;
+        // SAFETY: the buffer's `len()` bytes from `start` are its live host memory (the caller's
+        // handle keeps them), readable for the copy; nothing writes them meanwhile (see above).
+        let bytes =
+            unsafe { std::slice::from_raw_parts(start.as_ptr().cast::<u8>(), buffer.len()) };
+        write_all_at(&fd, bytes)?;
+        // From the first block moved on, the pool asks each released block whether it was moved.
+        pool.set_release_check(release_moved);
+        // SAFETY: `[start, start + len)` is the whole of a CPU pool block (page-aligned, whole
+        // pages no other allocation shares: see `allocation_layout`), owned by `buffer`, which
+        // the caller holds, so it stays allocated; its bytes are in the file now, so the mapping
+        // that replaces the old pages holds the same contents.
+        unsafe { map_over(&fd, start, len) }?;
+        moved.insert(
+            addr,
+            Block {
+                fd,
+                len,
+                exported: false,
+            },
+        );
+        MOVED_BLOCKS.fetch_add(1, Ordering::Release);
+        Ok(true)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = buffer;
+        Ok(false)
+    }
+}
+
+/// Writes all of `bytes` to the start of `fd`'s file (`pwrite`, again where it wrote less).
+#[cfg(target_os = "linux")]
+fn write_all_at(fd: &OwnedFd, bytes: &[u8]) -> Result<()> {
+    let mut done = 0usize;
+    while done < bytes.len() {
+        let rest = &bytes[done..];
+        let at = libc::off_t::try_from(done).map_err(|_| crate::error::overflow("file offset"))?;
+        // SAFETY: `rest` is readable for its length; `fd` is an open, writable file.
+        let n = unsafe { libc::pwrite(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at) };
+        if n > 0 {
+            done += n as usize;
+        } else if n == 0 {
+            return Err(os_error(
+                "pwrite into a shared memory file (it wrote nothing)",
+            ));
+        } else if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return Err(os_error("pwrite into a shared memory file"));
         }
     }
-    let Ok(shared) = shareable(buffer.device()) else {
-        return Ok(None);
-    };
-    let mut blocks = shared.files.blocks();
-    let range = blocks.range(..=addr).map(|(k, b)| (k, b.len, &b.fd));
-    let Some((start, len, fd)) = find(range, addr, buffer.len()) else {
-        return Ok(None);
-    };
-    let exported = dup(fd, start, len)?;
-    if let Some(block) = blocks.get_mut(&start) {
-        block.exported = true;
+    Ok(())
+}
+
+/// Maps `len` bytes of `fd` shared and read-write over `[start, start + len)`, the pages faulted
+/// in at once (`MAP_POPULATE`: the file's pages exist already).
+///
+/// # Safety
+/// `[start, start + len)` is whole pages of memory this process owns, whose old contents the
+/// caller no longer needs (they are gone afterwards).
+#[cfg(target_os = "linux")]
+unsafe fn map_over(fd: &OwnedFd, start: NonNull<c_void>, len: usize) -> Result<()> {
+    let flags = libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: `fd` is an open file of `len` bytes; the fixed range is the caller's to replace.
+    let ptr = unsafe { libc::mmap(start.as_ptr(), len, prot, flags, fd.as_raw_fd(), 0) };
+    if ptr == libc::MAP_FAILED {
+        return Err(os_error("mmap of a shared file over an array's memory"));
     }
-    Ok(Some(exported))
+    Ok(())
+}
+
+/// The CPU pool's release check (`Pool::set_release_check`): a released block that was moved
+/// into a shared file gets private anonymous pages at its addresses again before the pool may
+/// hand it to another allocation (other processes may still map the file: they keep it, this
+/// process lets go of it). `false`, keeping the block out of the pool, where that mapping fails.
+#[cfg(target_os = "linux")]
+fn release_moved(ptr: NonNull<c_void>, size: usize) -> bool {
+    if size < crate::backend::cpu::PAGE_ALIGN_THRESHOLD || MOVED_BLOCKS.load(Ordering::Acquire) == 0
+    {
+        return true;
+    }
+    let addr = ptr.as_ptr().expose_provenance();
+    let Some(block) = moved().remove(&addr) else {
+        return true;
+    };
+    MOVED_BLOCKS.fetch_sub(1, Ordering::Release);
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: the range is the whole block the pool is taking back: its last buffer is gone, so
+    // nothing in this process reads or writes it; fresh private pages replace the file's.
+    let back = unsafe { libc::mmap(ptr.as_ptr(), block.len, prot, flags, -1, 0) };
+    if back == libc::MAP_FAILED {
+        log::warn!(
+            "{}: a CPU block that was shared with other processes is kept out of the pool",
+            os_error("mmap of private pages over a shared block")
+        );
+        return false;
+    }
+    true
 }
 
 /// A mapping of a received file; unmapping it is this process's release of the memory.
@@ -620,6 +807,11 @@ impl SharedCounter {
     /// The current value.
     pub(crate) fn get(&self) -> i64 {
         self.atomic().load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The inode of the counter's file: which counter it is, in every process that maps it.
+    pub(crate) fn inode(&self) -> Result<u64> {
+        inode(&self.fd)
     }
 
     /// A new descriptor of the counter's file, for another process.

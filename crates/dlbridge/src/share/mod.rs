@@ -14,6 +14,23 @@
 //! maps the memory in the receiving process and returns a [`Tensor`] over it, which goes on to
 //! any framework through DLPack without a copy.
 //!
+//! # Process-shareable memory
+//! *Process-shareable* (or *shared*, as PyTorch's `is_shared()` says it) means memory another
+//! process can map as it is: [`is_shared`]. It is not the storage mode
+//! [`StorageMode::Shared`](crate::StorageMode::Shared), which says that the host and the device
+//! address the same memory (every host array has it). [`share_memory`] makes memory
+//! process-shareable, as PyTorch's `share_memory_()` does, and in place wherever it can:
+//!
+//! | memory | [`is_shared`] | what [`share_memory`] does |
+//! | --- | --- | --- |
+//! | host memory in a shared file: the shareable pool, a handle opened here, a block moved before | yes | nothing |
+//! | a block of the CPU pool of at least [`PAGE_ALIGN_THRESHOLD`](crate::backend::cpu::PAGE_ALIGN_THRESHOLD) bytes (Linux) | no | moves it **in place**: the bytes go into a new sealed shared file mapped over the block's own addresses (`MAP_FIXED`), so every view and every export of it, made before or after, sees the shared memory at the same address |
+//! | smaller CPU pool blocks (they share pages with other allocations), foreign host memory (a NumPy array's), pinned host memory outside the shareable pool, elsewhere than Linux | no | returns a compact copy in the shareable pool; the tensor given and its views and exports keep the old memory |
+//! | CUDA device memory of the shareable (VMM) pool or opened from a handle | yes | nothing |
+//! | other CUDA device memory the driver gives a legacy IPC handle for (`cuMemAlloc`: dlbridge's pool, PyTorch's) | yes | nothing: it is shared by a legacy IPC handle, without a copy, valid while this process lives (PyTorch's rule for CUDA tensors) |
+//! | CUDA memory without legacy IPC (stream-ordered pools) | no | returns a copy in the shareable (VMM) pool |
+//! | Metal, managed memory | no | refuses ([`Error::UnsupportedDevice`]) |
+//!
 //! A descriptor travels with [`fd::send_handle`] / [`fd::recv_handle`] (`SCM_RIGHTS` over a Unix
 //! socket), where [`SharedHandle::to_bytes`] / [`SharedHandle::from_bytes`] carry the rest; or
 //! the handle travels as bytes alone ([`SharedHandle::to_bytes_lent`], as `dlbridge`'s pickling
@@ -590,6 +607,73 @@ pub fn empty_cache(device: Device) {
     release_kept(device);
 }
 
+/// Whether `t`'s memory is process-shareable as it is: whether another process can map it
+/// without a copy (see the module's table). Not [`StorageMode::Shared`](crate::StorageMode),
+/// which every host array has.
+pub fn is_shared(t: &Tensor) -> bool {
+    match t.device().kind() {
+        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::is_shared(t.buffer()),
+        DeviceKind::Cuda => ipc::is_shared(t.buffer()),
+        _ => false,
+    }
+}
+
+/// `t` in process-shareable memory, as PyTorch's `share_memory_()` puts a tensor there (see the
+/// module's table): `t` itself (the same allocation) when its memory is shareable already or was
+/// just moved there **in place**, which every view and export of it sees at the same address;
+/// else a compact copy in the shareable pool of its device, which the caller keeps in place of
+/// `t` (`t`'s other views and exports keep the old memory). Read-only-ness is kept.
+///
+/// A block moved in place goes back to private memory when its last buffer goes (other processes
+/// keep the shared file). Writes to `t`'s memory from other threads while it moves may be lost:
+/// safe Rust cannot make them (the caller holds a handle, so no `&mut` access exists); writers
+/// through raw pointers (a framework's own threads) must not run meanwhile.
+///
+/// # Errors
+/// [`Error::UnsupportedDevice`] for devices without process-shareable memory (Metal, CUDA
+/// managed memory); the system's or driver's error when a file or an allocation fails.
+///
+/// ```
+/// use dlbridge::{DType, Device, Tensor, share};
+///
+/// let t = Tensor::zeros(&[1 << 16], DType::F32, Device::CPU)?; // 256 KiB: whole pages
+/// let view = t.slice(0, dlbridge::SliceArg::range(8, 16))?;
+/// let moved = share::share_memory(&t)?;
+/// assert!(moved.buffer().same_allocation(t.buffer())); // in place: the same memory, same address
+/// assert!(share::is_shared(&t) && share::is_shared(&view));
+///
+/// let small = Tensor::from_slice(&[1.0f32, 2.0], &[2])?; // shares its pages with others
+/// let copy = share::share_memory(&small)?;
+/// assert!(!copy.buffer().same_allocation(small.buffer()) && share::is_shared(&copy));
+/// # Ok::<(), dlbridge::Error>(())
+/// ```
+pub fn share_memory(t: &Tensor) -> Result<Tensor> {
+    if share_memory_in_place(t)? {
+        Ok(t.clone())
+    } else {
+        to_shareable(t)
+    }
+}
+
+/// [`share_memory`] short of the copy: `true` when `t`'s memory is process-shareable now (it was
+/// already, or was just moved there in place), `false` where only a copy can put it there.
+///
+/// # Errors
+/// As [`share_memory`].
+pub fn share_memory_in_place(t: &Tensor) -> Result<bool> {
+    let device = t.device();
+    match device.kind() {
+        DeviceKind::Cpu | DeviceKind::CudaHost | DeviceKind::Cuda => {}
+        _ => {
+            return Err(Error::UnsupportedDevice(format!(
+                "arrays on {device} cannot be put in process-shareable memory: dlbridge shares \
+                 host (cpu, cuda_host) and CUDA device memory with other processes"
+            )));
+        }
+    }
+    Ok(is_shared(t) || (device.kind() == DeviceKind::Cpu && cpu::move_in_place(t.buffer())?))
+}
+
 /// A compact copy of `t` in shareable memory of its device (the copy [`share`] makes of memory
 /// that is not shareable).
 pub fn to_shareable(t: &Tensor) -> Result<Tensor> {
@@ -750,11 +834,12 @@ fn share_copy(t: &Tensor, copy: bool) -> Result<SharedHandle> {
     share(&to_shareable(t)?, false)
 }
 
-/// The refusal to share memory that is not shareable without a copy.
+/// The refusal to share memory that is not process-shareable without a copy.
 fn copy_required(t: &Tensor) -> Error {
     Error::CopyRequired(format!(
-        "this array on {} is not in shareable memory; share it with copy allowed to copy it \
-         once into shareable memory",
+        "this array on {} is not in process-shareable memory (see is_shared); move it there \
+         first with share_memory_ (in place where it can be), or share it with copy allowed to \
+         copy it once",
         t.device()
     ))
 }
@@ -1015,14 +1100,24 @@ pub fn open_with(mut handle: SharedHandle, wait: &broker::Wait<'_>) -> Result<Te
             buffer
         }
         SharedKind::CudaIpc => {
-            if handle.pid == std::process::id() {
-                return Err(Error::InvalidArgument(
-                    "a legacy CUDA IPC handle cannot be opened by the process that made it".into(),
-                ));
-            }
             let users = handle.descriptor(wait)?;
-            let ipc_handle = handle.ipc.ok_or_else(already_opened)?;
-            ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
+            if handle.pid == std::process::id() {
+                // The driver opens legacy handles only in other processes: here, the memory the
+                // handle was made of, the view placed in it as in the allocation.
+                let (buffer, start) = ipc::open_own_legacy(users)?;
+                let offset = handle
+                    .layout
+                    .byte_offset()
+                    .checked_sub(start)
+                    .ok_or_else(|| {
+                        malformed("a legacy IPC view before the start of its exported buffer")
+                    })?;
+                handle.layout = handle.layout.with_byte_offset(offset);
+                buffer
+            } else {
+                let ipc_handle = handle.ipc.ok_or_else(already_opened)?;
+                ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
+            }
         }
     };
     if let Some(event) = &handle.event {

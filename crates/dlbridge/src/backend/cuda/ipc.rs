@@ -509,6 +509,49 @@ pub(crate) fn export(buffer: &Buffer) -> Result<Option<VmmExported>> {
     }))
 }
 
+/// Whether another process can open `buffer`'s memory as it is, without a copy: a block of the
+/// shareable pool, a VMM allocation this process imported, or memory the driver gives a legacy
+/// IPC handle for (`CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`: `cuMemAlloc` memory, as
+/// dlbridge's and PyTorch's pools use; not the memory of stream-ordered pools). Nothing is
+/// exported.
+pub(crate) fn is_shared(buffer: &Buffer) -> bool {
+    let device = buffer.device();
+    if device.kind() != DeviceKind::Cuda {
+        return false;
+    }
+    let addr = buffer.handle().expose_provenance() as u64;
+    let len = buffer.len();
+    let within = |start: u64, size: usize| {
+        addr >= start && ((addr - start) as usize).saturating_add(len) <= size
+    };
+    let imported = imports()
+        .by_addr
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .range(..=addr)
+        .next_back()
+        .and_then(|(_, weak)| weak.upgrade())
+        .is_some_and(|m| within(m.ptr, m.len));
+    if imported {
+        return true;
+    }
+    if let Ok(shared) = shareable(device)
+        && let Some((&start, block)) = shared.blocks.lock().range(..=addr).next_back()
+        && within(start, block.len)
+    {
+        return true;
+    }
+    let Ok(_ctx) = context(device.index() as i32) else {
+        return false;
+    };
+    let mut capable: u32 = 0;
+    let attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE;
+    // SAFETY: the driver writes a boolean (at most an `unsigned int`) at the out-pointer; any
+    // address may be asked about.
+    let asked = unsafe { sys::cuPointerGetAttribute((&raw mut capable).cast(), attribute, addr) };
+    asked.result().is_ok() && capable != 0
+}
+
 /// [`export`] of a buffer that lies in a mapping this process imported.
 fn export_imported(addr: u64, len: usize) -> Result<Option<VmmExported>> {
     let mapping = {
@@ -790,10 +833,12 @@ fn serve(device: Device, mapping: Arc<Mapping>, len: usize) -> Result<Buffer> {
     Ok(buffer_of(device, mapping))
 }
 
-/// A buffer exported through a legacy IPC handle, and the count of its consumers.
+/// A buffer exported through a legacy IPC handle, the count of its consumers, and where the
+/// buffer starts in the driver's allocation the handle names.
 struct Kept {
-    _buffer: Buffer,
+    buffer: Buffer,
     users: SharedCounter,
+    offset: usize,
 }
 
 /// Buffers exported through legacy IPC handles: the memory must be neither freed nor reused while
@@ -832,16 +877,41 @@ pub(crate) fn export_legacy(buffer: &Buffer) -> Result<LegacyExported> {
     let users = SharedCounter::new()?;
     users.add(1);
     let users_fd = users.share()?;
+    let offset = (addr - base) as usize;
     legacy_exports().push(Kept {
-        _buffer: buffer.clone(),
+        buffer: buffer.clone(),
         users,
+        offset,
     });
     Ok(LegacyExported {
         handle: handle.reserved.map(|b| b as u8),
         users: users_fd,
         len: size,
-        offset: (addr - base) as usize,
+        offset,
     })
+}
+
+/// Opens, in the process that made it, a legacy IPC handle whose count of consumers is `users`
+/// (the driver opens such handles only in other processes): the buffer it was made of, and where
+/// that buffer starts in the allocation the handle names. The handle's consumer is counted off at
+/// once, as this buffer holds the memory itself.
+pub(crate) fn open_own_legacy(users: OwnedFd) -> Result<(Buffer, usize)> {
+    let users = SharedCounter::open(users)?;
+    let inode = users.inode()?;
+    let kept = legacy_exports();
+    let found = kept
+        .iter()
+        .find(|k| k.users.get() > 0 && k.users.inode().is_ok_and(|i| i == inode))
+        .ok_or_else(|| {
+            Error::InvalidArgument(
+                "this process made the legacy CUDA IPC handle, but no longer holds its memory \
+                 (its consumer count says it was opened and closed already)"
+                    .into(),
+            )
+        })?;
+    let out = (found.buffer.clone(), found.offset);
+    found.users.add(-1);
+    Ok(out)
 }
 
 /// Memory opened from a legacy IPC handle, and its producer's count of consumers.

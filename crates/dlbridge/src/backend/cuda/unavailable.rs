@@ -391,6 +391,16 @@ pub mod ipc {
         Ok(None)
     }
 
+    /// Whether another process can open a buffer's CUDA memory as it is: none in this build.
+    pub(crate) fn is_shared(_buffer: &Buffer) -> bool {
+        false
+    }
+
+    /// Opens a legacy IPC handle this process made.
+    pub(crate) fn open_own_legacy(_users: OwnedFd) -> Result<(Buffer, usize)> {
+        Err(no_cuda())
+    }
+
     /// A legacy IPC handle of a buffer.
     pub(crate) fn export_legacy(_buffer: &Buffer) -> Result<LegacyExported> {
         Err(no_cuda())

@@ -5,8 +5,8 @@ CUDA: add and exp on 2^28 float32 (GB/s moved), sum over 2^28 float32 (GB/s read
 in float32 and bfloat16 (TFLOP/s). Both libraries run on the legacy default stream and are timed
 by CUDA events around each call (Python dispatch included, as a user sees it).
 CPU: the same element-wise ops and sum on 2^24 float32 beside NumPy, and matmul 1024³ float32.
-Both: the NumPy habits' reductions and indexing on the same sizes (argmax, prod, var, floor_divide,
-a boolean-mask selection).
+Both: the NumPy habits' reductions and indexing on the same sizes (max, argmax, prod, var,
+floor_divide; on the CPU a boolean-mask selection and an integer-array gather).
 
 Usage: python bench/bench_compute.py [--devices cpu,cuda] [--quick]
 """
@@ -79,11 +79,12 @@ def bench_cuda() -> None:
         print(f"| {case} | {moved / o * 1e3:.0f} | {moved / p * 1e3:.0f} | {p / o:.2f} |")
     # Check the results agree (same inputs).
     assert abs(float(ops.sum(dx)) - float(torch.sum(tx))) <= 1e-3 * float(torch.sum(tx))
-    # The NumPy habits: argmax (composed of max, == and a max over index keys on CUDA), prod of
-    # values near 1, var (mean, difference, square, sum).
+    # The NumPy habits: max, argmax (one pass: value and position pairs), prod of values near 1,
+    # var (one pass: batches of registers merged by Chan's formula).
     tn = 1.0 + (torch.rand(n, device="cuda") - 0.5) * 1e-6
     dn = dlbridge.from_dlpack(tn)
     for case, ours, peer, moved in [
+        ("max 2^%d float32 (GB/s)" % (n.bit_length() - 1), lambda: ops.max(dx), lambda: torch.max(tx), gb),
         ("argmax 2^%d float32 (GB/s)" % (n.bit_length() - 1), lambda: ops.argmax(dx), lambda: torch.argmax(tx), gb),
         ("prod 2^%d float32 (GB/s)" % (n.bit_length() - 1), lambda: ops.prod(dn), lambda: torch.prod(tn), gb),
         ("var 2^%d float32 (GB/s)" % (n.bit_length() - 1), lambda: ops.var(dx), lambda: torch.var(tx, correction=0), gb),
@@ -92,6 +93,8 @@ def bench_cuda() -> None:
         o = cuda_ms(ours, reps)
         print(f"| {case} | {moved / o * 1e3:.0f} | {moved / p * 1e3:.0f} | {p / o:.2f} |")
     assert int(ops.argmax(dx)) == int(torch.argmax(tx))
+    want = float(torch.var(tx.double(), correction=0))
+    assert abs(float(ops.var(dx)) - want) <= 1e-5 * want
     del tx, ty, dx, dy, tn, dn
     torch.cuda.empty_cache()
     dlbridge.empty_cache("cuda:0")
@@ -167,24 +170,29 @@ def bench_cpu() -> None:
         o = cpu_ms(ours, reps)
         print(f"| {case} | {moved / o * 1e3:.1f} | {moved / p * 1e3:.1f} | {p / o:.2f} |")
     # The NumPy habits: reductions (prod of values near 1, so that it stays finite), floor
-    # division, and a boolean-mask selection of about half the elements (bytes read: values and
-    # mask).
+    # division, a boolean-mask selection of about half the elements (bytes read: values and
+    # mask), and a gather of n / 3 random positions (bytes read: positions and values).
     near_one = (1.0 + (rng.random(n, dtype=np.float32) - 0.5) * 1e-6).astype(np.float32)
     dn = dlbridge.from_dlpack(near_one)
     mask = y > 0.5
     dmask = dlbridge.asarray(mask)
+    picks = rng.integers(0, n, n // 3)
+    dpicks = dlbridge.asarray(picks)
     for case, ours, peer, moved in [
+        (f"max 2^{bits} float32 (GB/s)", lambda: ops.max(dx), lambda: np.max(x), gb),
         (f"argmax 2^{bits} float32 (GB/s)", lambda: ops.argmax(dx), lambda: np.argmax(x), gb),
         (f"prod 2^{bits} float32 (GB/s)", lambda: ops.prod(dn), lambda: np.prod(near_one), gb),
         (f"var 2^{bits} float32 (GB/s)", lambda: ops.var(dx), lambda: np.var(x), gb),
         (f"floor_divide 2^{bits} float32 (GB/s)", lambda: dx // dy, lambda: x // y, 3 * gb),
         (f"x[mask] 2^{bits} float32 (GB/s)", lambda: dx[dmask], lambda: x[mask], gb * 1.25),
+        (f"x[int64 array] 2^{bits} float32 (GB/s)", lambda: dx[dpicks], lambda: x[picks], gb),
     ]:
         p = cpu_ms(peer, reps)
         o = cpu_ms(ours, reps)
         print(f"| {case} | {moved / o * 1e3:.1f} | {moved / p * 1e3:.1f} | {p / o:.2f} |")
     assert int(ops.argmax(dx)) == int(np.argmax(x))
     assert np.array_equal(np.asarray(dx[dmask]), x[mask])
+    assert np.array_equal(np.asarray(dx[dpicks]), x[picks])
     m = 512 if QUICK else 1024
     a = rng.standard_normal((m, m), dtype=np.float32)
     b = rng.standard_normal((m, m), dtype=np.float32)

@@ -39,15 +39,15 @@ def get(a: dlbridge.Array) -> np.ndarray:
     return np.array(np.asarray(a.to("cpu")), copy=True)
 
 
-def same(got: dlbridge.Array, want, *, rtol: float = 0.0):
+def same(got: dlbridge.Array, want, *, rtol: float = 0.0, atol: float = 0.0):
     """``got`` equals NumPy's ``want`` in dtype, shape and values (NaN matching NaN, the sign of
     zeros included when exact)."""
     want = np.asarray(want)
     g = get(got)
     assert g.dtype == want.dtype, (g.dtype, want.dtype)
     assert g.shape == want.shape, (g.shape, want.shape)
-    if rtol:
-        np.testing.assert_allclose(g, want, rtol=rtol, equal_nan=True)
+    if rtol or atol:
+        np.testing.assert_allclose(g, want, rtol=rtol, atol=atol, equal_nan=True)
     else:
         np.testing.assert_array_equal(g, want)
         if g.dtype.kind == "f":
@@ -288,6 +288,142 @@ def test_var_with_too_few_elements_gives_numpys_values(device):
         same(put(x, device).var(ddof=4), np.var(x, ddof=4))
         e = np.zeros((0,))
         same(put(e, device).var(), np.var(e))
+
+
+# ---------------------------------------------------------------------------------------------
+# argmax / argmin / var / std over long arrays and views: one pass over the data, in pieces merged
+# in order (CPU) or split over many blocks and merged by a second kernel (CUDA): 2^24 + 17
+# elements, so that a wrong merge fails.
+
+LONG = 2**24 + 17
+
+
+def np_dtype(name: str):
+    if name == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64", "uint64"]
+)
+def test_arg_reductions_of_long_arrays_find_the_first_extreme(device, dtype):
+    skip_f64(device, dtype)
+    npd = np_dtype(dtype)
+    x = ((np.arange(LONG, dtype=np.int64) * 7919) % 40 + 1).astype(npd)  # 1..40, exact in all
+    bottom = 0 if dtype.startswith("uint") else -100
+    cases = [
+        {LONG - 1: 100, LONG - 2: bottom},  # at the very end
+        {0: 100, 1: bottom},  # at the very start
+        # Ties far apart: the first wins.
+        {LONG - 1: 100, LONG // 2 + 3: 100, 9_000_001: 100, LONG - 3: bottom, 4_000_000: bottom},
+    ]
+    if npd.kind == "f" or dtype == "bfloat16":
+        cases += [
+            {0: 100, 1: bottom, LONG - 1: np.nan, 12_345_678: np.nan, LONG - 9: np.inf},  # NaN first
+            {LONG - 9: np.inf, 77: -np.inf, LONG - 2: np.inf},
+        ]
+    rows = 4095 * 4097
+    for case in cases:
+        y = x.copy()
+        for i, v in case.items():
+            y[i] = v
+        a = put(y, device)
+        ref = y.astype(np.float32) if dtype == "bfloat16" else y  # exact
+        assert a.argmax().item() == np.argmax(ref), case
+        assert a.argmin().item() == np.argmin(ref), case
+        same(a.argmax(keepdims=True), np.argmax(ref, keepdims=True))
+        m, am = ref[:rows].reshape(4095, 4097), a[:rows].reshape(4095, 4097)
+        for axis in (0, 1):
+            same(am.argmax(axis=axis), np.argmax(m, axis=axis))
+            same(am.argmin(axis=axis), np.argmin(m, axis=axis))
+
+
+@pytest.mark.parametrize(
+    "dtype, offset, rtol",
+    [
+        ("float32", 1000.0, 1e-5),
+        ("float64", 1e6, 1e-10),
+        ("float16", 2.0, 4e-3),
+        ("bfloat16", 2.0, 2e-2),
+        ("int32", 1e6, 1e-10),
+        ("uint8", 100.0, 1e-10),
+    ],
+)
+def test_var_and_std_of_long_arrays_are_accurate(device, dtype, offset, rtol, rng):
+    # Far from 0, where E[x²] - E[x]² in float32 would lose every digit.
+    npd = np_dtype(dtype)
+    skip_f64(device, "float64" if npd.kind in "iu" else dtype)
+    x = (offset + rng.uniform(-50, 50, LONG)).astype(npd)
+    a = put(x, device)
+    exact = x.astype(np.float64)
+    want_dtype = np.dtype(np.float64) if npd.kind in "iu" else npd
+    for ddof in (0, 1):
+        want = np.var(exact, ddof=ddof)
+        got = a.var(ddof=ddof)
+        assert get(got).dtype == want_dtype
+        np.testing.assert_allclose(float(got.item()), want, rtol=rtol)
+        np.testing.assert_allclose(float(a.std(ddof=ddof).item()), np.sqrt(want), rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int16", "uint8"])
+def test_arg_reductions_var_and_std_of_views_match_numpy(device, dtype, rng):
+    skip_f64(device, "float64" if dtype[0] in "iu" else dtype)
+    if dtype.startswith(("int", "uint")):
+        x = rng.integers(0, 9, size=(6, 7, 9)).astype(dtype)
+    else:
+        x = rng.uniform(-5, 5, size=(6, 7, 9)).astype(dtype)
+        x[2, 3, 4] = np.nan
+    x[0, 0, :3] = x[0, 0, 3]  # ties
+    a = put(x, device)
+    views = [
+        (a.transpose(2, 0, 1), x.transpose(2, 0, 1)),
+        (a[::-2, :, 1::3], x[::-2, :, 1::3]),
+        (a[:, 2:3].broadcast_to((6, 5, 9)), np.broadcast_to(x[:, 2:3], (6, 5, 9))),
+    ]
+    rtol = {"float16": 2e-3, "float32": 2e-5}.get(dtype, 1e-10)
+    for (av, xv), axis, keepdims in itertools.product(views, AXES, [False, True]):
+        with np.errstate(all="ignore"):
+            for name in ("var", "std"):
+                want = getattr(np, name)(xv, axis=axis, ddof=1, keepdims=keepdims)
+                # Along the broadcast axis the deviations are 0: NumPy's rounding is not.
+                got = getattr(av, name)(axis=axis, ddof=1, keepdims=keepdims)
+                atol = (1e-4 if dtype == "float16" else 1e-6) if name == "var" else 1e-2
+                same(got, want, rtol=rtol, atol=atol)
+        if isinstance(axis, tuple):
+            continue
+        for name in ("argmax", "argmin"):
+            same(getattr(av, name)(axis=axis, keepdims=keepdims), getattr(np, name)(xv, axis=axis, keepdims=keepdims))
+
+
+def test_long_selections_match_numpy(device, rng):
+    # A mask over every axis and one index array into a 1-d array: single elements copied in one
+    # pass (in parallel on the CPU), strided views, several chunks, every index dtype.
+    n = 300_007
+    x = rng.standard_normal(n).astype(np.float32)
+    a = put(x, device)
+    for m in (x > 0, np.zeros(n, dtype=bool), np.ones(n, dtype=bool)):
+        same(a[dlbridge.asarray(m, device=device)], x[m])
+    s, xs = a[::-3], x[::-3]
+    ms = xs > 0.5
+    same(s[dlbridge.asarray(ms, device=device)], xs[ms])
+    x2 = x[: 600 * 500].reshape(600, 500)
+    m2 = x2 > 0.25
+    same(a[: 600 * 500].reshape(600, 500)[dlbridge.asarray(m2, device=device)], x2[m2])
+    idx = rng.integers(-n, n, size=100_000)
+    for dt in ("int64", "int32", "uint32"):
+        i = idx if dt != "uint32" else idx % n
+        i = i.astype(dt)
+        same(a[i], x[i])
+        same(a[dlbridge.asarray(i)], x[i])
+        same(s[i % len(xs)], xs[i % len(xs)])
+    same(a[idx.reshape(250, 400)], x[idx.reshape(250, 400)])
+    bad = idx.copy()
+    bad[90_000] = n
+    bad[50_000] = -n - 1
+    with pytest.raises(IndexError, match=f"index {-n - 1} is out of bounds for axis 0 with size {n}"):
+        a[bad]
 
 
 def test_bool_arrays_reduce_as_numpy(device):

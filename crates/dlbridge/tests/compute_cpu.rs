@@ -1171,6 +1171,20 @@ fn check_reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool
                 want.push(if edge { g } else { p });
                 scale.push(p.abs() * (1.0 + (n + 1.0) * eps / tol(got.dtype())));
             }
+            ReduceOp::Var | ReduceOp::Std => {
+                // Two passes in f64; the kernel's error is bounded relative to the mean square
+                // (its blocks compute in the input's floating type).
+                let mean = exact_sum(xs.iter().copied()) / n;
+                let var = exact_sum(xs.iter().map(|x| (x - mean) * (x - mean))) / n;
+                let square = exact_sum(xs.iter().map(|x| x * x)) / n;
+                if op == ReduceOp::Var {
+                    want.push(var);
+                    scale.push(square);
+                } else {
+                    want.push(var.sqrt());
+                    scale.push(square.sqrt());
+                }
+            }
             ReduceOp::ArgMax | ReduceOp::ArgMin => unreachable!("checked above"),
         }
     }
@@ -1759,4 +1773,335 @@ fn advanced_indexing_gathers_and_scatters_views() {
     let nz = index::nonzero(&mask).unwrap();
     assert_eq!(ints(&nz[0]), vec![0, 0, 1]);
     assert_eq!(ints(&nz[1]), vec![1, 2, 2]);
+}
+
+/// `argmax` / `argmin` of `x` over everything, as one `i64`.
+fn arg_of(op: ReduceOp, x: &Tensor) -> i128 {
+    ints(&compute::reduce(op, x, None, false).unwrap())[0]
+}
+
+/// `max` / `min` and the arg reductions over runs long enough for several blocks and several
+/// pieces merged in order (more than 2^18 elements): the extreme at the first and the last
+/// element, ties across pieces, NaN in the middle of a block and in a block's tail, and the
+/// infinities of both signs (which make the NaN probe of `max` / `min` fire with no NaN).
+#[test]
+fn extremes_of_long_runs_find_the_first_and_propagate_nan() {
+    let n = (1 << 20) + 37;
+    let base: Vec<f64> = (0..n).map(|i| ((i * 7919) % 40) as f64 + 1.0).collect();
+    for dtype in FLOATS.into_iter().chain(INTS) {
+        let (top, bottom) = if is_signed(dtype) || dtype.is_floating() {
+            (100.0, -100.0)
+        } else {
+            (100.0, 0.0)
+        };
+        let at = |pairs: &[(usize, f64)]| {
+            let mut v = base.clone();
+            for &(i, x) in pairs {
+                v[i] = x;
+            }
+            tensor(&v, &[n], dtype)
+        };
+        let what = |case: &str| format!("{dtype} {case}");
+        // The extremes at the very end, then at the very start.
+        let x = at(&[(n - 1, top), (n - 2, bottom)]);
+        assert_eq!(
+            arg_of(ReduceOp::ArgMax, &x),
+            (n - 1) as i128,
+            "{}",
+            what("last")
+        );
+        assert_eq!(
+            arg_of(ReduceOp::ArgMin, &x),
+            (n - 2) as i128,
+            "{}",
+            what("last")
+        );
+        assert_eq!(
+            values(&compute::reduce(ReduceOp::Max, &x, None, false).unwrap()),
+            [top]
+        );
+        assert_eq!(
+            values(&compute::reduce(ReduceOp::Min, &x, None, false).unwrap()),
+            [bottom]
+        );
+        let x = at(&[(0, top), (1, bottom)]);
+        assert_eq!(arg_of(ReduceOp::ArgMax, &x), 0, "{}", what("first"));
+        assert_eq!(arg_of(ReduceOp::ArgMin, &x), 1, "{}", what("first"));
+        // Ties in different pieces (2^18 elements each) and blocks: the first wins.
+        let x = at(&[
+            (n - 5, top),
+            (300_001, top),
+            (700_000, top),
+            (5_000, bottom),
+            (5, bottom),
+        ]);
+        assert_eq!(arg_of(ReduceOp::ArgMax, &x), 300_001, "{}", what("ties"));
+        assert_eq!(arg_of(ReduceOp::ArgMin, &x), 5, "{}", what("ties"));
+        if !dtype.is_floating() {
+            continue;
+        }
+        // The first NaN, wherever the extremes are: in a block's body, in a block's tail.
+        for (first, second) in [(n - 3, n - 1), (400_000, 9), (1023, 2047), (n - 1, n - 1)] {
+            let x = at(&[
+                (0, top),
+                (n - 2, bottom),
+                (first, f64::NAN),
+                (second, f64::NAN),
+            ]);
+            let want = first.min(second) as i128;
+            assert_eq!(arg_of(ReduceOp::ArgMax, &x), want, "{}", what("NaN"));
+            assert_eq!(arg_of(ReduceOp::ArgMin, &x), want, "{}", what("NaN"));
+            for op in [ReduceOp::Max, ReduceOp::Min] {
+                let m = values(&compute::reduce(op, &x, None, false).unwrap())[0];
+                assert!(m.is_nan(), "{} {}", what("NaN"), op.name());
+            }
+        }
+        // Both infinities and no NaN: the probe fires, the search finds no NaN, the extremes
+        // stand.
+        let x = at(&[
+            (17, f64::INFINITY),
+            (3000, f64::NEG_INFINITY),
+            (n - 7, f64::INFINITY),
+        ]);
+        assert_eq!(arg_of(ReduceOp::ArgMax, &x), 17, "{}", what("inf"));
+        assert_eq!(arg_of(ReduceOp::ArgMin, &x), 3000, "{}", what("inf"));
+        assert_eq!(
+            values(&compute::reduce(ReduceOp::Max, &x, None, false).unwrap()),
+            [f64::INFINITY]
+        );
+        assert_eq!(
+            values(&compute::reduce(ReduceOp::Min, &x, None, false).unwrap()),
+            [f64::NEG_INFINITY]
+        );
+        // Every element the lowest value: the first.
+        let x = tensor(&vec![f64::NEG_INFINITY; 5000], &[5000], dtype);
+        assert_eq!(arg_of(ReduceOp::ArgMax, &x), 0, "{}", what("all -inf"));
+        // Along rows of a matrix (a NaN in one row only).
+        let x = at(&[(3 * 1024 + 7, f64::NAN), (5 * 1024 + 1000, top)])
+            .slice(0, SliceArg::range(0, 1024 * 1000))
+            .unwrap()
+            .reshape(&[Some(1000), Some(1024)])
+            .unwrap();
+        let am = ints(&compute::reduce(ReduceOp::ArgMax, &x, Some(&[1]), false).unwrap());
+        assert_eq!((am[3], am[5]), (7, 1000), "{}", what("rows"));
+        let m = values(&compute::reduce(ReduceOp::Max, &x, Some(&[1]), false).unwrap());
+        assert!(
+            m[3].is_nan() && m[5] == top && m[4] == 40.0,
+            "{}",
+            what("rows")
+        );
+    }
+}
+
+/// `var` / `std` in one pass: against two-pass `f64` references, on data whose mean is far from
+/// 0 (where `E[x²] - E[x]²` in `float32` loses every digit), with `ddof`, NaN, infinities,
+/// empty reductions, the by-rows mode and integers past `f64`'s exact range.
+#[test]
+fn variance_is_one_pass_and_numerically_sound() {
+    let reference = |xs: &[f64], ddof: f64| {
+        let n = xs.len() as f64;
+        let mean = exact_sum(xs.iter().copied()) / n;
+        exact_sum(xs.iter().map(|x| (x - mean) * (x - mean))) / (n - ddof).max(0.0)
+    };
+    let mut rng = Rng::new(40);
+    // 1e4 + noise of 1 in float32: NumPy's float32 var keeps about 4 digits here.
+    let n = 3_000_017;
+    for (dtype, offset, rel) in [
+        (DType::F32, 1e4, 1e-4),
+        (DType::F64, 1e8, 1e-8),
+        (DType::F16, 100.0, 2e-2),
+        (DType::BF16, 1.0, 2e-2),
+    ] {
+        let v: Vec<f64> = (0..n).map(|_| offset + rng.uniform(-1.0, 1.0)).collect();
+        let x = tensor(&v, &[n], dtype);
+        let stored = values(&x);
+        for ddof in [0.0, 1.0, 2.5] {
+            let want = reference(&stored, ddof);
+            let got = values(&compute::var(&x, None, ddof, false).unwrap())[0];
+            assert!(
+                (got - want).abs() <= rel * want,
+                "var of {dtype} ddof {ddof}: got {got}, want {want}"
+            );
+            let got = values(&compute::std(&x, None, ddof, false).unwrap())[0];
+            assert!(
+                (got - want.sqrt()).abs() <= rel * want.sqrt(),
+                "std of {dtype} ddof {ddof}: got {got}, want {}",
+                want.sqrt()
+            );
+        }
+    }
+    // NaN and infinities give NaN; ddof past the count divides by 0.
+    for dtype in FLOATS {
+        for special in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let mut v = vec![1.5; 5000];
+            v[4321] = special;
+            let got = values(&compute::var(&tensor(&v, &[5000], dtype), None, 0.0, false).unwrap());
+            assert!(got[0].is_nan(), "var of {dtype} with {special}: {got:?}");
+        }
+        let x = tensor(&[1.0, 2.0, 4.0], &[3], dtype);
+        assert_eq!(
+            values(&compute::var(&x, None, 3.0, false).unwrap()),
+            [f64::INFINITY]
+        );
+        let c = tensor(&[2.0; 3], &[3], dtype);
+        assert!(values(&compute::var(&c, None, 5.0, false).unwrap())[0].is_nan());
+        let e = tensor(&[], &[0, 3], dtype);
+        let v = values(&compute::var(&e, Some(&[0]), 0.0, false).unwrap());
+        assert!(v.len() == 3 && v.iter().all(|x| x.is_nan()), "{v:?}");
+        assert_eq!(
+            values(&compute::var(&e, Some(&[0]), -1.0, false).unwrap()),
+            [0.0; 3]
+        );
+    }
+    // Columns of a wide matrix (the by-rows mode), against each column's reference.
+    let (rows, cols) = (517, 300);
+    let v: Vec<f64> = (0..rows * cols)
+        .map(|i| 50.0 + rng.uniform(-1.0, 1.0) * (1 + i % cols) as f64)
+        .collect();
+    let x = tensor(&v, &[rows, cols], DType::F32);
+    let stored = values(&x);
+    let got = values(&compute::var(&x, Some(&[0]), 1.0, false).unwrap());
+    for c in 0..cols {
+        let col: Vec<f64> = (0..rows).map(|r| stored[r * cols + c]).collect();
+        let want = reference(&col, 1.0);
+        assert!(
+            (got[c] - want).abs() <= 1e-5 * want,
+            "column {c}: {} vs {want}",
+            got[c]
+        );
+    }
+    // int64 past 2^53 (NumPy converts to float64 too), and unsigned values near the top: a
+    // one-pass result keeps about `eps * |mean| / std` of its `f64` totals (here 4e-8: the mean is
+    // 4e8 times the spread).
+    let big: Vec<i128> = (0..10_001).map(|i| (1i128 << 60) + i * 1_000_003).collect();
+    for dtype in [DType::I64, DType::U64] {
+        let x = int_tensor(&big, &[big.len()], dtype);
+        let as_f64: Vec<f64> = big.iter().map(|&b| b as f64).collect();
+        let got = values(&compute::var(&x, None, 0.0, false).unwrap())[0];
+        let want = reference(&as_f64, 0.0);
+        assert!(
+            (got - want).abs() <= 1e-7 * want,
+            "{dtype}: {got} vs {want}"
+        );
+        assert_eq!(
+            compute::var(&x, None, 0.0, false).unwrap().dtype(),
+            DType::F64
+        );
+    }
+}
+
+/// The bytes of a compact tensor.
+fn raw_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.copy().unwrap();
+    let layout = Layout::contiguous_at(&[t.nbytes()], t.byte_offset()).unwrap();
+    Tensor::new(t.buffer().clone(), DType::U8, layout)
+        .unwrap()
+        .to_vec::<u8>()
+        .unwrap()
+}
+
+/// The single-element selections (a mask over every axis, one index array into a 1-d view)
+/// against the block copier they bypass (the same selection through `nonzero`'s arrays, and
+/// through a 2-d view), over strided views, every element size, several chunks, and errors.
+#[test]
+fn single_element_selections_match_the_block_copier() {
+    use dlbridge::compute::index;
+    let mut rng = Rng::new(41);
+    let n = 200_003;
+    for dtype in [
+        DType::I8,
+        DType::F16,
+        DType::F32,
+        DType::F64,
+        DType::C64,
+        DType::C128,
+    ] {
+        let x = tensor(
+            &(0..2 * n).map(|i| i as f64).collect::<Vec<_>>(),
+            &[2 * n],
+            DType::F64,
+        )
+        .cast(dtype)
+        .unwrap();
+        // A reversed, strided 1-d view and a 2-d one.
+        let views = [
+            x.slice(0, rev())
+                .unwrap()
+                .slice(
+                    0,
+                    SliceArg {
+                        start: None,
+                        stop: None,
+                        step: 2,
+                    },
+                )
+                .unwrap(),
+            x.reshape(&[Some(2), Some(n)]).unwrap().transpose().unwrap(),
+        ];
+        for view in &views {
+            for density in [0.0, 0.3, 1.0] {
+                let bits: Vec<u8> = (0..view.numel())
+                    .map(|_| u8::from(rng.uniform(0.0, 1.0) < density))
+                    .collect();
+                let mask = Tensor::from_slice(&bits, view.shape())
+                    .unwrap()
+                    .cast(DType::BOOL)
+                    .unwrap();
+                let got = index::take_mask(view, 0, &mask).unwrap();
+                let arrays = index::nonzero(&mask).unwrap();
+                let axes: Vec<usize> = (0..view.ndim()).collect();
+                let want = index::take(view, &axes, &arrays, false).unwrap();
+                assert_eq!(got.shape(), want.shape(), "{dtype} mask {density}");
+                assert_eq!(
+                    raw_bytes(&got),
+                    raw_bytes(&want),
+                    "{dtype} mask {density} of {:?}",
+                    view.strides()
+                );
+            }
+        }
+        // Positions of every integer dtype, negative ones, a 2-d index array.
+        let view = &views[0];
+        let len = view.shape()[0] as i128;
+        let picks: Vec<i128> = (0..150_000)
+            .map(|i| ((i * 7919) % (2 * len)) - len)
+            .collect();
+        let as_2d = view.reshape(&[Some(1), None]).unwrap();
+        for index_dtype in [DType::I64, DType::I32, DType::U32, DType::I16] {
+            let fits: Vec<i128> = picks
+                .iter()
+                .map(|&p| {
+                    if index_dtype.bits() < 32 || !is_signed(index_dtype) {
+                        p.rem_euclid(len.min(30_000))
+                    } else {
+                        p
+                    }
+                })
+                .collect();
+            let idx = int_tensor(&fits, &[300, 500], index_dtype);
+            let got = index::take(view, &[0], std::slice::from_ref(&idx), false).unwrap();
+            assert_eq!(got.shape(), &[300, 500]);
+            // The same positions through the block copier: a 2-d view's last axis.
+            let want = index::take(&as_2d, &[1], std::slice::from_ref(&idx), false).unwrap();
+            assert_eq!(
+                raw_bytes(&got),
+                raw_bytes(&want),
+                "{dtype} at {index_dtype}"
+            );
+        }
+        // The first position out of bounds is named, wherever the chunks run.
+        let mut bad = picks.clone();
+        bad[140_000] = len + 5;
+        bad[90_000] = -len - 1;
+        let idx = int_tensor(&bad, &[bad.len()], DType::I64);
+        let err = index::take(view, &[0], &[idx], false).unwrap_err();
+        assert!(matches!(err, Error::OutOfBounds(_)), "{err}");
+        assert!(
+            err.to_string().contains(&format!(
+                "index {} is out of bounds for axis 0 with size {len}",
+                -len - 1
+            )),
+            "{err}"
+        );
+    }
 }

@@ -981,6 +981,7 @@ fn reduce_ref(
         .product();
     let mut ints = vec![0i128; outputs];
     let mut floats = vec![0f64; outputs];
+    let mut squares = vec![0f64; outputs];
     let mut abs = vec![0f64; outputs];
     let mut prods = vec![1u64; outputs];
     let mut float_prods = vec![1f64; outputs];
@@ -1009,6 +1010,7 @@ fn reduce_ref(
         }
         ints[o] += v.i();
         floats[o] += v.f();
+        squares[o] += v.f() * v.f();
         abs[o] += v.f().abs();
         best[o] = Some(match best[o] {
             None => v,
@@ -1048,16 +1050,27 @@ fn reduce_ref(
             ReduceOp::Prod if is_int(dtype) => V::I(wrap(out_dtype, prods[o] as i128)),
             ReduceOp::Prod => V::F(round_to(out_dtype, float_prods[o])),
             ReduceOp::ArgMax | ReduceOp::ArgMin => V::I(best_at[o] as i128),
-            _ => best[o].expect("max and min of something"),
+            ReduceOp::Var | ReduceOp::Std => {
+                let n = count as f64;
+                let mean = floats[o] / n;
+                let var = (squares[o] / n - mean * mean).max(0.0);
+                let v = if op == ReduceOp::Var { var } else { var.sqrt() };
+                V::F(round_to(out_dtype, v))
+            }
+            ReduceOp::Max | ReduceOp::Min => best[o].expect("max and min of something"),
         })
         .collect();
     let abs = abs
         .into_iter()
         .zip(&float_prods)
-        .map(|(s, p)| match op {
+        .zip(&squares)
+        .map(|((s, p), q)| match op {
             ReduceOp::Mean => s / count.max(1) as f64,
             // Each factor rounds once: a bound relative to the product.
             ReduceOp::Prod => p.abs() * count as f64,
+            // The moments' errors are relative to the mean square.
+            ReduceOp::Var => q / count.max(1) as f64,
+            ReduceOp::Std => (q / count.max(1) as f64).sqrt(),
             _ => s,
         })
         .collect();
@@ -1070,7 +1083,8 @@ fn check_reduce(what: &str, op: ReduceOp, dtype: DType, got: &Tensor, want: &[V]
     let got = read(got);
     assert_eq!(got.len(), want.len(), "{what}");
     let (_, out_dtype) = promote::reduce_types(op, dtype).unwrap();
-    let acc_eps = if dtype == DType::F64 || (is_int(dtype) && op == ReduceOp::Mean) {
+    let wide_acc = matches!(op, ReduceOp::Mean | ReduceOp::Var | ReduceOp::Std);
+    let acc_eps = if dtype == DType::F64 || (is_int(dtype) && wide_acc) {
         1e-13
     } else {
         1e-5
@@ -1577,9 +1591,10 @@ fn work_follows_the_current_stream() {
 
 // ---------------------------------------------------------------------------------------------
 // NumPy habits: floor division, remainder and power edges, bool reductions, all / any,
-// var / std, isnan / isinf / isfinite, composed arg reductions, advanced indexing. Each result is
-// checked against the CPU's on the same data (the CPU's are checked against NumPy and against
-// references in compute_cpu.rs).
+// var / std and argmax / argmin (one-pass kernels), isnan / isinf / isfinite, advanced indexing.
+// Each result is checked against the CPU's on the same data (the CPU's are checked against NumPy
+// and against references in compute_cpu.rs), or against the positions and values the test put
+// there.
 
 /// `f` on the device and on the host copy of the same inputs agree: exactly for integers and
 /// bool, within a few ulp of the dtype for floats.
@@ -1669,7 +1684,7 @@ fn floor_division_remainder_and_power_follow_numpy_on_the_device() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn composed_reductions_and_classifications_match_the_cpu() {
+fn numpy_reductions_and_classifications_match_the_cpu() {
     let device = gpu();
     let mut rng = Rng::new(22);
     let shape = [6usize, 5, 33];
@@ -1823,5 +1838,359 @@ fn advanced_indexing_gathers_and_scatters_device_views() {
     let want = index::nonzero(&on(Device::CPU, DType::BOOL, &mask, &[4, 5, 6])).unwrap();
     for (g, w) in nz.iter().zip(&want) {
         assert_eq!(read(g), read(w));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// argmax / argmin and var / std: one pass over the data, partial results of the splits of a long
+// row merged by a second kernel. 2^24 + 17 elements split over hundreds of blocks on any GPU, so
+// a wrong merge of the splits fails here.
+
+/// Writes `value` (rounded into the dtype) at position `i` of the vector `x`, on its device.
+fn poke(x: &Tensor, i: usize, value: f64) {
+    let one = Tensor::from_slice(&[value], &[1])
+        .unwrap()
+        .cast(x.dtype())
+        .unwrap();
+    let at = x
+        .slice(0, SliceArg::range(i as isize, i as isize + 1))
+        .unwrap();
+    // SAFETY: the test's own tensor; no reference into its memory is alive, and no other thread
+    // uses it.
+    unsafe { at.copy_from_unchecked(&one).unwrap() };
+}
+
+/// The one `int64` an arg reduction over everything gives.
+fn position(op: ReduceOp, x: &Tensor) -> i128 {
+    read(&compute::reduce(op, x, None, false).unwrap())[0].i()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn arg_reductions_find_the_first_extreme_across_blocks() {
+    let device = gpu();
+    let n = (1usize << 24) + 17;
+    // Values 1..=40, exact in every dtype.
+    let base: Vec<f64> = (0..n).map(|i| ((i * 7919) % 40) as f64 + 1.0).collect();
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::I8,
+        DType::U8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U64,
+    ] {
+        let bottom = if is_int(dtype) && !is_signed(dtype) {
+            0.0
+        } else {
+            -100.0
+        };
+        let x = Tensor::from_slice(&base, &[n])
+            .unwrap()
+            .cast(dtype)
+            .unwrap()
+            .copy_to(device)
+            .unwrap();
+        // (position, value) pairs written, the argmax and argmin expected.
+        type Case = (&'static str, Vec<(usize, f64)>, usize, usize);
+        let mut cases: Vec<Case> = vec![
+            (
+                "at the very end",
+                vec![(n - 1, 100.0), (n - 2, bottom)],
+                n - 1,
+                n - 2,
+            ),
+            ("at the very start", vec![(0, 100.0), (1, bottom)], 0, 1),
+            (
+                "ties: the first wins",
+                vec![
+                    (n - 1, 100.0),
+                    (n / 2 + 3, 100.0),
+                    (9_000_001, 100.0),
+                    (n - 3, bottom),
+                    (4_000_000, bottom),
+                ],
+                n / 2 + 3,
+                4_000_000,
+            ),
+        ];
+        if !is_int(dtype) {
+            cases.push((
+                "the first NaN wins",
+                vec![
+                    (0, 100.0),
+                    (1, bottom),
+                    (n - 1, f64::NAN),
+                    (12_345_678, f64::NAN),
+                    (n - 9, f64::INFINITY),
+                ],
+                12_345_678,
+                12_345_678,
+            ));
+            cases.push((
+                "infinities",
+                vec![
+                    (n - 9, f64::INFINITY),
+                    (77, f64::NEG_INFINITY),
+                    (n - 2, f64::INFINITY),
+                ],
+                n - 9,
+                77,
+            ));
+        }
+        for (name, writes, max_at, min_at) in cases {
+            for &(i, v) in &writes {
+                poke(&x, i, v);
+            }
+            let what = format!("{dtype}: {name}");
+            assert_eq!(
+                position(ReduceOp::ArgMax, &x),
+                max_at as i128,
+                "argmax {what}"
+            );
+            assert_eq!(
+                position(ReduceOp::ArgMin, &x),
+                min_at as i128,
+                "argmin {what}"
+            );
+            // keepdims, and the same over a 2-d view of the same memory (rows of 4097: the
+            // flat position).
+            let k = compute::reduce(ReduceOp::ArgMax, &x, Some(&[0]), true).unwrap();
+            assert_eq!(
+                (k.shape(), read(&k)[0].i()),
+                (&[1usize][..], max_at as i128),
+                "{what}"
+            );
+            let rows = x
+                .slice(0, SliceArg::range(0, 4097 * 4095))
+                .unwrap()
+                .reshape(&[Some(4095), Some(4097)])
+                .unwrap();
+            if max_at < 4097 * 4095 {
+                assert_eq!(
+                    position(ReduceOp::ArgMax, &rows),
+                    max_at as i128,
+                    "2-d argmax {what}"
+                );
+            }
+            for &(i, _) in &writes {
+                poke(&x, i, base[i]);
+            }
+        }
+        // Along rows and columns of the 2-d view, against the CPU.
+        let rows = |d: Device| {
+            let t = x.copy_to(d)?;
+            t.slice(0, SliceArg::range(0, 4097 * 4095))?
+                .reshape(&[Some(4095), Some(4097)])
+        };
+        for op in [ReduceOp::ArgMax, ReduceOp::ArgMin] {
+            for axis in [0isize, 1] {
+                agrees(
+                    &format!("{} of {dtype} rows axis {axis}", op.name()),
+                    device,
+                    |d| compute::reduce(op, &rows(d)?, Some(&[axis]), false),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn moments_are_one_pass_and_match_references() {
+    let device = gpu();
+    let mut rng = Rng::new(32);
+    let two_pass = |xs: &[V], ddof: f64| {
+        let n = xs.len() as f64;
+        let mean = xs.iter().map(|v| v.f()).sum::<f64>() / n;
+        xs.iter().map(|v| (v.f() - mean).powi(2)).sum::<f64>() / (n - ddof).max(0.0)
+    };
+    // Long rows far from 0 (where E[x²] - E[x]² in float32 would lose every digit), split over
+    // blocks. A one-pass result is good to about `eps * |mean| / std` of its `double` partial
+    // results (4e-12 for the integers here); float32 rounds each batch's mean once more.
+    let n = (1usize << 24) + 17;
+    for (dtype, offset, rel) in [
+        (DType::F32, 1000.0, 1e-5),
+        (DType::F64, 1e6, 1e-10),
+        (DType::F16, 2.0, 4e-3),
+        (DType::BF16, 2.0, 2e-2),
+        (DType::I32, 1e6, 1e-10),
+        (DType::U8, 100.0, 1e-10),
+    ] {
+        let vals = rng.small(dtype, n, offset - 50.0, offset + 50.0);
+        let x = on(device, dtype, &vals, &[n]);
+        for ddof in [0.0, 1.0] {
+            let want = two_pass(&vals, ddof);
+            let got = read(&compute::var(&x, None, ddof, false).unwrap())[0].f();
+            assert!(
+                (got - want).abs() <= rel * want,
+                "var of {dtype} ddof {ddof}: got {got}, want {want}"
+            );
+            let got = read(&compute::std(&x, None, ddof, false).unwrap())[0].f();
+            assert!(
+                (got - want.sqrt()).abs() <= rel * want.sqrt(),
+                "std of {dtype} ddof {ddof}: got {got}, want {}",
+                want.sqrt()
+            );
+        }
+        // The result's dtype: floats keep theirs, integers give float64.
+        let (_, out) = promote::reduce_types(ReduceOp::Var, dtype).unwrap();
+        assert_eq!(compute::var(&x, None, 0.0, false).unwrap().dtype(), out);
+    }
+    // NaN and infinities give NaN; ddof at or past the count divides by 0 (inf, or NaN for 0 / 0).
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        for special in [f64::NAN, f64::INFINITY] {
+            let mut vals = rng.small(dtype, 100_000, -1.0, 1.0);
+            vals[99_999] = V::F(special);
+            let x = on(device, dtype, &vals, &[100_000]);
+            let got = read(&compute::var(&x, None, 0.0, false).unwrap())[0].f();
+            assert!(got.is_nan(), "var of {dtype} with {special}: {got}");
+        }
+        let x = on(device, dtype, &[V::F(1.0), V::F(2.0), V::F(4.0)], &[3]);
+        assert_eq!(
+            read(&compute::var(&x, None, 3.0, false).unwrap())[0].f(),
+            f64::INFINITY
+        );
+        let c = on(device, dtype, &[V::F(2.0); 3], &[3]);
+        assert!(
+            read(&compute::var(&c, None, 5.0, false).unwrap())[0]
+                .f()
+                .is_nan()
+        );
+        let e = on(device, dtype, &[], &[0, 3]);
+        let v = read(&compute::var(&e, Some(&[0]), 0.0, false).unwrap());
+        assert!(v.len() == 3 && v.iter().all(|x| x.f().is_nan()), "{v:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn arg_reductions_and_moments_of_views_match_the_cpu() {
+    let device = gpu();
+    let mut rng = Rng::new(33);
+    for dtype in DTYPES {
+        let mut vals = rng.small(dtype, 24 * 20 * 33, -9.0, 9.0);
+        if !is_int(dtype) {
+            vals[1234] = V::F(f64::NAN);
+        }
+        let x = |d: Device| on(d, dtype, &vals, &[24, 20, 33]);
+        // Row-major, transposed, reversed and strided, broadcast along a reduced axis, and nine
+        // axes that do not merge (copied with the reduced axes last first).
+        let views = |d: Device| -> dlbridge::Result<Vec<Tensor>> {
+            let t = x(d);
+            Ok(vec![
+                t.clone(),
+                t.permute(&[2, 0, 1])?,
+                t.slice(
+                    0,
+                    SliceArg {
+                        start: None,
+                        stop: None,
+                        step: -3,
+                    },
+                )?
+                .slice(
+                    2,
+                    SliceArg {
+                        start: Some(1),
+                        stop: None,
+                        step: 2,
+                    },
+                )?,
+                t.slice(1, SliceArg::range(3, 4))?
+                    .broadcast_to(&[24, 7, 33])?,
+            ])
+        };
+        for v in 0..4 {
+            for axes in [
+                None,
+                Some(&[0isize][..]),
+                Some(&[1][..]),
+                Some(&[-1][..]),
+                Some(&[0, 2][..]),
+            ] {
+                for keepdims in [false, true] {
+                    let what = |name: &str| format!("{name} of {dtype} view {v} over {axes:?}");
+                    for op in [ReduceOp::ArgMax, ReduceOp::ArgMin] {
+                        if axes.is_some_and(|a| a.len() > 1) {
+                            continue;
+                        }
+                        agrees(&what(op.name()), device, |d| {
+                            compute::reduce(op, &views(d)?[v], axes, keepdims)
+                        });
+                    }
+                    agrees_within(&what("var"), device, 64.0, |d| {
+                        compute::var(&views(d)?[v], axes, 1.0, keepdims)
+                    });
+                    agrees_within(&what("std"), device, 64.0, |d| {
+                        compute::std(&views(d)?[v], axes, 0.0, keepdims)
+                    });
+                }
+            }
+        }
+        let nine = rng.small(dtype, 2 * 3 * 2 * 3 * 2 * 3 * 2 * 3 * 2, -9.0, 9.0);
+        let shape = [2, 3, 2, 3, 2, 3, 2, 3, 2];
+        for op in [ReduceOp::ArgMax, ReduceOp::ArgMin, ReduceOp::Var] {
+            agrees_within(
+                &format!("{} of {dtype} over 5 of 9 axes", op.name()),
+                device,
+                64.0,
+                |d| {
+                    compute::reduce(
+                        op,
+                        &on(d, dtype, &nine, &shape),
+                        Some(&[0, 2, 4, 6, 8]),
+                        false,
+                    )
+                },
+            );
+        }
+    }
+}
+
+/// More than 2^31 elements: positions and counts in 64 bits (a 2 GiB `uint8` vector).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn reductions_past_two_billion_elements_use_64_bit_positions() {
+    let device = gpu();
+    let n = (1usize << 31) + 100;
+    let mut host_vals = vec![1u8; n];
+    let big = 1usize << 31;
+    host_vals[big + 50] = 9;
+    host_vals[big + 60] = 9;
+    host_vals[big + 70] = 0;
+    host_vals[big + 80] = 0;
+    let x = Tensor::from_slice(&host_vals, &[n])
+        .unwrap()
+        .copy_to(device)
+        .unwrap();
+    drop(host_vals);
+    assert_eq!(position(ReduceOp::ArgMax, &x), (big + 50) as i128);
+    assert_eq!(position(ReduceOp::ArgMin, &x), (big + 70) as i128);
+    // Sum of squares about the mean, exactly: n - 4 ones, two 9s, two 0s.
+    let count = n as f64;
+    let total = (n - 4) as f64 + 18.0;
+    let mean = total / count;
+    let m2 = (n - 4) as f64 * (1.0 - mean).powi(2) + 2.0 * (9.0 - mean).powi(2) + 2.0 * mean * mean;
+    let got = read(&compute::var(&x, None, 0.0, false).unwrap())[0].f();
+    let want = m2 / count;
+    assert!(
+        (got - want).abs() <= 1e-9 * want,
+        "var: got {got}, want {want}"
+    );
+    // Several outputs, each over more than 2^31 elements (a broadcast row).
+    let rows = x.expand_dims(0).unwrap().broadcast_to(&[3, n]).unwrap();
+    for (op, at) in [(ReduceOp::ArgMax, big + 50), (ReduceOp::ArgMin, big + 70)] {
+        let got = read(&compute::reduce(op, &rows, Some(&[1]), false).unwrap());
+        assert_eq!(
+            got,
+            vec![V::I(at as i128); 3],
+            "{} of broadcast rows",
+            op.name()
+        );
     }
 }

@@ -103,9 +103,9 @@ pub(crate) trait Backend: Sync {
     fn reduce(&self, req: &ReduceRequest<'_>) -> Result<()>;
 
     /// Whether [`Backend::reduce`] has a kernel for `op`; the front composes the others of the
-    /// built-in kernels (by default the arg reductions).
+    /// built-in kernels (by default those it can: the arg reductions, `var` and `std`).
     fn reduces(&self, op: ReduceOp) -> bool {
-        !op.is_arg()
+        !op.has_fallback()
     }
 
     /// Runs a batched matrix product ([`crate::compute`]).

@@ -1,11 +1,12 @@
 //! Operations composed of the built-in kernels, so that every backend has them with no kernel of
-//! its own: `all` / `any` (a comparison and a `max` / `min` over bytes), `var` / `std` (a mean, a
-//! difference, a square and a sum), `isnan` / `isinf` / `isfinite` (comparisons), and `argmax` /
-//! `argmin` on backends whose [`reduce`] has no arg kernel ([`arg_reduce`]).
+//! its own: `all` / `any` (a comparison and a `max` / `min` over bytes), `isnan` / `isinf` /
+//! `isfinite` (comparisons); and, on backends whose [`reduce`] has no kernel for them, `argmax` /
+//! `argmin` ([`arg_reduce`]) and `var` / `std` ([`moments`]: a mean, a difference, a square and a
+//! sum).
 
 use super::{
     BinaryOp, CompareOp, ReduceOp, ReducePlan, Scalar, UnaryOp, binary, binary_scalar, bool_bytes,
-    cast, common_device, compare, compare_scalar, promote, reduce, unary, with_dtype,
+    cast, common_device, compare, compare_scalar, promote, reduce, reduce_with, unary, with_dtype,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -107,39 +108,43 @@ fn classify(
 /// The variance over `axes` with `ddof` delta degrees of freedom, as NumPy's `var`: the mean
 /// squared deviation from the mean, divided by `max(n - ddof, 0)` (so `inf` or NaN when that is
 /// 0, as NumPy's values). Floating arrays keep their dtype and compute in at least `float32`;
-/// integer and `bool` arrays give `float64`.
+/// integer and `bool` arrays give `float64`. One pass over the data where the backend has a
+/// kernel for it ([`ReduceOp::Var`]), else composed of a mean, a difference, a square and a sum.
 pub fn var(x: &Tensor, axes: Option<&[isize]>, ddof: f64, keepdims: bool) -> Result<Tensor> {
-    moments("var", x, axes, ddof, keepdims, false)
+    deviation(ReduceOp::Var, x, axes, ddof, keepdims)
 }
 
 /// The standard deviation: the square root of [`var`].
 pub fn std(x: &Tensor, axes: Option<&[isize]>, ddof: f64, keepdims: bool) -> Result<Tensor> {
-    moments("std", x, axes, ddof, keepdims, true)
+    deviation(ReduceOp::Std, x, axes, ddof, keepdims)
 }
 
-fn moments(
-    what: &str,
+fn deviation(
+    op: ReduceOp,
     x: &Tensor,
     axes: Option<&[isize]>,
     ddof: f64,
     keepdims: bool,
-    root: bool,
 ) -> Result<Tensor> {
-    common_device(what, [x])?;
-    let dtype = x.dtype();
-    if dtype != DType::BOOL {
-        promote::require_numeric(dtype, what)?;
-    }
     if !ddof.is_finite() {
         return Err(Error::InvalidArgument(format!(
-            "{what}: ddof must be a finite number, not {ddof}"
+            "{}: ddof must be a finite number, not {ddof}",
+            op.name()
         )));
     }
-    let (work, out) = if dtype.is_floating() {
-        (promote::wide_float(dtype), dtype)
-    } else {
-        (DType::F64, DType::F64)
-    };
+    reduce_with(op, x, axes, keepdims, ddof)
+}
+
+/// `var` / `std` (`op`) of `x` (not `bool`) composed of the built-in kernels, for backends
+/// without a kernel for them: a mean, a difference, a square, a sum and a division.
+pub(super) fn moments(
+    op: ReduceOp,
+    x: &Tensor,
+    axes: Option<&[isize]>,
+    ddof: f64,
+    keepdims: bool,
+) -> Result<Tensor> {
+    let (work, out) = promote::reduce_types(op, x.dtype())?;
     let plan = ReducePlan::new(x.shape(), x.strides(), axes)?;
     let x = with_dtype(x, work)?;
     let mean = reduce(ReduceOp::Mean, &x, axes, true)?;
@@ -148,7 +153,11 @@ fn moments(
     let total = reduce(ReduceOp::Sum, &squares, axes, keepdims)?;
     let divisor = (plan.count as f64 - ddof).max(0.0);
     let v = binary_scalar(BinaryOp::Div, &total, Scalar::Float(divisor), false)?;
-    let v = if root { unary(UnaryOp::Sqrt, &v)? } else { v };
+    let v = if op == ReduceOp::Std {
+        unary(UnaryOp::Sqrt, &v)?
+    } else {
+        v
+    };
     with_dtype(&v, out)
 }
 

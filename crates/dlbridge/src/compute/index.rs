@@ -11,6 +11,7 @@
 //! | --- | --- |
 //! | index arrays read, checked, turned into one element offset per selected block | here, on the host (a device's index arrays are copied over) |
 //! | blocks moved | the CPU's block copier (`BlockCopy`); a device's view is staged through host memory |
+//! | single elements: a mask over every axis, one index array into a 1-d view | the CPU's selections (no block offsets: one pass over the mask or the positions, in parallel) |
 
 use super::{MapPlan, broadcast_shapes, cast};
 use crate::backend;
@@ -292,6 +293,29 @@ fn block_list(plan: &MapPlan) -> Vec<isize> {
 /// [`Error::OutOfBounds`] for an index outside its axis; [`Error::Shape`] for index arrays that
 /// do not broadcast; [`Error::UnsupportedOperand`] for index arrays that are not integers.
 pub fn take(view: &Tensor, axes: &[usize], indices: &[Tensor], first: bool) -> Result<Tensor> {
+    if let ([0], [index]) = (axes, indices)
+        && view.ndim() == 1
+        && index.device().is_cpu()
+        && index.is_contiguous()
+        && matches!(
+            index.dtype(),
+            DType::I8
+                | DType::I16
+                | DType::I32
+                | DType::I64
+                | DType::U8
+                | DType::U16
+                | DType::U32
+                | DType::U64
+        )
+    {
+        // One index array into a 1-d view: each position read, checked and its element copied
+        // in one pass.
+        let src = on_host(view)?;
+        let out = Tensor::empty(index.shape(), src.dtype(), Device::CPU)?;
+        backend::cpu::compute::take_positions(&src, index, &out)?;
+        return back_to(view, out);
+    }
     take_with(view, |src| {
         select(src.shape(), src.strides(), axes, indices, first)
     })
@@ -305,20 +329,39 @@ pub fn take(view: &Tensor, axes: &[usize], indices: &[Tensor], first: bool) -> R
 /// # Errors
 /// [`Error::Shape`] when `mask`'s shape is not that of the axes it covers.
 pub fn take_mask(view: &Tensor, axis: usize, mask: &Tensor) -> Result<Tensor> {
+    if axis == 0 && mask.ndim() > 0 && mask.shape() == view.shape() {
+        // A mask over every axis: its true elements straight into the 1-d result.
+        let bytes = mask_bytes(mask)?;
+        let out = backend::cpu::compute::compress(&on_host(view)?, bytes.as_slice::<u8>()?)?;
+        return back_to(view, out);
+    }
     take_with(view, |src| {
         select_mask(src.shape(), src.strides(), axis, mask)
     })
 }
 
+/// `view` on the host: itself, or, for a device's view, a compact host copy of it.
+fn on_host(view: &Tensor) -> Result<Tensor> {
+    if view.device().is_cpu() {
+        Ok(view.clone())
+    } else {
+        view.copy_to(Device::CPU)
+    }
+}
+
+/// The host result `out` of a selection from `view`, on `view`'s device and storage mode.
+fn back_to(view: &Tensor, out: Tensor) -> Result<Tensor> {
+    if view.device().is_cpu() {
+        Ok(out)
+    } else {
+        out.copy_to_storage(view.device(), Some(view.buffer().storage_mode()))
+    }
+}
+
 /// Gathers the selection `plan` makes of `view` (read on the host).
 fn take_with(view: &Tensor, plan: impl Fn(&Tensor) -> Result<Selection>) -> Result<Tensor> {
-    let device = view.device();
     // A device's view is read on the host (the bytes it spans, compact).
-    let src = if device.is_cpu() {
-        view.clone()
-    } else {
-        view.copy_to(Device::CPU)?
-    };
+    let src = on_host(view)?;
     let sel = plan(&src)?;
     let out = Tensor::empty(&sel.shape, src.dtype(), Device::CPU)?;
     let out_first = out.permute(&sel.first_order)?;
@@ -339,11 +382,7 @@ fn take_with(view: &Tensor, plan: impl Fn(&Tensor) -> Result<Selection>) -> Resu
     // SAFETY: every offset is a checked index times its axis's stride, so each block lies inside
     // `src`'s view; the destination blocks tile the new `out`, which nothing else references.
     unsafe { backend::copy_blocks_on_host(&req)? };
-    if device.is_cpu() {
-        Ok(out)
-    } else {
-        out.copy_to_storage(device, Some(view.buffer().storage_mode()))
-    }
+    back_to(view, out)
 }
 
 /// Writes `values` (broadcast to the selection's shape, converted to `view`'s dtype) into the

@@ -7,7 +7,7 @@
 //! | --- | --- | --- |
 //! | device | [`Backend`] | one device's allocation, copies, synchronization, memory figures and run-time kernels |
 //! | front | [`unary`], [`binary`], [`binary_scalar`], [`compare`], [`compare_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
-//! | composed | [`all`], [`any`], [`var`], [`std()`], [`isnan`], [`isinf`], [`isfinite`]; `argmax` / `argmin` where a backend has no arg kernel | the front's operations in sequence, so every backend has them |
+//! | composed | [`all`], [`any`], [`isnan`], [`isinf`], [`isfinite`]; `argmax` / `argmin`, [`var`] and [`std()`] where a backend has no kernel for them | the front's operations in sequence, so every backend has them |
 //! | indexing | [`index::take`], [`index::put`], [`index::take_mask`], [`index::put_mask`], [`index::nonzero`] | NumPy's advanced indexing: index arrays checked and turned into block offsets on the host, blocks moved by the CPU (a device's view staged through host memory) |
 //! | request | [`MapRequest`], [`ReduceRequest`], [`MatmulRequest`] | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
 //! | backend | `backend::{cpu,cuda,metal}::compute` | how: Rust loops and `gemm` on the CPU; NVRTC kernels and cuBLAS on CUDA; MSL kernels on Metal |
@@ -21,10 +21,12 @@
 //! arithmetic wraps, as NumPy's does; `div` of integers returns `float64`; `floor_divide` and
 //! `remainder` of integers by zero give 0 (NumPy's values, without its warning), and the most
 //! negative integer divided by -1 wraps to itself; integers to negative integer powers are an
-//! error, as in NumPy. `max` and `min` propagate NaN; `argmax` / `argmin` find the first NaN. A
-//! `sum` of nothing is 0, a `prod` 1, a `mean` NaN, and `max` / `min` / `argmax` / `argmin` of
-//! nothing are errors. Comparisons return `bool` and
-//! follow IEEE 754 as NumPy does: NaN is unequal to everything, itself included, so `!=` is its
+//! error, as in NumPy. `max` and `min` propagate NaN; `argmax` / `argmin` find the first NaN.
+//! `var` and `std` are one pass over the data where the backend has a kernel for them (CPU,
+//! CUDA): batches' means and squared deviations (in the computing type) merged by Chan's formula
+//! in `float64`, good to the computing type's rounding plus about `eps(float64) * |mean| / std`.
+//! A `sum` of nothing is 0, a `prod` 1, a `mean` NaN, and `max` / `min` / `argmax` / `argmin` of
+//! nothing are errors. Comparisons return `bool` and follow IEEE 754 as NumPy does: NaN is unequal to everything, itself included, so `!=` is its
 //! only true comparison. An integer scalar outside the array's dtype compares by its value (`int8`
 //! values are all `< 1000`), not wrapped into the dtype.
 
@@ -250,11 +252,17 @@ pub enum ReduceOp {
     /// The index of the smallest element (the first one among equals; the first NaN if there is
     /// one).
     ArgMin,
+    /// The variance: the squared deviations from the mean, summed and divided by
+    /// `max(count - ddof, 0)` ([`ReduceRequest::ddof`]; 0 through [`reduce`], any through
+    /// [`var`]), as NumPy's `var`.
+    Var,
+    /// The standard deviation: the square root of [`ReduceOp::Var`].
+    Std,
 }
 
 impl ReduceOp {
     /// Every reduction.
-    pub const ALL: [ReduceOp; 7] = [
+    pub const ALL: [ReduceOp; 9] = [
         ReduceOp::Sum,
         ReduceOp::Mean,
         ReduceOp::Max,
@@ -262,6 +270,8 @@ impl ReduceOp {
         ReduceOp::Prod,
         ReduceOp::ArgMax,
         ReduceOp::ArgMin,
+        ReduceOp::Var,
+        ReduceOp::Std,
     ];
 
     /// The op's name (`"sum"`, ...).
@@ -274,12 +284,23 @@ impl ReduceOp {
             ReduceOp::Prod => "prod",
             ReduceOp::ArgMax => "argmax",
             ReduceOp::ArgMin => "argmin",
+            ReduceOp::Var => "var",
+            ReduceOp::Std => "std",
         }
     }
 
     /// Whether the op returns an index (`argmax`, `argmin`) rather than a value.
     pub const fn is_arg(self) -> bool {
         matches!(self, ReduceOp::ArgMax | ReduceOp::ArgMin)
+    }
+
+    /// Whether the front can compose the op of the other reductions where a backend has no
+    /// kernel for it: the arg reductions, `var` and `std`.
+    pub const fn has_fallback(self) -> bool {
+        matches!(
+            self,
+            ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::Var | ReduceOp::Std
+        )
     }
 
     /// Whether the op has no value over no elements (`max`, `min` and the arg reductions: they
@@ -470,25 +491,40 @@ impl<'a> MapRequest<'a> {
 
 /// A reduction to run: for each output element, `op` over the input elements the plan assigns to
 /// it, accumulated in `acc`, the result converted to `out`'s dtype. `mean` divides the
-/// accumulated sum by `plan.count`. The request is never empty on the output side; an empty
-/// reduced side (`plan.count == 0`) reaches a backend only for `sum` (write 0) and `mean`
-/// (write NaN).
+/// accumulated sum, `var` and `std` the sum of squared deviations, by
+/// [`ReduceRequest::divisor`]; the arg reductions write `int64` positions in the reduced axes'
+/// row-major order. The request is never empty on the output side; an empty reduced side
+/// (`plan.count == 0`) reaches a backend only for `sum` (write 0), `prod` (1), `mean` (NaN) and
+/// `var` / `std` (0 divided by the divisor).
 #[derive(Debug)]
 pub struct ReduceRequest<'a> {
     /// The reduction.
     pub op: ReduceOp,
     /// The input (any layout).
     pub input: &'a Tensor,
-    /// The dtype partial results are kept in.
+    /// The dtype partial results are kept in (for `var` and `std`: their count, mean and sum of
+    /// squared deviations; for the arg reductions: the extreme so far, beside its position).
     pub acc: DType,
     /// The result, compact, of shape `plan.out_shape`.
     pub out: &'a Tensor,
     /// The index space: `plan.kept` addresses the output (operand 0) and the input (operand 1);
     /// `plan.reduced` the input's reduced axes.
     pub plan: ReducePlan,
+    /// `var` and `std`'s delta degrees of freedom (0 for the other reductions).
+    pub ddof: f64,
 }
 
 impl<'a> ReduceRequest<'a> {
+    /// What `mean` divides its sum by (the count), and `var` and `std` their sum of squared
+    /// deviations (`max(count - ddof, 0)`, as NumPy: a divisor of 0 gives `inf` or NaN).
+    pub fn divisor(&self) -> f64 {
+        let count = self.plan.count as f64;
+        match self.op {
+            ReduceOp::Var | ReduceOp::Std => (count - self.ddof).max(0.0),
+            _ => count,
+        }
+    }
+
     /// The input copied with its kept axes first and its reduced axes last, so that each side
     /// collapses to one axis, and the plan over the copy: for kernels that walk a bounded number
     /// of axes (or need an aligned, compact input). Axes of extent 1 count as reduced, which
@@ -524,6 +560,7 @@ impl<'a> ReduceRequest<'a> {
             acc: self.acc,
             out: self.out,
             plan,
+            ddof: self.ddof,
         }
     }
 }
@@ -773,16 +810,33 @@ pub fn compare_scalar(op: CompareOp, a: &Tensor, s: Scalar, scalar_first: bool) 
 /// `bool` arrays reduce as NumPy's: `sum` and `prod` count in `int64`, `mean` gives `float64`,
 /// `max` / `min` stay `bool`. `argmax` / `argmin` give `int64` indices into the reduced axes taken
 /// in row-major order (over one axis, the position along it); on a backend without an arg kernel
-/// they are composed of a `max` (`min`), comparisons and a `max` over index keys.
+/// they are composed of a `max` (`min`), comparisons and a `max` over index keys. `var` and `std`
+/// divide by the count here (NumPy's `ddof=0`; [`var`] and [`std()`] take any); floating arrays
+/// keep their dtype (computed in at least `float32`), integer and `bool` arrays give `float64`.
 pub fn reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool) -> Result<Tensor> {
+    reduce_with(op, x, axes, keepdims, 0.0)
+}
+
+/// [`reduce`] with `var` and `std`'s delta degrees of freedom.
+fn reduce_with(
+    op: ReduceOp,
+    x: &Tensor,
+    axes: Option<&[isize]>,
+    keepdims: bool,
+    ddof: f64,
+) -> Result<Tensor> {
     common_device(op.name(), [x])?;
     if x.dtype() == DType::BOOL {
-        let r = reduce(op, &bool_bytes(x)?, axes, keepdims)?;
+        let r = reduce_with(op, &bool_bytes(x)?, axes, keepdims, ddof)?;
         return match op {
             ReduceOp::Sum | ReduceOp::Prod => cast(&r, DType::I64),
             // Any non-zero byte is true.
             ReduceOp::Max | ReduceOp::Min => cast(&r, DType::BOOL),
-            ReduceOp::Mean | ReduceOp::ArgMax | ReduceOp::ArgMin => Ok(r),
+            ReduceOp::Mean
+            | ReduceOp::ArgMax
+            | ReduceOp::ArgMin
+            | ReduceOp::Var
+            | ReduceOp::Std => Ok(r),
         };
     }
     let (acc, out_dtype) = promote::reduce_types(op, x.dtype())?;
@@ -805,8 +859,12 @@ pub fn reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool) 
             )
         }));
     }
-    if op.is_arg() && plan.outputs() > 0 && !backend::reduces(x.device(), op) {
-        return compose::arg_reduce(op, x, &plan, keepdims);
+    if op.has_fallback() && plan.outputs() > 0 && !backend::reduces(x.device(), op) {
+        return if op.is_arg() {
+            compose::arg_reduce(op, x, &plan, keepdims)
+        } else {
+            compose::moments(op, x, axes, ddof, keepdims)
+        };
     }
     let out = new_on(x, &plan.out_shape, out_dtype)?;
     if plan.outputs() > 0 {
@@ -816,6 +874,7 @@ pub fn reduce(op: ReduceOp, x: &Tensor, axes: Option<&[isize]>, keepdims: bool) 
             acc,
             out: &out,
             plan,
+            ddof,
         };
         backend::reduce(&req)?;
     }

@@ -204,10 +204,13 @@ pub fn reduce_types(op: ReduceOp, dtype: DType) -> Result<(DType, DType)> {
     Ok(match (op, k) {
         (ReduceOp::Sum | ReduceOp::Prod, Kind::Signed) => (DType::I64, DType::I64),
         (ReduceOp::Sum | ReduceOp::Prod, Kind::Unsigned) => (DType::U64, DType::U64),
-        (ReduceOp::Mean, Kind::Signed | Kind::Unsigned) => (DType::F64, DType::F64),
-        (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, Kind::Float) => {
-            (wide_float(dtype), dtype)
+        (ReduceOp::Mean | ReduceOp::Var | ReduceOp::Std, Kind::Signed | Kind::Unsigned) => {
+            (DType::F64, DType::F64)
         }
+        (
+            ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod | ReduceOp::Var | ReduceOp::Std,
+            Kind::Float,
+        ) => (wide_float(dtype), dtype),
         (ReduceOp::Max | ReduceOp::Min, _) => (dtype, dtype),
         (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => (dtype, DType::I64),
     })

@@ -13,6 +13,13 @@
 //! | thread reduce | one thread per (output, split) | walks the reduced elements (reduced axes outside the kept ones: neighbours read neighbours) |
 //! | finish | a warp per output | combines the splits' partial results |
 //!
+//! Every reduction is one pass over the input. Its partial results (`acc_t`) are one value for
+//! sums, products and extremes; the extreme and its position for `argmax` / `argmin` (merged with
+//! the first NaN winning, then the extreme, then the first position among equals, so that any
+//! order of merging gives NumPy's answer); the count, the mean and the squared deviations from
+//! it in `double` for `var` / `std` (each thread takes 4 to 16 loaded elements as a batch: their
+//! mean and deviations in registers, merged by Chan, Golub and LeVeque's formula).
+//!
 //! The argument blocks ([`MapArgs`], [`ReduceArgs`]) are passed by value and mirror the C structs
 //! written into every program.
 
@@ -605,7 +612,8 @@ pub(crate) struct ReduceKey {
     /// Collapsed kept and reduced axes.
     pub(crate) kept_dims: u8,
     pub(crate) reduced_dims: u8,
-    /// 64-bit reduced indices.
+    /// 64-bit reduced indices (and positions and counts in the partial results of the arg
+    /// reductions, `var` and `std`).
     pub(crate) wide: bool,
 }
 
@@ -615,15 +623,15 @@ pub(crate) struct ReduceKey {
 pub(crate) struct ReduceArgs {
     pub(crate) input: u64,
     pub(crate) out: u64,
-    /// Partial results, `outputs × splits` accumulators (when `splits > 1`).
+    /// Partial results, `outputs × splits` of them (when `splits > 1`).
     pub(crate) ws: u64,
     pub(crate) outputs: u64,
     pub(crate) count: u64,
     /// Reduced elements per split.
     pub(crate) chunk: u64,
     pub(crate) splits: u64,
-    /// `count`, for `mean`.
-    pub(crate) count_f: f64,
+    /// What `mean`, `var` and `std` divide by (`ReduceRequest::divisor`).
+    pub(crate) divisor: f64,
     pub(crate) kshape: [u64; MAX_REDUCE_DIMS],
     pub(crate) kstride: [i64; MAX_REDUCE_DIMS],
     pub(crate) rshape: [u64; MAX_REDUCE_DIMS],
@@ -631,19 +639,45 @@ pub(crate) struct ReduceArgs {
 }
 
 const REDUCE_ARGS: &str = "struct RArgs { u64 in; u64 out; u64 ws; u64 outputs; u64 count; \
-                           u64 chunk; u64 splits; double count_f; u64 kshape[4]; i64 kstride[4]; \
+                           u64 chunk; u64 splits; double divisor; u64 kshape[4]; i64 kstride[4]; \
                            u64 rshape[4]; i64 rstride[4]; };\n";
 
+/// What a reduce kernel's partial results (`acc_t`) hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Partial {
+    /// One value: a sum, a product, an extreme.
+    Value,
+    /// The extreme so far (`max`: the largest) and its position, `idx_t`.
+    Arg { max: bool },
+    /// The count (`idx_t`), the mean and the sum of squared deviations from it, in `double`
+    /// (`var`, `std`), merged by Chan's formula.
+    Moments,
+}
+
+impl Partial {
+    fn of(op: ReduceOp) -> Partial {
+        match op {
+            ReduceOp::ArgMax => Partial::Arg { max: true },
+            ReduceOp::ArgMin => Partial::Arg { max: false },
+            ReduceOp::Var | ReduceOp::Std => Partial::Moments,
+            ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod => {
+                Partial::Value
+            }
+        }
+    }
+}
+
 impl ReduceKey {
-    /// The C type partial results are kept in.
+    /// The C type values are accumulated in (`val_t`).
     pub(crate) fn acc_c(&self) -> &'static str {
         match self.op {
-            ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod => match self.acc {
-                Elem::I64 | Elem::U64 => "u64",
-                Elem::F64 => "double",
-                _ => "float",
-            },
-            // The arg reductions never reach a kernel (the front composes them).
+            ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod | ReduceOp::Var | ReduceOp::Std => {
+                match self.acc {
+                    Elem::I64 | Elem::U64 => "u64",
+                    Elem::F64 => "double",
+                    _ => "float",
+                }
+            }
             ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin => match self.input
             {
                 Elem::I8 | Elem::I16 | Elem::I32 => "i32",
@@ -653,18 +687,57 @@ impl ReduceKey {
         }
     }
 
-    /// Bytes per partial result.
+    /// The C type of positions and counts in partial results (`idx_t`).
+    fn index_c(&self) -> &'static str {
+        if self.wide { "u64" } else { "u32" }
+    }
+
+    /// The kernel that combines this one's partial results (one row of splits per output).
+    pub(crate) fn finish(&self) -> ReduceKey {
+        ReduceKey {
+            kind: ReduceKind::Finish,
+            kept_dims: 1,
+            reduced_dims: 1,
+            // Positions and counts in the partial results keep the width this kernel wrote.
+            wide: self.wide && Partial::of(self.op) != Partial::Value,
+            ..*self
+        }
+    }
+
+    /// Bytes per partial result: `sizeof(acc_t)`, which the source asserts.
     pub(crate) fn acc_size(&self) -> usize {
-        match self.acc_c() {
+        let value = match self.acc_c() {
             "u64" | "i64" | "double" => 8,
             _ => 4,
+        };
+        let index = if self.wide { 8 } else { 4 };
+        match Partial::of(self.op) {
+            Partial::Value => value,
+            // `{ val_t v; idx_t i; }`: two fields of the wider size, padding included.
+            Partial::Arg { .. } => 2 * value.max(index),
+            // `{ double mean, m2; idx_t n; }`, padded to 8 bytes.
+            Partial::Moments => (16 + index).next_multiple_of(8),
         }
     }
 }
 
 fn identity(op: ReduceOp, c: &str) -> &'static str {
+    // The arg reductions start from the extremes' identities.
+    let op = match op {
+        ReduceOp::ArgMax => ReduceOp::Max,
+        ReduceOp::ArgMin => ReduceOp::Min,
+        other => other,
+    };
     match (op, c) {
-        (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "0",
+        (
+            ReduceOp::Sum
+            | ReduceOp::Mean
+            | ReduceOp::Var
+            | ReduceOp::Std
+            | ReduceOp::ArgMax
+            | ReduceOp::ArgMin,
+            _,
+        ) => "0",
         (ReduceOp::Prod, _) => "1",
         (ReduceOp::Max, "float") => "__int_as_float(0xff800000)",
         (ReduceOp::Max, "double") => "__longlong_as_double(0xfff0000000000000ll)",
@@ -680,57 +753,183 @@ fn identity(op: ReduceOp, c: &str) -> &'static str {
     }
 }
 
+/// The partial result's type and its functions: `ident()`, `comb(a, b)` (associative and
+/// commutative: the loops and shuffles merge partial results in any order), `step` (one element
+/// into a partial result, for the arg reductions and the moments), `shfl_down` and `save` (a
+/// store to the workspace).
+fn partial_source(s: &mut String, key: &ReduceKey, float: bool) {
+    let c = key.acc_c();
+    let ident = identity(key.op, c);
+    let full = "0xffffffffu";
+    match Partial::of(key.op) {
+        Partial::Value => {
+            s.push_str("typedef val_t acc_t;\n");
+            let _ = writeln!(
+                s,
+                "__device__ __forceinline__ acc_t ident() {{ return (acc_t){ident}; }}"
+            );
+            let comb = match (key.op, float) {
+                (ReduceOp::Sum | ReduceOp::Mean, _) => "a + b",
+                // Unsigned for integers: the product wraps.
+                (ReduceOp::Prod, _) => "a * b",
+                // NaN wins: `a` when it is NaN, `b` when it is (the comparison fails).
+                (ReduceOp::Max, true) => "(a > b || a != a) ? a : b",
+                (ReduceOp::Min, true) => "(a < b || a != a) ? a : b",
+                (ReduceOp::Max, false) => "a > b ? a : b",
+                (ReduceOp::Min, false) => "a < b ? a : b",
+                _ => unreachable!("value reductions only"),
+            };
+            let _ = writeln!(
+                s,
+                "__device__ __forceinline__ acc_t comb(acc_t a, acc_t b) {{ return {comb}; }}\n\
+                 __device__ __forceinline__ acc_t shfl_down(acc_t v, int off) {{ \
+                 return __shfl_down_sync({full}, v, off); }}\n\
+                 __device__ __forceinline__ void save(acc_t* p, acc_t v) {{ *p = v; }}"
+            );
+        }
+        Partial::Arg { max } => {
+            let beyond = if max { ">" } else { "<" };
+            let _ = writeln!(
+                s,
+                "typedef {} idx_t;\nstruct acc_t {{ val_t v; idx_t i; }};",
+                key.index_c()
+            );
+            // Position 0 beside the identity: where it is still there at the end, every element
+            // equals the identity (say the lowest value, for `argmax`), and the first is at 0.
+            let _ = writeln!(
+                s,
+                "__device__ __forceinline__ acc_t ident() {{ acc_t r; r.v = (val_t){ident}; \
+                 r.i = 0; return r; }}"
+            );
+            // The first NaN wins, else the extreme; among equals, the first.
+            let (take, later) = if float {
+                (
+                    format!(
+                        "const bool an = a.v != a.v, bn = b.v != b.v;\n  \
+                         const bool take = bn ? (!an || b.i < a.i) : \
+                         (!an && (b.v {beyond} a.v || (b.v == a.v && b.i < a.i)));"
+                    ),
+                    format!("x {beyond} c.v || (x != x && c.v == c.v)"),
+                )
+            } else {
+                (
+                    format!("const bool take = b.v {beyond} a.v || (b.v == a.v && b.i < a.i);"),
+                    format!("x {beyond} c.v"),
+                )
+            };
+            let _ = writeln!(
+                s,
+                "__device__ __forceinline__ acc_t comb(acc_t a, acc_t b) {{\n  {take}\n  \
+                 return take ? b : a;\n}}\n\
+                 // `x` at position `i`, after every element `c` has taken: it replaces a value it \
+                 is strictly beyond, or a number when it is the first NaN.\n\
+                 __device__ __forceinline__ acc_t step(acc_t c, val_t x, idx_t i) {{\n  \
+                 if ({later}) {{ c.v = x; c.i = i; }}\n  return c;\n}}\n\
+                 __device__ __forceinline__ acc_t shfl_down(acc_t v, int off) {{\n  acc_t r;\n  \
+                 r.v = __shfl_down_sync({full}, v.v, off);\n  \
+                 r.i = __shfl_down_sync({full}, v.i, off);\n  return r;\n}}\n\
+                 // Field by field: a whole-struct store makes the compiler give up on reading the \
+                 input through the read-only path.\n\
+                 __device__ __forceinline__ void save(acc_t* p, acc_t v) {{ p->v = v.v; p->i = v.i; }}"
+            );
+        }
+        Partial::Moments => {
+            // The mean and the squared deviations in `double` whatever the input: a merge
+            // subtracts means, which loses `eps * |mean| / std` of the result in their type.
+            let _ = writeln!(
+                s,
+                "typedef {} idx_t;\nstruct acc_t {{ double mean, m2; idx_t n; }};",
+                key.index_c()
+            );
+            s.push_str(
+                "__device__ __forceinline__ acc_t ident() { acc_t r; r.mean = 0; r.m2 = 0; r.n = 0; \
+                 return r; }\n\
+                 // Chan, Golub and LeVeque's merge of two partial results.\n\
+                 __device__ __forceinline__ acc_t comb(acc_t a, acc_t b) {\n  \
+                 if (b.n == 0) return a;\n  if (a.n == 0) return b;\n  \
+                 const idx_t n = a.n + b.n;\n  \
+                 const double w = (double)b.n / (double)n, d = b.mean - a.mean;\n  \
+                 acc_t r;\n  r.mean = a.mean + d * w;\n  \
+                 r.m2 = (a.m2 + b.m2) + d * d * ((double)a.n * w);\n  r.n = n;\n  return r;\n}\n\
+                 // One element: Welford's update.\n\
+                 __device__ __forceinline__ acc_t step(acc_t c, val_t x) {\n  \
+                 const double y = (double)x;\n  c.n += 1;\n  const double d = y - c.mean;\n  \
+                 c.mean += d / (double)c.n;\n  c.m2 += d * (y - c.mean);\n  return c;\n}\n\
+                 // K elements as a partial result, from their deviations from `m` (their mean \
+                 rounded to `val_t`): `s` their sum, `q` the sum of their squares.\n\
+                 __device__ __forceinline__ acc_t batch(idx_t k, val_t m, val_t s, val_t q) {\n  \
+                 const double sd = (double)s, m2 = (double)q - sd * sd / (double)k;\n  \
+                 acc_t b;\n  b.mean = (double)m + sd / (double)k;\n  \
+                 // Never below 0 (rounding); NaN stays NaN.\n  \
+                 b.m2 = m2 < 0.0 ? 0.0 : m2;\n  b.n = k;\n  return b;\n}\n",
+            );
+            let _ = writeln!(
+                s,
+                "__device__ __forceinline__ acc_t shfl_down(acc_t v, int off) {{\n  acc_t r;\n  \
+                 r.mean = __shfl_down_sync({full}, v.mean, off);\n  \
+                 r.m2 = __shfl_down_sync({full}, v.m2, off);\n  \
+                 r.n = __shfl_down_sync({full}, v.n, off);\n  return r;\n}}\n\
+                 __device__ __forceinline__ void save(acc_t* p, acc_t v) {{ \
+                 p->mean = v.mean; p->m2 = v.m2; p->n = v.n; }}"
+            );
+        }
+    }
+    if Partial::of(key.op) != Partial::Value {
+        s.push_str(
+            "__device__ __forceinline__ raw16 ldg16(const raw16* p) {\n  \
+             const ulonglong2 v = __ldg((const ulonglong2*)p);\n  raw16 r;\n  r.lo = v.x;\n  \
+             r.hi = v.y;\n  return r;\n}\n",
+        );
+    }
+    let _ = writeln!(
+        s,
+        "static_assert(sizeof(acc_t) == {}, \"the host allocates {} bytes per partial result\");",
+        key.acc_size(),
+        key.acc_size()
+    );
+}
+
 /// The source of the reduce kernel `key`, entry point `k`.
 pub(crate) fn reduce_source(key: &ReduceKey) -> String {
     let c = key.acc_c();
     let (inp, out) = (key.input, key.out);
     let float = c == "float" || c == "double";
+    let part = Partial::of(key.op);
     let mut s = String::from(PRELUDE);
     s.push_str(REDUCE_ARGS);
-    let _ = writeln!(s, "typedef {c} acc_t;");
-    let _ = writeln!(
-        s,
-        "__device__ __forceinline__ acc_t ident() {{ return (acc_t){}; }}",
-        identity(key.op, c)
-    );
-    let comb = match (key.op, float) {
-        (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "a + b",
-        // Unsigned for integers: the product wraps.
-        (ReduceOp::Prod, _) => "a * b",
-        // NaN wins: `a` when it is NaN, `b` when it is (the comparison fails).
-        (ReduceOp::Max, true) => "(a > b || a != a) ? a : b",
-        (ReduceOp::Min, true) => "(a < b || a != a) ? a : b",
-        (ReduceOp::Max, false) => "a > b ? a : b",
-        (ReduceOp::Min, false) => "a < b ? a : b",
-    };
-    let _ = writeln!(
-        s,
-        "__device__ __forceinline__ acc_t comb(acc_t a, acc_t b) {{ return {comb}; }}"
-    );
+    let _ = writeln!(s, "typedef {c} val_t;");
+    partial_source(&mut s, key, float);
     let conv = match c {
         "u64" if inp.is_signed() => "(u64)(i64)(x)".to_string(),
-        "float" | "double" if inp.is_float() => format!("(acc_t)({})", inp.load("x")),
-        _ => "(acc_t)(x)".to_string(),
+        "float" | "double" if inp.is_float() => format!("(val_t)({})", inp.load("x")),
+        _ => "(val_t)(x)".to_string(),
     };
     let _ = writeln!(
         s,
-        "__device__ __forceinline__ acc_t conv({} x) {{ return {conv}; }}",
+        "__device__ __forceinline__ val_t conv({} x) {{ return {conv}; }}",
         inp.storage()
     );
     let result = match key.op {
-        ReduceOp::Mean => "a / (acc_t)count",
-        _ => "a",
+        ReduceOp::Mean => "a / (acc_t)divisor",
+        ReduceOp::ArgMax | ReduceOp::ArgMin => "a.i",
+        // In `double`, rounded once into the output.
+        ReduceOp::Var => "a.m2 / divisor",
+        ReduceOp::Std => "sqrt(a.m2 / divisor)",
+        ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod => "a",
+    };
+    let stored = match part {
+        Partial::Moments => cast_expr(Elem::F64, out, result),
+        _ => out.store(result),
     };
     let _ = writeln!(
         s,
-        "__device__ __forceinline__ {} finish(acc_t a, double count) {{ return {}; }}",
+        "__device__ __forceinline__ {} finish(acc_t a, double divisor) {{ return {stored}; }}",
         out.storage(),
-        out.store(result)
     );
     s.push_str(
         "__device__ __forceinline__ acc_t warp_reduce(acc_t v) {\n\
          #pragma unroll\n\
-         for (int off = 16; off > 0; off >>= 1) v = comb(v, __shfl_down_sync(0xffffffffu, v, off));\n\
+         for (int off = 16; off > 0; off >>= 1) v = comb(v, shfl_down(v, off));\n\
          return v;\n}\n",
     );
     decode_fn(
@@ -761,9 +960,12 @@ pub(crate) fn reduce_source(key: &ReduceKey) -> String {
     );
     let _ = writeln!(s, "  {0}* __restrict__ out = ({0}*)a.out;", out.storage());
     s.push_str("  acc_t* __restrict__ ws = (acc_t*)a.ws;\n");
+    let fold = Fold { part };
     match key.kind {
-        ReduceKind::Group { threads, vec } => group_body(&mut s, threads, vec, ridx, inp.storage()),
-        ReduceKind::Thread => thread_body(&mut s, ridx),
+        ReduceKind::Group { threads, vec } => {
+            group_body(&mut s, &fold, threads, vec, ridx, inp.storage())
+        }
+        ReduceKind::Thread => thread_body(&mut s, &fold, ridx),
         ReduceKind::Finish => finish_body(&mut s),
     }
     s.push_str("}\n");
@@ -793,7 +995,141 @@ fn decode_fn(s: &mut String, name: &str, shape: &str, stride: &str, dims: u8, id
     let _ = writeln!(s, "  return off + (i64)i * a.{stride}[0];\n}}");
 }
 
-fn group_body(s: &mut String, threads: u16, vec: u8, ridx: &str, elem: &str) {
+/// How the loops fold loaded elements into the accumulators `c0`..`c3`. Each accumulator takes
+/// its elements in increasing reduced position (what the arg reductions' `step` relies on).
+struct Fold {
+    part: Partial,
+}
+
+impl Fold {
+    /// The stored element at `base + off`: through the read-only data cache (`__ldg`) for the
+    /// partial results that are structs, whose stores to the workspace otherwise make the
+    /// compiler read the input the ordinary way (the value kernels get it without asking).
+    fn at(&self, base: &str, off: &str) -> String {
+        match self.part {
+            Partial::Value => format!("{base}[{off}]"),
+            _ => format!("__ldg({base} + {off})"),
+        }
+    }
+
+    /// The 16-byte vector at `vp + j` (as [`Fold::at`]).
+    fn vector(&self, j: &str) -> String {
+        match self.part {
+            Partial::Value => format!("vp[{j}]"),
+            _ => format!("ldg16(vp + {j})"),
+        }
+    }
+
+    /// Stored element `x`, at reduced position `i`, into accumulator `c`.
+    fn one(&self, c: &str, x: &str, i: &str) -> String {
+        match self.part {
+            Partial::Value => format!("{c} = comb({c}, conv({x}));"),
+            Partial::Arg { .. } => format!("{c} = step({c}, conv({x}), (idx_t)({i}));"),
+            Partial::Moments => format!("{c} = step({c}, conv({x}));"),
+        }
+    }
+
+    /// Stored elements `xs` (a power of two of them) as one batch into accumulator `c`: their
+    /// mean rounded to `val_t`, and their deviations from it and the squares of those, summed
+    /// pairwise in scalar registers, merged as one partial result (the moments).
+    fn batch(c: &str, xs: &[String]) -> String {
+        fn pairwise(terms: &[String]) -> String {
+            match terms {
+                [one] => one.clone(),
+                _ => {
+                    let (a, b) = terms.split_at(terms.len() / 2);
+                    format!("({} + {})", pairwise(a), pairwise(b))
+                }
+            }
+        }
+        let k = xs.len();
+        debug_assert!(k.is_power_of_two());
+        let loads: Vec<String> = xs
+            .iter()
+            .enumerate()
+            .map(|(n, x)| format!("y{n} = conv({x})"))
+            .collect();
+        let ys: Vec<String> = (0..k).map(|n| format!("y{n}")).collect();
+        let devs: Vec<String> = (0..k).map(|n| format!("d{n} = y{n} - m")).collect();
+        let ds: Vec<String> = (0..k).map(|n| format!("d{n}")).collect();
+        let squares: Vec<String> = (0..k).map(|n| format!("d{n} * d{n}")).collect();
+        format!(
+            "{{ const val_t {};\n        const val_t m = {} * ((val_t)1 / (val_t){k});\n        \
+             const val_t {};\n        {c} = comb({c}, batch({k}, m, {}, {})); }}",
+            loads.join(", "),
+            pairwise(&ys),
+            devs.join(", "),
+            pairwise(&ds),
+            pairwise(&squares)
+        )
+    }
+
+    /// Four stored elements `x0`..`x3`, at positions `r`, `r + step`, ..., one per accumulator
+    /// (the moments: one batch, into `c0`).
+    fn four(&self, r: &str, step: &str) -> String {
+        if self.part == Partial::Moments {
+            let xs: Vec<String> = (0..4).map(|k| format!("x{k}")).collect();
+            return Self::batch("c0", &xs);
+        }
+        (0..4)
+            .map(|k| {
+                let i = match k {
+                    0 => r.to_string(),
+                    1 => format!("{r} + {step}"),
+                    _ => format!("{r} + {k} * {step}"),
+                };
+                self.one(&format!("c{k}"), &format!("x{k}"), &i)
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Four packs `x0`..`x3` of `vec` stored elements, pack `k`'s first at position
+    /// `i0 + k * stride`, pack `k` into accumulator `ck` (the moments: batches of at least 8
+    /// elements where the packs allow, at most 16).
+    fn four_packs(&self, vec: u8, stride: u32) -> String {
+        let elems =
+            |k: usize| -> Vec<String> { (0..vec).map(|e| format!("x{k}.v[{e}]")).collect() };
+        match self.part {
+            Partial::Moments if vec >= 8 => (0..4)
+                .map(|k| format!("      {}\n", Self::batch(&format!("c{k}"), &elems(k))))
+                .collect(),
+            Partial::Moments => {
+                let all: Vec<String> = (0..4).flat_map(elems).collect();
+                format!("      {}\n", Self::batch("c0", &all))
+            }
+            _ => {
+                let folds: Vec<String> = (0..4)
+                    .map(|k| {
+                        let i = match k {
+                            0 => "i0 + e".to_string(),
+                            _ => format!("i0 + {} + e", k as u32 * stride),
+                        };
+                        self.one(&format!("c{k}"), &format!("x{k}.v[e]"), &i)
+                    })
+                    .collect();
+                format!(
+                    "      #pragma unroll\n      for (int e = 0; e < {vec}; e++) {{ {} }}\n",
+                    folds.join(" ")
+                )
+            }
+        }
+    }
+
+    /// One pack `x0` of `vec` stored elements, the first at position `i0`, into `c0`.
+    fn pack(&self, vec: u8) -> String {
+        if self.part == Partial::Moments {
+            let xs: Vec<String> = (0..vec).map(|e| format!("x0.v[{e}]")).collect();
+            return format!("      {}\n", Self::batch("c0", &xs));
+        }
+        format!(
+            "      #pragma unroll\n      for (int e = 0; e < {vec}; e++) {}\n",
+            self.one("c0", "x0.v[e]", "i0 + e")
+        )
+    }
+}
+
+fn group_body(s: &mut String, fold: &Fold, threads: u16, vec: u8, ridx: &str, elem: &str) {
     let g = threads as u32;
     let per_block = THREADS / g;
     let _ = writeln!(s, "  const u32 lane = threadIdx.x % {g};");
@@ -813,6 +1149,7 @@ fn group_body(s: &mut String, threads: u16, vec: u8, ridx: &str, elem: &str) {
          \x20   const auto* base = in + kept_offset(a, o);\n\
          \x20   acc_t c0 = ident(), c1 = ident(), c2 = ident(), c3 = ident();\n",
     );
+    let positions = matches!(fold.part, Partial::Arg { .. });
     if vec > 1 {
         let _ = writeln!(
             s,
@@ -825,45 +1162,50 @@ fn group_body(s: &mut String, threads: u16, vec: u8, ridx: &str, elem: &str) {
         let _ = writeln!(
             s,
             "      pack_t x0, x1, x2, x3;\n\
-             \x20     x0.raw = vp[j]; x1.raw = vp[j + {g}]; x2.raw = vp[j + 2 * {g}]; \
-             x3.raw = vp[j + 3 * {g}];"
+             \x20     x0.raw = {}; x1.raw = {}; x2.raw = {}; x3.raw = {};",
+            fold.vector("j"),
+            fold.vector(&format!("j + {g}")),
+            fold.vector(&format!("j + 2 * {g}")),
+            fold.vector(&format!("j + 3 * {g}")),
         );
-        let _ = writeln!(s, "      #pragma unroll");
-        let _ = writeln!(
-            s,
-            "      for (int e = 0; e < {vec}; e++) {{ c0 = comb(c0, conv(x0.v[e])); \
-             c1 = comb(c1, conv(x1.v[e])); c2 = comb(c2, conv(x2.v[e])); \
-             c3 = comb(c3, conv(x3.v[e])); }}"
-        );
+        if positions {
+            let _ = writeln!(s, "      const u64 i0 = begin + j * {vec};");
+        }
+        s.push_str(&fold.four_packs(vec, g * vec as u32));
         s.push_str("    }\n");
         let _ = writeln!(s, "    for (; j < nv; j += {g}) {{");
+        let _ = writeln!(s, "      pack_t x0; x0.raw = {};", fold.vector("j"));
+        if positions {
+            let _ = writeln!(s, "      const u64 i0 = begin + j * {vec};");
+        }
+        s.push_str(&fold.pack(vec));
+        s.push_str("    }\n");
         let _ = writeln!(
             s,
-            "      pack_t x0; x0.raw = vp[j];\n      #pragma unroll\n\
-             \x20     for (int e = 0; e < {vec}; e++) c0 = comb(c0, conv(x0.v[e]));\n    }}"
-        );
-        let _ = writeln!(
-            s,
-            "    for (u64 r = begin + nv * {vec} + lane; r < end; r += {g}) \
-             c1 = comb(c1, conv(base[r]));"
+            "    for (u64 r = begin + nv * {vec} + lane; r < end; r += {g}) {}",
+            fold.one("c1", &fold.at("base", "r"), "r")
         );
     } else {
         let _ = writeln!(s, "    u64 r = begin + lane;");
         let _ = writeln!(s, "    for (; r + 3 * {g} < end; r += 4 * {g}) {{");
+        let x = |r: String| fold.at("base", &format!("red_offset(a, ({ridx})({r}))"));
         let _ = writeln!(
             s,
-            "      const auto x0 = base[red_offset(a, ({ridx})r)], \
-             x1 = base[red_offset(a, ({ridx})(r + {g}))], \
-             x2 = base[red_offset(a, ({ridx})(r + 2 * {g}))], \
-             x3 = base[red_offset(a, ({ridx})(r + 3 * {g}))];"
+            "      const auto x0 = {}, x1 = {}, x2 = {}, x3 = {};",
+            fold.at("base", &format!("red_offset(a, ({ridx})r)")),
+            x(format!("r + {g}")),
+            x(format!("r + 2 * {g}")),
+            x(format!("r + 3 * {g}")),
         );
-        s.push_str(
-            "      c0 = comb(c0, conv(x0)); c1 = comb(c1, conv(x1)); c2 = comb(c2, conv(x2)); \
-             c3 = comb(c3, conv(x3));\n    }\n",
-        );
+        let _ = writeln!(s, "      {}\n    }}", fold.four("r", &g.to_string()));
         let _ = writeln!(
             s,
-            "    for (; r < end; r += {g}) c0 = comb(c0, conv(base[red_offset(a, ({ridx})r)]));"
+            "    for (; r < end; r += {g}) {}",
+            fold.one(
+                "c0",
+                &fold.at("base", &format!("red_offset(a, ({ridx})r)")),
+                "r"
+            )
         );
     }
     s.push_str("    acc_t acc = warp_reduce(comb(comb(c0, c1), comb(c2, c3)));\n");
@@ -879,12 +1221,12 @@ fn group_body(s: &mut String, threads: u16, vec: u8, ridx: &str, elem: &str) {
     }
     s.push_str(
         "    if (lane == 0) {\n\
-         \x20     if (a.splits == 1) out[o] = finish(acc, a.count_f);\n\
-         \x20     else ws[o * a.splits + sp] = acc;\n    }\n  }\n",
+         \x20     if (a.splits == 1) out[o] = finish(acc, a.divisor);\n\
+         \x20     else save(ws + o * a.splits + sp, acc);\n    }\n  }\n",
     );
 }
 
-fn thread_body(s: &mut String, ridx: &str) {
+fn thread_body(s: &mut String, fold: &Fold, ridx: &str) {
     s.push_str(
         "  const u64 total = a.outputs * a.splits;\n\
          \x20 for (u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x; t < total; \
@@ -897,23 +1239,25 @@ fn thread_body(s: &mut String, ridx: &str) {
          \x20   u64 r = begin;\n\
          \x20   for (; r + 3 < end; r += 4) {\n",
     );
+    let x = |r: &str| fold.at("base", &format!("red_offset(a, ({ridx}){r})"));
     let _ = writeln!(
         s,
-        "      const auto x0 = base[red_offset(a, ({ridx})r)], \
-         x1 = base[red_offset(a, ({ridx})(r + 1))], \
-         x2 = base[red_offset(a, ({ridx})(r + 2))], \
-         x3 = base[red_offset(a, ({ridx})(r + 3))];"
+        "      const auto x0 = {}, x1 = {}, x2 = {}, x3 = {};",
+        x("r"),
+        x("(r + 1)"),
+        x("(r + 2)"),
+        x("(r + 3)")
     );
     let _ = writeln!(
         s,
-        "      c0 = comb(c0, conv(x0)); c1 = comb(c1, conv(x1)); c2 = comb(c2, conv(x2)); \
-         c3 = comb(c3, conv(x3));\n    }}\n\
-         \x20   for (; r < end; r++) c0 = comb(c0, conv(base[red_offset(a, ({ridx})r)]));"
+        "      {}\n    }}\n    for (; r < end; r++) {}",
+        fold.four("r", "1"),
+        fold.one("c0", &x("r"), "r")
     );
     s.push_str(
         "    const acc_t acc = comb(comb(c0, c1), comb(c2, c3));\n\
-         \x20   if (a.splits == 1) out[o] = finish(acc, a.count_f);\n\
-         \x20   else ws[o * a.splits + sp] = acc;\n  }\n",
+         \x20   if (a.splits == 1) out[o] = finish(acc, a.divisor);\n\
+         \x20   else save(ws + o * a.splits + sp, acc);\n  }\n",
     );
 }
 
@@ -927,7 +1271,7 @@ fn finish_body(s: &mut String) {
          \x20   acc_t acc = ident();\n\
          \x20   for (u64 sp = lane; sp < a.splits; sp += 32) acc = comb(acc, ws[w * a.splits + sp]);\n\
          \x20   acc = warp_reduce(acc);\n\
-         \x20   if (lane == 0) out[w] = finish(acc, a.count_f);\n  }\n",
+         \x20   if (lane == 0) out[w] = finish(acc, a.divisor);\n  }\n",
     );
 }
 
@@ -957,18 +1301,28 @@ mod tests {
 
     fn reduce_keys(input: Elem) -> Vec<ReduceKey> {
         let mut keys = Vec::new();
-        // The arg reductions have no kernel (the front composes them).
-        for op in ReduceOp::ALL.into_iter().filter(|op| !op.is_arg()) {
+        for op in ReduceOp::ALL {
             let acc = match (op, input) {
                 (ReduceOp::Sum | ReduceOp::Prod, t) if t.is_signed() => Elem::I64,
                 (ReduceOp::Sum | ReduceOp::Prod, t) if !t.is_float() => Elem::U64,
-                (ReduceOp::Mean, t) if !t.is_float() => Elem::F64,
-                (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, Elem::F64) => Elem::F64,
-                (ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, _) => Elem::F32,
+                (ReduceOp::Mean | ReduceOp::Var | ReduceOp::Std, t) if !t.is_float() => Elem::F64,
+                (
+                    ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod | ReduceOp::Var | ReduceOp::Std,
+                    Elem::F64,
+                ) => Elem::F64,
+                (
+                    ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod | ReduceOp::Var | ReduceOp::Std,
+                    _,
+                ) => Elem::F32,
                 _ => input,
             };
             let out = match op {
-                ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod if !input.is_float() => acc,
+                ReduceOp::ArgMax | ReduceOp::ArgMin => Elem::I64,
+                ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod | ReduceOp::Var | ReduceOp::Std
+                    if !input.is_float() =>
+                {
+                    acc
+                }
                 _ => input,
             };
             for kind in [
@@ -981,18 +1335,27 @@ mod tests {
                     vec: 1,
                 },
                 ReduceKind::Thread,
-                ReduceKind::Finish,
             ] {
-                keys.push(ReduceKey {
-                    op,
-                    input,
-                    acc,
-                    out,
-                    kind,
-                    kept_dims: 2,
-                    reduced_dims: 3,
-                    wide: false,
-                });
+                // Positions and counts of both widths where partial results hold them.
+                for wide in [false, true] {
+                    let key = ReduceKey {
+                        op,
+                        input,
+                        acc,
+                        out,
+                        kind,
+                        kept_dims: 2,
+                        reduced_dims: 3,
+                        wide,
+                    };
+                    if wide && Partial::of(op) == Partial::Value && kind != ReduceKind::Thread {
+                        continue;
+                    }
+                    keys.push(key);
+                    if kind == ReduceKind::Thread && !keys.contains(&key.finish()) {
+                        keys.push(key.finish());
+                    }
+                }
             }
         }
         keys
@@ -1206,6 +1569,55 @@ mod tests {
             wide: false,
         };
         let src = reduce_source(&key);
-        assert!(src.contains("typedef float acc_t;"), "{src}");
+        assert!(src.contains("typedef float val_t;"), "{src}");
+        assert!(src.contains("typedef val_t acc_t;"), "{src}");
+    }
+
+    #[test]
+    fn partial_results_are_sized_for_the_host() {
+        let key = |op, input, acc, out, wide| ReduceKey {
+            op,
+            input,
+            acc,
+            out,
+            kind: ReduceKind::Thread,
+            kept_dims: 1,
+            reduced_dims: 1,
+            wide,
+        };
+        let arg = key(ReduceOp::ArgMax, Elem::F16, Elem::F16, Elem::I64, false);
+        assert_eq!(arg.acc_c(), "float");
+        assert_eq!(arg.acc_size(), 8);
+        assert_eq!(arg.finish().kind, ReduceKind::Finish);
+        let wide_arg = key(ReduceOp::ArgMin, Elem::I8, Elem::I8, Elem::I64, true);
+        assert_eq!((wide_arg.acc_c(), wide_arg.acc_size()), ("i32", 16));
+        assert!(
+            wide_arg.finish().wide,
+            "the finishing kernel reads 64-bit positions"
+        );
+        let var = key(ReduceOp::Var, Elem::BF16, Elem::F32, Elem::BF16, false);
+        assert_eq!(var.acc_size(), 24);
+        assert_eq!(
+            key(ReduceOp::Std, Elem::I32, Elem::F64, Elem::F64, true).acc_size(),
+            24
+        );
+        assert_eq!(
+            key(ReduceOp::Var, Elem::F32, Elem::F32, Elem::F32, true).acc_size(),
+            24
+        );
+        assert!(
+            !key(ReduceOp::Sum, Elem::F32, Elem::F32, Elem::F32, true)
+                .finish()
+                .wide
+        );
+        // Each source asserts the size the host allocates.
+        let src = reduce_source(&var);
+        assert!(src.contains("static_assert(sizeof(acc_t) == 24"), "{src}");
+        assert!(src.contains("f64_to_bf16(a.m2 / divisor)"), "{src}");
+        let src = reduce_source(&key(ReduceOp::Std, Elem::F32, Elem::F32, Elem::F32, false));
+        assert!(src.contains("(float)(sqrt(a.m2 / divisor))"), "{src}");
+        let src = reduce_source(&arg);
+        assert!(src.contains("struct acc_t { val_t v; idx_t i; };"), "{src}");
+        assert!(src.contains("return (i64)(a.i);"), "{src}");
     }
 }

@@ -10,7 +10,7 @@
 //! | --- | --- |
 //! | map, every operand one run (or stride 0) | flat: 16-byte vectors when every operand is aligned for them |
 //! | map, otherwise | strided, over ≤ 6 collapsed axes (more: inputs are made compact first) |
-//! | reduce, reduced axes innermost (or everything) | a warp or block per output (16-byte vectors when the rows are contiguous and aligned) |
+//! | reduce (every op, `argmax` / `argmin` and `var` / `std` included: one pass), reduced axes innermost (or everything) | a warp or block per output (16-byte vectors when the rows are contiguous and aligned) |
 //! | reduce, kept axes innermost | a thread per output walking the reduced axes (neighbouring threads read neighbouring elements) |
 //! | either, too few outputs to fill the GPU | the reduced range split over blocks, partial results combined by a second kernel (no atomics: the result does not depend on timing) |
 
@@ -268,25 +268,23 @@ fn smallest_stride(plan: &MapPlan, k: usize) -> isize {
         .unwrap_or(isize::MAX)
 }
 
-pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
+/// How one reduction runs: the kernel, its arguments (all but the workspace's address), and the
+/// splits of each output's reduced range (more than one: a finishing kernel combines them).
+#[derive(Clone, Copy, Debug)]
+struct ReduceLaunch {
+    key: ReduceKey,
+    args: ReduceArgs,
+    splits: usize,
+    /// Threads the kernel has work for.
+    threads: u64,
+}
+
+/// Plans `req` (its sides of at most [`MAX_REDUCE_DIMS`] axes, at least one output) for a GPU
+/// of `sms` multiprocessors. Pure: no device is touched.
+fn plan_reduce(req: &ReduceRequest<'_>, sms: usize) -> Result<ReduceLaunch> {
     let plan = &req.plan;
     let outputs = plan.outputs();
-    if outputs == 0 {
-        return Ok(());
-    }
-    if plan.kept.shape.len() > MAX_REDUCE_DIMS || plan.reduced.shape.len() > MAX_REDUCE_DIMS {
-        // More axes than the kernels walk: a copy with the reduced axes last collapses each side
-        // to one axis.
-        let (input, plan) = req.staged_input()?;
-        return reduce(&req.with_input(&input, plan));
-    }
     let op = req.op;
-    if op.is_arg() {
-        return Err(Error::UnsupportedOperand(format!(
-            "{} has no CUDA kernel (the front composes it of other reductions)",
-            op.name()
-        )));
-    }
     let input = ty(req.input.dtype(), op.name())?;
     let acc = ty(req.acc, op.name())?;
     let out = ty(req.out.dtype(), op.name())?;
@@ -296,17 +294,13 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
             op.name()
         )));
     }
-    let ordinal = req.out.device().index() as i32;
-    let ctx = context(ordinal)?;
-    let stream = current_stream(ordinal);
-    let sms = ctx.multiprocessors as usize;
     let count = plan.count;
     let mut args = ReduceArgs {
         input: first_address(req.input) as u64,
         out: first_address(req.out) as u64,
         outputs: outputs as u64,
         count: count as u64,
-        count_f: count as f64,
+        divisor: req.divisor(),
         ..ReduceArgs::default()
     };
     for (d, (&e, &s)) in plan
@@ -385,6 +379,39 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
         reduced_dims: plan.reduced.shape.len() as u8,
         wide: count > i32::MAX as usize,
     };
+    let threads = match kind {
+        ReduceKind::Group { threads, .. } => (outputs * splits * threads as usize) as u64,
+        _ => (outputs * splits) as u64,
+    };
+    Ok(ReduceLaunch {
+        key,
+        args,
+        splits,
+        threads,
+    })
+}
+
+pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
+    let plan = &req.plan;
+    let outputs = plan.outputs();
+    if outputs == 0 {
+        return Ok(());
+    }
+    if plan.kept.shape.len() > MAX_REDUCE_DIMS || plan.reduced.shape.len() > MAX_REDUCE_DIMS {
+        // More axes than the kernels walk: a copy with the reduced axes last collapses each side
+        // to one axis.
+        let (input, plan) = req.staged_input()?;
+        return reduce(&req.with_input(&input, plan));
+    }
+    let ordinal = req.out.device().index() as i32;
+    let ctx = context(ordinal)?;
+    let stream = current_stream(ordinal);
+    let ReduceLaunch {
+        key,
+        mut args,
+        splits,
+        threads,
+    } = plan_reduce(req, ctx.multiprocessors as usize)?;
     // Partial results live until the finishing kernel has read them: the pool fences the block
     // on this stream when it is dropped at the end of this function.
     let workspace = if splits > 1 {
@@ -398,25 +425,14 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
         None
     };
     let loaded = kernel(&ctx, ordinal, Key::Reduce(key))?;
-    let threads_needed = match kind {
-        ReduceKind::Group { threads, .. } => (outputs * splits * threads as usize) as u64,
-        _ => (outputs * splits) as u64,
-    };
     launch(
         loaded.function,
-        grid(&loaded, ctx.multiprocessors, threads_needed),
+        grid(&loaded, ctx.multiprocessors, threads),
         stream,
         &args,
     )?;
     if splits > 1 {
-        let finish = ReduceKey {
-            kind: ReduceKind::Finish,
-            kept_dims: 1,
-            reduced_dims: 1,
-            wide: false,
-            ..key
-        };
-        let loaded = kernel(&ctx, ordinal, Key::Reduce(finish))?;
+        let loaded = kernel(&ctx, ordinal, Key::Reduce(key.finish()))?;
         launch(
             loaded.function,
             grid(&loaded, ctx.multiprocessors, outputs as u64 * 32),

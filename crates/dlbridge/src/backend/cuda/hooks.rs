@@ -6,7 +6,7 @@ use crate::backend::{
     Backend, FileRead, ReadOptions, cuda_kind_for, placement, read_to_host, unreachable_copy,
 };
 use crate::buffer::{Buffer, StorageMode};
-use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
+use crate::compute::{MapRequest, MatmulRequest, ReduceOp, ReduceRequest};
 use crate::device::{Device, DeviceKind};
 use crate::error::Result;
 use crate::pool::Pool;
@@ -91,6 +91,10 @@ impl Backend for Cuda {
     fn reduce(&self, req: &ReduceRequest<'_>) -> Result<()> {
         let enqueued = super::compute::reduce(req);
         enqueued.and(super::record_use([req.input, req.out]))
+    }
+
+    fn reduces(&self, _: ReduceOp) -> bool {
+        true
     }
 
     fn matmul(&self, req: &MatmulRequest<'_>) -> Result<()> {

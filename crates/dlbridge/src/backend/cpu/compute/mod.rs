@@ -4,7 +4,7 @@
 //! | request | module | how |
 //! | --- | --- | --- |
 //! | [`MapRequest`] | [`map`] | the plan's innermost axis as runs; a run whose operands are contiguous or broadcast is one vectorised loop, others are gathered in blocks; `float16` / `bfloat16` converted to `float32` in blocks and rounded once when stored |
-//! | [`ReduceRequest`] | [`reduce`] | blocks of 1024 elements folded in 32 lanes (16 for `max` / `min`), block results kept in `float64` (sums); reductions over outer axes accumulate whole rows, so memory is read in order |
+//! | [`ReduceRequest`] | [`reduce`] | blocks of 1024 elements folded in 32 lanes, block results kept in `float64` (sums, and the moments of `var` / `std`, one pass); `argmax` / `argmin` search a chunk for its extreme only where it beats the best so far; reductions over outer axes accumulate whole rows, so memory is read in order |
 //! | [`MatmulRequest`] | [`matmul`] | the `gemm` crate (`float16`, `float32`, `float64`); `bfloat16` through `float32` |
 //!
 //! Work is split into chunks of a fixed size ([`for_chunks`]), so results do not depend on the
@@ -40,7 +40,7 @@ pub(crate) fn reduce(req: &ReduceRequest<'_>) -> Result<()> {
     reduce::run(req)
 }
 
-pub(crate) use gather::copy_blocks;
+pub(crate) use gather::{compress, copy_blocks, take_positions};
 
 /// Runs a batched matrix product ([`MatmulRequest`]).
 pub(crate) fn matmul(req: &MatmulRequest<'_>) -> Result<()> {

@@ -1,18 +1,29 @@
-//! Reductions: `sum`, `mean`, `max`, `min`, `prod`, `argmax`, `argmin` over a [`ReducePlan`].
+//! Reductions: `sum`, `mean`, `max`, `min`, `prod`, `argmax`, `argmin`, `var`, `std` over a
+//! [`ReducePlan`].
 //!
 //! | layout | mode | how |
 //! | --- | --- | --- |
-//! | reduced axes innermost (or any other layout) | per output | the output's reduced elements as runs; each block of 1024 folded in 32 lanes (16 for `max` / `min`), the block result absorbed into a running total |
+//! | reduced axes innermost (or any other layout) | per output | the output's reduced elements as runs; each block of 1024 folded in 32 lanes (16 for `max` / `min` of 8-byte types), the block result absorbed into a running total |
 //! | a kept axis innermost and contiguous (e.g. `sum(axis=0)` of a row-major matrix) | by rows | tiles of up to 4096 outputs advanced together one reduced index at a time, so memory is read in order; lanes absorbed every 32 rows |
 //!
 //! Sums of floats absorb their `f32` (or `f64`) block results into a compensated `f64` total, so
 //! a `float32` sum of 2^28 elements is as accurate as NumPy's pairwise sum or better. Integer sums
-//! wrap in 64 bits; `mean` divides the total by the count. `max` and `min` propagate NaN.
+//! wrap in 64 bits; `mean` divides the total by the count. Products fold like sums, in the
+//! input's type (`float32` for the 16-bit floats) or, for integers, wrapping in 64 bits.
 //!
-//! Products fold like sums, in the input's type (`float32` for the 16-bit floats) or, for
-//! integers, wrapping in 64 bits. `argmax` / `argmin` walk each output's elements in the reduced
-//! axes' row-major order a block at a time: the block's extreme by the vectorised fold, then the
-//! first element equal to it (or the first NaN, which ends the search).
+//! `max` and `min` keep the plain extreme in their lanes (a compare and a select, which NaN never
+//! enters) beside a sum of the elements, which turns NaN once a NaN went in; only then is the
+//! block searched for it, so NaN propagates at the cost of one addition per vector. `argmax` /
+//! `argmin` walk each output's elements in the reduced axes' row-major order 2048 at a time (in
+//! the L1 cache): the chunk's extreme by that fold, then, where it beats the best so far, the first
+//! element equal to it (or the first NaN, which ends the search).
+//!
+//! `var` and `std` are one pass over memory: each block's mean, then its deviations from that
+//! mean rounded to the computing type (`f32` for `float32` and the 16-bit floats, `f64`
+//! otherwise) and their squares, summed in lanes while the block is in the L1 cache; the blocks'
+//! counts, means and squared deviations are merged in `f64` by Chan, Golub and LeVeque's formula
+//! (Welford's update, element by element, in the by-rows mode). The result is good to about
+//! `eps(f64) * |mean| / std` of its value.
 //!
 //! A reduced range longer than [`SPLIT`] is folded in pieces of that size merged in order, in
 //! parallel where there are few outputs: the result does not depend on the number of threads.
@@ -39,7 +50,7 @@ const MIN_TILE: usize = 256;
 
 /// A reduction: lane accumulators (`Acc`) folded over elements (`In`), absorbed into a running
 /// `Total`.
-trait Fold: 'static {
+trait Fold: Sized + 'static {
     /// Lanes a block is folded in (at most [`LANES`]); fewer where the step has more
     /// instructions, so that the lanes stay in registers.
     const WIDTH: usize = LANES;
@@ -52,6 +63,12 @@ trait Fold: 'static {
     fn zero() -> Self::Total;
     fn absorb(total: Self::Total, acc: Self::Acc) -> Self::Total;
     fn merge(a: Self::Total, b: Self::Total) -> Self::Total;
+    /// Folds a block of at most [`BLOCK`] elements (at least `2 * LANES`) into `total`: by
+    /// default in [`Fold::WIDTH`] lanes of [`Fold::step`].
+    #[inline(always)]
+    fn block(total: Self::Total, xs: &[Self::In]) -> Self::Total {
+        lanes_block::<Self>(total, xs)
+    }
 }
 
 /// A Neumaier-compensated `f64` sum.
@@ -281,10 +298,233 @@ where
     }
 }
 
+/// The floats `var` and `std` compute in.
+trait Real:
+    Copy
+    + Send
+    + Sync
+    + 'static
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    const ZERO: Self;
+    fn of_count(n: u64) -> Self;
+    fn of_f64(v: f64) -> Self;
+    fn wide(self) -> f64;
+}
+
+macro_rules! real {
+    ($($t:ty),*) => {$(
+        impl Real for $t {
+            const ZERO: Self = 0.0;
+            #[inline(always)]
+            fn of_count(n: u64) -> Self {
+                n as $t
+            }
+            #[inline(always)]
+            fn of_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn wide(self) -> f64 {
+                self as f64
+            }
+        }
+    )*};
+}
+
+real!(f32, f64);
+
+/// Elements whose moments are computed in [`MomentIn::Real`]: `f32` (and the 16-bit floats,
+/// widened to it) in `f32`, the others in `f64` (as NumPy computes `var` of integers).
+trait MomentIn: Copy + Send + Sync + 'static {
+    type Real: Real;
+    fn real(self) -> Self::Real;
+}
+
+impl MomentIn for f32 {
+    type Real = f32;
+    #[inline(always)]
+    fn real(self) -> f32 {
+        self
+    }
+}
+
+macro_rules! moment_in_f64 {
+    ($($t:ty),*) => {$(
+        impl MomentIn for $t {
+            type Real = f64;
+            #[inline(always)]
+            fn real(self) -> f64 {
+                self as f64
+            }
+        }
+    )*};
+}
+
+moment_in_f64!(i8, i16, i32, i64, u8, u16, u32, u64, f64);
+
+/// A partial result of `var` / `std`: the count, the mean and the sum of squared deviations from
+/// it.
+#[derive(Clone, Copy, Debug)]
+struct Moment<R> {
+    n: u64,
+    mean: R,
+    m2: R,
+}
+
+impl<R: Real> Moment<R> {
+    const EMPTY: Moment<R> = Moment {
+        n: 0,
+        mean: R::ZERO,
+        m2: R::ZERO,
+    };
+
+    /// One more element (Welford's update).
+    #[inline(always)]
+    fn push(self, x: R) -> Moment<R> {
+        let n = self.n + 1;
+        let d = x - self.mean;
+        let mean = self.mean + d / R::of_count(n);
+        Moment {
+            n,
+            mean,
+            m2: self.m2 + d * (x - mean),
+        }
+    }
+
+    /// Two partial results merged (Chan, Golub and LeVeque's formula).
+    #[inline(always)]
+    fn merge(self, b: Moment<R>) -> Moment<R> {
+        if b.n == 0 {
+            return self;
+        }
+        if self.n == 0 {
+            return b;
+        }
+        let n = self.n + b.n;
+        let w = R::of_count(b.n) / R::of_count(n);
+        let d = b.mean - self.mean;
+        Moment {
+            n,
+            mean: self.mean + d * w,
+            m2: (self.m2 + b.m2) + d * d * (R::of_count(self.n) * w),
+        }
+    }
+
+    fn wide(self) -> Moment<f64> {
+        Moment {
+            n: self.n,
+            mean: self.mean.wide(),
+            m2: self.m2.wide(),
+        }
+    }
+}
+
+/// `var` and `std`: a block's mean and squared deviations from it in two passes over the block
+/// (in the L1 cache), in lanes of the computing type, merged into an `f64` total.
+struct Moments<T>(PhantomData<fn() -> T>);
+
+impl<T: MomentIn> Fold for Moments<T> {
+    type In = T;
+    type Acc = Moment<T::Real>;
+    type Total = Moment<f64>;
+    #[inline(always)]
+    fn identity() -> Self::Acc {
+        Moment::EMPTY
+    }
+    #[inline(always)]
+    fn step(acc: Self::Acc, x: T) -> Self::Acc {
+        acc.push(x.real())
+    }
+    #[inline(always)]
+    fn combine(a: Self::Acc, b: Self::Acc) -> Self::Acc {
+        a.merge(b)
+    }
+    fn zero() -> Moment<f64> {
+        Moment::EMPTY
+    }
+    #[inline(always)]
+    fn absorb(total: Moment<f64>, acc: Self::Acc) -> Moment<f64> {
+        total.merge(acc.wide())
+    }
+    fn merge(a: Moment<f64>, b: Moment<f64>) -> Moment<f64> {
+        a.merge(b)
+    }
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)]
+    fn block(total: Moment<f64>, xs: &[T]) -> Moment<f64> {
+        // Fixed-size lanes and index loops, as in `extreme_lanes`.
+        let zero = T::Real::ZERO;
+        let full = xs.len() / LANES * LANES;
+        let mut sums = [zero; LANES];
+        let mut at = 0;
+        while at < full {
+            let c = &xs[at..at + LANES];
+            for i in 0..LANES {
+                sums[i] = sums[i] + c[i].real();
+            }
+            at += LANES;
+        }
+        let mut sum = 0.0f64;
+        for i in 0..LANES {
+            sum += sums[i].wide();
+        }
+        for &x in &xs[full..] {
+            sum += x.real().wide();
+        }
+        let n = xs.len() as f64;
+        // Deviations from the rounded mean `c`, and their sum to correct for its rounding.
+        let c = T::Real::of_f64(sum / n);
+        let (mut dev, mut sq) = ([zero; LANES], [zero; LANES]);
+        let mut at = 0;
+        while at < full {
+            let ch = &xs[at..at + LANES];
+            for i in 0..LANES {
+                let d = ch[i].real() - c;
+                dev[i] = dev[i] + d;
+                sq[i] = sq[i] + d * d;
+            }
+            at += LANES;
+        }
+        let (mut s, mut q) = (0.0f64, 0.0f64);
+        for i in 0..LANES {
+            s += dev[i].wide();
+            q += sq[i].wide();
+        }
+        for &x in &xs[full..] {
+            let d = (x.real() - c).wide();
+            s += d;
+            q += d * d;
+        }
+        let m2 = q - s * s / n;
+        let block = Moment {
+            n: xs.len() as u64,
+            mean: c.wide() + s / n,
+            // Never below 0 (rounding), and NaN stays NaN.
+            m2: if m2 < 0.0 { 0.0 } else { m2 },
+        };
+        total.merge(block)
+    }
+}
+
 /// Ordered element types and their extremes (the identities of `max` and `min`).
 trait Bounded: Copy + PartialOrd + Send + Sync + 'static {
     const LOWEST: Self;
     const HIGHEST: Self;
+    /// Whether the type has NaN.
+    const FLOAT: bool;
+    /// Zero, where a [`Bounded::probe`] starts.
+    const ZERO: Self;
+    /// A cheap NaN detector folded beside an extreme: for floats the plain sum, NaN once a NaN
+    /// went in (or infinities of both signs: a hit is confirmed by a search), one addition per
+    /// vector; nothing for integers.
+    fn probe(acc: Self, x: Self) -> Self;
+    /// Whether [`Bounded::probe`]'s lanes may have seen a NaN.
+    fn probed(lanes: &[Self]) -> bool;
 }
 
 macro_rules! bounded {
@@ -292,6 +532,16 @@ macro_rules! bounded {
         impl Bounded for $t {
             const LOWEST: Self = $lo;
             const HIGHEST: Self = $hi;
+            const FLOAT: bool = false;
+            const ZERO: Self = 0;
+            #[inline(always)]
+            fn probe(acc: Self, _: Self) -> Self {
+                acc
+            }
+            #[inline(always)]
+            fn probed(_: &[Self]) -> bool {
+                false
+            }
         }
     )*};
 }
@@ -299,9 +549,31 @@ macro_rules! bounded {
 bounded! {
     i8 => i8::MIN, i8::MAX; i16 => i16::MIN, i16::MAX; i32 => i32::MIN, i32::MAX;
     i64 => i64::MIN, i64::MAX; u8 => 0, u8::MAX; u16 => 0, u16::MAX; u32 => 0, u32::MAX;
-    u64 => 0, u64::MAX; f32 => f32::NEG_INFINITY, f32::INFINITY;
-    f64 => f64::NEG_INFINITY, f64::INFINITY;
+    u64 => 0, u64::MAX;
 }
+
+macro_rules! bounded_float {
+    ($($t:ty),*) => {$(
+        impl Bounded for $t {
+            const LOWEST: Self = <$t>::NEG_INFINITY;
+            const HIGHEST: Self = <$t>::INFINITY;
+            const FLOAT: bool = true;
+            const ZERO: Self = 0.0;
+            #[inline(always)]
+            fn probe(acc: Self, x: Self) -> Self {
+                acc + x
+            }
+            #[inline(always)]
+            #[allow(clippy::eq_op)]
+            fn probed(lanes: &[Self]) -> bool {
+                let s: Self = lanes.iter().sum();
+                s != s
+            }
+        }
+    )*};
+}
+
+bounded_float!(f32, f64);
 
 /// The larger of two values; NaN once seen stays (`x != x` only holds for NaN, and nothing
 /// compares greater than NaN).
@@ -318,11 +590,72 @@ fn min_nan<T: PartialOrd>(m: T, x: T) -> T {
     if (x < m) | (x != x) { x } else { m }
 }
 
+/// The largest (`MAX`) or smallest element of `xs`, NaN if it holds one. The lanes keep the
+/// plain extreme (a compare and a select, one instruction per vector, which NaN never enters) and
+/// a [`Bounded::probe`] beside it; only when the probe fires is the block searched for a NaN.
+#[inline(always)]
+fn extreme_block<T: Bounded, const MAX: bool>(xs: &[T]) -> T {
+    // 32 lanes (16 of 8 bytes), so that the extremes and the probes stay in registers.
+    if std::mem::size_of::<T>() == 8 {
+        extreme_lanes::<T, MAX, { LANES / 2 }>(xs)
+    } else {
+        extreme_lanes::<T, MAX, LANES>(xs)
+    }
+}
+
+/// [`extreme_block`] in `W` lanes. Fixed-size arrays and index loops, no iterator adapters: the
+/// release build (one codegen unit, fat LTO) left a `Zip` constructor out of line in this loop.
+#[inline(always)]
+#[allow(clippy::eq_op, clippy::needless_range_loop)]
+fn extreme_lanes<T: Bounded, const MAX: bool, const W: usize>(xs: &[T]) -> T {
+    let pick = |m: T, x: T| {
+        if MAX {
+            if x > m { x } else { m }
+        } else if x < m {
+            x
+        } else {
+            m
+        }
+    };
+    let start = if MAX { T::LOWEST } else { T::HIGHEST };
+    let mut lanes = [start; W];
+    let mut probes = [T::ZERO; W];
+    let full = xs.len() / W * W;
+    let mut at = 0;
+    while at < full {
+        let c = &xs[at..at + W];
+        for i in 0..W {
+            lanes[i] = pick(lanes[i], c[i]);
+            probes[i] = T::probe(probes[i], c[i]);
+        }
+        at += W;
+    }
+    let mut m = start;
+    let mut nan = false;
+    for &x in &xs[full..] {
+        m = pick(m, x);
+        nan |= x != x;
+    }
+    if T::FLOAT && (nan || T::probed(&probes)) {
+        if let Some(&nan) = xs.iter().find(|&&x| x != x) {
+            return nan;
+        }
+    }
+    let mut width = W;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            lanes[i] = pick(lanes[i], lanes[i + width]);
+        }
+    }
+    pick(m, lanes[0])
+}
+
 struct Max<T>(PhantomData<fn() -> T>);
 struct Min<T>(PhantomData<fn() -> T>);
 
 macro_rules! extreme {
-    ($name:ident, $pick:ident, $identity:ident) => {
+    ($name:ident, $pick:ident, $identity:ident, $max:literal) => {
         impl<T: Bounded> Fold for $name<T> {
             const WIDTH: usize = 16;
             type In = T;
@@ -350,14 +683,43 @@ macro_rules! extreme {
             fn merge(a: T, b: T) -> T {
                 $pick(a, b)
             }
+            #[inline(always)]
+            fn block(total: T, xs: &[T]) -> T {
+                $pick(total, extreme_block::<T, $max>(xs))
+            }
         }
     };
 }
 
-extreme!(Max, max_nan, LOWEST);
-extreme!(Min, min_nan, HIGHEST);
+extreme!(Max, max_nan, LOWEST, true);
+extreme!(Min, min_nan, HIGHEST, false);
 
-/// Folds `xs` into `total`: blocks of [`BLOCK`] elements in [`LANES`] lanes each.
+/// Folds one block in [`Fold::WIDTH`] lanes: what [`Fold::block`] does unless a fold says
+/// otherwise.
+#[inline(always)]
+fn lanes_block<F: Fold>(total: F::Total, block: &[F::In]) -> F::Total {
+    let mut lanes = [F::identity(); LANES];
+    let lanes = &mut lanes[..F::WIDTH];
+    let mut chunks = block.chunks_exact(F::WIDTH);
+    for c in &mut chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l = F::step(*l, x);
+        }
+    }
+    for (l, &x) in lanes.iter_mut().zip(chunks.remainder()) {
+        *l = F::step(*l, x);
+    }
+    let mut width = F::WIDTH;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            lanes[i] = F::combine(lanes[i], lanes[i + width]);
+        }
+    }
+    F::absorb(total, lanes[0])
+}
+
+/// Folds `xs` into `total`: blocks of [`BLOCK`] elements ([`Fold::block`]).
 #[inline(always)]
 fn fold_slice<F: Fold>(mut total: F::Total, xs: &[F::In]) -> F::Total {
     if xs.len() < 2 * LANES {
@@ -368,25 +730,7 @@ fn fold_slice<F: Fold>(mut total: F::Total, xs: &[F::In]) -> F::Total {
         return F::absorb(total, acc);
     }
     for block in xs.chunks(BLOCK) {
-        let mut lanes = [F::identity(); LANES];
-        let lanes = &mut lanes[..F::WIDTH];
-        let mut chunks = block.chunks_exact(F::WIDTH);
-        for c in &mut chunks {
-            for (l, &x) in lanes.iter_mut().zip(c) {
-                *l = F::step(*l, x);
-            }
-        }
-        for (l, &x) in lanes.iter_mut().zip(chunks.remainder()) {
-            *l = F::step(*l, x);
-        }
-        let mut width = F::WIDTH;
-        while width > 1 {
-            width /= 2;
-            for i in 0..width {
-                lanes[i] = F::combine(lanes[i], lanes[i + width]);
-            }
-        }
-        total = F::absorb(total, lanes[0]);
+        total = F::block(total, block);
     }
     total
 }
@@ -447,9 +791,9 @@ fn step_row<F: Fold>(acc: &mut [F::Acc], xs: &[F::In]) {
 
 /// Runs a reduction request.
 pub(super) fn run(req: &ReduceRequest<'_>) -> Result<()> {
-    use ReduceOp::{ArgMax, ArgMin, Max as OpMax, Mean, Min as OpMin, Prod, Sum};
+    use ReduceOp::{ArgMax, ArgMin, Max as OpMax, Mean, Min as OpMin, Prod, Std, Sum, Var};
     let dtype = req.input.dtype();
-    let count = req.plan.count as f64;
+    let divisor = req.divisor();
     macro_rules! float_case {
         ($s:ty, $sum:ty) => {
             match req.op {
@@ -457,7 +801,13 @@ pub(super) fn run(req: &ReduceRequest<'_>) -> Result<()> {
                     execute::<$s, $sum, $s>(req, |t: Sum64| <$s as Storage>::from_f64(t.value()))
                 }
                 Mean => execute::<$s, $sum, $s>(req, |t: Sum64| {
-                    <$s as Storage>::from_f64(t.value() / count)
+                    <$s as Storage>::from_f64(t.value() / divisor)
+                }),
+                Var => execute::<$s, Moments<<$s as Storage>::Wide>, $s>(req, |t: Moment<f64>| {
+                    <$s as Storage>::from_f64(t.m2 / divisor)
+                }),
+                Std => execute::<$s, Moments<<$s as Storage>::Wide>, $s>(req, |t: Moment<f64>| {
+                    <$s as Storage>::from_f64((t.m2 / divisor).sqrt())
                 }),
                 OpMax => {
                     execute::<$s, Max<<$s as Storage>::Wide>, $s>(req, <$s as Storage>::narrow)
@@ -478,7 +828,11 @@ pub(super) fn run(req: &ReduceRequest<'_>) -> Result<()> {
         ($s:ty, $sum:ty) => {
             match req.op {
                 Sum => execute::<$s, SumInt<$s>, $sum>(req, |t: u64| t as $sum),
-                Mean => execute::<$s, SumF64<$s>, f64>(req, |t: Sum64| t.value() / count),
+                Mean => execute::<$s, SumF64<$s>, f64>(req, |t: Sum64| t.value() / divisor),
+                Var => execute::<$s, Moments<$s>, f64>(req, |t: Moment<f64>| t.m2 / divisor),
+                Std => {
+                    execute::<$s, Moments<$s>, f64>(req, |t: Moment<f64>| (t.m2 / divisor).sqrt())
+                }
                 OpMax => execute::<$s, Max<$s>, $s>(req, |t: $s| t),
                 OpMin => execute::<$s, Min<$s>, $s>(req, |t: $s| t),
                 Prod => execute::<$s, ProdInt<$s>, $sum>(req, |t: u64| t as $sum),
@@ -763,36 +1117,61 @@ fn beyond<W: PartialOrd>(x: W, than: W, max: bool) -> bool {
     if max { x > than } else { x < than }
 }
 
-/// Folds the block `xs`, whose first element has reduced index `start`, into `best`.
+/// Elements an arg reduction searches at a time: few enough to stay in the L1 cache between the
+/// extreme and the search for it.
+const ARG_CHUNK: usize = 2 * BLOCK;
+
+/// Folds `xs`, whose first element has reduced index `start`, into `best`, a chunk at a time: the
+/// chunk's extreme (NaN if it has one) by the vectorised fold, then, only where it beats `best`,
+/// the first element equal to it (or the first NaN, which ends the search).
 #[inline(always)]
 #[allow(clippy::eq_op)]
+fn arg_slice<W: Bounded>(best: &mut ArgBest<W>, xs: &[W], start: usize, max: bool) {
+    for (c, chunk) in xs.chunks(ARG_CHUNK).enumerate() {
+        if best.nan {
+            return;
+        }
+        let at = start + c * ARG_CHUNK;
+        let m = if max {
+            fold_slice::<Max<W>>(W::LOWEST, chunk)
+        } else {
+            fold_slice::<Min<W>>(W::HIGHEST, chunk)
+        };
+        if m != m {
+            *best = ArgBest {
+                value: m,
+                index: at + first_index(chunk, |x| x != x),
+                found: true,
+                nan: true,
+            };
+        } else if !best.found || beyond(m, best.value, max) {
+            *best = ArgBest {
+                value: m,
+                index: at + first_index(chunk, |x| x == m),
+                found: true,
+                nan: false,
+            };
+        }
+    }
+}
+
+/// [`arg_slice`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn arg_slice_avx2<W: Bounded>(best: &mut ArgBest<W>, xs: &[W], start: usize, max: bool) {
+    arg_slice(best, xs, start, max)
+}
+
 fn arg_block<W: Bounded>(best: &mut ArgBest<W>, xs: &[W], start: usize, max: bool) {
-    if best.nan || xs.is_empty() {
-        return;
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { arg_slice_avx2(best, xs, start, max) };
     }
-    // The block's extreme (NaN if it has one), vectorised; then the first element equal to it.
-    let m = if max {
-        feed::<Max<W>>(W::LOWEST, xs)
-    } else {
-        feed::<Min<W>>(W::HIGHEST, xs)
-    };
-    if m != m {
-        let i = first_index(xs, |x| x != x);
-        *best = ArgBest {
-            value: m,
-            index: start + i,
-            found: true,
-            nan: true,
-        };
-    } else if !best.found || beyond(m, best.value, max) {
-        let i = first_index(xs, |x| x == m);
-        *best = ArgBest {
-            value: m,
-            index: start + i,
-            found: true,
-            nan: false,
-        };
-    }
+    arg_slice(best, xs, start, max)
 }
 
 /// The index of the first element of `xs` for which `hit` holds (0 if none): groups of 64 tested

@@ -558,7 +558,7 @@ pub(crate) struct ReduceLaunch {
 /// The accumulator type of `op` with accumulator dtype `acc` (as the front chose it).
 pub(crate) fn work_type(op: ReduceOp, acc: DType) -> Result<Work> {
     let elem = Elem::of(acc, op.name())?;
-    if op.is_arg() {
+    if op.has_fallback() {
         return Err(Error::UnsupportedOperand(format!(
             "{} has no Metal kernel (the front composes it of other reductions)",
             op.name()
@@ -1062,6 +1062,7 @@ mod tests {
             acc,
             out,
             plan: ReducePlan::new(input.shape(), input.strides(), axes).unwrap(),
+            ddof: 0.0,
         }
     }
 

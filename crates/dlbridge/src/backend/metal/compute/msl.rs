@@ -511,8 +511,9 @@ impl Work {
             (ReduceOp::Prod, Work::Int | Work::Long) => "1",
             (ReduceOp::Prod, Work::UInt) => "1u",
             (ReduceOp::Prod, Work::ULong) => "1ul",
-            // Never compiled: `work_type` refuses the arg reductions (the front composes them).
-            (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "0",
+            // Never compiled: `work_type` refuses the arg reductions, `var` and `std` (the front
+            // composes them).
+            (ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::Var | ReduceOp::Std, _) => "0",
         }
     }
 
@@ -533,8 +534,8 @@ impl Work {
             (ReduceOp::Prod, Work::Long) => "as_type<long>(as_type<ulong>(a) * as_type<ulong>(b))",
             (ReduceOp::Prod, Work::Int) => "as_type<int>(as_type<uint>(a) * as_type<uint>(b))",
             (ReduceOp::Prod, _) => "a * b",
-            // Never compiled: `work_type` refuses the arg reductions.
-            (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => "a",
+            // Never compiled: `work_type` refuses the arg reductions, `var` and `std`.
+            (ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::Var | ReduceOp::Std, _) => "a",
         }
     }
 

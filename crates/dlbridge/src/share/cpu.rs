@@ -586,7 +586,7 @@ pub(crate) fn move_in_place(buffer: &Buffer) -> Result<bool> {
         // handle keeps them), readable for the copy; nothing writes them meanwhile (see above).
         let bytes =
             unsafe { std::slice::from_raw_parts(start.as_ptr().cast::<u8>(), buffer.len()) };
-        write_file(&fd, bytes)?;
+        write_all_at(&fd, bytes)?;
         // From the first block moved on, the pool asks each released block whether it was moved.
         pool.set_release_check(release_moved);
         // SAFETY: `[start, start + len)` is the whole of a CPU pool block (page-aligned, whole
@@ -612,34 +612,13 @@ pub(crate) fn move_in_place(buffer: &Buffer) -> Result<bool> {
     }
 }
 
-/// Writes all of `bytes` to the start of `fd`'s file: in pieces on the CPU workers when there are
-/// many, since the kernel allocates and fills the file's pages at a few GB/s per thread (a 1 GiB
-/// move took 0.41 s on one thread of a 2-vCPU VM).
+/// Writes all of `bytes` to the start of `fd`'s file (`pwrite`, again where it wrote less).
 #[cfg(target_os = "linux")]
-fn write_file(fd: &OwnedFd, bytes: &[u8]) -> Result<()> {
-    use rayon::prelude::*;
-    const PIECE: usize = 16 << 20;
-    if bytes.len() <= 2 * PIECE || crate::backend::cpu::workers::threads() < 2 {
-        return write_all_at(fd, bytes, 0);
-    }
-    crate::backend::cpu::workers::install(|| {
-        bytes
-            .par_chunks(PIECE)
-            .enumerate()
-            .try_for_each(|(i, piece)| write_all_at(fd, piece, i * PIECE))
-    })
-}
-
-/// Writes all of `bytes` to `fd`'s file from offset `at` (`pwrite`, again where it wrote less).
-#[cfg(target_os = "linux")]
-fn write_all_at(fd: &OwnedFd, bytes: &[u8], at: usize) -> Result<()> {
+fn write_all_at(fd: &OwnedFd, bytes: &[u8]) -> Result<()> {
     let mut done = 0usize;
     while done < bytes.len() {
         let rest = &bytes[done..];
-        let at = at
-            .checked_add(done)
-            .and_then(|at| libc::off_t::try_from(at).ok())
-            .ok_or_else(|| crate::error::overflow("file offset"))?;
+        let at = libc::off_t::try_from(done).map_err(|_| crate::error::overflow("file offset"))?;
         // SAFETY: `rest` is readable for its length; `fd` is an open, writable file.
         let n = unsafe { libc::pwrite(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at) };
         if n > 0 {
@@ -655,46 +634,20 @@ fn write_all_at(fd: &OwnedFd, bytes: &[u8], at: usize) -> Result<()> {
     Ok(())
 }
 
-/// Maps `len` bytes of `fd` shared and read-write over `[start, start + len)`, and faults its
-/// pages in at once (the file's pages exist already), in pieces on the CPU workers where there
-/// are many (`MADV_POPULATE_WRITE`; a hint: where the kernel refuses it, the pages fault as
-/// touched).
+/// Maps `len` bytes of `fd` shared and read-write over `[start, start + len)`, the pages faulted
+/// in at once (`MAP_POPULATE`: the file's pages exist already).
 ///
 /// # Safety
 /// `[start, start + len)` is whole pages of memory this process owns, whose old contents the
 /// caller no longer needs (they are gone afterwards).
 #[cfg(target_os = "linux")]
 unsafe fn map_over(fd: &OwnedFd, start: NonNull<c_void>, len: usize) -> Result<()> {
-    use rayon::prelude::*;
-    const PIECE: usize = 16 << 20;
-    let flags = libc::MAP_SHARED | libc::MAP_FIXED;
+    let flags = libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE;
     let prot = libc::PROT_READ | libc::PROT_WRITE;
     // SAFETY: `fd` is an open file of `len` bytes; the fixed range is the caller's to replace.
     let ptr = unsafe { libc::mmap(start.as_ptr(), len, prot, flags, fd.as_raw_fd(), 0) };
     if ptr == libc::MAP_FAILED {
         return Err(os_error("mmap of a shared file over an array's memory"));
-    }
-    let base = start.as_ptr().expose_provenance();
-    let populate = |offset: usize| {
-        let piece = PIECE.min(len - offset);
-        // SAFETY: the piece lies in the mapping just made (`PIECE` is a multiple of any page
-        // size); the advice only faults pages in, it never changes their contents.
-        let _ = unsafe {
-            libc::madvise(
-                std::ptr::with_exposed_provenance_mut(base + offset),
-                piece,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-    };
-    if len <= 2 * PIECE || crate::backend::cpu::workers::threads() < 2 {
-        (0..len).step_by(PIECE).for_each(populate);
-    } else {
-        crate::backend::cpu::workers::install(|| {
-            (0..len.div_ceil(PIECE))
-                .into_par_iter()
-                .for_each(|i| populate(i * PIECE))
-        });
     }
     Ok(())
 }

@@ -556,6 +556,13 @@ fn reductions_match_the_cpu() {
                             ReduceOp::Max => vals.iter().cloned().fold(f64::MIN, f64::max) as f32,
                             ReduceOp::Min => vals.iter().cloned().fold(f64::MAX, f64::min) as f32,
                             ReduceOp::Prod => vals.iter().product::<f64>() as f32,
+                            ReduceOp::Var | ReduceOp::Std => {
+                                let n = vals.len() as f64;
+                                let mean = vals.iter().sum::<f64>() / n;
+                                let var =
+                                    vals.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+                                (if op == ReduceOp::Var { var } else { var.sqrt() }) as f32
+                            }
                             ReduceOp::ArgMax | ReduceOp::ArgMin => unreachable!("checked above"),
                         });
                     }

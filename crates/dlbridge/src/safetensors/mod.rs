@@ -1,6 +1,7 @@
-//! The [safetensors] checkpoint format: parse and validate headers, map files copy-on-write and
-//! hand out zero-copy, read-only views, open sharded checkpoints, and save tensors from any
-//! device. Every file a caller names is opened only if it is a regular file (a FIFO, socket or
+//! The [safetensors] checkpoint format: parse and validate headers, open files and sharded
+//! checkpoints, plan their loads for the loading engine ([`crate::engine`], which maps files
+//! copy-on-write, hands out zero-copy, read-only views and reads onto any device), and save
+//! tensors from any device. Every file a caller names is opened only if it is a regular file (a FIFO, socket or
 //! device is refused before it could block).
 //!
 //! | step | item | what it does |
@@ -38,19 +39,16 @@ mod dtype;
 mod file;
 mod header;
 mod index;
-mod load;
-mod part;
+mod plan;
 mod save;
 
 pub use dtype::{dtype_from_name, dtype_name, dtype_names};
-#[cfg_attr(not(cuda), allow(unused_imports))] // the CUDA reader's shared mappings
-pub(crate) use file::Mapping;
 pub use file::{Checkpoint, SafeTensors, TensorLocation, deserialize};
 pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
 pub use index::Index;
-pub use load::{
-    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, LoadOptions, default_direct_threads,
-    default_threads,
+// The loading engine's options and plans, where users of this module have always found them.
+pub use crate::engine::{
+    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, DEFAULT_MAX_GAP, LoadOptions, PartPlan,
+    default_direct_threads, default_threads,
 };
-pub use part::{DEFAULT_MAX_GAP, PartPlan};
 pub use save::{save_file, serialize, write};

@@ -19,6 +19,7 @@
 //! | backends | [`backend`] | the seam: one implementation per backend (CPU, CUDA, Metal), stubs where one is not compiled in |
 //! | loading engine | [`engine`] | files mapped copy-on-write, arrays (byte ranges + dtype + layout) onto any device: views of the mapping, or parallel reads through staging; no format |
 //! | checkpoints | [`safetensors`] | safetensors files parsed once, planned for the engine, saving |
+//! | NumPy files | [`npy`] | `.npy` arrays and `np.savez` archives, parsed once, through the same engine |
 //! | across processes | [`share`] | shareable host and CUDA memory, handles another process opens without a copy |
 //!
 //! ```
@@ -57,6 +58,7 @@ pub mod engine;
 pub mod error;
 mod fork;
 pub mod layout;
+pub mod npy;
 pub mod pool;
 pub mod safetensors;
 pub mod share;

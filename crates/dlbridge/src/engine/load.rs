@@ -389,7 +389,7 @@ fn is_real_floating(dtype: DType) -> bool {
 }
 
 /// `tensor` converted to `dtype` (on its device) where it is floating-point and of another type.
-fn cast_floating(tensor: &mut Tensor, dtype: Option<DType>) -> Result<()> {
+pub(crate) fn cast_floating(tensor: &mut Tensor, dtype: Option<DType>) -> Result<()> {
     if let Some(dtype) = dtype
         && tensor.dtype() != dtype
         && is_real_floating(tensor.dtype())

@@ -1076,6 +1076,111 @@ mod tests {
         std::fs::remove_file(&misaligned).unwrap();
     }
 
+    /// The engine on a plan no format made (raw bytes, `MappedFile::open` with a parser that
+    /// reads nothing): a row-major array, a column-major one and a misaligned one, through the
+    /// read path of device loads (run into host memory, per file and per array) and the CPU path,
+    /// all equal to the bytes read by hand.
+    #[test]
+    fn a_plan_of_raw_byte_ranges_loads_with_its_layouts() {
+        let bytes: Vec<u8> = (0..64u8).collect();
+        let path =
+            std::env::temp_dir().join(format!("dlbridge-engine-{}-raw.bin", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        let (mapped, ()) = MappedFile::open(&path, |_| Ok(())).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let element = |at: usize| i16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        let items = vec![
+            Item {
+                name: "c".into(),
+                byte_range: 0..12,
+                dtype: DType::I16,
+                layout: Layout::contiguous(&[2, 3]).unwrap(),
+            },
+            Item {
+                name: "f".into(),
+                byte_range: 12..24,
+                dtype: DType::I16,
+                layout: Layout::new(&[2, 3], &[1, 2], 0).unwrap(),
+            },
+            Item {
+                name: "odd".into(),
+                byte_range: 25..31,
+                dtype: DType::I16,
+                layout: Layout::contiguous(&[3]).unwrap(),
+            },
+        ];
+        let want: BTreeMap<&str, Vec<i16>> = [
+            ("c", (0..6).map(|k| element(2 * k)).collect()),
+            // Element [i, j] of the column-major array is the (i + 2 j)-th.
+            (
+                "f",
+                [0, 2, 4, 1, 3, 5]
+                    .iter()
+                    .map(|k| element(12 + 2 * k))
+                    .collect(),
+            ),
+            ("odd", (0..3).map(|k| element(25 + 2 * k)).collect()),
+        ]
+        .into_iter()
+        .collect();
+        let check = |out: &BTreeMap<String, Tensor>, how: &str| {
+            assert_eq!(out.len(), 3, "{how}");
+            for (name, values) in &want {
+                assert_eq!(&out[*name].to_vec::<i16>().unwrap(), values, "{how} {name}");
+            }
+            assert_eq!(out["f"].strides(), [1, 2], "{how}");
+        };
+        let cpu = load(
+            &[(&mapped, items.clone())],
+            &LoadOptions::new(Device::CPU),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        check(&cpu, "cpu");
+        assert!(cpu["c"].buffer().same_allocation(mapped.buffer()), "a view");
+        assert!(
+            !cpu["odd"].buffer().same_allocation(mapped.buffer()),
+            "a copy"
+        );
+        for allocation in [Allocation::PerFile, Allocation::PerTensor] {
+            let options = LoadOptions {
+                allocation: Some(allocation),
+                chunk_bytes: Some(4),
+                threads: Some(2),
+                ..LoadOptions::new(Device::CPU)
+            };
+            let load = FileLoad::new(
+                &mapped,
+                items.iter().collect(),
+                Device::CPU,
+                &options,
+                allocation,
+            )
+            .unwrap();
+            let done = AtomicU64::new(0);
+            read_files(
+                std::slice::from_ref(&load),
+                Device::CPU,
+                &options,
+                &done,
+                0,
+                &mut |_, _| {},
+            )
+            .unwrap();
+            assert_eq!(done.load(Ordering::Relaxed), 30, "{allocation:?}");
+            let mut out = BTreeMap::new();
+            load.views(None, &mut out).unwrap();
+            check(&out, &format!("{allocation:?}"));
+        }
+        // A plan past the file's end is an error, not a read of other memory.
+        let past = Item {
+            byte_range: 60..68,
+            ..items[0].clone()
+        };
+        let e = host_tensor(&mapped, past.byte_range, past.dtype, &past.layout, false);
+        assert!(matches!(e, Err(Error::OutOfBounds(_))), "{e:?}");
+    }
+
     #[test]
     fn allocation_names() {
         for (name, want) in [

@@ -105,7 +105,8 @@ pub fn load_npz(path: impl AsRef<Path>, options: &LoadOptions) -> Result<BTreeMa
 fn members(bytes: &[u8], path: &Path) -> Result<Vec<Array>> {
     let mut arrays: Vec<Array> = Vec::new();
     for member in read_directory(bytes, path)? {
-        let label = path.join(&member.name);
+        // Names the member in errors (a leading `/` would make the join replace the path).
+        let label = path.join(member.name.trim_start_matches('/'));
         match member.compression {
             Compression::Stored => {}
             Compression::Deflated => {
@@ -374,5 +375,85 @@ mod tests {
         for p in [path, compressed, twice] {
             std::fs::remove_file(p).unwrap();
         }
+    }
+
+    /// A member past 4 GiB, as `np.savez` writes one (ZIP64 lengths in the central entry and a
+    /// ZIP64 end record): its directory is read and its array is a view of the mapped file, in a
+    /// sparse file (no byte of the data is written or read).
+    #[test]
+    fn zip64_members_past_four_gib() {
+        use std::io::{Seek, SeekFrom, Write};
+        const LEN: u64 = (5 << 30) + 3;
+        let npy_header = npy(
+            &format!("{{'descr': '|u1', 'fortran_order': False, 'shape': ({LEN},), }}"),
+            &[],
+        );
+        let member = npy_header.len() as u64 + LEN;
+        let name = b"big.npy";
+        let mut local = b"PK\x03\x04".to_vec();
+        local.extend_from_slice(&[45, 0, 0, 0, 0, 0]);
+        local.extend_from_slice(&[0; 8]);
+        local.extend_from_slice(&u32::MAX.to_le_bytes());
+        local.extend_from_slice(&u32::MAX.to_le_bytes());
+        local.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        local.extend_from_slice(&20u16.to_le_bytes());
+        local.extend_from_slice(name);
+        local.extend_from_slice(&[1, 0, 16, 0]);
+        local.extend_from_slice(&member.to_le_bytes());
+        local.extend_from_slice(&member.to_le_bytes());
+        let cd_start = local.len() as u64 + member;
+        let mut central = b"PK\x01\x02".to_vec();
+        central.extend_from_slice(&[45, 3, 45, 0, 0, 0, 0, 0]);
+        central.extend_from_slice(&[0; 8]);
+        central.extend_from_slice(&u32::MAX.to_le_bytes());
+        central.extend_from_slice(&u32::MAX.to_le_bytes());
+        central.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        central.extend_from_slice(&20u16.to_le_bytes());
+        central.extend_from_slice(&[0; 10]);
+        central.extend_from_slice(&0u32.to_le_bytes());
+        central.extend_from_slice(name);
+        central.extend_from_slice(&[1, 0, 16, 0]);
+        central.extend_from_slice(&member.to_le_bytes());
+        central.extend_from_slice(&member.to_le_bytes());
+        let record = cd_start + central.len() as u64;
+        let mut tail = b"PK\x06\x06".to_vec();
+        tail.extend_from_slice(&44u64.to_le_bytes());
+        tail.extend_from_slice(&[45, 3, 45, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        tail.extend_from_slice(&1u64.to_le_bytes());
+        tail.extend_from_slice(&1u64.to_le_bytes());
+        tail.extend_from_slice(&(central.len() as u64).to_le_bytes());
+        tail.extend_from_slice(&cd_start.to_le_bytes());
+        tail.extend_from_slice(b"PK\x06\x07");
+        tail.extend_from_slice(&0u32.to_le_bytes());
+        tail.extend_from_slice(&record.to_le_bytes());
+        tail.extend_from_slice(&1u32.to_le_bytes());
+        tail.extend_from_slice(b"PK\x05\x06");
+        tail.extend_from_slice(&[0; 4]);
+        tail.extend_from_slice(&1u16.to_le_bytes());
+        tail.extend_from_slice(&1u16.to_le_bytes());
+        tail.extend_from_slice(&(central.len() as u32).to_le_bytes());
+        tail.extend_from_slice(&u32::MAX.to_le_bytes());
+        tail.extend_from_slice(&0u16.to_le_bytes());
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("dlbridge-npy-{}-big.npz", std::process::id()));
+        let mut file = std::fs::File::create(&path).unwrap();
+        file.write_all(&local).unwrap();
+        file.write_all(&npy_header).unwrap();
+        file.seek(SeekFrom::Start(cd_start)).unwrap();
+        file.write_all(&central).unwrap();
+        file.write_all(&tail).unwrap();
+        drop(file);
+        let loaded = load_npz(&path, &cpu(false));
+        std::fs::remove_file(&path).unwrap();
+        let big = &loaded.unwrap()["big"];
+        assert_eq!(big.shape(), [LEN as usize]);
+        assert!(big.is_read_only());
+        let data_start = (local.len() + npy_header.len()) as usize;
+        assert_eq!(
+            big.byte_offset(),
+            data_start,
+            "a view of the mapping, no copy"
+        );
     }
 }

@@ -29,11 +29,12 @@ What ``numpy.load`` users can expect:
   directory, a FIFO or a device an ``OSError`` (only regular files are opened, so nothing blocks).
 
 On the CPU each array is a read-only view of the file, mapped copy-on-write, wherever its data is
-aligned for its element type (``np.save`` aligns it to 64 bytes; ``.npz`` members usually are
-not, and are copied): NumPy sees the view read-only, and a consumer that writes anyway (PyTorch
-does) writes a private copy of the page, never the file. ``copy=True`` gives writable memory of
-its own. On CUDA the data is read with the parallel reader and pinned staging of ``load_file``;
-on Metal, views of the file's pages in shared storage, GPU copies in private storage.
+aligned for its element type (``np.save`` aligns it to 64 bytes; ``np.savez`` does not align its
+members, which are views where their data happens to be aligned and read-only copies elsewhere):
+NumPy sees the view read-only, and a consumer that writes anyway (PyTorch does) writes a private
+copy of the page, never the file. ``copy=True`` gives writable memory of its own. On CUDA the
+data is read with the parallel reader and pinned staging of ``load_file``; on Metal, views of the
+file's pages in shared storage, GPU copies in private storage.
 """
 
 from __future__ import annotations

@@ -946,7 +946,7 @@ fn open_direct(mapped: &MappedFile) -> Option<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::safetensors::{Checkpoint, SafeTensors};
+    use crate::safetensors::SafeTensors;
 
     /// A safetensors file written byte by byte: `u8` "a" [1, 2, 3], then `f32` "b" [1.5, -2.0]
     /// three bytes in (misaligned for its elements wherever the data starts 8-aligned), then an
@@ -1328,7 +1328,7 @@ mod tests {
     #[test]
     fn metal_loads_without_the_backend_answer_unavailable() {
         let path = misaligned_file("unavailable");
-        let checkpoint = Checkpoint::open(&path).unwrap();
+        let checkpoint = crate::safetensors::Checkpoint::open(&path).unwrap();
         let shard = &checkpoint.shards()[0];
         let items = [0..3, 3..11];
         assert!(backend::wrap_host(Device::metal(0), shard.buffer(), &items).is_none());

@@ -63,12 +63,13 @@ def _check(got: dlbridge.Array, want: np.ndarray, device: str) -> None:
     np.testing.assert_array_equal(host, want)
 
 
-def _child(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _child(code: str, *args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter; a child still running after `timeout` fails the test
     (it hung) instead of hanging pytest."""
     try:
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout,
+                              env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the child process hung for {timeout} s: {e.stdout!r} {e.stderr!r}")
 
@@ -223,15 +224,20 @@ _WRITE_CHILD = """
 """
 
 
+@pytest.mark.parametrize("refused", [False, True])
 @pytest.mark.parametrize("how", ["npy", "npz"])
-def test_a_torch_write_into_a_cpu_load_does_not_crash_and_stays_private(tmp_path, how):
+def test_a_torch_write_into_a_cpu_load_does_not_crash_and_stays_private(tmp_path, how, refused):
     """PyTorch ignores DLPack's read-only flag and writes: the write lands in this process's own
-    copy of the page (seen by the same array), never in the file or another load."""
+    copy of the page (seen by the same array), never in the file or another load. Where the
+    system refuses a copy-on-write mapping (strict overcommit; forced by the loader's test-only
+    switch, which takes its real fallback), the file is mapped read-only and the array is a copy
+    that the write cannot fault on."""
     path = tmp_path / f"w.{how}"
     w = np.arange(6, dtype=np.float32)
     np.save(path, w) if how == "npy" else np.savez(path, w=w)
     before = path.read_bytes()
-    child = _child(_WRITE_CHILD, str(path), how)
+    env = {"_DLBRIDGE_TEST_REFUSE_COPY_ON_WRITE": "1"} if refused else None
+    child = _child(_WRITE_CHILD, str(path), how, env=env)
     assert child.returncode == 0, f"rc={child.returncode}\n{child.stderr[-3000:]}"
     report = json.loads(child.stdout.splitlines()[-1])
     written = [42.0, 2.0, 3.0, 4.0, 5.0, 6.0]
@@ -239,7 +245,10 @@ def test_a_torch_write_into_a_cpu_load_does_not_crash_and_stays_private(tmp_path
     assert report["another_load"] == w.tolist()
     assert path.read_bytes() == before
     if how == "npy":
-        assert report["view"]  # np.save aligns the data: a view of the file
+        # np.save aligns the data: a view of the file, unless the mapping is read-only.
+        assert report["view"] == (not refused)
+    elif refused:
+        assert not report["view"]
 
 
 def test_copy_gives_writable_memory_of_its_own(tmp_path):
@@ -450,3 +459,12 @@ def test_the_module_s_examples_run_as_written():
     import doctest
     result = doctest.testmod(dlbridge.npy)
     assert result.attempted >= 4 and result.failed == 0, result
+
+
+def test_the_other_loader_is_named_when_a_file_is_of_the_other_kind(tmp_path):
+    np.save(tmp_path / "a.npy", np.arange(3))
+    np.savez(tmp_path / "a.npz", a=np.arange(3))
+    with pytest.raises(ValueError, match="load_npz"):
+        dlbridge.load_npy(tmp_path / "a.npz")
+    with pytest.raises(ValueError, match="load_npy"):
+        dlbridge.load_npz(tmp_path / "a.npy")

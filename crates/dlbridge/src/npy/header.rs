@@ -65,8 +65,13 @@ impl NpyHeader {
         }
         if !bytes.starts_with(MAGIC) {
             let shown = &bytes[..bytes.len().min(8)];
+            let hint = if bytes.starts_with(b"PK\x03\x04") {
+                " (a ZIP archive: an .npz file is read with load_npz)"
+            } else {
+                ""
+            };
             return Err(invalid(format!(
-                "not a .npy file: it begins b\"{}\", not the magic b\"\\x93NUMPY\"",
+                "not a .npy file: it begins b\"{}\", not the magic b\"\\x93NUMPY\"{hint}",
                 shown.escape_ascii()
             )));
         }
@@ -672,7 +677,7 @@ mod tests {
     fn malformed_headers_are_errors() {
         let cases: [(Vec<u8>, &str); 18] = [
             (b"".to_vec(), "shorter"),
-            (b"PK\x03\x04".to_vec(), "not a .npy file"),
+            (b"PK\x03\x04".to_vec(), "read with load_npz"),
             (b"\x93NUMPY".to_vec(), "shorter"),
             (b"\x93NUMPY\x04\x00\x00\x00".to_vec(), "version 4.0"),
             (b"\x93NUMPY\x01\x00\x10".to_vec(), "shorter"),

@@ -65,8 +65,14 @@ pub fn read_directory(bytes: &[u8], path: &Path) -> Result<Vec<ZipMember>> {
         reason,
     };
     let eocd = find_eocd(bytes).ok_or_else(|| {
+        let hint = if bytes.starts_with(b"\x93NUMPY") {
+            " (a .npy file: read it with load_npy)"
+        } else {
+            ""
+        };
         invalid(format!(
-            "not a ZIP archive (.npz): no end-of-central-directory record in its last {} bytes",
+            "not a ZIP archive (.npz): no end-of-central-directory record in its last {} \
+             bytes{hint}",
             bytes.len().min(EOCD_LEN + u16::MAX as usize)
         ))
     })?;
@@ -417,7 +423,7 @@ pub(crate) mod tests {
         let cd = good.len() - EOCD_LEN - 2 * (CENTRAL_LEN + 5);
         let mut cases: Vec<(Vec<u8>, &str)> = vec![
             (Vec::new(), "not a ZIP"),
-            (b"\x93NUMPY".to_vec(), "not a ZIP"),
+            (b"\x93NUMPY".to_vec(), "read it with load_npy"),
             (good[..good.len() - 1].to_vec(), "not a ZIP"),
             (good[20..].to_vec(), "runs past"),
             (

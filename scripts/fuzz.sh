@@ -4,7 +4,7 @@
 # Usage: scripts/fuzz.sh [SECONDS] [TARGET...]
 #   SECONDS  time per target (default 30)
 #   TARGET   dlpack_import, layout, exchange_chain, safetensors_header, safetensors_index,
-#            shared_handle (default: all six)
+#            npy_header, shared_handle (default: all seven)
 #
 # Exits non-zero when a target crashes (a panic included), hangs past -timeout, runs out of
 # memory, or leaks (with ASan); the input that did it is kept in fuzz/artifacts/<target>/.
@@ -26,7 +26,7 @@ set -euo pipefail
 SECONDS_PER_TARGET=${1:-30}
 shift || true
 TARGETS=("$@")
-((${#TARGETS[@]})) || TARGETS=(dlpack_import layout exchange_chain safetensors_header safetensors_index shared_handle)
+((${#TARGETS[@]})) || TARGETS=(dlpack_import layout exchange_chain safetensors_header safetensors_index npy_header shared_handle)
 
 ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 FUZZ=$ROOT/fuzz

@@ -60,6 +60,8 @@ from .backend import (
 from .unified import UnifiedBuffer
 from . import safetensors
 from .safetensors import load_file, safe_open, save_file
+from . import npy
+from .npy import load_npy, load_npz
 
 __all__ += [
     "Array",
@@ -101,4 +103,7 @@ __all__ += [
     "safe_open",
     "save_file",
     "safetensors",
+    "load_npy",
+    "load_npz",
+    "npy",
 ]

@@ -126,6 +126,12 @@ def checkpoints() -> None:
         assert_type(f.metadata(), dict[str, str] | None)
         rows = f.get_slice("w")[1:3]
         assert rows.shape == (2, 2)
+    np.save(os.path.join(os.path.dirname(path), "w.npy"), np.ones(3, np.int32))
+    one = dlbridge.load_npy(os.path.join(os.path.dirname(path), "w.npy"), "cpu", copy=True)
+    assert_type(one, Array)
+    np.savez(os.path.join(os.path.dirname(path), "w.npz"), a=np.ones(2))
+    several = dlbridge.npy.load_npz(os.path.join(os.path.dirname(path), "w.npz"))
+    assert_type(several, dict[str, Array])
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 //! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
 //! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`dlpack`]: Python objects into the core's exchange requests (capsules are renamed in [`dlpack::capsule`]) |
 //! | `dlbridge.load_file`, `safe_open`, `save_file` | [`safetensors`] over [`dlbridge::safetensors`] |
+//! | `dlbridge.load_npy`, `load_npz` | [`npy`] over [`dlbridge::npy`] |
 //! | exceptions | [`errors`] (the one mapping) |
 //! | `dlbridge.Backend` | [`backend::PyBackend`] over [`dlbridge::compute::Backend`] |
 //! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
@@ -36,6 +37,7 @@ mod metal;
 mod ml_dtypes;
 mod nccl;
 mod npcompat;
+mod npy;
 mod ops;
 mod safetensors;
 mod share;
@@ -108,6 +110,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     nccl::register(m)?;
     kernel::register(m)?;
     safetensors::register(m)?;
+    npy::register(m)?;
     m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dtype::set_all(m)?;

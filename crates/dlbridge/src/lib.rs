@@ -17,7 +17,9 @@
 //! | compute | [`compute`] | element-wise ops with broadcasting, reductions, matmul and casts on any backend; run-time user kernels ([`compute::kernel`]) |
 //! | caching pool | [`Pool`], [`memory_stats`] | freed blocks kept per (device, storage mode) and reused without a driver call; limits and statistics ([`pool`]) |
 //! | backends | [`backend`] | the seam: one implementation per backend (CPU, CUDA, Metal), stubs where one is not compiled in |
-//! | checkpoints | [`safetensors`] | safetensors files parsed once, CPU views of the mapped files, loads onto any device, saving |
+//! | loading engine | [`engine`] | files mapped copy-on-write, arrays (byte ranges + dtype + layout) onto any device: views of the mapping, or parallel reads through staging; no format |
+//! | checkpoints | [`safetensors`] | safetensors files parsed once, planned for the engine, saving |
+//! | NumPy files | [`npy`] | `.npy` arrays and `np.savez` archives, parsed once, through the same engine |
 //! | across processes | [`share`] | shareable host and CUDA memory, handles another process opens without a copy |
 //!
 //! ```
@@ -52,9 +54,11 @@ pub mod compute;
 pub mod device;
 pub mod dlpack;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 mod fork;
 pub mod layout;
+pub mod npy;
 pub mod pool;
 pub mod safetensors;
 pub mod share;

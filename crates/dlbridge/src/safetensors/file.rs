@@ -5,19 +5,19 @@ use std::collections::BTreeMap;
 use std::io::Read;
 use std::ops::Range;
 use std::path::Path;
-use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::backend;
-use crate::buffer::{Buffer, StorageMode};
+use crate::buffer::Buffer;
 use crate::device::Device;
 use crate::dtype::DType;
+use crate::engine::{MappedFile, file_len, host_tensor, io_error, open_regular};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::tensor::Tensor;
 
 use super::header::{
-    Header, MAX_HEADER_LEN, TensorInfo, file_len, invalid_file, io_error, open_regular,
+    Header, MAX_HEADER_LEN, PREFIX_LEN, TensorInfo, header_len, invalid_file, too_short,
 };
 use super::index::Index;
 
@@ -37,120 +37,30 @@ pub struct TensorLocation {
     pub shape: Vec<usize>,
 }
 
-/// A memory map of a whole file, unmapped when dropped: private and copy-on-write (the file's
-/// pages, readable and writable, a written page becoming the process's own copy and the file
-/// never written), private and read-only where the system refuses that, or shared and read-only
-/// for the CUDA reader that registers its pages with the driver (never handed out).
-pub(crate) struct Mapping {
-    ptr: NonNull<u8>,
-    len: usize,
-    writable: bool,
-}
-
-// SAFETY: the mapping is owned by this value alone and `munmap` in `Drop` may run on any thread.
-// This value itself only reads through it (`bytes`, while the file is opened, before any view of
-// it exists); writes, where the mapping is writable, come from views' consumers, whose
-// synchronisation is theirs, as for any memory a tensor views.
-unsafe impl Send for Mapping {}
-// SAFETY: as above: shared access only reads the immutable pointer and length.
-unsafe impl Sync for Mapping {}
-
-/// The environment variable that makes [`Mapping::copy_on_write`] act as if the system had
-/// refused the writable mapping (`1`), so that tests can run the read-only fallback where no
-/// strict overcommit policy refuses it. For tests only.
-const REFUSE_COPY_ON_WRITE: &str = "_DLBRIDGE_TEST_REFUSE_COPY_ON_WRITE";
-
-impl Mapping {
-    /// Maps the first `len` (> 0) bytes of `file` privately and copy-on-write, without reserving
-    /// swap for the pages a writer could copy (`MAP_NORESERVE`, so that a mapping larger than
-    /// the machine's memory is not refused under the kernel's default overcommit heuristic).
-    /// Where the system refuses a writable mapping (strict overcommit accounting,
-    /// `vm.overcommit_memory=2`, charges the whole length), the bytes are mapped private and
-    /// read-only instead: [`Mapping::is_writable`] then says `false`.
-    pub(crate) fn copy_on_write(file: &std::fs::File, len: usize, path: &Path) -> Result<Mapping> {
-        let refused = std::env::var_os(REFUSE_COPY_ON_WRITE).is_some_and(|v| v == "1");
-        let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
-        let writable = if refused {
-            None
-        } else {
-            Mapping::map(file, len, path, libc::PROT_READ | libc::PROT_WRITE, flags).ok()
-        };
-        match writable {
-            Some(mapping) => Ok(mapping),
-            None => Mapping::map(file, len, path, libc::PROT_READ, libc::MAP_PRIVATE),
+impl Header {
+    /// Reads and parses the header of the file at `path`, without reading its data.
+    ///
+    /// I/O failures are [`Error::Io`] with the system's error kind (`NotFound`, `IsADirectory`,
+    /// `PermissionDenied`, ...); a path that is not a regular file (a FIFO, a socket, a device)
+    /// is refused before it is read, as [`SafeTensors::open`](super::SafeTensors::open) says.
+    pub fn read(path: &Path) -> Result<Header> {
+        let mut file = open_regular(path, 0)?;
+        let file_len = file_len(&file, path)?;
+        let mut prefix = [0u8; PREFIX_LEN as usize];
+        if file_len < PREFIX_LEN {
+            return Err(too_short(path, file_len));
         }
-    }
-
-    /// Maps the first `len` (> 0) bytes of `file` shared and read-only.
-    #[cfg_attr(not(cuda), allow(dead_code))]
-    pub(crate) fn shared(file: &std::fs::File, len: usize, path: &Path) -> Result<Mapping> {
-        Mapping::map(file, len, path, libc::PROT_READ, libc::MAP_SHARED)
-    }
-
-    fn map(
-        file: &std::fs::File,
-        len: usize,
-        path: &Path,
-        prot: libc::c_int,
-        flags: libc::c_int,
-    ) -> Result<Mapping> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a fresh mapping at an address of the kernel's choosing (NULL hint, no
-        // MAP_FIXED) replaces no existing memory; `fd` is an open descriptor that outlives the
-        // call, and the mapping stays valid after the descriptor is closed. A writable mapping
-        // is private (the callers never pass MAP_SHARED with PROT_WRITE): the file is not written.
-        let ptr =
-            unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, file.as_raw_fd(), 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(io_error(path, std::io::Error::last_os_error()));
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| io_error(path, std::io::Error::other("mmap returned a NULL mapping")))?;
-        Ok(Mapping {
-            ptr,
-            len,
-            writable: prot & libc::PROT_WRITE != 0,
-        })
-    }
-
-    /// The address of the file's byte 0.
-    #[cfg_attr(not(cuda), allow(dead_code))]
-    pub(crate) fn as_ptr(&self) -> *const u8 {
-        self.ptr.as_ptr()
-    }
-
-    /// The mapped length.
-    #[cfg_attr(not(cuda), allow(dead_code))]
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the pages are writable (private and copy-on-write): a write through a view, by a
-    /// consumer that ignores the views' read-only flag, then cannot fault.
-    pub(crate) fn is_writable(&self) -> bool {
-        self.writable
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr` addresses `len` readable bytes mapped for as long as `self` lives. The file
-        // may change under a private mapping if another process writes it; the header is parsed
-        // once from these bytes, before any view of the mapping exists, and the result is what is
-        // trusted afterwards.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly one live mapping made in `Mapping::map`; every view of
-        // it holds a clone of the buffer that owns this value, so none outlives the unmap.
-        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
-        if rc != 0 {
-            log::warn!(
-                "munmap of a safetensors mapping failed: {}",
-                std::io::Error::last_os_error()
-            );
-        }
+        file.read_exact(&mut prefix)
+            .map_err(|e| io_error(path, e))?;
+        let header_len = header_len(&prefix, file_len, path)?;
+        // At most PREFIX_LEN + MAX_HEADER_LEN bytes (checked above).
+        let total = (PREFIX_LEN + header_len) as usize;
+        let mut bytes = crate::error::host_vec::<u8>(total)?;
+        bytes.extend_from_slice(&prefix);
+        bytes.resize(total, 0);
+        file.read_exact(&mut bytes[PREFIX_LEN as usize..])
+            .map_err(|e| io_error(path, e))?;
+        Header::parse(&bytes, file_len, path)
     }
 }
 
@@ -175,12 +85,9 @@ impl Drop for Mapping {
 /// (`copy = true`) are memory of their own.
 #[derive(Clone, Debug)]
 pub struct SafeTensors {
-    path: Arc<Path>,
     header: Header,
-    buffer: Buffer,
-    /// The open file the mapping was made from: loaders read from it, not from the path again.
-    file: Arc<std::fs::File>,
-    copy_on_write: bool,
+    /// The open file and its mapping: loaders read from the file, not from the path again.
+    mapped: MappedFile,
 }
 
 impl SafeTensors {
@@ -190,59 +97,25 @@ impl SafeTensors {
     /// [`Error::Io`] saying what it is, before it is read, so that no open or read can block.
     pub fn open(path: impl AsRef<Path>) -> Result<SafeTensors> {
         let path = path.as_ref();
-        let file = open_regular(path, 0)?;
-        let len = file_len(&file, path)?;
-        if len < super::header::PREFIX_LEN {
-            // Too short to map usefully; the parser names what is missing.
-            return Err(Header::parse(&[], len, path)
-                .err()
-                .unwrap_or_else(|| invalid_file(path, format!("{len} bytes is too short"))));
-        }
-        let map_len = usize::try_from(len)
-            .map_err(|_| invalid_file(path, format!("{len} bytes cannot be mapped")))?;
-        let mapping = Mapping::copy_on_write(&file, map_len, path)?;
-        let header = Header::parse(mapping.bytes(), len, path)?;
-        let copy_on_write = mapping.is_writable();
-        let base = mapping.ptr.as_ptr();
-        // SAFETY: `base` addresses the `map_len` bytes of the mapping, readable for as long as
-        // `mapping`, moved into the keep-alive, lives. The buffer is read-only, so dlbridge never
-        // writes them; a consumer that ignores that writes private copy-on-write pages, or, where
-        // the mapping is read-only, gets no view of them (`load_info` copies).
-        let buffer = unsafe {
-            Buffer::from_foreign(
-                base.cast(),
-                base,
-                map_len,
-                Device::CPU,
-                StorageMode::Shared,
-                true,
-                Box::new(mapping),
-            )
-        };
-        Ok(SafeTensors {
-            path: Arc::from(path),
-            header,
-            buffer,
-            file: Arc::new(file),
-            copy_on_write,
-        })
+        let (mapped, header) =
+            MappedFile::open(path, |bytes| Header::parse(bytes, bytes.len() as u64, path))?;
+        Ok(SafeTensors { header, mapped })
     }
 
     /// Whether the file is mapped copy-on-write (writable private pages: tensors are views of
     /// them), or read-only because the system refused that (tensors are copies).
     pub fn is_copy_on_write(&self) -> bool {
-        self.copy_on_write
+        self.mapped.is_copy_on_write()
     }
 
-    /// The open file the mapping was made from, for readers (no second open of the path, which
-    /// could have changed since).
-    pub(crate) fn file(&self) -> &std::fs::File {
-        &self.file
+    /// The opened file and its mapping, as the loading engine takes them.
+    pub fn mapped(&self) -> &MappedFile {
+        &self.mapped
     }
 
     /// The file's path.
     pub fn path(&self) -> &Path {
-        &self.path
+        self.mapped.path()
     }
 
     /// The validated header.
@@ -252,7 +125,7 @@ impl SafeTensors {
 
     /// The mapping of the whole file, a read-only buffer (byte 0 is the start of the file).
     pub fn buffer(&self) -> &Buffer {
-        &self.buffer
+        self.mapped.buffer()
     }
 
     /// The tensor names, in name order.
@@ -279,7 +152,7 @@ impl SafeTensors {
             .filter(|(name, _)| select(name))
             .map(|(name, info)| TensorLocation {
                 name: name.clone(),
-                file: self.path.clone(),
+                file: self.mapped.shared_path().clone(),
                 byte_range: info.byte_range(),
                 dtype: info.dtype(),
                 shape: info.shape().to_vec(),
@@ -297,7 +170,7 @@ impl SafeTensors {
     /// references.
     pub fn tensor(&self, name: &str, copy: bool) -> Result<Tensor> {
         let info = self.info(name).ok_or_else(|| {
-            Error::InvalidArgument(format!("no tensor `{name}` in {}", self.path.display()))
+            Error::InvalidArgument(format!("no tensor `{name}` in {}", self.path().display()))
         })?;
         self.load_info(info, copy)
     }
@@ -322,37 +195,8 @@ impl SafeTensors {
     }
 
     fn load_info(&self, info: &TensorInfo, copy: bool) -> Result<Tensor> {
-        let range = info.byte_range();
-        // Inside the mapped file (checked by the parser), so both ends fit in usize.
-        let (start, len) = (range.start as usize, info.nbytes() as usize);
-        let base = self.buffer.require_host("loading a tensor")?;
-        let packed = info.is_packed();
-        let aligned = is_aligned((base.as_ptr() as usize).wrapping_add(start), info.dtype());
-        if aligned && !copy && self.copy_on_write {
-            let layout = Layout::contiguous_at(info.shape(), start)?;
-            return Tensor::with_packing(self.buffer.clone(), info.dtype(), layout, packed);
-        }
-        let buffer = backend::allocate(Device::CPU, len, None, false)?;
-        if len > 0 {
-            let dst = buffer.require_host("copying a tensor")?;
-            let src = base.as_ptr().wrapping_add(start);
-            // SAFETY: `src` starts `len` bytes inside the live mapping (bounds checked by the
-            // parser); `dst` is a new allocation of `len` bytes no one else references; a mapping
-            // and a pool block never overlap.
-            unsafe { std::ptr::copy_nonoverlapping(src, dst.as_ptr(), len) };
-        }
-        let tensor = Tensor::with_packing(
-            buffer,
-            info.dtype(),
-            Layout::contiguous(info.shape())?,
-            packed,
-        )?;
-        // Without `copy` the caller gets read-only memory whether or not it had to be copied.
-        Ok(if copy {
-            tensor
-        } else {
-            tensor.into_read_only()
-        })
+        let layout = Layout::contiguous(info.shape())?;
+        host_tensor(&self.mapped, info.byte_range(), info.dtype(), &layout, copy)
     }
 }
 
@@ -608,12 +452,6 @@ pub fn deserialize(
         out.insert(name.clone(), tensor);
     }
     Ok((header.metadata().cloned(), out))
-}
-
-/// Whether bytes at `address` can be viewed in place as elements of `dtype`: aligned for its
-/// item size (one byte for packed sub-byte elements). Bytes that are not are copied.
-pub(super) fn is_aligned(address: usize, dtype: DType) -> bool {
-    address % dtype.itemsize() == 0
 }
 
 /// The index file's bytes: at most [`MAX_HEADER_LEN`] (plus one, for [`Index::parse`] to

@@ -1,4 +1,5 @@
-//! The header of a safetensors file: parsed once, validated completely, then trusted.
+//! The header of a safetensors file: parsed once from bytes (no file is opened here), validated
+//! completely, then trusted.
 //!
 //! Layout of a file: an 8-byte little-endian `u64` N, N bytes of UTF-8 JSON, then the data
 //! section. The JSON is an object: an optional `"__metadata__"` object of strings, and for each
@@ -7,7 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::io::Read;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -163,31 +163,6 @@ impl Header {
         })
     }
 
-    /// Reads and parses the header of the file at `path`, without reading its data.
-    ///
-    /// I/O failures are [`Error::Io`] with the system's error kind (`NotFound`, `IsADirectory`,
-    /// `PermissionDenied`, ...); a path that is not a regular file (a FIFO, a socket, a device)
-    /// is refused before it is read, as [`SafeTensors::open`](super::SafeTensors::open) says.
-    pub fn read(path: &Path) -> Result<Header> {
-        let mut file = open_regular(path, 0)?;
-        let file_len = file_len(&file, path)?;
-        let mut prefix = [0u8; PREFIX_LEN as usize];
-        if file_len < PREFIX_LEN {
-            return Err(too_short(path, file_len));
-        }
-        file.read_exact(&mut prefix)
-            .map_err(|e| io_error(path, e))?;
-        let header_len = header_len(&prefix, file_len, path)?;
-        // At most PREFIX_LEN + MAX_HEADER_LEN bytes (checked above).
-        let total = (PREFIX_LEN + header_len) as usize;
-        let mut bytes = crate::error::host_vec::<u8>(total)?;
-        bytes.extend_from_slice(&prefix);
-        bytes.resize(total, 0);
-        file.read_exact(&mut bytes[PREFIX_LEN as usize..])
-            .map_err(|e| io_error(path, e))?;
-        Header::parse(&bytes, file_len, path)
-    }
-
     /// The free-form string metadata (`"__metadata__"`); `None` when the header has none (or
     /// `null`), as the `safetensors` package says it.
     pub fn metadata(&self) -> Option<&BTreeMap<String, String>> {
@@ -226,7 +201,7 @@ impl Header {
 }
 
 /// The JSON header's length N from the prefix, checked against the cap and the file length.
-fn header_len(bytes: &[u8], file_len: u64, path: &Path) -> Result<u64> {
+pub(super) fn header_len(bytes: &[u8], file_len: u64, path: &Path) -> Result<u64> {
     if file_len < PREFIX_LEN {
         return Err(too_short(path, file_len));
     }
@@ -435,78 +410,6 @@ fn json_kind(value: &Value) -> &'static str {
     }
 }
 
-/// Opens the file a caller named for reading, refusing anything but a regular file: the one way
-/// dlbridge opens a user's file (safetensors files, shards, an index, a direct-I/O descriptor with
-/// `flags`). A FIFO, socket or device could block the open or a read forever, or be a device
-/// whose opening does something: the path is checked before it is opened, and the open file is
-/// checked again (`fstat`) in case the path changed in between. The open itself does not block
-/// (`O_NONBLOCK`, cleared once the file is known to be regular) and the descriptor is not
-/// inherited by child processes (`O_CLOEXEC`, as `std` always sets).
-///
-/// Errors are [`Error::Io`] naming the path: the system's error (`NotFound`,
-/// `PermissionDenied`, ...), `IsADirectory` for a directory, and for anything else that is not a
-/// regular file an error saying what it is ("is a FIFO (named pipe), not a regular file").
-pub(crate) fn open_regular(path: &Path, flags: libc::c_int) -> Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| io_error(path, e))?;
-    check_regular(path, &meta)?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | flags)
-        .open(path)
-        .map_err(|e| io_error(path, e))?;
-    let meta = file.metadata().map_err(|e| io_error(path, e))?;
-    check_regular(path, &meta)?;
-    let fd = file.as_raw_fd();
-    // SAFETY: `fcntl(F_GETFL)` reads the status flags of `fd`, a descriptor `file` owns.
-    let status = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    // SAFETY: `fcntl(F_SETFL)` on the same owned descriptor changes only how it blocks.
-    if status == -1 || unsafe { libc::fcntl(fd, libc::F_SETFL, status & !libc::O_NONBLOCK) } == -1 {
-        return Err(io_error(path, std::io::Error::last_os_error()));
-    }
-    Ok(file)
-}
-
-/// Fails with the [`Error::Io`] [`open_regular`] describes unless `meta` is a regular file's.
-pub(crate) fn check_regular(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
-    use std::io::ErrorKind;
-    use std::os::unix::fs::FileTypeExt;
-    let kind = meta.file_type();
-    if kind.is_file() {
-        return Ok(());
-    }
-    let (error_kind, what) = if kind.is_dir() {
-        (ErrorKind::IsADirectory, "a directory")
-    } else if kind.is_fifo() {
-        (ErrorKind::InvalidInput, "a FIFO (named pipe)")
-    } else if kind.is_socket() {
-        (ErrorKind::InvalidInput, "a socket")
-    } else if kind.is_char_device() {
-        (ErrorKind::InvalidInput, "a character device")
-    } else if kind.is_block_device() {
-        (ErrorKind::InvalidInput, "a block device")
-    } else {
-        (ErrorKind::InvalidInput, "something else")
-    };
-    Err(io_error(
-        path,
-        std::io::Error::new(error_kind, format!("is {what}, not a regular file")),
-    ))
-}
-
-/// The length of an open file.
-pub(super) fn file_len(file: &std::fs::File, path: &Path) -> Result<u64> {
-    Ok(file.metadata().map_err(|e| io_error(path, e))?.len())
-}
-
-pub(super) fn io_error(path: &Path, source: std::io::Error) -> Error {
-    Error::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
 pub(super) fn invalid_file(path: &Path, reason: String) -> Error {
     Error::InvalidFile {
         path: PathBuf::from(path),
@@ -514,7 +417,7 @@ pub(super) fn invalid_file(path: &Path, reason: String) -> Error {
     }
 }
 
-fn too_short(path: &Path, len: u64) -> Error {
+pub(super) fn too_short(path: &Path, len: u64) -> Error {
     not_safetensors(
         path,
         format!("{len} bytes is shorter than the {PREFIX_LEN}-byte header length prefix"),

@@ -1,17 +1,18 @@
-//! The [safetensors] checkpoint format: parse and validate headers, map files copy-on-write and
-//! hand out zero-copy, read-only views, open sharded checkpoints, and save tensors from any
-//! device. Every file a caller names is opened only if it is a regular file (a FIFO, socket or
-//! device is refused before it could block).
+//! The [safetensors] checkpoint format: parse and validate headers, open files and sharded
+//! checkpoints, plan their loads for the loading engine ([`crate::engine`], which maps files
+//! copy-on-write, hands out zero-copy, read-only views and reads onto any device), and save
+//! tensors from any device. Every file a caller names is opened only if it is a regular file (a
+//! FIFO, socket or device is refused before it could block).
 //!
 //! | step | item | what it does |
 //! | --- | --- | --- |
 //! | parse | [`Header::parse`], [`Header::read`] | length prefix, JSON, dtypes, byte ranges: all checked once, then trusted |
-//! | open | [`SafeTensors::open`] | maps the whole file copy-on-write as a foreign, read-only [`Buffer`](crate::Buffer) |
+//! | open | [`SafeTensors::open`] | the engine's [`MappedFile`](crate::engine::MappedFile): the whole file mapped copy-on-write as a foreign, read-only [`Buffer`](crate::Buffer), its header parsed from those bytes |
 //! | shards | [`Index::parse`], [`Checkpoint::open_index`], [`Checkpoint::open_files`], [`Checkpoint::open_folder`] | one name → one shard, from `model.safetensors.index.json`, a list, or a folder |
-//! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order, for any loader |
+//! | plan | [`SafeTensors::plan`], [`Checkpoint::plan`] | (file, absolute byte range, dtype, shape) per tensor, in file order: what the loading engine is handed |
 //! | load | [`SafeTensors::tensor`], [`SafeTensors::load`], [`SafeTensors::load_where`] | CPU views of the mapping (zero-copy, read-only; a consumer that writes anyway writes private pages), or private copies |
 //! | part | [`PartPlan`], [`Checkpoint::load_part`] | a strided part of one tensor (a rank's rows or columns) reading only the bytes it needs: CPU views, or runs of bytes read into one allocation on any device |
-//! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | any device, with progress: Metal from the mapped files without a copy (read-only views in shared storage, a GPU blit into private storage), CUDA through pinned staging buffers and asynchronous copies |
+//! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | the engine's [`load`](crate::engine::load) on any device, with progress: Metal from the mapped files without a copy (read-only views in shared storage, a GPU blit into private storage), CUDA through pinned staging buffers and asynchronous copies |
 //! | bytes | [`serialize`], [`deserialize`] | a file's bytes in memory, both ways |
 //! | save | [`save_file`], [`write()`], [`serialize`] | the format from CPU or device tensors, written atomically to a file |
 //!
@@ -38,19 +39,16 @@ mod dtype;
 mod file;
 mod header;
 mod index;
-mod load;
-mod part;
+mod plan;
 mod save;
 
 pub use dtype::{dtype_from_name, dtype_name, dtype_names};
-#[cfg_attr(not(cuda), allow(unused_imports))] // the CUDA reader's shared mappings
-pub(crate) use file::Mapping;
 pub use file::{Checkpoint, SafeTensors, TensorLocation, deserialize};
 pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
 pub use index::Index;
-pub use load::{
-    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, LoadOptions, default_direct_threads,
-    default_threads,
+// The loading engine's options and plans, where users of this module have always found them.
+pub use crate::engine::{
+    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, DEFAULT_MAX_GAP, LoadOptions, PartPlan,
+    default_direct_threads, default_threads,
 };
-pub use part::{DEFAULT_MAX_GAP, PartPlan};
 pub use save::{save_file, serialize, write};

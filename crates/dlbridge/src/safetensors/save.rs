@@ -12,7 +12,8 @@ use crate::layout::Layout;
 use crate::tensor::Tensor;
 
 use super::dtype::dtype_name;
-use super::header::{MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, check_regular, io_error};
+use super::header::{MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN};
+use crate::engine::{check_regular, io_error};
 
 /// One tensor to write: its name, dtype name and the bytes it takes in the file.
 struct Planned<'a> {

@@ -256,7 +256,7 @@ struct Window<'a> {
 /// mapping will not do: the kernel copies each private page that is pinned long-term.)
 struct FileMaps {
     /// Each distinct file's descriptor and mapping.
-    maps: Vec<(std::os::fd::RawFd, crate::safetensors::Mapping)>,
+    maps: Vec<(std::os::fd::RawFd, crate::engine::Mapping)>,
 }
 
 impl FileMaps {
@@ -273,7 +273,7 @@ impl FileMaps {
             if len == 0 {
                 return None;
             }
-            let map = crate::safetensors::Mapping::shared(r.file, len, r.path).ok()?;
+            let map = crate::engine::Mapping::shared(r.file, len, r.path).ok()?;
             maps.push((fd, map));
         }
         Some(FileMaps { maps })

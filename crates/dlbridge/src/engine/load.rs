@@ -1,4 +1,4 @@
-//! Loading a checkpoint onto any device.
+//! Loading arrays of mapped files onto any device: the engine behind every format's loads.
 //!
 //! | device | how | tensors |
 //! | --- | --- | --- |
@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::file::{Checkpoint, SafeTensors, TensorLocation, is_aligned};
+use super::file::{MappedFile, is_aligned, open_regular};
 use super::part::{DEFAULT_MAX_GAP, PartPlan};
 use crate::backend::{self, FileRead, ReadOptions};
 use crate::buffer::{Buffer, StorageMode};
@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::tensor::Tensor;
 
-/// How [`Checkpoint::load_to`] loads.
+/// How [`load`] (and [`Checkpoint::load_to`](crate::safetensors::Checkpoint::load_to)) loads.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadOptions {
     /// Where the tensors go.
@@ -162,134 +162,211 @@ pub fn default_direct_threads() -> usize {
     std::thread::available_parallelism().map_or(8, |n| n.get().clamp(4, 16))
 }
 
-impl Checkpoint {
-    /// Loads the tensors `select` accepts onto `options.device`, calling `progress(done, total)`
-    /// (bytes) about ten times a second while a device load runs and once at the end.
-    ///
-    /// # Errors
-    /// The device's allocation errors ([`Error::OutOfMemory`], an unavailable backend), the
-    /// file's I/O errors ([`Error::Io`], also for a file truncated while it is read), and the
-    /// cast's. On error nothing loaded stays allocated.
-    pub fn load_to(
-        &self,
-        select: impl FnMut(&str) -> bool,
-        options: &LoadOptions,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<BTreeMap<String, Tensor>> {
-        let plan = self.plan(select);
-        let total: u64 = plan
-            .iter()
-            .map(|l| l.byte_range.end - l.byte_range.start)
-            .sum();
-        check_cast(options.dtype)?;
-        let mut loaded = if options.device.is_cpu() {
-            let names: Vec<&str> = plan.iter().map(|l| l.name.as_str()).collect();
-            let out = self.load(&names, options.copy)?;
-            progress(total, total);
-            out
-        } else {
-            self.load_to_device(&plan, options, total, progress)?
-        };
-        for tensor in loaded.values_mut() {
-            cast_floating(tensor, options.dtype)?;
-        }
-        Ok(loaded)
-    }
+/// One array the engine loads: where its bytes lie in its file and what they hold. The bytes
+/// are one dense block; `layout` is the array over them (byte offset 0 at `byte_range.start`):
+/// row-major for a safetensors tensor, column-major strides for a Fortran-ordered `.npy` array.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Item {
+    /// The array's name in the result.
+    pub name: String,
+    /// Absolute byte range in the file.
+    pub byte_range: Range<u64>,
+    /// Element type (sub-byte types are stored densely packed).
+    pub dtype: DType,
+    /// Shape and strides over the bytes, its byte offset 0 at `byte_range.start`.
+    pub layout: Layout,
+}
 
-    /// The part of tensor `name` that `part` selects, on `options.device`, reading only the bytes
-    /// it needs. `part` is a layout over the tensor's elements, its byte offset counted from the
-    /// tensor's first byte: what basic indexing gives (`Layout::contiguous(shape)` then
-    /// [`Layout::slice`] and [`Layout::index`]: integers, ranges with a positive step, new axes),
-    /// as a tensor-parallel rank takes its rows (one run of the file) or its columns (one run per
-    /// row). [`PartPlan`](super::PartPlan) says what is read.
-    ///
-    /// - CPU: a read-only view of the mapped file, zero-copy, with the part's strides, unless
-    ///   `copy` asks for memory of its own, the bytes are not aligned for the element type, or the
-    ///   system refused a copy-on-write mapping: then a compact copy of only the part's bytes,
-    ///   read from the file (read-only without `copy`).
-    /// - A device that addresses the file's pages (Metal in shared storage, without `copy`): a
-    ///   read-only view of the wrapped pages of the part's byte range.
-    /// - Elsewhere (CUDA; Metal copies): only the part's runs of bytes are read, through the
-    ///   loader's reader (pinned staging and asynchronous copies on CUDA), into one allocation
-    ///   holding them one after another; the tensor is a view of it with the part's shape (and
-    ///   strides in it, where gaps of at most [`DEFAULT_MAX_GAP`](super::DEFAULT_MAX_GAP) bytes
-    ///   were read through).
-    ///
-    /// `options.dtype` converts a floating-point part as [`Checkpoint::load_to`] does; the other
-    /// options tune the reader as they do there.
-    ///
-    /// # Errors
-    /// No tensor `name` ([`Error::InvalidArgument`]); a part outside the tensor or not in storage
-    /// order, as [`PartPlan::new`](super::PartPlan::new) says; packed sub-byte elements
-    /// ([`Error::UnsupportedDType`]); and the errors of [`Checkpoint::load_to`].
-    pub fn load_part(&self, name: &str, part: &Layout, options: &LoadOptions) -> Result<Tensor> {
-        check_cast(options.dtype)?;
-        let (shard, info) = self.info(name).ok_or_else(|| {
-            Error::InvalidArgument(format!("no tensor `{name}` in the checkpoint"))
-        })?;
-        let dtype = info.dtype();
-        if info.is_packed() {
-            return Err(Error::UnsupportedDType(format!(
-                "tensor `{name}` holds packed sub-byte {dtype} elements: a part of it cannot be \
-                 read on its own; load the tensor whole"
-            )));
-        }
-        let plan = PartPlan::new(
-            part,
-            dtype.itemsize(),
-            info.nbytes() as usize,
-            DEFAULT_MAX_GAP,
-        )?;
-        let start = info.byte_range().start;
-        let mut tensor = match view_part(shard, start, part, dtype, options)? {
-            Some(view) => view,
-            None => read_part(shard, start, &plan, dtype, options)?,
-        };
-        cast_floating(&mut tensor, options.dtype)?;
-        Ok(tensor)
-    }
-
-    fn load_to_device(
-        &self,
-        plan: &[TensorLocation],
-        options: &LoadOptions,
-        total: u64,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<BTreeMap<String, Tensor>> {
-        let device = backend::placement(options.device, options.storage)?;
-        let allocation = Allocation::of(options);
+/// Loads `items` of each mapped file onto `options.device`, calling `progress(done, total)`
+/// (bytes) about ten times a second while a device load runs and once at the end. A format
+/// opens its files ([`MappedFile::open`]) and gives the plan; this knows no format.
+///
+/// - CPU: each array a read-only view of the mapped file (zero-copy), or a private copy where
+///   `copy` asks for one, its bytes are not aligned for its element type, or the system refused
+///   a copy-on-write mapping (read-only without `copy`).
+/// - A device that addresses the file's pages (Metal in shared storage, without `copy`):
+///   read-only views of the wrapped pages; copies on the device otherwise.
+/// - Elsewhere (CUDA; files a backend declines to wrap): the selected bytes read into one
+///   allocation per file (or per array, [`LoadOptions::allocation`]) through the backend's
+///   reader (parallel positioned reads; pinned staging and asynchronous copies on CUDA), each
+///   array a view of it.
+///
+/// `options.dtype` then converts every real floating-point array, on the device.
+///
+/// # Errors
+/// The device's allocation errors ([`Error::OutOfMemory`], an unavailable backend), the file's
+/// I/O errors ([`Error::Io`], also for a file truncated while it is read), and the cast's. On
+/// error nothing loaded stays allocated.
+pub fn load(
+    files: &[(&MappedFile, Vec<Item>)],
+    options: &LoadOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<BTreeMap<String, Tensor>> {
+    let total: u64 = files
+        .iter()
+        .flat_map(|(_, items)| items)
+        .map(|item| item.byte_range.end - item.byte_range.start)
+        .sum();
+    check_cast(options.dtype)?;
+    let mut loaded = if options.device.is_cpu() {
         let mut out = BTreeMap::new();
-        let mut wrapped: u64 = 0;
-        let mut files: Vec<FileLoad<'_>> = Vec::new();
-        for shard in self.shards() {
-            let locations: Vec<&TensorLocation> =
-                plan.iter().filter(|l| *l.file == *shard.path()).collect();
-            if locations.is_empty() {
-                continue;
+        for (file, items) in files {
+            for item in items {
+                let tensor = host_tensor(
+                    file,
+                    item.byte_range.clone(),
+                    item.dtype,
+                    &item.layout,
+                    options.copy,
+                )?;
+                out.insert(item.name.clone(), tensor);
             }
-            match wrap_file(shard, &locations, device, options)? {
-                Some(tensors) => {
-                    wrapped += locations
-                        .iter()
-                        .map(|l| l.byte_range.end - l.byte_range.start)
-                        .sum::<u64>();
-                    out.extend(tensors);
-                }
-                None => files.push(FileLoad::new(
-                    shard, locations, device, options, allocation,
-                )?),
-            }
-        }
-        let done = AtomicU64::new(wrapped);
-        if !files.is_empty() {
-            read_files(&files, device, options, &done, total, progress)?;
         }
         progress(total, total);
-        for file in &files {
-            file.views(options.storage, &mut out)?;
-        }
-        Ok(out)
+        out
+    } else {
+        load_to_device(files, options, total, progress)?
+    };
+    for tensor in loaded.values_mut() {
+        cast_floating(tensor, options.dtype)?;
     }
+    Ok(loaded)
+}
+
+/// One array on the CPU: `layout` (byte offset 0) over bytes `byte_range` of `file`. With
+/// `copy` false: a read-only view of the mapping (a read-only private copy where the bytes are
+/// not aligned for the element type, or the mapping is not copy-on-write); with `copy` true:
+/// writable memory of dlbridge's pool that nothing else references.
+///
+/// # Errors
+/// A byte range outside the file ([`Error::OutOfBounds`]), a layout that does not fit it, and
+/// the allocation's errors.
+pub fn host_tensor(
+    file: &MappedFile,
+    byte_range: Range<u64>,
+    dtype: DType,
+    layout: &Layout,
+    copy: bool,
+) -> Result<Tensor> {
+    let mapping = file.buffer();
+    if byte_range.start > byte_range.end || byte_range.end > mapping.len() as u64 {
+        return Err(Error::OutOfBounds(format!(
+            "bytes {}..{} of {}, a file of {} bytes",
+            byte_range.start,
+            byte_range.end,
+            file.path().display(),
+            mapping.len()
+        )));
+    }
+    // Inside the mapped file (checked above), so both ends fit in usize.
+    let (start, len) = (
+        byte_range.start as usize,
+        (byte_range.end - byte_range.start) as usize,
+    );
+    let base = mapping.require_host("loading a tensor")?;
+    let packed = dtype.is_sub_byte();
+    let aligned = is_aligned((base.as_ptr() as usize).wrapping_add(start), dtype);
+    if aligned && !copy && file.is_copy_on_write() {
+        let layout = layout.with_byte_offset(start);
+        return Tensor::with_packing(mapping.clone(), dtype, layout, packed);
+    }
+    let buffer = backend::allocate(Device::CPU, len, None, false)?;
+    if len > 0 {
+        let dst = buffer.require_host("copying a tensor")?;
+        let src = base.as_ptr().wrapping_add(start);
+        // SAFETY: `src` starts `len` bytes inside the live mapping (checked above); `dst` is a
+        // new allocation of `len` bytes no one else references; a mapping and a pool block
+        // never overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_ptr(), len) };
+    }
+    let tensor = Tensor::with_packing(buffer, dtype, layout.clone(), packed)?;
+    // Without `copy` the caller gets read-only memory whether or not it had to be copied.
+    Ok(if copy {
+        tensor
+    } else {
+        tensor.into_read_only()
+    })
+}
+
+/// The part of the array of `array_len` bytes at byte `start` of `file` that `part` selects,
+/// on `options.device`, reading only the bytes it needs. `part` is a layout over the array's
+/// elements (of `dtype`, row-major), its byte offset counted from the array's first byte: what
+/// basic indexing gives (`Layout::contiguous(shape)` then [`Layout::slice`] and
+/// [`Layout::index`]: integers, ranges with a positive step, new axes), as a tensor-parallel
+/// rank takes its rows (one run of the file) or its columns (one run per row). [`PartPlan`]
+/// says what is read.
+///
+/// - CPU: a read-only view of the mapped file, zero-copy, with the part's strides, unless
+///   `copy` asks for memory of its own, the bytes are not aligned for the element type, or the
+///   system refused a copy-on-write mapping: then a compact copy of only the part's bytes,
+///   read from the file (read-only without `copy`).
+/// - A device that addresses the file's pages (Metal in shared storage, without `copy`): a
+///   read-only view of the wrapped pages of the part's byte range.
+/// - Elsewhere (CUDA; Metal copies): only the part's runs of bytes are read, through the
+///   loader's reader (pinned staging and asynchronous copies on CUDA), into one allocation
+///   holding them one after another; the tensor is a view of it with the part's shape (and
+///   strides in it, where gaps of at most [`DEFAULT_MAX_GAP`] bytes were read through).
+///
+/// `options.dtype` converts a floating-point part as [`load`] does; the other options tune the
+/// reader as they do there.
+///
+/// # Errors
+/// A part outside the array or not in storage order, as [`PartPlan::new`] says; and the errors
+/// of [`load`].
+pub fn load_part(
+    file: &MappedFile,
+    start: u64,
+    array_len: usize,
+    part: &Layout,
+    dtype: DType,
+    options: &LoadOptions,
+) -> Result<Tensor> {
+    check_cast(options.dtype)?;
+    let plan = PartPlan::new(part, dtype.itemsize(), array_len, DEFAULT_MAX_GAP)?;
+    let mut tensor = match view_part(file, start, part, dtype, options)? {
+        Some(view) => view,
+        None => read_part(file, start, &plan, dtype, options)?,
+    };
+    cast_floating(&mut tensor, options.dtype)?;
+    Ok(tensor)
+}
+
+fn load_to_device(
+    files: &[(&MappedFile, Vec<Item>)],
+    options: &LoadOptions,
+    total: u64,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<BTreeMap<String, Tensor>> {
+    let device = backend::placement(options.device, options.storage)?;
+    let allocation = Allocation::of(options);
+    let mut out = BTreeMap::new();
+    let mut wrapped: u64 = 0;
+    let mut loads: Vec<FileLoad<'_>> = Vec::new();
+    for (file, items) in files {
+        let items: Vec<&Item> = items.iter().collect();
+        if items.is_empty() {
+            continue;
+        }
+        match wrap_file(file, &items, device, options)? {
+            Some(tensors) => {
+                wrapped += items
+                    .iter()
+                    .map(|l| l.byte_range.end - l.byte_range.start)
+                    .sum::<u64>();
+                out.extend(tensors);
+            }
+            None => loads.push(FileLoad::new(file, items, device, options, allocation)?),
+        }
+    }
+    let done = AtomicU64::new(wrapped);
+    if !loads.is_empty() {
+        read_files(&loads, device, options, &done, total, progress)?;
+    }
+    progress(total, total);
+    for load in &loads {
+        load.views(options.storage, &mut out)?;
+    }
+    Ok(out)
 }
 
 /// Refuses a conversion to a type that is not floating-point: a load converts floating-point
@@ -312,7 +389,7 @@ fn is_real_floating(dtype: DType) -> bool {
 }
 
 /// `tensor` converted to `dtype` (on its device) where it is floating-point and of another type.
-fn cast_floating(tensor: &mut Tensor, dtype: Option<DType>) -> Result<()> {
+pub(crate) fn cast_floating(tensor: &mut Tensor, dtype: Option<DType>) -> Result<()> {
     if let Some(dtype) = dtype
         && tensor.dtype() != dtype
         && is_real_floating(tensor.dtype())
@@ -322,19 +399,19 @@ fn cast_floating(tensor: &mut Tensor, dtype: Option<DType>) -> Result<()> {
     Ok(())
 }
 
-/// The part `part` of the tensor at byte `start` of `shard` as a view of the file's pages, where
+/// The part `part` of the tensor at byte `start` of `mapped` as a view of the file's pages, where
 /// the device addresses them in place and nothing asks for memory of its own (as
 /// [`Placement::of`] decides); `None` where the part must be read.
 fn view_part(
-    shard: &SafeTensors,
+    mapped: &MappedFile,
     start: u64,
     part: &Layout,
     dtype: DType,
     options: &LoadOptions,
 ) -> Result<Option<Tensor>> {
-    let mapping = shard.buffer();
+    let mapping = mapped.buffer();
     // Views of pages a write would fault on are handed out nowhere.
-    if !shard.is_copy_on_write() || part.numel() == 0 {
+    if !mapped.is_copy_on_write() || part.numel() == 0 {
         return Ok(None);
     }
     let base = mapping.require_host("loading a tensor")?.as_ptr() as usize;
@@ -371,7 +448,7 @@ fn view_part(
         Some(Err(e)) => {
             log::debug!(
                 "dlbridge: {device} did not wrap the pages of {} ({e}); reading the part instead",
-                shard.path().display()
+                mapped.path().display()
             );
             Ok(None)
         }
@@ -379,11 +456,11 @@ fn view_part(
     }
 }
 
-/// The runs of `plan` (byte ranges of the tensor at byte `start` of `shard`) read into one new
+/// The runs of `plan` (byte ranges of the tensor at byte `start` of `mapped`) read into one new
 /// allocation on `options.device`, and the part as a view of it (read-only on the CPU without
 /// `copy`, as every CPU load without it is).
 fn read_part(
-    shard: &SafeTensors,
+    mapped: &MappedFile,
     start: u64,
     plan: &PartPlan,
     dtype: DType,
@@ -399,14 +476,14 @@ fn read_part(
     let direct = if device.is_cpu() {
         None
     } else {
-        direct_file(shard, options)
+        direct_file(mapped, options)
     };
     let reads: Vec<FileRead<'_>> = plan
         .runs
         .iter()
         .map(|(run, dst_offset)| FileRead {
-            path: shard.path(),
-            file: shard.file(),
+            path: mapped.path(),
+            file: mapped.file(),
             direct: direct.as_ref(),
             offset: start + run.start,
             len: (run.end - run.start) as usize,
@@ -454,7 +531,7 @@ fn read_files(
 /// offset there) on `device` through the backend's reader ([`backend::read_file`]: parallel
 /// positioned reads, and pinned staging with asynchronous copies for device memory), reporting
 /// `done` bytes of `total` about ten times a second while it reads. It knows no file format:
-/// whole-file loads and partial reads ([`Checkpoint::load_part`]) hand it their plans alike.
+/// whole-file loads and partial reads ([`load_part`]) hand it their plans alike.
 /// `direct`: every read has a direct-I/O descriptor (the reader's defaults follow).
 fn run_reads(
     reads: &[FileRead<'_>],
@@ -534,7 +611,7 @@ impl Placement {
 
 /// The byte ranges of the mapped file the device must address: those of the non-empty tensors
 /// (an empty one needs no bytes, and may sit where no wrapped page is).
-fn wrapped_ranges(locations: &[&TensorLocation]) -> Vec<Range<usize>> {
+fn wrapped_ranges(locations: &[&Item]) -> Vec<Range<usize>> {
     locations
         .iter()
         .filter(|l| !l.byte_range.is_empty())
@@ -548,15 +625,15 @@ fn wrapped_ranges(locations: &[&TensorLocation]) -> Vec<Range<usize>> {
 /// the device, as [`Placement::of`] decides. `None` where the backend cannot wrap host pages or
 /// declines this file's, for the caller to read the file instead.
 fn wrap_file(
-    shard: &SafeTensors,
-    locations: &[&TensorLocation],
+    mapped: &MappedFile,
+    locations: &[&Item],
     device: Device,
     options: &LoadOptions,
 ) -> Result<Option<Vec<(String, Tensor)>>> {
-    let mapping = shard.buffer();
+    let mapping = mapped.buffer();
     let ranges = wrapped_ranges(locations);
     // Views of pages a write would fault on are handed out nowhere: a read-only mapping is read.
-    if ranges.is_empty() || !shard.is_copy_on_write() {
+    if ranges.is_empty() || !mapped.is_copy_on_write() {
         return Ok(None);
     }
     let wrapped = match backend::wrap_host(device, mapping, &ranges) {
@@ -565,7 +642,7 @@ fn wrap_file(
         Some(Err(e)) => {
             log::debug!(
                 "dlbridge: {device} did not wrap the pages of {} ({e}); reading the file instead",
-                shard.path().display()
+                mapped.path().display()
             );
             return Ok(None);
         }
@@ -579,7 +656,7 @@ fn wrap_file(
 /// view or a copy in `storage`, as [`Placement::of`] decides.
 fn place(
     mapping: &Buffer,
-    locations: &[&TensorLocation],
+    locations: &[&Item],
     wrapped: Vec<(Buffer, usize)>,
     storage: StorageMode,
     copy: bool,
@@ -610,8 +687,8 @@ fn place(
 }
 
 /// The tensor at `l` as a view of `buffer`, which holds its bytes from `offset`.
-fn view(buffer: Buffer, offset: usize, l: &TensorLocation) -> Result<Tensor> {
-    let layout = Layout::contiguous_at(&l.shape, offset)?;
+fn view(buffer: Buffer, offset: usize, l: &Item) -> Result<Tensor> {
+    let layout = l.layout.with_byte_offset(offset);
     Tensor::with_packing(buffer, l.dtype, layout, l.dtype.is_sub_byte())
 }
 
@@ -620,7 +697,7 @@ fn view(buffer: Buffer, offset: usize, l: &TensorLocation) -> Result<Tensor> {
 fn copy_of(
     buffer: &Buffer,
     offset: usize,
-    l: &TensorLocation,
+    l: &Item,
     storage: Option<StorageMode>,
 ) -> Result<Tensor> {
     let len = (l.byte_range.end - l.byte_range.start) as usize;
@@ -639,24 +716,24 @@ struct FileLoad<'a> {
     path: &'a Path,
     file: &'a File,
     direct: Option<File>,
-    locations: Vec<&'a TensorLocation>,
+    locations: Vec<&'a Item>,
     /// The allocations, in file order, each with the file range it mirrors.
     dsts: Vec<(Range<u64>, Tensor)>,
 }
 
 impl<'a> FileLoad<'a> {
     fn new(
-        shard: &'a SafeTensors,
-        locations: Vec<&'a TensorLocation>,
+        mapped: &'a MappedFile,
+        locations: Vec<&'a Item>,
         device: Device,
         options: &LoadOptions,
         allocation: Allocation,
     ) -> Result<FileLoad<'a>> {
-        let path = shard.path();
-        // The descriptor the shard was opened and checked with: the path is not opened again
+        let path = mapped.path();
+        // The descriptor the file was opened and checked with: the path is not opened again
         // for buffered reads (it may name another file by now).
-        let file = shard.file();
-        let direct = direct_file(shard, options);
+        let file = mapped.file();
+        let direct = direct_file(mapped, options);
         let mut spans: Vec<Range<u64>> = match allocation {
             Allocation::PerFile => {
                 let start = locations.iter().map(|l| l.byte_range.start).min();
@@ -761,15 +838,15 @@ impl<'a> FileLoad<'a> {
     }
 }
 
-/// The shard's file opened for reads around the page cache where `options` ask for them, or, by
+/// The file opened for reads around the page cache where `options` ask for them, or, by
 /// default, where most of the file is not in the page cache; `None`: read through the page cache
 /// (also where the file system refuses `O_DIRECT`, as tmpfs does).
-fn direct_file(shard: &SafeTensors, options: &LoadOptions) -> Option<File> {
+fn direct_file(mapped: &MappedFile, options: &LoadOptions) -> Option<File> {
     let direct = match options.direct_io {
         Some(direct) => direct,
-        None => resident_fraction(shard) < 0.5,
+        None => resident_fraction(mapped) < 0.5,
     };
-    direct.then(|| open_direct(shard)).flatten()
+    direct.then(|| open_direct(mapped)).flatten()
 }
 
 /// The fraction of a file's pages in the page cache, estimated by `mincore` over
@@ -778,17 +855,17 @@ fn direct_file(shard: &SafeTensors, options: &LoadOptions) -> Option<File> {
 /// between reads through and around the page cache; asking about every page of a large file
 /// costs more than that choice is worth (11-14 ms per 1.75 GB shard on the H100 machine, 49 ms of
 /// a 7 GB load that then read for 150 ms; the samples take 0.2 ms).
-fn resident_fraction(shard: &SafeTensors) -> f64 {
-    let Some(base) = shard.buffer().host_ptr() else {
+fn resident_fraction(mapped: &MappedFile) -> f64 {
+    let Some(base) = mapped.buffer().host_ptr() else {
         return 1.0;
     };
     let page = crate::backend::cpu::page_size();
-    let pages = shard.buffer().len().div_ceil(page);
+    let pages = mapped.buffer().len().div_ceil(page);
     let mut vec = [0u8; RESIDENCY_RUN];
     let (mut resident, mut asked) = (0, 0);
     for run in residency_runs(pages) {
         // SAFETY: `run` lies inside the `pages` pages of the live, page-aligned mapping `base`
-        // starts (the shard's buffer; its last page may be partial, which mincore accepts);
+        // starts (the file's buffer; its last page may be partial, which mincore accepts);
         // `vec` has a byte for each of its at most `RESIDENCY_RUN` pages, as mincore writes.
         let rc = unsafe {
             libc::mincore(
@@ -835,11 +912,11 @@ fn residency_runs(pages: usize) -> impl Iterator<Item = Range<usize>> {
     })
 }
 
-/// The shard's file opened again for reads around the page cache: `O_DIRECT` on Linux,
+/// The file opened again for reads around the page cache: `O_DIRECT` on Linux,
 /// `F_NOCACHE` on Apple platforms; `None` where the system or the file system has no such mode,
-/// or where the path no longer names the file the shard was opened from (which is then read
-/// through the page cache, from the shard's own descriptor).
-fn open_direct(shard: &SafeTensors) -> Option<File> {
+/// or where the path no longer names the file that was mapped (which is then read through the
+/// page cache, from the mapping's own descriptor).
+fn open_direct(mapped: &MappedFile) -> Option<File> {
     use std::os::unix::fs::MetadataExt;
     if !cfg!(any(target_os = "linux", target_vendor = "apple")) {
         return None;
@@ -848,8 +925,8 @@ fn open_direct(shard: &SafeTensors) -> Option<File> {
     let flags = libc::O_DIRECT;
     #[cfg(not(target_os = "linux"))]
     let flags = 0;
-    let file = super::header::open_regular(shard.path(), flags).ok()?;
-    let (a, b) = (file.metadata().ok()?, shard.file().metadata().ok()?);
+    let file = open_regular(mapped.path(), flags).ok()?;
+    let (a, b) = (file.metadata().ok()?, mapped.file().metadata().ok()?);
     if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
         return None;
     }
@@ -869,6 +946,7 @@ fn open_direct(shard: &SafeTensors) -> Option<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::safetensors::SafeTensors;
 
     /// A safetensors file written byte by byte: `u8` "a" [1, 2, 3], then `f32` "b" [1.5, -2.0]
     /// three bytes in (misaligned for its elements wherever the data starts 8-aligned), then an
@@ -924,14 +1002,14 @@ mod tests {
             let names: Vec<&str> = file.keys().collect();
             let expected = file.load(&names, true).unwrap();
             // In the saved file, leave out the second tensor in file order, between two others.
-            let mut in_order = file.plan(|_| true);
+            let mut in_order = file.items(|_| true).unwrap();
             in_order.sort_by_key(|l| l.byte_range.start);
             let skip = if path == &saved {
                 in_order[1].name.clone()
             } else {
                 String::new()
             };
-            let plan = file.plan(|name| name != skip);
+            let plan = file.items(|name| name != skip).unwrap();
             for allocation in [Allocation::PerFile, Allocation::PerTensor] {
                 let options = LoadOptions {
                     allocation: Some(allocation),
@@ -940,7 +1018,7 @@ mod tests {
                     ..LoadOptions::new(Device::CPU)
                 };
                 let load = FileLoad::new(
-                    &file,
+                    file.mapped(),
                     plan.iter().collect(),
                     Device::CPU,
                     &options,
@@ -998,6 +1076,111 @@ mod tests {
         std::fs::remove_file(&misaligned).unwrap();
     }
 
+    /// The engine on a plan no format made (raw bytes, `MappedFile::open` with a parser that
+    /// reads nothing): a row-major array, a column-major one and a misaligned one, through the
+    /// read path of device loads (run into host memory, per file and per array) and the CPU path,
+    /// all equal to the bytes read by hand.
+    #[test]
+    fn a_plan_of_raw_byte_ranges_loads_with_its_layouts() {
+        let bytes: Vec<u8> = (0..64u8).collect();
+        let path =
+            std::env::temp_dir().join(format!("dlbridge-engine-{}-raw.bin", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        let (mapped, ()) = MappedFile::open(&path, |_| Ok(())).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let element = |at: usize| i16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        let items = vec![
+            Item {
+                name: "c".into(),
+                byte_range: 0..12,
+                dtype: DType::I16,
+                layout: Layout::contiguous(&[2, 3]).unwrap(),
+            },
+            Item {
+                name: "f".into(),
+                byte_range: 12..24,
+                dtype: DType::I16,
+                layout: Layout::new(&[2, 3], &[1, 2], 0).unwrap(),
+            },
+            Item {
+                name: "odd".into(),
+                byte_range: 25..31,
+                dtype: DType::I16,
+                layout: Layout::contiguous(&[3]).unwrap(),
+            },
+        ];
+        let want: BTreeMap<&str, Vec<i16>> = [
+            ("c", (0..6).map(|k| element(2 * k)).collect()),
+            // Element [i, j] of the column-major array is the (i + 2 j)-th.
+            (
+                "f",
+                [0, 2, 4, 1, 3, 5]
+                    .iter()
+                    .map(|k| element(12 + 2 * k))
+                    .collect(),
+            ),
+            ("odd", (0..3).map(|k| element(25 + 2 * k)).collect()),
+        ]
+        .into_iter()
+        .collect();
+        let check = |out: &BTreeMap<String, Tensor>, how: &str| {
+            assert_eq!(out.len(), 3, "{how}");
+            for (name, values) in &want {
+                assert_eq!(&out[*name].to_vec::<i16>().unwrap(), values, "{how} {name}");
+            }
+            assert_eq!(out["f"].strides(), [1, 2], "{how}");
+        };
+        let cpu = load(
+            &[(&mapped, items.clone())],
+            &LoadOptions::new(Device::CPU),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        check(&cpu, "cpu");
+        assert!(cpu["c"].buffer().same_allocation(mapped.buffer()), "a view");
+        assert!(
+            !cpu["odd"].buffer().same_allocation(mapped.buffer()),
+            "a copy"
+        );
+        for allocation in [Allocation::PerFile, Allocation::PerTensor] {
+            let options = LoadOptions {
+                allocation: Some(allocation),
+                chunk_bytes: Some(4),
+                threads: Some(2),
+                ..LoadOptions::new(Device::CPU)
+            };
+            let load = FileLoad::new(
+                &mapped,
+                items.iter().collect(),
+                Device::CPU,
+                &options,
+                allocation,
+            )
+            .unwrap();
+            let done = AtomicU64::new(0);
+            read_files(
+                std::slice::from_ref(&load),
+                Device::CPU,
+                &options,
+                &done,
+                0,
+                &mut |_, _| {},
+            )
+            .unwrap();
+            assert_eq!(done.load(Ordering::Relaxed), 30, "{allocation:?}");
+            let mut out = BTreeMap::new();
+            load.views(None, &mut out).unwrap();
+            check(&out, &format!("{allocation:?}"));
+        }
+        // A plan past the file's end is an error, not a read of other memory.
+        let past = Item {
+            byte_range: 60..68,
+            ..items[0].clone()
+        };
+        let e = host_tensor(&mapped, past.byte_range, past.dtype, &past.layout, false);
+        assert!(matches!(e, Err(Error::OutOfBounds(_))), "{e:?}");
+    }
+
     #[test]
     fn allocation_names() {
         for (name, want) in [
@@ -1049,8 +1232,8 @@ mod tests {
         let path = misaligned_file("place");
         let file = SafeTensors::open(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
-        let plan = file.plan(|_| true);
-        let locations: Vec<&TensorLocation> = plan.iter().collect();
+        let plan = file.items(|_| true).unwrap();
+        let locations: Vec<&Item> = plan.iter().collect();
         let ranges = wrapped_ranges(&locations);
         assert_eq!(ranges.len(), 2, "the empty tensor is not wrapped");
         let mapping = file.buffer();
@@ -1111,7 +1294,7 @@ mod tests {
         .unwrap();
         let file = SafeTensors::open(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
-        let plan = file.plan(|_| true);
+        let plan = file.items(|_| true).unwrap();
         let ranges = wrapped_ranges(&plan.iter().collect::<Vec<_>>());
         assert_eq!(ranges.len(), 3);
         // The plan is arithmetic on addresses: every alignment a mapping of 4 KiB pages can have
@@ -1145,7 +1328,7 @@ mod tests {
     #[test]
     fn metal_loads_without_the_backend_answer_unavailable() {
         let path = misaligned_file("unavailable");
-        let checkpoint = Checkpoint::open(&path).unwrap();
+        let checkpoint = crate::safetensors::Checkpoint::open(&path).unwrap();
         let shard = &checkpoint.shards()[0];
         let items = [0..3, 3..11];
         assert!(backend::wrap_host(Device::metal(0), shard.buffer(), &items).is_none());
@@ -1208,7 +1391,7 @@ mod tests {
         let file = File::open(&path).unwrap();
         file.sync_all().unwrap();
         let len = file.metadata().unwrap().len() as i64;
-        let estimate = || resident_fraction(&SafeTensors::open(&path).unwrap());
+        let estimate = || resident_fraction(SafeTensors::open(&path).unwrap().mapped());
         let first = estimate();
         let drop = |from: i64| {
             // SAFETY: advice on a descriptor this test owns; it changes only the page cache.

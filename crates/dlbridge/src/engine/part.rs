@@ -1,6 +1,7 @@
 //! Which bytes a strided part of a stored array needs, and where they land when read: the plan
-//! behind partial reads ([`Checkpoint::load_part`](super::Checkpoint::load_part), a
-//! tensor-parallel rank's slice). It knows no file format: an array is a dense, row-major run of
+//! behind partial reads ([`load_part`](super::load_part), as
+//! [`Checkpoint::load_part`](crate::safetensors::Checkpoint::load_part) reads a tensor-parallel
+//! rank's slice). It knows no file format: an array is a dense, row-major run of
 //! bytes, a part is a [`Layout`] over its elements, and the plan is byte ranges of the array,
 //! each with its offset in one compact destination.
 //!

@@ -169,6 +169,12 @@ fn prepare(
         .open(&pending.temp)
         .map_err(|e| io_error(path, e))?;
     lock(&file, false).map_err(|e| io_error(path, e))?;
+    let head = head_bytes(header);
+    let items = write_items(plan, head.len() as u64);
+    // Before the old file's mode and owner are given to it: the engine opens the temporary a
+    // second time (O_DIRECT), which a read-only mode would refuse.
+    write_file(&pending.temp, &file, &head, &items, options, progress)
+        .map_err(|e| renamed(e, &pending.temp, path))?;
     if let Some(meta) = &existing {
         // SAFETY: `geteuid` only reads the process's effective user id.
         if unsafe { libc::geteuid() } == 0 {
@@ -178,11 +184,9 @@ fn prepare(
         // After the owner: changing it clears the set-user-ID and set-group-ID bits.
         let mode = std::fs::Permissions::from_mode(meta.mode() & 0o7777);
         file.set_permissions(mode).map_err(|e| io_error(path, e))?;
+        // The new mode and owner, durable with the data.
+        file.sync_all().map_err(|e| io_error(path, e))?;
     }
-    let head = head_bytes(header);
-    let items = write_items(plan, head.len() as u64);
-    write_file(&pending.temp, &file, &head, &items, options, progress)
-        .map_err(|e| renamed(e, &pending.temp, path))?;
     Ok(pending)
 }
 

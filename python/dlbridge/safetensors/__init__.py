@@ -327,7 +327,8 @@ def save_file(
     The bytes go through a ring of page-aligned buffers written by several threads around the
     page cache (``O_DIRECT``; through it where the file system refuses, as tmpfs does), with the
     GIL released. ``threads`` (writer threads), ``chunk_bytes`` (one write, a multiple of 4096)
-    and ``direct_io=False`` tune that. ``progress`` as in :func:`load_file` (bytes written).
+    and ``direct_io=False`` tune that. ``progress`` as in :func:`load_file` (bytes written; an
+    exception it raises is raised once the save has finished).
 
     ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``): ``path`` is a folder
     (created where missing) that receives a checkpoint as Hugging Face's ``save_pretrained``

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use dlbridge::safetensors::{
-    Allocation, Checkpoint, LoadOptions, deserialize, dtype_name, save_file, serialize,
+    Allocation, Checkpoint, LoadOptions, WriteOptions, deserialize, dtype_name, save_file_with,
+    save_sharded, serialize,
 };
 use dlbridge::{Device, Layout, Tensor};
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
@@ -288,19 +289,61 @@ fn named_tensors(tensors: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Tensor)>>
     Ok(owned)
 }
 
-/// Writes `tensors` (name → any array dlbridge can import) with `metadata` to `path`.
+/// Writes `tensors` (name → any array dlbridge can import) with `metadata` to `path`, or, with
+/// `max_shard_size`, as shards and their index into the folder `path`; returns the path written
+/// (the file, or the index or one file of a sharded save). `progress(done, total)` (bytes) is
+/// called about ten times a second while it writes; `threads`, `chunk_bytes` and `direct_io` set
+/// the engine's writers (`None`: its defaults).
 #[pyfunction]
-#[pyo3(signature = (tensors, path, metadata=None))]
+#[pyo3(signature = (
+    tensors, path, metadata=None, max_shard_size=None, progress=None, threads=None,
+    chunk_bytes=None, direct_io=None
+))]
+#[allow(clippy::too_many_arguments)]
 fn _st_save(
     py: Python<'_>,
     tensors: &Bound<'_, PyDict>,
     path: PathBuf,
     metadata: Option<BTreeMap<String, String>>,
-) -> PyResult<()> {
+    max_shard_size: Option<u64>,
+    progress: Option<Py<PyAny>>,
+    threads: Option<usize>,
+    chunk_bytes: Option<usize>,
+    direct_io: Option<bool>,
+) -> PyResult<PathBuf> {
     let owned = named_tensors(tensors)?;
     let refs: Vec<(&str, &Tensor)> = owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    py.detach(|| save_file(&refs, metadata.as_ref(), &path))
-        .py()
+    let defaults = WriteOptions::default();
+    let options = WriteOptions {
+        threads: threads.unwrap_or(defaults.threads).max(1),
+        chunk: chunk_bytes.unwrap_or(defaults.chunk),
+        direct_io: direct_io.unwrap_or(defaults.direct_io),
+    };
+    let mut callback_error: Option<PyErr> = None;
+    let saved = py.detach(|| {
+        let mut report = |done: u64, total: u64| {
+            let Some(progress) = &progress else {
+                return;
+            };
+            if callback_error.is_some() {
+                return;
+            }
+            Python::attach(|py| {
+                if let Err(e) = progress.call1(py, (done, total)) {
+                    callback_error = Some(e);
+                }
+            });
+        };
+        match max_shard_size {
+            Some(max) => save_sharded(&refs, metadata.as_ref(), &path, max, &options, &mut report),
+            None => save_file_with(&refs, metadata.as_ref(), &path, &options, &mut report)
+                .map(|()| path.clone()),
+        }
+    });
+    if let Some(e) = callback_error {
+        return Err(e);
+    }
+    saved.py()
 }
 
 /// `tensors` with `metadata` in the safetensors format, as bytes.

@@ -133,7 +133,8 @@ class _Convert:
 class _Bar:
     """A progress bar (tqdm) for loads that last more than about a second, on a terminal only."""
 
-    def __init__(self) -> None:
+    def __init__(self, desc: str = "loading") -> None:
+        self._desc = desc
         self._start = time.monotonic()
         self._bar: Any = None
         self._shown = 0
@@ -147,7 +148,7 @@ class _Bar:
             except ImportError:  # the bar is a nicety; a load never fails for it
                 return
             self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                             desc="loading", file=sys.stderr, leave=False)
+                             desc=self._desc, file=sys.stderr, leave=False)
         self._bar.update(done - self._shown)
         self._shown = done
 
@@ -156,13 +157,13 @@ class _Bar:
             self._bar.close()
 
 
-def _progress_callback(progress: Progress) -> Tuple[Optional[Callable[[int, int], Any]], Optional[_Bar]]:
+def _progress_callback(progress: Progress, desc: str = "loading") -> Tuple[Optional[Callable[[int, int], Any]], Optional[_Bar]]:
     if progress is False:
         return None, None
     if progress is None or progress is True:
         if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
             return None, None
-        bar = _Bar()
+        bar = _Bar(desc)
         return bar, bar
     if not callable(progress):
         raise TypeError(f"progress must be None, a bool or a callable, got {type(progress).__name__}")
@@ -276,17 +277,75 @@ def load_file(
     return convert.all(result)
 
 
+_SIZE_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def _size(size: Union[int, str]) -> int:
+    """Bytes of a size as Hugging Face writes them: an int, or ``"5GB"``, ``"500MB"`` (powers
+    of 10), ``"2GiB"`` (powers of 2); a ``ValueError`` naming the text otherwise."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"max_shard_size must be an int or a str such as '5GB', got {type(size).__name__}")
+    if isinstance(size, int):
+        value = size
+    else:
+        text = size.strip().upper()
+        number = text.rstrip("BKMGTI ")
+        unit = text[len(number):].strip() or "B"
+        try:
+            value = int(float(number) * _SIZE_UNITS[unit])
+        except (KeyError, ValueError):
+            raise ValueError(f"max_shard_size {size!r} is not a size such as 5GB, 500MB or 2GiB") from None
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
 def save_file(
     tensors: Mapping[str, Any],
     path: PathLike,
     metadata: Optional[Mapping[str, str]] = None,
+    *,
+    max_shard_size: Union[int, str, None] = None,
+    progress: Progress = None,
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    direct_io: Optional[bool] = None,
 ) -> None:
     """Writes ``tensors`` (any arrays dlbridge imports: its own, NumPy, PyTorch, JAX, CuPy, ...,
-    on any device) with ``metadata`` in the safetensors format, atomically (a temporary file in
-    the same folder, renamed); ``safetensors`` reads the result. A symbolic link stays one (the
-    file it leads to is replaced); an existing file keeps its permissions (and its owner, as
-    root). A header over the format's 100 MB limit is a ``ValueError`` and writes nothing."""
-    _dlbridge._st_save(dict(tensors), os.fspath(path), None if metadata is None else dict(metadata))
+    on any device) with ``metadata`` in the safetensors format, atomically and durably (a
+    temporary file in the same folder, synced, renamed, and the folder synced before it returns);
+    ``safetensors`` reads the result, and its bytes are those ``safetensors`` writes for the same
+    tensors. A symbolic link stays one (the file it leads to is replaced); an existing file keeps
+    its permissions (and its owner, as root). A header over the format's 100 MB limit is a
+    ``ValueError`` and writes nothing. A full disk or another write error is an ``OSError`` and
+    leaves the old file (if any) as it was; a temporary a killed process left behind
+    (``.NAME.PID.N.tmp``) is removed by the next save to the same file.
+
+    The bytes go through a ring of page-aligned buffers written by several threads around the
+    page cache (``O_DIRECT``; through it where the file system refuses, as tmpfs does), with the
+    GIL released. ``threads`` (writer threads), ``chunk_bytes`` (one write, a multiple of 4096)
+    and ``direct_io=False`` tune that. ``progress`` as in :func:`load_file` (bytes written; an
+    exception it raises is raised once the save has finished).
+
+    ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``): ``path`` is a folder
+    (created where missing) that receives a checkpoint as Hugging Face's ``save_pretrained``
+    writes one: shards ``model-00001-of-00003.safetensors`` of at most that much tensor data (the
+    tensors in the given order; one larger than the limit alone in its shard), written in
+    parallel, and ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``); one
+    shard is ``model.safetensors`` without an index. The shards are renamed into place only once
+    all are written, the index last. :func:`load_file` takes the index or the folder."""
+    shard = None if max_shard_size is None else _size(max_shard_size)
+    callback, bar = _progress_callback(progress, "saving")
+    try:
+        _dlbridge._st_save(
+            dict(tensors), os.fspath(path), None if metadata is None else dict(metadata),
+            shard, callback, threads, chunk_bytes, direct_io)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class _Slice:

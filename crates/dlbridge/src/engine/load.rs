@@ -1373,8 +1373,8 @@ mod tests {
     }
 
     /// The sampled residency of a 32 MiB file under `target/`: all of it just after it was
-    /// written, then about half once the kernel was told to drop the second half of its cached
-    /// pages (written back first), then about none. (On a tmpfs, whose pages are the file and
+    /// written and read back, then about half once the kernel was told to drop the second half of
+    /// its cached pages (written back first), then about none. (On a tmpfs, whose pages are the file and
     /// are never dropped, it stays all.)
     #[test]
     #[cfg(target_os = "linux")]
@@ -1388,6 +1388,8 @@ mod tests {
         ));
         let data = Tensor::zeros(&[8 << 20], DType::F32, Device::CPU).unwrap();
         crate::safetensors::save_file(&[("w", &data)], None, &path).unwrap();
+        // The save wrote around the page cache (O_DIRECT): a read brings the file into it.
+        std::fs::read(&path).unwrap();
         let file = File::open(&path).unwrap();
         file.sync_all().unwrap();
         let len = file.metadata().unwrap().len() as i64;

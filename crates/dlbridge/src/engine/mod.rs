@@ -1,4 +1,5 @@
-//! The loading engine: arrays of files onto any device, knowing no file format. A format (the
+//! The loading and saving engine: arrays of files onto any device and back, knowing no file
+//! format. A format (the
 //! [`safetensors`](crate::safetensors) checkpoints, `npy` arrays) opens its files
 //! with [`MappedFile::open`], parses its header from the mapped bytes, and hands the engine a
 //! plan: per file, each array's byte range, element type and layout ([`Item`]). The engine does
@@ -12,6 +13,7 @@
 //! | load | [`load`] with [`LoadOptions`] | CPU views of the mapping (or private copies); Metal views of the wrapped pages (or blits); CUDA through parallel positioned reads, pinned staging and asynchronous copies, or direct reads and cuFile for files not in the page cache |
 //! | part | [`load_part`], [`PartPlan`] | a strided part of one array (a rank's rows or columns) reading only the bytes it needs |
 //! | one array on the CPU | [`host_tensor`] | a view of the mapping or a private copy, as a CPU load makes each |
+//! | save | [`write_file`] with [`WriteItem`], [`WriteOptions`] | a head and arrays of any device and layout at their file offsets: a ring of page-aligned host buffers filled in file order, written by several threads around the page cache (`O_DIRECT`, buffered where refused), then synced |
 //!
 //! How a load reads: reader threads ([`default_threads`], [`default_direct_threads`]) take
 //! pieces of at most [`DEFAULT_CHUNK`] (or [`DEFAULT_DIRECT_CHUNK`]) bytes; whether a file is
@@ -22,6 +24,7 @@
 mod file;
 mod load;
 mod part;
+mod save;
 
 pub use file::MappedFile;
 #[cfg_attr(not(cuda), allow(unused_imports))] // `Mapping`: the CUDA reader's shared mappings
@@ -32,3 +35,5 @@ pub use load::{
     default_threads, host_tensor, load, load_part,
 };
 pub use part::{DEFAULT_MAX_GAP, PartPlan};
+pub(crate) use save::write_to;
+pub use save::{DEFAULT_WRITE_CHUNK, WriteItem, WriteOptions, default_write_threads, write_file};

@@ -5,15 +5,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::device::Device;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::Layout;
 use crate::tensor::Tensor;
 
 use super::dtype::dtype_name;
 use super::header::{MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN};
-use crate::engine::{check_regular, io_error};
+use crate::engine::{WriteItem, WriteOptions, check_regular, io_error, write_file, write_to};
 
 /// One tensor to write: its name, dtype name and the bytes it takes in the file.
 struct Planned<'a> {
@@ -53,9 +50,12 @@ pub fn serialize(
     Ok(out)
 }
 
-/// [`write()`] to the file at `path`, atomically: the bytes go to a temporary file in the same
-/// folder, which is synced and then renamed over `path`, so a failed save leaves no partial file
-/// (and nothing at all where the tensors or metadata are refused).
+/// [`write()`] to the file at `path`, atomically and durably: the bytes go to a temporary file in
+/// the same folder through the saving engine ([`crate::engine::write_file`]: a ring of aligned
+/// host buffers, several writer threads, `O_DIRECT` where the file system takes it), which is
+/// synced and then renamed over `path`, and the folder is synced after the rename; so a failed
+/// save leaves no partial file (and nothing at all where the tensors or metadata are refused),
+/// and a save that returned survives a power cut.
 ///
 /// - A `path` that is a symbolic link (such as a shard in the Hugging Face cache, a link into
 ///   its `blobs/`) stays one: the file it leads to is replaced, through any chain of links.
@@ -65,15 +65,86 @@ pub fn serialize(
 ///   umask). Other links to the old file (hard links) keep the old content.
 /// - A `path` that exists but is not a regular file (a directory, a FIFO, a device) is refused
 ///   with an [`Error::Io`] saying what it is.
+/// - The temporary is `.NAME.PID.N.tmp` beside the file, locked (`flock`) while it is written.
+///   One that a killed process left behind (unlocked, over a second old) is removed by the next
+///   save to the same file.
 pub fn save_file(
     tensors: &[(&str, &Tensor)],
     metadata: Option<&BTreeMap<String, String>>,
     path: impl AsRef<Path>,
 ) -> Result<()> {
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-    let path = path.as_ref();
+    save_file_with(
+        tensors,
+        metadata,
+        path,
+        &WriteOptions::default(),
+        &mut |_, _| {},
+    )
+}
+
+/// [`save_file`] with the engine's `options`, calling `progress(done, total)` (bytes) about ten
+/// times a second while it writes and once at the end.
+pub fn save_file_with(
+    tensors: &[(&str, &Tensor)],
+    metadata: Option<&BTreeMap<String, String>>,
+    path: impl AsRef<Path>,
+    options: &WriteOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
     let plan = plan(tensors)?;
     let header = header_json(&plan, metadata)?;
+    save_planned(&plan, &header, path.as_ref(), options, progress)
+}
+
+/// Writes a planned file to `path` as [`save_file`] describes.
+fn save_planned(
+    plan: &[Planned<'_>],
+    header: &str,
+    path: &Path,
+    options: &WriteOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
+    prepare(plan, header, path, options, progress)?.commit()
+}
+
+/// A file written and synced under its temporary name, not yet renamed over its target; dropped
+/// uncommitted, the temporary is removed.
+struct Pending {
+    /// The path the caller named, for errors.
+    path: PathBuf,
+    temp: PathBuf,
+    target: PathBuf,
+    committed: bool,
+}
+
+impl Pending {
+    /// Renames the temporary over the target and syncs the folder.
+    fn commit(mut self) -> Result<()> {
+        std::fs::rename(&self.temp, &self.target).map_err(|e| io_error(&self.path, e))?;
+        self.committed = true;
+        sync_folder(&self.target).map_err(|e| io_error(&self.path, e))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.committed {
+            // Best effort: the temporary may not exist (creating it failed).
+            let _ = std::fs::remove_file(&self.temp);
+        }
+    }
+}
+
+/// Writes a planned file to a synced temporary beside `path`'s target (with the existing
+/// file's mode and owner), ready to be renamed over it.
+fn prepare(
+    plan: &[Planned<'_>],
+    header: &str,
+    path: &Path,
+    options: &WriteOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Pending> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
     let target = final_target(path)?;
     let existing = match std::fs::metadata(&target) {
         Ok(meta) => {
@@ -83,37 +154,334 @@ pub fn save_file(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(io_error(path, e)),
     };
-    let temp = temp_path(&target);
-    let result = (|| {
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(if existing.is_some() { 0o600 } else { 0o666 })
-            .open(&temp)
-            .map_err(|e| io_error(path, e))?;
-        if let Some(meta) = &existing {
-            // SAFETY: `geteuid` only reads the process's effective user id.
-            if unsafe { libc::geteuid() } == 0 {
-                std::os::unix::fs::fchown(&file, Some(meta.uid()), Some(meta.gid()))
-                    .map_err(|e| io_error(path, e))?;
-            }
-            // After the owner: changing it clears the set-user-ID and set-group-ID bits.
-            let mode = std::fs::Permissions::from_mode(meta.mode() & 0o7777);
-            file.set_permissions(mode).map_err(|e| io_error(path, e))?;
+    remove_stale_temporaries(&target);
+    let pending = Pending {
+        path: path.to_path_buf(),
+        temp: temp_path(&target),
+        target,
+        committed: false,
+    };
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(if existing.is_some() { 0o600 } else { 0o666 })
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&pending.temp)
+        .map_err(|e| io_error(path, e))?;
+    lock(&file, false).map_err(|e| io_error(path, e))?;
+    let head = head_bytes(header);
+    let items = write_items(plan, head.len() as u64);
+    // Before the old file's mode and owner are given to it: the engine opens the temporary a
+    // second time (O_DIRECT), which a read-only mode would refuse.
+    write_file(&pending.temp, &file, &head, &items, options, progress)
+        .map_err(|e| renamed(e, &pending.temp, path))?;
+    if let Some(meta) = &existing {
+        // SAFETY: `geteuid` only reads the process's effective user id.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::fchown(&file, Some(meta.uid()), Some(meta.gid()))
+                .map_err(|e| io_error(path, e))?;
         }
-        let mut writer = std::io::BufWriter::new(file);
-        write_planned(&plan, &header, &mut writer, path)?;
-        let file = writer
-            .into_inner()
-            .map_err(|e| io_error(path, e.into_error()))?;
+        // After the owner: changing it clears the set-user-ID and set-group-ID bits.
+        let mode = std::fs::Permissions::from_mode(meta.mode() & 0o7777);
+        file.set_permissions(mode).map_err(|e| io_error(path, e))?;
+        // The new mode and owner, durable with the data.
         file.sync_all().map_err(|e| io_error(path, e))?;
-        std::fs::rename(&temp, &target).map_err(|e| io_error(path, e))
-    })();
-    if result.is_err() {
-        // Best effort: the temporary may not exist (creating it failed).
-        let _ = std::fs::remove_file(&temp);
     }
-    result
+    Ok(pending)
+}
+
+/// The name of the index of a sharded save, as Hugging Face's `save_pretrained` writes it.
+pub const INDEX_NAME: &str = "model.safetensors.index.json";
+
+/// Saves `tensors` into the folder `folder` (created where missing) as a checkpoint of shards of
+/// at most `max_shard_size` bytes of tensor data each, as Hugging Face's `save_pretrained` and
+/// `huggingface_hub.save_torch_state_dict` lay one out: the tensors in the given order, a new
+/// shard started where the next tensor would overflow the current one, a tensor larger than
+/// `max_shard_size` in a shard of its own; shards named `model-00001-of-00003.safetensors`, each
+/// a standard safetensors file with `metadata`, and [`INDEX_NAME`] with `metadata.total_size`
+/// (the tensors' bytes) and `weight_map` (name → shard). A single shard is `model.safetensors`,
+/// with no index, as there. Returns the path of the index (or of the one file).
+///
+/// The shards are written in parallel, each as [`save_file`] writes a file, to temporaries that
+/// are renamed only once all of them are written, the index last: a failed save leaves the folder
+/// as it was (stale files of an earlier save with more shards are not removed). Errors as
+/// [`save_file`]'s, before anything is written where the tensors or metadata are refused; a
+/// `max_shard_size` of 0 is an [`Error::InvalidArgument`].
+pub fn save_sharded(
+    tensors: &[(&str, &Tensor)],
+    metadata: Option<&BTreeMap<String, String>>,
+    folder: impl AsRef<Path>,
+    max_shard_size: u64,
+    options: &WriteOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<PathBuf> {
+    use std::sync::atomic::AtomicUsize;
+    let folder = folder.as_ref();
+    if max_shard_size == 0 {
+        return Err(Error::InvalidArgument(
+            "max_shard_size must be at least one byte".into(),
+        ));
+    }
+    let all = plan(tensors)?;
+    let sizes: BTreeMap<&str, u64> = all.iter().map(|p| (p.name, p.nbytes)).collect();
+    let shards = split(tensors, &sizes, max_shard_size);
+    let count = shards.len();
+    let names: Vec<String> = (1..=count)
+        .map(|i| {
+            if count == 1 {
+                "model.safetensors".to_owned()
+            } else {
+                format!("model-{i:05}-of-{count:05}.safetensors")
+            }
+        })
+        .collect();
+    let plans = shards
+        .iter()
+        .map(|shard| {
+            let plan = plan(shard)?;
+            let header = header_json(&plan, metadata)?;
+            Ok((plan, header))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let total: u64 = sizes.values().sum();
+    let index = (count > 1).then(|| {
+        let weight_map: BTreeMap<&str, &str> = shards
+            .iter()
+            .zip(&names)
+            .flat_map(|(shard, file)| shard.iter().map(move |(name, _)| (*name, file.as_str())))
+            .collect();
+        let json = serde_json::json!({
+            "metadata": {"total_size": total},
+            "weight_map": weight_map,
+        });
+        let mut text = serde_json::to_string_pretty(&json).unwrap_or_default();
+        text.push('\n');
+        text
+    });
+    std::fs::create_dir_all(folder).map_err(|e| io_error(folder, e))?;
+
+    let parallel = count.min(options.threads.max(1)).clamp(1, 4);
+    let shard_options = WriteOptions {
+        threads: options.threads.div_ceil(parallel).max(1),
+        ..*options
+    };
+    let done: Vec<AtomicU64> = (0..count).map(|_| AtomicU64::new(0)).collect();
+    let next = AtomicUsize::new(0);
+    let slots: Vec<std::sync::Mutex<Option<Result<Pending>>>> =
+        (0..count).map(|_| std::sync::Mutex::new(None)).collect();
+    let data_total: u64 = plans
+        .iter()
+        .map(|(_, h)| h.len() as u64 + PREFIX_LEN)
+        .sum::<u64>()
+        + total;
+    let caller = std::thread::current();
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..parallel)
+            .map(|_| {
+                scope.spawn(|| {
+                    while let Some(((plan, header), i)) = {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        plans.get(i).map(|p| (p, i))
+                    } {
+                        let path = folder.join(&names[i]);
+                        let result = prepare(plan, header, &path, &shard_options, &mut |d, _| {
+                            done[i].store(d, Ordering::Relaxed)
+                        });
+                        let failed = result.is_err();
+                        *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+                        if failed {
+                            // The other workers stop at their next shard.
+                            next.store(count, Ordering::Relaxed);
+                        }
+                    }
+                    caller.unpark();
+                })
+            })
+            .collect();
+        while !workers.iter().all(|w| w.is_finished()) {
+            progress(
+                done.iter().map(|d| d.load(Ordering::Relaxed)).sum(),
+                data_total,
+            );
+            std::thread::park_timeout(std::time::Duration::from_millis(100));
+        }
+    });
+    let mut pending = Vec::with_capacity(count);
+    for slot in slots {
+        match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(p)) => pending.push(p),
+            Some(Err(e)) => return Err(e),
+            None => {
+                return Err(Error::Driver {
+                    backend: "writer",
+                    message: "a shard writer stopped before its shard".into(),
+                });
+            }
+        }
+    }
+    for p in pending {
+        p.commit()?;
+    }
+    progress(data_total, data_total);
+    match index {
+        Some(text) => {
+            let path = folder.join(INDEX_NAME);
+            write_small_file(&path, text.as_bytes())?;
+            Ok(path)
+        }
+        None => Ok(folder.join(&names[0])),
+    }
+}
+
+/// Hugging Face's split of `tensors` (in order) into shards of at most `max` bytes each.
+fn split<'a>(
+    tensors: &[(&'a str, &'a Tensor)],
+    sizes: &BTreeMap<&str, u64>,
+    max: u64,
+) -> Vec<Vec<(&'a str, &'a Tensor)>> {
+    let mut shards = Vec::new();
+    let mut current = Vec::new();
+    let mut current_size = 0u64;
+    for &(name, tensor) in tensors {
+        let size = sizes.get(name).copied().unwrap_or(0);
+        if size > max {
+            shards.push(vec![(name, tensor)]);
+            continue;
+        }
+        if current_size + size > max && !current.is_empty() {
+            shards.push(std::mem::take(&mut current));
+            current_size = 0;
+        }
+        current.push((name, tensor));
+        current_size += size;
+    }
+    if !current.is_empty() || shards.is_empty() {
+        shards.push(current);
+    }
+    shards
+}
+
+/// Writes `bytes` to `path` atomically and durably (a synced temporary renamed over it, then
+/// the folder synced).
+fn write_small_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write as _;
+    let temp = temp_path(path);
+    let pending = Pending {
+        path: path.to_path_buf(),
+        temp,
+        target: path.to_path_buf(),
+        committed: false,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&pending.temp)
+        .map_err(|e| io_error(path, e))?;
+    file.write_all(bytes).map_err(|e| io_error(path, e))?;
+    file.sync_all().map_err(|e| io_error(path, e))?;
+    pending.commit()
+}
+
+/// An engine error about the temporary `temp`, told about `path`, the file the caller named.
+fn renamed(e: Error, temp: &Path, path: &Path) -> Error {
+    match e {
+        Error::Io { path: p, source } if p == temp => io_error(path, source),
+        other => other,
+    }
+}
+
+/// The length prefix and the header: the bytes before the data section.
+fn head_bytes(header: &str) -> Vec<u8> {
+    let mut head = Vec::with_capacity(PREFIX_LEN as usize + header.len());
+    head.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    head.extend_from_slice(header.as_bytes());
+    head
+}
+
+/// The engine's items of a plan whose data section starts at `data_start`.
+fn write_items<'a>(plan: &[Planned<'a>], data_start: u64) -> Vec<WriteItem<'a>> {
+    let mut offset = data_start;
+    plan.iter()
+        .map(|item| {
+            let write = WriteItem {
+                tensor: item.tensor,
+                offset,
+                nbytes: item.nbytes,
+            };
+            offset += item.nbytes;
+            write
+        })
+        .collect()
+}
+
+/// Syncs the folder `path` lies in, so that a rename into it is durable.
+fn sync_folder(path: &Path) -> std::io::Result<()> {
+    let folder = match path.parent() {
+        Some(folder) if !folder.as_os_str().is_empty() => folder,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(folder)?.sync_all()
+}
+
+/// Takes an exclusive `flock` on `file`; `try_only`: without waiting (`WouldBlock` where another
+/// holds it).
+fn lock(file: &std::fs::File, try_only: bool) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let flags = libc::LOCK_EX | if try_only { libc::LOCK_NB } else { 0 };
+    // SAFETY: `flock` on a descriptor `file` owns; it only takes an advisory lock, released when
+    // the descriptor is closed.
+    if unsafe { libc::flock(file.as_raw_fd(), flags) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Removes the temporaries of saves to `target` that their process left behind: named as
+/// [`temp_path`] names them, not locked (the lock goes with the process that wrote them), and
+/// not changed for a second (a temporary is locked right after it is created). Best effort.
+fn remove_stale_temporaries(target: &Path) {
+    let (Some(folder), Some(name)) = (target.parent(), target.file_name()) else {
+        return;
+    };
+    let folder = if folder.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        folder
+    };
+    let prefix = format!(".{}.", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name().to_string_lossy().into_owned();
+        let Some(middle) = file_name
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.strip_suffix(".tmp"))
+        else {
+            continue;
+        };
+        let numbered = middle.split('.').count() == 2
+            && middle
+                .split('.')
+                .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if !numbered {
+            continue;
+        }
+        let candidate = entry.path();
+        let Ok(file) = std::fs::File::open(&candidate) else {
+            continue;
+        };
+        let old = file
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age >= std::time::Duration::from_secs(1));
+        if old && file.metadata().is_ok_and(|m| m.is_file()) && lock(&file, true).is_ok() {
+            let _ = std::fs::remove_file(&candidate);
+        }
+    }
 }
 
 /// Where a save to `path` writes: `path` itself, or where the chain of symbolic links that
@@ -163,16 +531,9 @@ fn write_planned(
     writer: &mut dyn Write,
     path: &Path,
 ) -> Result<()> {
-    let io = |e| io_error(path, e);
-    writer
-        .write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(io)?;
-    writer.write_all(header.as_bytes()).map_err(io)?;
-    for item in plan {
-        let bytes = host_bytes(item)?;
-        writer.write_all(&bytes).map_err(io)?;
-    }
-    writer.flush().map_err(io)
+    let head = head_bytes(header);
+    let items = write_items(plan, head.len() as u64);
+    write_to(writer, &head, &items, path)
 }
 
 /// Checks names and dtypes and orders the tensors as they will lie in the file: by element type
@@ -315,58 +676,6 @@ fn header_json(
     Ok(json)
 }
 
-/// The tensor's bytes as the file stores them: compact, row-major, on the host; sub-byte
-/// elements packed.
-fn host_bytes(item: &Planned<'_>) -> Result<Vec<u8>> {
-    let tensor = item.tensor;
-    if item.nbytes == 0 {
-        return Ok(Vec::new());
-    }
-    if tensor.dtype().is_sub_byte() && !tensor.is_packed() {
-        // One element per byte (DLPack's padded form): pack them.
-        let padded = raw_bytes(&tensor.copy_to(Device::CPU)?, tensor.numel())?;
-        return Ok(pack(&padded, tensor.dtype(), item.nbytes as usize));
-    }
-    let compact = if tensor.is_contiguous() {
-        tensor.clone()
-    } else {
-        tensor.copy()?
-    };
-    raw_bytes(&compact, item.nbytes as usize)
-}
-
-/// The first `nbytes` bytes of a compact tensor's elements, copied to a host `Vec`.
-fn raw_bytes(compact: &Tensor, nbytes: usize) -> Result<Vec<u8>> {
-    let layout = Layout::contiguous_at(&[nbytes], compact.byte_offset())?;
-    let bytes = Tensor::new(compact.buffer().clone(), DType::U8, layout)?;
-    let host = if bytes.device().is_cpu() {
-        bytes
-    } else {
-        bytes.copy_to(Device::CPU)?
-    };
-    let mut out = crate::error::host_vec(nbytes)?;
-    out.extend_from_slice(host.as_slice::<u8>()?);
-    Ok(out)
-}
-
-/// Packs one-per-byte sub-byte elements densely, element `i` at bit `i * bits`.
-fn pack(padded: &[u8], dtype: DType, nbytes: usize) -> Vec<u8> {
-    let bits = dtype.bits() as usize;
-    let mask = (1u16 << bits) - 1;
-    let mut out = vec![0u8; nbytes];
-    for (i, &value) in padded.iter().enumerate() {
-        let (byte, shift) = ((i * bits) / 8, (i * bits) % 8);
-        let wide = (u16::from(value) & mask) << shift;
-        if let Some(slot) = out.get_mut(byte) {
-            *slot |= wide as u8;
-        }
-        if let Some(slot) = out.get_mut(byte + 1) {
-            *slot |= (wide >> 8) as u8;
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -387,5 +696,35 @@ mod tests {
         for pair in FILE_ORDER[1..].windows(2) {
             assert!(bits(pair[0]) <= bits(pair[1]), "{pair:?}");
         }
+    }
+
+    /// Hugging Face's split: tensors in order, a new shard where the next would overflow, one
+    /// over the limit alone (placed before the shard being filled), nothing left empty.
+    #[test]
+    fn shards_split_as_hugging_face_splits_them() {
+        let t = |n: usize| Tensor::zeros(&[n], crate::DType::U8, crate::Device::CPU).unwrap();
+        let (a, b, c, huge, d) = (t(4), t(4), t(4), t(12), t(2));
+        let tensors = [("a", &a), ("b", &b), ("c", &c), ("huge", &huge), ("d", &d)];
+        let sizes: BTreeMap<&str, u64> = tensors
+            .iter()
+            .map(|(n, t)| (*n, t.numel() as u64))
+            .collect();
+        let names = |max| -> Vec<Vec<&str>> {
+            split(&tensors, &sizes, max)
+                .iter()
+                .map(|s| s.iter().map(|(n, _)| *n).collect())
+                .collect()
+        };
+        assert_eq!(names(10), [vec!["a", "b"], vec!["huge"], vec!["c", "d"]]);
+        assert_eq!(names(100), [vec!["a", "b", "c", "huge", "d"]]);
+        assert_eq!(
+            names(1),
+            [vec!["a"], vec!["b"], vec!["c"], vec!["huge"], vec!["d"]]
+        );
+        assert_eq!(
+            split(&[], &sizes, 10).len(),
+            1,
+            "no tensors: one empty file"
+        );
     }
 }

@@ -1,0 +1,183 @@
+"""Saving tensors durably: dlbridge beside the savers people use and the disk's own ceiling, in one run.
+
+    python bench/bench_save.py [--gb 1.0] [--tensors 64] [--device cpu|cuda:0] [--dir DIR]
+                               [--runs 3] [--shard-size 256MB] [--threads 4]
+
+Builds about `--gb` GB of tensors (float32 on the CPU, bf16 on a GPU) and times each saver from the
+call until the file is durable (its `fsync` has returned; dlbridge's `save_file` syncs the file and,
+after the rename, its folder before it returns): the page cache is dropped before each save when
+root (`echo 3 > /proc/sys/vm/drop_caches`, as bench/bench_load.py does). Rows:
+
+- raw: the same number of bytes written by `--threads` threads with `O_DIRECT` (16 MiB positioned
+  writes of page-aligned memory) to a file in the same folder, then `fsync`: the ceiling;
+- `safetensors.torch.save_file`, then `fsync` of the file;
+- `torch.save`, then `fsync` of the file;
+- `dlbridge.save_file` (one file);
+- `dlbridge.save_file(..., max_shard_size=)` (shards written in parallel, with their index).
+
+The savers run in turn, in a rotating order, `--runs` rounds; the table gives each one's median
+GB/s and its ratio to raw and to safetensors. Peers that are not installed are reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from typing import Callable
+
+import torch
+
+import dlbridge
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_tensors(gb: float, count: int, device: str) -> dict[str, torch.Tensor]:
+    """`count` tensors of about `gb` GB in all, of varied row counts, random values."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    per = int(gb * 1e9) // count // torch.tensor([], dtype=dtype).element_size()
+    cols = 4096
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for i in range(count):
+        rows = max(1, per // cols + (i % 5 - 2) * 7)
+        out[f"model.layers.{i}.weight"] = torch.randn(rows, cols, generator=gen).to(dtype).to(device)
+    return out
+
+
+def raw_write(path: str, nbytes: int, threads: int) -> None:
+    """`nbytes` written with `O_DIRECT` by `threads` threads in 16 MiB positioned writes, then
+    synced (the last partial piece rounded up to the page, then the file truncated to size)."""
+    chunk = 16 << 20
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    fd = os.open(path, flags, 0o644)
+    pieces = list(range(0, nbytes, chunk))
+    lock = threading.Lock()
+
+    def work() -> None:
+        buf = mmap.mmap(-1, chunk)
+        buf.write(os.urandom(4096) * (chunk // 4096))
+        while True:
+            with lock:
+                if not pieces:
+                    return
+                offset = pieces.pop()
+            length = min(chunk, nbytes - offset)
+            length = -(-length // 4096) * 4096
+            view = memoryview(buf)[:length]
+            done = 0
+            while done < length:
+                done += os.pwrite(fd, view[done:], offset + done)
+
+    try:
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        os.ftruncate(fd, nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".save-bench"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--shard-size", default="256MB")
+    parser.add_argument("--threads", type=int, default=4)
+    args = parser.parse_args()
+
+    tensors = make_tensors(args.gb, args.tensors, args.device)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    os.makedirs(args.dir, exist_ok=True)
+    out = lambda name: os.path.join(args.dir, name)  # noqa: E731
+    dropped = drop_caches()
+
+    savers: dict[str, Callable[[], None]] = {}
+    savers["raw O_DIRECT write"] = lambda: raw_write(out("raw.bin"), nbytes, args.threads)
+    try:
+        import safetensors.torch as st
+
+        def st_save() -> None:
+            st.save_file(tensors, out("st.safetensors"))
+            fsync_path(out("st.safetensors"))
+
+        savers["safetensors.torch.save_file"] = st_save
+    except ImportError:
+        print("safetensors is not installed: its row is left out")
+
+    def torch_save() -> None:
+        torch.save(tensors, out("torch.pt"))
+        fsync_path(out("torch.pt"))
+
+    savers["torch.save"] = torch_save
+    savers["dlbridge.save_file"] = lambda: dlbridge.save_file(tensors, out("dlb.safetensors"))
+    sharded = "max_shard_size" in (dlbridge.save_file.__doc__ or "")
+    if sharded:
+        savers[f"dlbridge sharded ({args.shard_size})"] = lambda: dlbridge.save_file(
+            tensors, out("dlb-sharded"), max_shard_size=args.shard_size
+        )
+    else:
+        print("this dlbridge has no max_shard_size: the sharded row is left out")
+
+    times: dict[str, list[float]] = {name: [] for name in savers}
+    names = list(savers)
+    for r in range(args.runs):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            for leftover in os.listdir(args.dir):
+                p = out(leftover)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+            drop_caches()
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            savers[name]()
+            times[name].append(time.perf_counter() - start)
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+    gbs = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    raw = gbs["raw O_DIRECT write"]
+    ref = gbs.get("safetensors.torch.save_file")
+    print(
+        f"\n{nbytes / 1e9:.2f} GB of {next(iter(tensors.values())).dtype} in {len(tensors)} tensors "
+        f"from {args.device}, durable (fsync); page cache {'dropped' if dropped else 'NOT dropped (not root)'}"
+        f" before each; median of {args.runs} rounds; {sys.platform}, {os.cpu_count()} CPUs"
+    )
+    print("\n| saver | GB/s | of raw | of safetensors | runs (s) |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name, value in gbs.items():
+        of_st = f"{value / ref:.2f}" if ref else "n/a"
+        runs = ", ".join(f"{t:.2f}" for t in times[name])
+        print(f"| {name} | {value:.2f} | {value / raw:.2f} | {of_st} | {runs} |")
+
+
+if __name__ == "__main__":
+    main()

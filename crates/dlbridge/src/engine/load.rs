@@ -1393,9 +1393,6 @@ mod tests {
         let file = File::open(&path).unwrap();
         file.sync_all().unwrap();
         let len = file.metadata().unwrap().len() as i64;
-        // Read once, so that every page is cached (written pages may already have been evicted
-        // on a loaded machine).
-        std::hint::black_box(std::fs::read(&path).unwrap());
         let estimate = || resident_fraction(SafeTensors::open(&path).unwrap().mapped());
         let first = estimate();
         let drop = |from: i64| {

@@ -4,6 +4,7 @@ CPU, shards with an index, progress, the command line, and every kind of bad fil
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -267,8 +268,12 @@ def test_bad_files_are_clear_errors(tmp_path, case):
 
 
 def test_missing_file_and_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.safetensors"):
+    with pytest.raises(FileNotFoundError, match="missing.safetensors") as info:
         dlbridge.load_file(tmp_path / "missing.safetensors")
+    # As open() raises it: the number, the system's text and the file as attributes.
+    assert info.value.errno == errno.ENOENT
+    assert info.value.strerror == os.strerror(errno.ENOENT)
+    assert info.value.filename == str(tmp_path / "missing.safetensors")
     with pytest.raises(OSError):
         dlbridge.load_file(tmp_path)
 

@@ -330,6 +330,7 @@ def test_a_full_disk_is_an_oserror_and_leaves_nothing_partial(tmp_path, sharded)
             else:
                 dlbridge.save_file(big, path)
         assert "No space left on device" in str(info.value)
+        assert info.value.errno == errno.ENOSPC and info.value.filename
         assert path.read_bytes() == before
         names = os.listdir(disk)
         if sharded:

@@ -3,15 +3,27 @@
 use dlbridge::{Error, ErrorKind};
 use pyo3::PyErr;
 use pyo3::exceptions::{
-    PyBufferError, PyIndexError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError,
+    PyBufferError, PyIndexError, PyMemoryError, PyOSError, PyRuntimeError, PyTypeError,
+    PyValueError,
 };
 
 /// Maps a core error to the exception its [`ErrorKind`] calls for (`BufferError`, `ValueError`,
 /// `TypeError`, `IndexError`, `MemoryError`, `RuntimeError`); a file error is the `OSError`
 /// subclass the system's error calls for (`FileNotFoundError`, `PermissionError`, ...), with the
-/// file named.
+/// file named; where the system gave an error number, with `errno`, `strerror` and `filename` set.
 pub fn to_py(err: Error) -> PyErr {
     if let Error::Io { path, source } = err {
+        if let Some(code) = source.raw_os_error() {
+            // `OSError(errno, strerror, filename)`: Python picks the subclass by the number
+            // (`FileNotFoundError`, `IsADirectoryError`, ...) and sets `errno`, `strerror` and
+            // `filename`, as `open()` does.
+            let text = source.to_string();
+            let strerror = text
+                .strip_suffix(&format!(" (os error {code})"))
+                .unwrap_or(&text)
+                .to_owned();
+            return PyOSError::new_err((code, strerror, path.to_string_lossy().into_owned()));
+        }
         let kind = source.kind();
         return PyErr::from(std::io::Error::new(
             kind,

@@ -178,6 +178,14 @@ impl Error {
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Shorthand for [`Error::InvalidFile`]: `path` is not a valid file of its format, for `reason`.
+pub(crate) fn invalid_file(path: &std::path::Path, reason: String) -> Error {
+    Error::InvalidFile {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
 /// Shorthand for an overflow error naming the computation.
 pub(crate) fn overflow(what: impl std::fmt::Display) -> Error {
     Error::Overflow(what.to_string())

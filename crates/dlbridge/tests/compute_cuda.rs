@@ -1602,13 +1602,13 @@ fn agrees(what: &str, device: Device, f: impl Fn(Device) -> dlbridge::Result<Ten
     agrees_within(what, device, 8.0, f)
 }
 
-/// [`agrees`] with floats within `ulps` times the dtype's element-wise tolerance.
-fn agrees_within(
+/// `f` run on `device` and on the CPU: the two results, checked to be on their devices with the
+/// same shape and dtype.
+fn on_both(
     what: &str,
     device: Device,
-    ulps: f64,
     f: impl Fn(Device) -> dlbridge::Result<Tensor>,
-) {
+) -> (Tensor, Tensor) {
     let got = f(device).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
     let want = f(Device::CPU).unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
     assert_eq!(got.device(), device, "{what}");
@@ -1617,6 +1617,17 @@ fn agrees_within(
         (want.shape(), want.dtype()),
         "{what}"
     );
+    (got, want)
+}
+
+/// [`agrees`] with floats within `ulps` times the dtype's element-wise tolerance.
+fn agrees_within(
+    what: &str,
+    device: Device,
+    ulps: f64,
+    f: impl Fn(Device) -> dlbridge::Result<Tensor>,
+) {
+    let (got, want) = on_both(what, device, f);
     let (rtol, atol) = if is_int(got.dtype()) || got.dtype() == DType::BOOL {
         (0.0, 0.0)
     } else {
@@ -2080,14 +2091,7 @@ fn moments_agree(
     root: bool,
     f: impl Fn(Device) -> dlbridge::Result<Tensor>,
 ) {
-    let got = f(device).unwrap_or_else(|e| panic!("{what} on {device}: {e}"));
-    let want = f(Device::CPU).unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
-    assert_eq!(got.device(), device, "{what}");
-    assert_eq!(
-        (got.shape(), got.dtype()),
-        (want.shape(), want.dtype()),
-        "{what}"
-    );
+    let (got, want) = on_both(what, device, f);
     let largest = vals
         .iter()
         .map(|v| v.f().abs())

@@ -5,10 +5,10 @@
 //! header is a Python dict literal, `{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }`,
 //! in Latin-1 (UTF-8 in version 3.0), padded with spaces and ended by a newline.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Result, invalid_file};
 use crate::layout::{Layout, MAX_NDIM};
 
 /// The first six bytes of every `.npy` file.
@@ -568,19 +568,13 @@ fn too_short(len: usize, needed: usize) -> String {
     format!("the file is {len} bytes, shorter than the {needed} bytes of the magic and version")
 }
 
-fn invalid_file(path: &Path, reason: String) -> Error {
-    Error::InvalidFile {
-        path: PathBuf::from(path),
-        reason,
-    }
-}
-
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+    use crate::error::Error;
 
     /// A version-1.0 file's bytes around `dict` (padded as numpy pads), then `data`.
-    fn npy(dict: &str, data: &[u8]) -> Vec<u8> {
+    pub(in crate::npy) fn npy(dict: &str, data: &[u8]) -> Vec<u8> {
         let mut header = dict.to_owned();
         while (10 + header.len() + 1) % 64 != 0 {
             header.push(' ');

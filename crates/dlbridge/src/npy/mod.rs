@@ -49,7 +49,7 @@ mod zip;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub use header::{ByteOrder, MAGIC, MAX_HEADER_LEN, NpyHeader};
 pub use zip::{Compression, MAX_MEMBERS, ZipMember, read_directory};
@@ -57,7 +57,7 @@ pub use zip::{Compression, MAX_MEMBERS, ZipMember, read_directory};
 use crate::backend;
 use crate::dtype::{DType, DTypeCode};
 use crate::engine::{self, Item, LoadOptions, MappedFile};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, invalid_file};
 use crate::layout::Layout;
 use crate::tensor::Tensor;
 
@@ -239,31 +239,12 @@ fn load_swapped(mapped: &MappedFile, item: &Item, options: &LoadOptions) -> Resu
     Ok(tensor)
 }
 
-fn invalid_file(path: &Path, reason: String) -> Error {
-    Error::InvalidFile {
-        path: PathBuf::from(path),
-        reason,
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::header::tests::npy;
     use super::*;
     use crate::device::Device;
-
-    fn npy(dict: &str, data: &[u8]) -> Vec<u8> {
-        let mut header = dict.to_owned();
-        while (10 + header.len() + 1) % 64 != 0 {
-            header.push(' ');
-        }
-        header.push('\n');
-        let mut bytes = MAGIC.to_vec();
-        bytes.extend_from_slice(&[1, 0]);
-        bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
-        bytes.extend_from_slice(header.as_bytes());
-        bytes.extend_from_slice(data);
-        bytes
-    }
+    use std::path::PathBuf;
 
     fn temp(tag: &str, bytes: &[u8]) -> PathBuf {
         let path = std::env::temp_dir().join(format!("dlbridge-npy-{}-{tag}", std::process::id()));

@@ -12,13 +12,11 @@ use crate::buffer::Buffer;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::engine::{MappedFile, file_len, host_tensor, io_error, open_regular};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, invalid_file};
 use crate::layout::Layout;
 use crate::tensor::Tensor;
 
-use super::header::{
-    Header, MAX_HEADER_LEN, PREFIX_LEN, TensorInfo, header_len, invalid_file, too_short,
-};
+use super::header::{Header, MAX_HEADER_LEN, PREFIX_LEN, TensorInfo, header_len, too_short};
 use super::index::Index;
 
 /// Where one tensor's bytes lie: the plan a loader (the CPU path here, a device loader elsewhere)

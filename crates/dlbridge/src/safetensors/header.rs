@@ -9,13 +9,13 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, invalid_file};
 use crate::layout::MAX_NDIM;
 
 use super::dtype::dtype_from_name;
@@ -407,13 +407,6 @@ fn json_kind(value: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
-    }
-}
-
-pub(super) fn invalid_file(path: &Path, reason: String) -> Error {
-    Error::InvalidFile {
-        path: PathBuf::from(path),
-        reason,
     }
 }
 

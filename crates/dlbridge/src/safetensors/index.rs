@@ -6,9 +6,9 @@ use std::path::{Component, Path};
 
 use serde_json::Value;
 
-use crate::error::Result;
+use crate::error::{Result, invalid_file};
 
-use super::header::{MAX_HEADER_LEN, invalid_file, parse_strict_json};
+use super::header::{MAX_HEADER_LEN, parse_strict_json};
 
 /// A parsed and validated checkpoint index: `{"metadata": {..}, "weight_map": {tensor: shard}}`.
 ///

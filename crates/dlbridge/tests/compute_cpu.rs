@@ -220,46 +220,10 @@ fn unary_int(op: UnaryOp, x: i128) -> i128 {
     }
 }
 
-/// NumPy's `divmod` of floats (`npy_divmod`), in the type `$t` (`floor_divide` and `remainder`
-/// of `float32` run in `float32`, those of the 16-bit floats too, as NumPy's).
-macro_rules! numpy_divmod {
-    ($t:ty, $a:expr, $b:expr) => {{
-        let (a, b): ($t, $t) = ($a as $t, $b as $t);
-        let m = a % b;
-        if b == 0.0 {
-            (a / b, m)
-        } else {
-            let (mut m, mut div) = (m, (a - m) / b);
-            if m != 0.0 {
-                if (b < 0.0) != (m < 0.0) {
-                    m += b;
-                    div -= 1.0;
-                }
-            } else {
-                m = (0.0 as $t).copysign(b);
-            }
-            let q = if div != 0.0 {
-                let f = div.floor();
-                if div - f > 0.5 { f + 1.0 } else { f }
-            } else {
-                (0.0 as $t).copysign(a / b)
-            };
-            (q, m)
-        }
-    }};
-}
-
 /// The float reference of `op`, for results of `dtype` (floor division and remainder computed
 /// in `dtype`'s computing type, as the kernels and NumPy compute them; the rest in `f64`).
 fn binary_f64(op: BinaryOp, x: f64, y: f64, dtype: DType) -> f64 {
-    let divmod = |x: f64, y: f64| -> (f64, f64) {
-        if dtype == DType::F64 {
-            numpy_divmod!(f64, x, y)
-        } else {
-            let (q, m) = numpy_divmod!(f32, x, y);
-            (q as f64, m as f64)
-        }
-    };
+    let divmod = |x: f64, y: f64| common::numpy_divmod(dtype, x, y);
     match op {
         BinaryOp::Add => x + y,
         BinaryOp::Sub => x - y,

@@ -322,35 +322,6 @@ fn unary_ref(op: UnaryOp, out: DType, v: V) -> V {
     ))
 }
 
-/// NumPy's `divmod` of floats (`npy_divmod`) in the type `$t`: the kernels compute
-/// `floor_divide` and `remainder` of `float32` and the 16-bit floats in `float`, as NumPy does.
-macro_rules! numpy_divmod {
-    ($t:ty, $a:expr, $b:expr) => {{
-        let (a, b): ($t, $t) = ($a as $t, $b as $t);
-        let m = a % b;
-        if b == 0.0 {
-            (a / b, m)
-        } else {
-            let (mut m, mut div) = (m, (a - m) / b);
-            if m != 0.0 {
-                if (b < 0.0) != (m < 0.0) {
-                    m += b;
-                    div -= 1.0;
-                }
-            } else {
-                m = (0.0 as $t).copysign(b);
-            }
-            let q = if div != 0.0 {
-                let f = div.floor();
-                if div - f > 0.5 { f + 1.0 } else { f }
-            } else {
-                (0.0 as $t).copysign(a / b)
-            };
-            (q, m)
-        }
-    }};
-}
-
 /// Whether `pow` computing in integer `out` must refuse exponents `exps` (NumPy refuses negative
 /// integer powers).
 fn refuses_power(op: BinaryOp, out: DType, exps: impl IntoIterator<Item = V>) -> bool {
@@ -402,14 +373,7 @@ fn binary_ref(op: BinaryOp, out: DType, a: V, b: V) -> V {
         ));
     }
     let (x, y) = (a.f(), b.f());
-    let divmod = |x: f64, y: f64| -> (f64, f64) {
-        if out == DType::F64 {
-            numpy_divmod!(f64, x, y)
-        } else {
-            let (q, m) = numpy_divmod!(f32, x, y);
-            (q as f64, m as f64)
-        }
-    };
+    let divmod = |x: f64, y: f64| common::numpy_divmod(out, x, y);
     V::F(round_to(
         out,
         match op {

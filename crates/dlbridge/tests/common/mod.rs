@@ -553,3 +553,42 @@ pub(crate) fn gpu() -> dlbridge::Device {
     #[cfg(not(feature = "cuda"))]
     panic!("this test needs a CUDA device: dlbridge was built without feature `cuda`")
 }
+
+/// NumPy's `divmod` of floats (`npy_divmod`) in the type `$t`.
+macro_rules! numpy_divmod {
+    ($t:ty, $a:expr, $b:expr) => {{
+        let (a, b): ($t, $t) = ($a as $t, $b as $t);
+        let m = a % b;
+        if b == 0.0 {
+            (a / b, m)
+        } else {
+            let (mut m, mut div) = (m, (a - m) / b);
+            if m != 0.0 {
+                if (b < 0.0) != (m < 0.0) {
+                    m += b;
+                    div -= 1.0;
+                }
+            } else {
+                m = (0.0 as $t).copysign(b);
+            }
+            let q = if div != 0.0 {
+                let f = div.floor();
+                if div - f > 0.5 { f + 1.0 } else { f }
+            } else {
+                (0.0 as $t).copysign(a / b)
+            };
+            (q, m)
+        }
+    }};
+}
+
+/// NumPy's `floor_divide` and `remainder` of `x` by `y` as the kernels and NumPy compute them for
+/// results of `dtype`: in `float64` for `float64`, in `float32` for `float32` and the 16-bit floats.
+pub(crate) fn numpy_divmod(dtype: dlbridge::DType, x: f64, y: f64) -> (f64, f64) {
+    if dtype == dlbridge::DType::F64 {
+        numpy_divmod!(f64, x, y)
+    } else {
+        let (q, m) = numpy_divmod!(f32, x, y);
+        (q as f64, m as f64)
+    }
+}

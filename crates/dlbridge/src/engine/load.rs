@@ -1409,8 +1409,17 @@ mod tests {
         };
         drop(len / 2);
         let half = estimate();
-        drop(0);
-        let none = estimate();
+        // The kernel skips pages it is busy with (seen once in 0.17 of the file, with the other
+        // tests running): ask again a few times before reading what is left.
+        let mut none = 1.0;
+        for _ in 0..5 {
+            drop(0);
+            none = estimate();
+            if none < 0.1 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         // SAFETY: `statfs` is plain data, for which all zeroes is a value.
         let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
         let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();

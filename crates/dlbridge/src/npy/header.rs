@@ -50,7 +50,7 @@ impl NpyHeader {
     /// Parses the header at the start of `bytes` (the file's first bytes, at least through the
     /// header; the data may follow), named `path` in errors.
     ///
-    /// Errors are [`Error::InvalidFile`]: no magic, an unknown version, a header past
+    /// Errors are [`Error::InvalidFile`](crate::Error::InvalidFile): no magic, an unknown version, a header past
     /// [`MAX_HEADER_LEN`] or past the end of `bytes`, a header that is not a dict of exactly
     /// `descr`, `fortran_order` and `shape`, a shape that is not a tuple of non-negative
     /// integers, more than [`MAX_NDIM`] axes, an array whose byte count overflows, and an element

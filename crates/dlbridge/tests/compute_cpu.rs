@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::Rng;
+use common::{Rng, raw_bytes};
 use dlbridge::compute::{self, BinaryOp, CompareOp, ReduceOp, Scalar, UnaryOp};
 use dlbridge::{DType, Error, Layout, SliceArg, Tensor};
 
@@ -1952,16 +1952,6 @@ fn variance_is_one_pass_and_numerically_sound() {
             DType::F64
         );
     }
-}
-
-/// The bytes of a compact tensor.
-fn raw_bytes(t: &Tensor) -> Vec<u8> {
-    let t = t.copy().unwrap();
-    let layout = Layout::contiguous_at(&[t.nbytes()], t.byte_offset()).unwrap();
-    Tensor::new(t.buffer().clone(), DType::U8, layout)
-        .unwrap()
-        .to_vec::<u8>()
-        .unwrap()
 }
 
 /// The single-element selections (a mask over every axis, one index array into a 1-d view)

@@ -404,13 +404,15 @@ fn random_view_chains_match_the_reference() {
 // The copy bodies run on every device (`device_tests!`): sources and destinations live on the
 // device under test, in each of its storage modes.
 
-common::devices::device_tests!(
+common::devices::device_tests! {
+    all: [
     copy_from_into_strided_destinations,
     random_copy_from_matches_the_reference,
     overlapping_copies_go_through_a_temporary,
     strided_views_copy_to_compact_memory,
     copies_between_storage_modes_and_into_windows,
-);
+    ],
+}
 
 /// `n` floats `-7, -6.5, ...`.
 fn iota_f32(n: usize) -> Vec<f32> {

@@ -135,17 +135,30 @@ impl Dev {
 
 /// Writes one test per device for each named body `fn name(dev: &Dev)` (see the module docs):
 /// `cpu::name`, `cuda::name` (ignored unless asked for) and, on macOS with feature `metal`,
-/// `metal::name` (likewise).
+/// `metal::name` (likewise). The bodies listed under `accelerators` check a device against the
+/// CPU's own result, so they get no CPU instance (it would compare the CPU with itself).
+///
+/// ```ignore
+/// device_tests! {
+///     all: [unary_ops, copies],
+///     accelerators: [agrees_with_the_cpu],
+/// }
+/// ```
+#[allow(unused_macros)] // by the test files that include `common` without instantiating bodies
 macro_rules! device_tests {
-    ($($name:ident),+ $(,)?) => {
+    (
+        all: [$($all:ident),* $(,)?]
+        $(, accelerators: [$($acc:ident),* $(,)?])?
+        $(,)?
+    ) => {
         /// The shared bodies on the host.
         mod cpu {
             $(
                 #[test]
-                fn $name() {
-                    super::$name(&$crate::common::devices::Dev::cpu());
+                fn $all() {
+                    super::$all(&$crate::common::devices::Dev::cpu());
                 }
-            )+
+            )*
         }
 
         /// The shared bodies on CUDA device 0.
@@ -153,10 +166,17 @@ macro_rules! device_tests {
             $(
                 #[test]
                 #[ignore = "needs a CUDA device"]
-                fn $name() {
-                    super::$name(&$crate::common::devices::Dev::cuda());
+                fn $all() {
+                    super::$all(&$crate::common::devices::Dev::cuda());
                 }
-            )+
+            )*
+            $($(
+                #[test]
+                #[ignore = "needs a CUDA device"]
+                fn $acc() {
+                    super::$acc(&$crate::common::devices::Dev::cuda());
+                }
+            )*)?
         }
 
         /// The shared bodies on Metal device 0.
@@ -165,12 +185,20 @@ macro_rules! device_tests {
             $(
                 #[test]
                 #[ignore = "needs a Metal device"]
-                fn $name() {
-                    super::$name(&$crate::common::devices::Dev::metal());
+                fn $all() {
+                    super::$all(&$crate::common::devices::Dev::metal());
                 }
-            )+
+            )*
+            $($(
+                #[test]
+                #[ignore = "needs a Metal device"]
+                fn $acc() {
+                    super::$acc(&$crate::common::devices::Dev::metal());
+                }
+            )*)?
         }
     };
 }
 
+#[allow(unused_imports)]
 pub(crate) use device_tests;

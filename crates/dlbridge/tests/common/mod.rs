@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod devices;
+pub(crate) mod values;
 
 use std::ffi::c_void;
 use std::ptr::NonNull;

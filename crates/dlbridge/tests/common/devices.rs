@@ -14,7 +14,7 @@
 //! functions), the body asks the fixture ([`Dev::computes`], [`Dev::tolerance`]) rather than
 //! naming a device.
 
-use dlbridge::{DType, Device, DeviceKind, StorageMode, Tensor};
+use dlbridge::{DType, Device, DeviceKind, Error, StorageMode, Tensor};
 
 /// The device a shared body runs on.
 pub(crate) struct Dev {
@@ -82,6 +82,35 @@ impl Dev {
             .copied()
             .filter(|&d| self.computes(d))
             .collect()
+    }
+
+    /// The result of an operation on operands and to a result of `dtypes`: `Some` where the device
+    /// computes in all of them; `None` where it does not, after checking that it refused with
+    /// `Error::UnsupportedDType` naming a dtype it lacks.
+    pub(crate) fn result(
+        &self,
+        dtypes: &[DType],
+        result: dlbridge::Result<Tensor>,
+    ) -> Option<Tensor> {
+        let lacking: Vec<DType> = dtypes
+            .iter()
+            .copied()
+            .filter(|&d| !self.computes(d))
+            .collect();
+        if lacking.is_empty() {
+            return Some(result.unwrap_or_else(|e| panic!("{dtypes:?} on {}: {e}", self.device)));
+        }
+        match result {
+            Err(e @ Error::UnsupportedDType(_)) => {
+                let message = e.to_string();
+                assert!(
+                    lacking.iter().any(|d| message.contains(&d.to_string())),
+                    "{message}"
+                );
+                None
+            }
+            other => panic!("{} lacks {lacking:?}, yet gave {other:?}", self.device),
+        }
     }
 
     /// The storage modes a test places memory in: the device's default (`None`) and, on Metal,

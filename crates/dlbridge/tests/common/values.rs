@@ -266,3 +266,36 @@ pub(crate) fn mismatches(got: &[V], want: &[V], rtol: f64, atol: f64) -> Vec<usi
     }
     bad
 }
+
+/// Deterministic pseudo-random floats in [-scale, scale).
+pub(crate) fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| ((rng.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// Whether `got` is `want` within `rel` relative to `max(|want|, 1)` (NaN matches NaN). The
+/// bound is at least 16 float32 ulp: the GPUs' `powf` is good to a few ulp, not one.
+pub(crate) fn close(got: f32, want: f32, rel: f32) -> bool {
+    if want.is_nan() {
+        return got.is_nan();
+    }
+    if want.is_infinite() {
+        return got == want;
+    }
+    let rel = if rel == 0.0 {
+        0.0
+    } else {
+        rel.max(16.0 * f32::EPSILON)
+    };
+    (got - want).abs() <= rel * want.abs().max(1.0)
+}
+
+/// Asserts [`close`] element by element.
+pub(crate) fn assert_close_f32(got: &[f32], want: &[f32], rel: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(close(g, w, rel), "{what}: element {i} is {g}, expected {w}");
+    }
+}

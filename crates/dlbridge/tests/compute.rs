@@ -2407,7 +2407,7 @@ fn numpy_habits_match_the_cpu(dev: &Dev) {
     let y = |d: Device| Tensor::from_slice(&divisors, &[6, 100]).unwrap().copy_to(d);
     let i = |d: Device| Tensor::from_slice(&ints, &[6, 100]).unwrap().copy_to(d);
     let small = |d: Device| {
-        let e: Vec<i32> = (0..600).map(|k| (k % 9) as i32).collect();
+        let e: Vec<i32> = (0..600).map(|k| k % 9).collect();
         Tensor::from_slice(&e, &[6, 100]).unwrap().copy_to(d)
     };
     for op in [BinaryOp::FloorDiv, BinaryOp::Mod, BinaryOp::Pow] {

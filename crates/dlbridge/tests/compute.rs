@@ -8,7 +8,7 @@
 //!
 //! The bodies that check a device against the CPU's result on the same data (`agrees`) run on
 //! the GPUs only (`accelerators:`): on the CPU they would compare it with itself; the CPU's
-//! results are checked against references and NumPy in compute_cpu.rs. What only one backend has
+//! results are checked against references in compute_reference.rs. What only one backend has
 //! (user kernels, streams, storage modes) is in compute_cuda.rs and metal_compute.rs.
 
 mod common;
@@ -1168,7 +1168,7 @@ fn matmul_matches_the_host_for_layouts_and_batches(dev: &Dev) {
 // NumPy habits: floor division, remainder and power edges, bool reductions, all / any,
 // var / std and argmax / argmin (one-pass kernels), isnan / isinf / isfinite, advanced indexing.
 // Each result is checked against the CPU's on the same data (the CPU's are checked against NumPy
-// and against references in compute_cpu.rs), or against the positions and values the test put
+// and against references in compute_reference.rs), or against the positions and values the test put
 // there.
 
 /// `f` on the device and on the host copy of the same inputs agree: exactly for integers and

@@ -140,9 +140,10 @@ impl Dev {
         t
     }
 
-    /// The element-wise tolerance `(rtol, atol)` of a float result of `dtype` from a
-    /// transcendental function or a power: CUDA's and Metal's math libraries are within a few
-    /// units in the last place rather than one. Exact dtypes get `(0, 0)`.
+    /// The element-wise tolerance `(rtol, atol)` of a float result of `dtype`, held against a
+    /// reference rounded once from `f64`: a few units in the last place (CUDA's and Metal's math
+    /// libraries are within a few ulp rather than one; Metal's a little further). Integer dtypes
+    /// get `(0, 0)`.
     pub(crate) fn tolerance(&self, dtype: DType) -> (f64, f64) {
         let eps = match dtype {
             DType::F16 => 2f64.powi(-10),
@@ -152,7 +153,7 @@ impl Dev {
             _ => return (0.0, 0.0),
         };
         match (self.kind(), dtype) {
-            // Metal's precise functions (fast math off): the bounds tests/metal_compute.rs held
+            // Metal's precise functions (fast math off): the bounds metal_compute.rs held
             // them to.
             (DeviceKind::Metal, DType::F32) => (1e-5, 1e-5),
             (_, DType::F32) => (4.0 * eps, 1e-6),

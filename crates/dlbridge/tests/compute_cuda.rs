@@ -4,7 +4,10 @@
 //! instantiated for every device.
 //!
 //! Every test is ignored unless asked for (`-- --include-ignored`), since each needs a CUDA device;
-//! on a GPU machine `scripts/test.sh` asks, and they run for real.
+//! on a GPU machine `scripts/test.sh` asks, and they run for real. Compiled with feature `cuda`
+//! only (a Mac's `--include-ignored` would otherwise run them without a CUDA backend).
+
+#![cfg(feature = "cuda")]
 
 mod common;
 
@@ -179,7 +182,6 @@ fn user_kernel_errors_are_reported_and_leave_the_backend_working() {
     );
 }
 
-#[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA device"]
 fn work_follows_the_current_stream() {

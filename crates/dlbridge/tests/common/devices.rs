@@ -7,7 +7,7 @@
 //! | module | device | runs |
 //! | --- | --- | --- |
 //! | `cpu::name` | [`Device::CPU`] | always |
-//! | `cuda::name` | CUDA device 0 | `#[ignore = "needs a CUDA device"]`: with `--include-ignored` (scripts/test.sh asks where `nvidia-smi -L` finds a device); fails, saying why, without one |
+//! | `cuda::name` | CUDA device 0 | compiled with feature `cuda`; `#[ignore = "needs a CUDA device"]`: with `--include-ignored` (scripts/test.sh asks where `nvidia-smi -L` finds a device); fails, saying why, without one |
 //! | `metal::name` | Metal device 0 | compiled only on macOS with feature `metal`; `#[ignore = "needs a Metal device"]`, run with `--include-ignored` |
 //!
 //! Where devices legitimately differ (Metal has no `float64`; tolerances of transcendental
@@ -209,7 +209,13 @@ macro_rules! device_tests {
             )*)?
         }
 
-        /// The shared bodies on CUDA device 0.
+        // Without a GPU backend the accelerator bodies have no instance: still compiled, and used.
+        #[cfg(not(any(feature = "cuda", all(target_os = "macos", feature = "metal"))))]
+        const _: &[fn(&$crate::common::devices::Dev)] = &[$($($acc),*)?];
+
+        /// The shared bodies on CUDA device 0 (compiled with feature `cuda` only: on a Mac,
+        /// scripts/test.sh's `--include-ignored` must not run them).
+        #[cfg(feature = "cuda")]
         mod cuda {
             $($(
                 #[test]

@@ -1,4 +1,4 @@
-//! Views and copies, checked against a plain-index-arithmetic reference model.
+//! Views and copies, checked against a plain-index-arithmetic reference model, on every device.
 //!
 //! The randomized tests use a tiny deterministic xorshift generator (fixed seeds, so a failure
 //! reproduces), build chains of view operations on a tensor and on a [`Model`] side by side, and
@@ -7,9 +7,22 @@
 
 mod common;
 
-use common::devices::Dev;
+use common::devices::{Dev, device_tests};
 use common::{Rng, raw_bytes};
 use dlbridge::{DType, Device, Error, Layout, SliceArg, Tensor};
+
+// The view chains and the copies run on every device: `cpu::`, `cuda::`, `metal::` (see
+// tests/common/devices.rs); the typed host access below is the CPU's.
+device_tests! {
+    all: [
+        random_view_chains_match_the_reference,
+        copy_from_into_strided_destinations,
+        random_copy_from_matches_the_reference,
+        overlapping_copies_go_through_a_temporary,
+        strided_views_copy_to_compact_memory,
+        copies_between_storage_modes_and_into_windows,
+    ],
+}
 
 // ---------------------------------------------------------------------------------------------
 // The reference model
@@ -354,14 +367,20 @@ fn check(t: &Tensor, m: &Model, data: &[i32], original: &Tensor, trace: &[String
 
     let c = t.copy().unwrap();
     assert!(c.is_contiguous());
+    assert_eq!(c.device(), t.device());
     assert!(!c.buffer().same_allocation(original.buffer()));
     assert_eq!(c.shape(), t.shape());
+    assert_eq!(c.to_vec::<i32>().unwrap(), expected, "copy after {trace:?}");
+
+    // Host access (the CPU's; Metal's is tested in metal.rs).
+    if t.device() != Device::CPU {
+        return;
+    }
     assert_eq!(
         c.as_slice::<i32>().unwrap(),
         &expected[..],
         "copy after {trace:?}"
     );
-
     if t.is_contiguous() {
         assert_eq!(
             t.as_slice::<i32>().unwrap(),
@@ -377,15 +396,15 @@ fn check(t: &Tensor, m: &Model, data: &[i32], original: &Tensor, trace: &[String
 }
 
 /// Random chains of slice / index / permute / transpose / expand_dims / broadcast_to / reshape on
-/// random shapes (0-4 dims, extents 0-5) agree with the reference model at every step.
-#[test]
-fn random_view_chains_match_the_reference() {
+/// random shapes (0-4 dims, extents 0-5) agree with the reference model at every step, and copy
+/// (on the device, and to the host) to the model's values.
+fn random_view_chains_match_the_reference(dev: &Dev) {
     let mut rng = Rng::new(0xD1B2);
     for trial in 0..1500 {
         let shape = rng.shape(4, 5);
         let n: usize = shape.iter().product();
         let data: Vec<i32> = (0..n as i32).map(|i| 1000 + i * 3).collect();
-        let original = Tensor::from_slice(&data, &shape).unwrap();
+        let original = dev.put(&Tensor::from_slice(&data, &shape).unwrap());
         let mut t = original.clone();
         let mut m = Model::identity(&shape);
         let mut trace = vec![format!("trial {trial}: shape {shape:?}")];
@@ -401,18 +420,8 @@ fn random_view_chains_match_the_reference() {
 // copy_from
 // ---------------------------------------------------------------------------------------------
 
-// The copy bodies run on every device (`device_tests!`): sources and destinations live on the
-// device under test, in each of its storage modes.
-
-common::devices::device_tests! {
-    all: [
-    copy_from_into_strided_destinations,
-    random_copy_from_matches_the_reference,
-    overlapping_copies_go_through_a_temporary,
-    strided_views_copy_to_compact_memory,
-    copies_between_storage_modes_and_into_windows,
-    ],
-}
+// The copy bodies run on every device (`device_tests!`, at the top): sources and destinations
+// live on the device under test, in each of its storage modes.
 
 /// `n` floats `-7, -6.5, ...`.
 fn iota_f32(n: usize) -> Vec<f32> {

@@ -38,7 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def load_dlbridge(files):
     import dlbridge
-    out = dlbridge.load_file(files, "cuda:0", progress=False)
+    kw = json.loads(os.environ.get("BENCH_DLBRIDGE_KW", "{}"))  # --dlbridge-kw, for sweeps
+    out = dlbridge.load_file(files, "cuda:0", progress=False, **kw)
     dlbridge.synchronize("cuda:0")
     return out
 
@@ -226,6 +227,8 @@ def main() -> int:
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--attribute", action="store_true", help="dlbridge with its pools warmed first")
     ap.add_argument("--only", default="", help="loaders whose names contain one of these (comma-separated)")
+    ap.add_argument("--dlbridge-kw", default="{}",
+                    help="JSON keyword arguments for dlbridge.load_file, e.g. '{\"chunk_bytes\": 2097152}'")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--files", help=argparse.SUPPRESS)
     ap.add_argument("--again", action="store_true", help=argparse.SUPPRESS)
@@ -242,6 +245,7 @@ def main() -> int:
             child(args.child, files, args.again, args.prewarm)
         return 0
 
+    os.environ["BENCH_DLBRIDGE_KW"] = args.dlbridge_kw
     sys.path.insert(0, HERE)
     from bench_load import generate  # the checkpoint bench_load.py times, shared
     files = generate(args.dir, args.layers, args.shards)

@@ -40,6 +40,7 @@ mod npcompat;
 mod npy;
 mod ops;
 mod safetensors;
+mod save;
 mod share;
 mod views;
 
@@ -110,6 +111,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     nccl::register(m)?;
     kernel::register(m)?;
     safetensors::register(m)?;
+    save::register(m)?;
     npy::register(m)?;
     m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -42,6 +42,7 @@ mod ops;
 mod safetensors;
 mod save;
 mod share;
+mod stream;
 mod views;
 
 use pyo3::prelude::*;
@@ -112,6 +113,7 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kernel::register(m)?;
     safetensors::register(m)?;
     save::register(m)?;
+    stream::register(m)?;
     npy::register(m)?;
     m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -38,7 +38,7 @@ from typing import (
 from .. import _dlbridge
 from .._dlbridge import Array, Device, SaveHandle
 
-__all__ = ["FRAMEWORKS", "SaveHandle", "load_file", "safe_open", "save_file"]
+__all__ = ["FRAMEWORKS", "SaveHandle", "StreamedLoad", "load_file", "safe_open", "save_file", "stream_file"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 Progress = Union[None, bool, Callable[[int, int], Any]]
@@ -528,3 +528,6 @@ class safe_open:
         is none)."""
         self._open().info(name)
         return _Slice(self, name)
+
+
+from ._stream import StreamedLoad, stream_file  # noqa: E402  (it uses the helpers above)

@@ -16,6 +16,7 @@
 //! | bytes | [`serialize`], [`deserialize`] | a file's bytes in memory, both ways |
 //! | save | [`save_file`], [`save_file_with`], [`save_file_staged`] (the asynchronous save's), [`write()`], [`serialize`] | the format from CPU or device tensors, written by the engine's [`write_file`](crate::engine::write_file) (aligned ring, parallel `O_DIRECT` writes) atomically and durably to a file |
 //! | shards | [`save_sharded`], [`save_sharded_staged`] | Hugging Face's layout: `model-00001-of-00003.safetensors` shards of at most `max_shard_size` bytes written in parallel, and [`INDEX_NAME`] |
+//! | stream | [`Checkpoint::stream`] | groups of tensors in the caller's order, each handed out with a CUDA event once on the device while the next load ([`crate::engine::stream`]) |
 //!
 //! ```
 //! use dlbridge::Tensor;
@@ -42,6 +43,7 @@ mod header;
 mod index;
 mod plan;
 mod save;
+mod stream;
 
 pub use dtype::{dtype_from_name, dtype_name, dtype_names};
 pub use file::{Checkpoint, SafeTensors, TensorLocation, deserialize};

@@ -168,11 +168,13 @@ def test_cuda_groups_are_bit_exact_and_their_events_order_a_consumer(tmp_path):
     order = [f"layers.{i}.{k}" for i in range(16) for k in ("w", "b")]
     consumer = torch.cuda.Stream()
     sums = []
+    kept = []  # until the consumer's stream is done with them (see stream_file's docstring)
     with torch.cuda.stream(consumer):
         for group, ts, ready in dlbridge.stream_file(path, "cuda:0", order=order, framework="pt"):
             assert isinstance(ready, dlbridge.cuda.Event) and ready.handle
             ready.wait(consumer)
             sums.append((group, ts[f"{group}.w"].double().sum(), ts[f"{group}.b"].float().sum()))
+            kept.append(ts)
     torch.cuda.synchronize()
     assert [g for g, _, _ in sums] == [f"layers.{i}" for i in range(16)]
     for group, w, b in sums:

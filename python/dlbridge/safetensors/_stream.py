@@ -125,6 +125,12 @@ def stream_file(
     On the CPU (views of the mapped file, or copies with ``copy=True``) and on Metal the tensors
     are ready when handed out and ``ready`` is ``None``.
 
+    A group's memory returns to dlbridge's pool when its last tensor goes, and the pool orders
+    its reuse after work on the stream it was allocated for (the current stream of the stream's
+    loading thread: the legacy default stream, PyTorch's default), not after work PyTorch queued
+    on a stream of its own: a consumer computing on another stream keeps each group's tensors
+    until that work is done (an event it synchronises later, or ``torch.cuda.synchronize()``).
+
     At most ``ahead`` loaded groups wait for the caller besides the one being read, so a slow
     consumer holds only that much device memory ahead. An error while loading (a file truncated
     under the load, the device out of memory) is raised by the iteration that would have handed

@@ -547,9 +547,14 @@ impl Drop for CurrentStream {
 }
 
 /// `tensor`'s elements as bytes: a `U8` view of the same memory with one more axis, of the
-/// element's bytes (strides in bytes), so that any piece of the row-major byte stream is a view.
+/// element's bytes (strides in bytes), so that any piece of the row-major byte stream is a view;
+/// one axis for a compact tensor (every piece then one linear copy).
 fn byte_view(tensor: &Tensor) -> Result<Tensor> {
     let item = tensor.dtype().itemsize();
+    if tensor.is_contiguous() {
+        let layout = Layout::contiguous_at(&[tensor.numel() * item], tensor.byte_offset())?;
+        return Tensor::new(tensor.buffer().clone(), DType::U8, layout);
+    }
     let mut shape = tensor.shape().to_vec();
     let mut strides: Vec<isize> = tensor.strides().iter().map(|s| s * item as isize).collect();
     shape.push(item);

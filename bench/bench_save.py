@@ -12,11 +12,20 @@ root (`echo 3 > /proc/sys/vm/drop_caches`, as bench/bench_load.py does). Rows:
   writes of page-aligned memory) to a file in the same folder, then `fsync`: the ceiling;
 - `safetensors.torch.save_file`, then `fsync` of the file;
 - `torch.save`, then `fsync` of the file;
+- `t.cpu()` for every tensor, then `safetensors.torch.save_file` and `fsync` (GPU runs only);
 - `dlbridge.save_file` (one file);
+- `dlbridge.save_file(..., wait=False)` then `handle.wait()`: the asynchronous save, timed until
+  durable, and until `handle.wait_copied()` returned (the device memory may be reused): that
+  time is given as GB/s in its own column, beside the pinned device-to-host bandwidth measured
+  in the same run (every tensor copied with `non_blocking=True` into pinned PyTorch tensors
+  allocated beforehand, then synchronised; on the CPU, copies into host tensors allocated
+  beforehand). One untimed asynchronous save runs first: a job that saves every N steps finds
+  its pinned staging in dlbridge's pool from the second save on (the first one pins it);
 - `dlbridge.save_file(..., max_shard_size=)` (shards written in parallel, with their index).
 
 The savers run in turn, in a rotating order, `--runs` rounds; the table gives each one's median
 GB/s and its ratio to raw and to safetensors. Peers that are not installed are reported as such.
+`--gb 0.05 --runs 1` is a quick check that runs anywhere.
 """
 
 from __future__ import annotations
@@ -138,7 +147,24 @@ def main() -> None:
         fsync_path(out("torch.pt"))
 
     savers["torch.save"] = torch_save
+    if args.device != "cpu" and "safetensors.torch.save_file" in savers:
+        def cpu_then_st() -> None:
+            host = {k: v.cpu() for k, v in tensors.items()}
+            st.save_file(host, out("st-cpu.safetensors"))
+            fsync_path(out("st-cpu.safetensors"))
+
+        savers["t.cpu() then safetensors.torch.save_file"] = cpu_then_st
     savers["dlbridge.save_file"] = lambda: dlbridge.save_file(tensors, out("dlb.safetensors"))
+    copied: list[float] = []
+
+    def dlb_async() -> None:
+        start = time.perf_counter()
+        handle = dlbridge.save_file(tensors, out("dlb-async.safetensors"), wait=False)
+        handle.wait_copied()
+        copied.append(time.perf_counter() - start)
+        handle.wait()
+
+    savers["dlbridge.save_file(wait=False)"] = dlb_async
     sharded = "max_shard_size" in (dlbridge.save_file.__doc__ or "")
     if sharded:
         savers[f"dlbridge sharded ({args.shard_size})"] = lambda: dlbridge.save_file(
@@ -146,6 +172,23 @@ def main() -> None:
         )
     else:
         print("this dlbridge has no max_shard_size: the sharded row is left out")
+
+    # The device-to-host ceiling for "device memory back": into memory allocated beforehand.
+    # (Touched once, so that no page is first faulted in while timed.)
+    pinned = {k: torch.zeros(v.shape, dtype=v.dtype, pin_memory=args.device != "cpu") for k, v in tensors.items()}
+    d2h: list[float] = []
+    for _ in range(max(3, args.runs)):
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for k, v in tensors.items():
+            pinned[k].copy_(v, non_blocking=True)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        d2h.append(time.perf_counter() - start)
+    del pinned
+    dlb_async()  # untimed: the staging memory gets pinned once, then comes from the pool
+    copied.clear()
 
     times: dict[str, list[float]] = {name: [] for name in savers}
     names = list(savers)
@@ -177,6 +220,22 @@ def main() -> None:
         of_st = f"{value / ref:.2f}" if ref else "n/a"
         runs = ", ".join(f"{t:.2f}" for t in times[name])
         print(f"| {name} | {value:.2f} | {value / raw:.2f} | {of_st} | {runs} |")
+    d2h_gbs = nbytes / statistics.median(d2h) / 1e9
+    back_gbs = nbytes / statistics.median(copied) / 1e9
+    kind = "pinned device-to-host" if args.device != "cpu" else "host-to-host"
+    print(f"\n| memory back to the caller | GB/s | of {kind} copies | runs (s) |")
+    print("| --- | ---: | ---: | --- |")
+    print(f"| {kind} copies (PyTorch, into memory allocated beforehand) | {d2h_gbs:.2f} | 1.00 | "
+          + ", ".join(f"{t:.3f}" for t in d2h) + " |")
+    print(f"| dlbridge.save_file(wait=False): wait_copied() | {back_gbs:.2f} | {back_gbs / d2h_gbs:.2f} | "
+          + ", ".join(f"{t:.3f}" for t in copied) + " |")
+    try:
+        pool = "cuda_host:0" if args.device != "cpu" else "cpu"
+        cached = f"{dlbridge.memory_stats(pool)['cached_bytes'] / 2**20:.0f} MiB"
+    except Exception as e:  # noqa: BLE001 (a figure of the report, not the benchmark)
+        cached, pool = f"unknown ({e})", "?"
+    print(f"\nThe asynchronous save's staging stays in dlbridge's {pool} pool for the next save: {cached} "
+          "cached after the runs (dlbridge.empty_cache releases it).")
 
 
 if __name__ == "__main__":

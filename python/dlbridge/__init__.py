@@ -59,7 +59,7 @@ from .backend import (
 )
 from .unified import UnifiedBuffer
 from . import safetensors
-from .safetensors import load_file, safe_open, save_file
+from .safetensors import load_file, safe_open, save_file, stream_file
 from . import npy
 from .npy import load_npy, load_npz
 
@@ -102,6 +102,7 @@ __all__ += [
     "load_file",
     "safe_open",
     "save_file",
+    "stream_file",
     "safetensors",
     "load_npy",
     "load_npz",

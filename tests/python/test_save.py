@@ -338,3 +338,257 @@ def test_a_full_disk_is_an_oserror_and_leaves_nothing_partial(tmp_path, sharded)
         assert sorted(names) == (["ckpt", "model.safetensors"] if sharded else ["model.safetensors"])
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrays straight into the ring: strided pieces, device arrays into pinned buffers.
+
+_needs_torch_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and dlbridge.cuda.is_available()), reason="needs a CUDA GPU and PyTorch with CUDA"
+)
+
+
+def test_strided_arrays_cut_anywhere_by_the_ring_give_safetensors_bytes(tmp_path):
+    """4 KiB ring buffers cut rows and elements of permuted, reversed (negative strides),
+    stepped and broadcast arrays; the pieces give the bytes of their compact copies."""
+    rng = np.random.default_rng(3)
+    cube = rng.standard_normal((9, 31, 17))
+    arrays = {
+        "permuted": cube.transpose(2, 0, 1),
+        "reversed": cube[::-1, :, ::-2],
+        "stepped": cube[1::2, 3:20:3],
+        "broadcast": np.broadcast_to(np.arange(7.0, dtype=np.float32), (300, 7)),
+        "odd": rng.integers(0, 100, (13, 11)).astype(np.int16)[:, ::-1],
+    }
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    dlbridge.save_file(arrays, ours, chunk_bytes=4096, threads=2)
+    st_save_numpy({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(theirs))
+    assert _same_bytes(ours, theirs)
+
+
+def _peak(device, storage=None):
+    return dlbridge.memory_stats(device, storage=storage)["peak_active_bytes"]
+
+
+def test_a_strided_array_is_not_copied_whole_before_the_ring(tmp_path):
+    """A 64 MB transposed array through a ring of 1 MiB buffers: the CPU pool's peak stays at the
+    ring's few buffers (the array's compact copy, 64 MB, was made first before)."""
+    base = torch.arange(16 * 1024 * 1024, dtype=torch.float32).reshape(4096, 4096)
+    dlbridge.empty_cache("cpu")
+    dlbridge.reset_peak_memory("cpu")
+    before = _peak("cpu")
+    dlbridge.save_file({"t": base.t()}, tmp_path / "t.safetensors", chunk_bytes=1 << 20, threads=2)
+    grown = _peak("cpu") - before
+    assert grown < 16 << 20, f"the save took {grown} bytes of the CPU pool at its peak"
+    back = st_load_torch(str(tmp_path / "t.safetensors"))["t"]
+    assert torch.equal(back, base.t())
+
+
+@_needs_torch_cuda
+def test_cuda_arrays_go_through_pinned_buffers_without_host_or_device_copies(tmp_path):
+    """A 64 MB CUDA array, compact and transposed: no pageable host copy (the CPU pool does not
+    grow), no compact device copy (the device pool does not grow), the pinned pool holds the
+    ring; the bytes are those safetensors writes for the host copy."""
+    base = torch.randn(4096, 4096, device="cuda")
+    for name, t in {"compact": base, "transposed": base.t()}.items():
+        for dev in ("cpu", "cuda:0"):
+            dlbridge.empty_cache(dev)
+            dlbridge.reset_peak_memory(dev)
+        cpu_before, gpu_before = _peak("cpu"), _peak("cuda:0")
+        path = tmp_path / f"{name}.safetensors"
+        dlbridge.save_file({name: t}, path, chunk_bytes=1 << 20, threads=2)
+        assert _peak("cpu") - cpu_before < 4 << 20, name
+        assert _peak("cuda:0") - gpu_before < 4 << 20, name
+        theirs = tmp_path / f"{name}.theirs.safetensors"
+        st_save_torch({name: t.cpu().contiguous()}, str(theirs))
+        assert _same_bytes(path, theirs), name
+
+
+@_needs_torch_cuda
+def test_a_cuda_save_sees_the_kernels_enqueued_before_it(tmp_path):
+    """Work still running on PyTorch's stream when save_file is called (a long matmul chain, then
+    a fill) is in the file, for the synchronous and the asynchronous form."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for wait in (True, False):
+            x = torch.randn(4096, 4096, device="cuda")
+            for _ in range(20):
+                x = x @ x.t() / 4096
+            x.fill_(7.0)  # enqueued behind the matmuls, not finished when the save starts
+            path = tmp_path / f"x-{wait}.safetensors"
+            handle = dlbridge.save_file({"x": x}, path, wait=wait)
+            if handle is not None:
+                handle.wait()
+            assert torch.equal(st_load_torch(str(path))["x"], torch.full((4096, 4096), 7.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The asynchronous save.
+
+
+def test_async_save_copies_then_the_arrays_may_change(tmp_path):
+    tensors = {f"w{i}": _random((512, 1024), torch.float32, i) for i in range(8)}
+    expected = {k: v.clone() for k, v in tensors.items()}
+    path = tmp_path / "a.safetensors"
+    handle = dlbridge.save_file(tensors, path, metadata={"format": "pt"}, wait=False, chunk_bytes=1 << 20)
+    assert isinstance(handle, dlbridge.safetensors.SaveHandle)
+    handle.wait_copied()
+    assert handle.copied
+    for t in tensors.values():
+        t.fill_(-1.0)  # the caller reuses its memory: the file keeps the values at the call
+    assert handle.wait() == str(path)
+    assert handle.done() and handle.copied
+    theirs = tmp_path / "theirs.safetensors"
+    st_save_torch(expected, str(theirs), {"format": "pt"})
+    assert _same_bytes(path, theirs)
+    assert "durable" in repr(handle)
+
+
+def test_async_save_returns_before_the_disk_is_done(tmp_path):
+    """The call returns at once, with the GIL released: this thread runs while the save goes on."""
+    tensors = {f"w{i}": torch.ones(16 << 20, dtype=torch.uint8) for i in range(16)}  # 256 MB
+    start = time.perf_counter()
+    handle = dlbridge.save_file(tensors, tmp_path / "big.safetensors", wait=False)
+    returned = time.perf_counter() - start
+    spins = 0
+    while not handle.done():
+        spins += 1
+    total = time.perf_counter() - start
+    handle.wait()
+    assert returned < total / 4, (returned, total)
+    assert spins > 0
+
+
+def test_async_progress_and_a_failing_callback(tmp_path):
+    reports = []
+    path = tmp_path / "p.safetensors"
+    handle = dlbridge.save_file({"w": torch.ones(1 << 20)}, path, wait=False,
+                                progress=lambda d, t: reports.append((d, t)))
+    handle.wait()
+    size = os.path.getsize(path)
+    assert reports[-1] == (size, size)
+
+    def boom(done, total):
+        raise KeyError("stop")
+
+    handle = dlbridge.save_file({"w": torch.ones(3)}, tmp_path / "q.safetensors", wait=False, progress=boom)
+    with pytest.raises(KeyError):
+        handle.wait()
+    with pytest.raises(TypeError):
+        dlbridge.save_file({"w": torch.ones(3)}, tmp_path / "r.safetensors", wait=False, progress=True)
+
+
+def test_async_wait_takes_a_timeout(tmp_path):
+    handle = dlbridge.save_file({"w": torch.ones(3)}, tmp_path / "w.safetensors", wait=False)
+    handle.wait(timeout=60)
+    handle.wait_copied(timeout=0)
+    with pytest.raises(ValueError):
+        handle.wait(timeout=-1)
+
+
+def test_async_sharded_save(tmp_path):
+    tensors = {f"w{i}": _random((100_000,), torch.float32, i) for i in range(5)}
+    handle = dlbridge.save_file(tensors, tmp_path / "ckpt", max_shard_size="1MB", wait=False)
+    handle.wait_copied()
+    index = handle.wait()
+    assert index == str(tmp_path / "ckpt" / "model.safetensors.index.json")
+    back = dlbridge.load_file(tmp_path / "ckpt", framework="pt")
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t)
+
+
+_EXIT_RIGHT_AFTER = """
+import sys, numpy as np, dlbridge
+arrays = {f"w{i}": np.full(4 << 20, i, dtype=np.float32) for i in range(8)}  # 128 MB
+dlbridge.save_file(arrays, sys.argv[1], wait=False)
+"""
+
+
+def test_an_interpreter_that_exits_waits_for_its_async_saves(tmp_path):
+    path = tmp_path / "exit.safetensors"
+    subprocess.run([sys.executable, "-c", _EXIT_RIGHT_AFTER, str(path)], check=True, timeout=120)
+    back = dlbridge.load_file(path, framework="np")
+    assert [float(back[f"w{i}"][-1]) for i in range(8)] == [float(i) for i in range(8)]
+    assert os.listdir(tmp_path) == ["exit.safetensors"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_async_save_to_a_full_disk_raises_from_wait_and_leaves_nothing(tmp_path, sharded):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _mount(disk, "tmpfs", "2m")
+    try:
+        path = disk / "model.safetensors"
+        dlbridge.save_file({"w": torch.arange(1000.0)}, path)
+        before = path.read_bytes()
+        big = {f"w{i}": torch.ones(250_000) for i in range(3)}
+        target = disk / "ckpt" if sharded else path
+        handle = dlbridge.save_file(big, target, max_shard_size="1MB" if sharded else None, wait=False)
+        with pytest.raises(OSError) as info:
+            handle.wait()
+        assert info.value.errno == errno.ENOSPC
+        with pytest.raises(OSError):  # raised again to every waiter
+            handle.wait()
+        assert handle.done()
+        assert path.read_bytes() == before
+        names = os.listdir(disk) + (os.listdir(disk / "ckpt") if sharded else [])
+        assert sorted(names) == (["ckpt", "model.safetensors"] if sharded else ["model.safetensors"])
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+@_needs_torch_cuda
+def test_async_cuda_save_gives_the_memory_back_once_copied(tmp_path):
+    tensors = {f"w{i}": torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) for i in range(16)}
+    expected = {k: v.cpu() for k, v in tensors.items()}
+    path = tmp_path / "gpu.safetensors"
+    handle = dlbridge.save_file(tensors, path, wait=False)
+    handle.wait_copied()
+    for t in tensors.values():
+        t.mul_(0)  # on PyTorch's stream, after the copies
+    handle.wait()
+    back = st_load_torch(str(path))
+    for name, t in expected.items():
+        assert torch.equal(back[name], t), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Stale shards.
+
+
+def test_a_sharded_save_removes_the_stale_checkpoint_files_of_an_earlier_one(tmp_path):
+    folder = tmp_path / "ckpt"
+    four = {f"w{i}": _random((100_000,), torch.float32, i) for i in range(4)}  # 400 kB each
+    dlbridge.save_file(four, folder, max_shard_size="500kB")
+    assert len([n for n in os.listdir(folder) if n.startswith("model-")]) == 4
+    keep = ["notes.txt", "model-1-of-2.safetensors", "model-00001-of-00004.safetensors.bak",
+            "other-00001-of-00002.safetensors", "model.safetensors.index.json.orig"]
+    for name in keep:
+        (folder / name).write_text("keep")
+    two = {k: four[k] for k in ("w0", "w1")}
+    dlbridge.save_file(two, folder, max_shard_size="500kB")
+    assert sorted(os.listdir(folder)) == sorted(
+        keep + ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json"])
+    index = folder / "model.safetensors.index.json"
+    assert sorted(dlbridge.load_file(index, framework="pt")) == ["w0", "w1"]
+    # One shard: model.safetensors, and no index left to mislead a loader.
+    dlbridge.save_file(two, folder, max_shard_size="5GB")
+    assert sorted(os.listdir(folder)) == sorted(keep + ["model.safetensors"])
+    assert sorted(dlbridge.load_file(folder / "model.safetensors", framework="pt")) == ["w0", "w1"]
+    # Sharded again: model.safetensors goes.
+    dlbridge.save_file(four, folder, max_shard_size="500kB")
+    assert "model.safetensors" not in os.listdir(folder)
+    assert sorted(dlbridge.load_file(index, framework="pt")) == ["w0", "w1", "w2", "w3"]
+    for name in keep:
+        assert (folder / name).read_text() == "keep"
+
+
+def test_a_failed_sharded_save_removes_no_earlier_shard(tmp_path):
+    folder = tmp_path / "ckpt"
+    four = {f"w{i}": _random((100_000,), torch.float32, i) for i in range(4)}
+    dlbridge.save_file(four, folder, max_shard_size="500kB")
+    before = sorted(os.listdir(folder))
+    with pytest.raises(TypeError):
+        dlbridge.save_file({"w0": four["w0"], "bad": object()}, folder, max_shard_size="500kB")
+    assert sorted(os.listdir(folder)) == before

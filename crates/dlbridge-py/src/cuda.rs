@@ -241,9 +241,43 @@ impl PyEvent {
         self.inner.query().py()
     }
 
+    /// Makes later work on `stream` wait for the event, without blocking the host: a `Stream`,
+    /// another library's stream object (`torch.cuda.Stream`: its `cuda_stream`; CuPy: `ptr`), a
+    /// raw handle, or the current stream of the event's device when None.
+    #[pyo3(signature = (stream=None))]
+    fn wait(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let ordinal = self.inner.device();
+        let handle = match stream {
+            Some(s) if !s.is_none() => match s.cast::<PyStream>() {
+                Ok(st) => st.get().inner.handle(),
+                Err(_) => match s.getattr("cuda_stream").or_else(|_| s.getattr("ptr")) {
+                    Ok(h) => h.extract::<usize>()?,
+                    Err(_) => s.extract::<usize>()?,
+                },
+            },
+            _ => cuda::current_stream(ordinal),
+        };
+        // SAFETY: the caller vouches for the stream handle as for `Stream.from_handle`; the
+        // wrapper never destroys it and lives only for this call.
+        let stream = unsafe { cuda::Stream::from_raw(ordinal, handle) }.py()?;
+        stream.wait_event(&self.inner).py()
+    }
+
+    /// The raw `CUevent` handle (for `ctypes` or another library's event wait).
+    #[getter]
+    fn handle(&self) -> usize {
+        self.inner.handle()
+    }
+
     /// Milliseconds from this event to `end` (both recorded, completed and timing-enabled).
     fn elapsed_time(&self, end: &Bound<'_, PyEvent>) -> PyResult<f32> {
         self.inner.elapsed_ms(&end.get().inner).py()
+    }
+}
+
+impl From<cuda::Event> for PyEvent {
+    fn from(inner: cuda::Event) -> PyEvent {
+        PyEvent { inner }
     }
 }
 

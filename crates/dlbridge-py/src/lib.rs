@@ -40,7 +40,9 @@ mod npcompat;
 mod npy;
 mod ops;
 mod safetensors;
+mod save;
 mod share;
+mod stream;
 mod views;
 
 use pyo3::prelude::*;
@@ -110,6 +112,8 @@ fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     nccl::register(m)?;
     kernel::register(m)?;
     safetensors::register(m)?;
+    save::register(m)?;
+    stream::register(m)?;
     npy::register(m)?;
     m.add_class::<backend::PyBackend>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -23,7 +23,7 @@ pub(crate) struct PyCheckpoint {
     inner: Checkpoint,
 }
 
-fn paths(obj: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
+pub(crate) fn paths(obj: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
     if obj.is_instance_of::<PyString>() || obj.hasattr("__fspath__")? {
         return Ok(vec![obj.extract::<PathBuf>()?]);
     }
@@ -206,7 +206,7 @@ impl PyCheckpoint {
 
 /// The loader's options from `load`'s and `load_part`'s arguments.
 #[allow(clippy::too_many_arguments)]
-fn load_options(
+pub(crate) fn load_options(
     device: &Bound<'_, PyAny>,
     copy: bool,
     dtype: Option<&Bound<'_, PyAny>>,
@@ -277,7 +277,7 @@ fn check_part_key(key: &Bound<'_, PyAny>) -> PyResult<()> {
 }
 
 /// The tensors of a Python mapping (name → any array dlbridge can import), in its order.
-fn named_tensors(tensors: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Tensor)>> {
+pub(crate) fn named_tensors(tensors: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Tensor)>> {
     let mut owned: Vec<(String, Tensor)> = Vec::with_capacity(tensors.len());
     for (name, value) in tensors.iter() {
         let name: String = name
@@ -313,12 +313,7 @@ fn _st_save(
 ) -> PyResult<PathBuf> {
     let owned = named_tensors(tensors)?;
     let refs: Vec<(&str, &Tensor)> = owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let defaults = WriteOptions::default();
-    let options = WriteOptions {
-        threads: threads.unwrap_or(defaults.threads).max(1),
-        chunk: chunk_bytes.unwrap_or(defaults.chunk),
-        direct_io: direct_io.unwrap_or(defaults.direct_io),
-    };
+    let options = write_options(threads, chunk_bytes, direct_io);
     let mut callback_error: Option<PyErr> = None;
     let saved = py.detach(|| {
         let mut report = |done: u64, total: u64| {
@@ -344,6 +339,21 @@ fn _st_save(
         return Err(e);
     }
     saved.py()
+}
+
+/// The engine's write options from `_st_save`'s arguments (`None`: its defaults).
+pub(crate) fn write_options(
+    threads: Option<usize>,
+    chunk_bytes: Option<usize>,
+    direct_io: Option<bool>,
+) -> WriteOptions {
+    let defaults = WriteOptions::default();
+    WriteOptions {
+        threads: threads.unwrap_or(defaults.threads).max(1),
+        chunk: chunk_bytes.unwrap_or(defaults.chunk),
+        direct_io: direct_io.unwrap_or(defaults.direct_io),
+        whole: false,
+    }
 }
 
 /// `tensors` with `metadata` in the safetensors format, as bytes.

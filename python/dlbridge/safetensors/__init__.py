@@ -26,6 +26,7 @@ mirror ``safetensors.<framework>``: ``load_file``, ``save_file``, ``load`` and `
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -35,9 +36,9 @@ from typing import (
 )
 
 from .. import _dlbridge
-from .._dlbridge import Array, Device
+from .._dlbridge import Array, Device, SaveHandle
 
-__all__ = ["FRAMEWORKS", "load_file", "safe_open", "save_file"]
+__all__ = ["FRAMEWORKS", "SaveHandle", "StreamedLoad", "load_file", "safe_open", "save_file", "stream_file"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 Progress = Union[None, bool, Callable[[int, int], Any]]
@@ -303,6 +304,36 @@ def _size(size: Union[int, str]) -> int:
     return value
 
 
+@overload
+def save_file(
+    tensors: Mapping[str, Any],
+    path: PathLike,
+    metadata: Optional[Mapping[str, str]] = ...,
+    *,
+    max_shard_size: Union[int, str, None] = ...,
+    progress: Progress = ...,
+    threads: Optional[int] = ...,
+    chunk_bytes: Optional[int] = ...,
+    direct_io: Optional[bool] = ...,
+    wait: Literal[True] = ...,
+) -> None: ...
+
+
+@overload
+def save_file(
+    tensors: Mapping[str, Any],
+    path: PathLike,
+    metadata: Optional[Mapping[str, str]] = ...,
+    *,
+    max_shard_size: Union[int, str, None] = ...,
+    progress: Progress = ...,
+    threads: Optional[int] = ...,
+    chunk_bytes: Optional[int] = ...,
+    direct_io: Optional[bool] = ...,
+    wait: Literal[False],
+) -> SaveHandle: ...
+
+
 def save_file(
     tensors: Mapping[str, Any],
     path: PathLike,
@@ -313,7 +344,8 @@ def save_file(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     direct_io: Optional[bool] = None,
-) -> None:
+    wait: bool = True,
+) -> Optional[SaveHandle]:
     """Writes ``tensors`` (any arrays dlbridge imports: its own, NumPy, PyTorch, JAX, CuPy, ...,
     on any device) with ``metadata`` in the safetensors format, atomically and durably (a
     temporary file in the same folder, synced, renamed, and the folder synced before it returns);
@@ -325,10 +357,24 @@ def save_file(
     (``.NAME.PID.N.tmp``) is removed by the next save to the same file.
 
     The bytes go through a ring of page-aligned buffers written by several threads around the
-    page cache (``O_DIRECT``; through it where the file system refuses, as tmpfs does), with the
-    GIL released. ``threads`` (writer threads), ``chunk_bytes`` (one write, a multiple of 4096)
-    and ``direct_io=False`` tune that. ``progress`` as in :func:`load_file` (bytes written; an
-    exception it raises is raised once the save has finished).
+    page cache (``O_DIRECT``; through it where the file system refuses, as ramfs does), with the
+    GIL released. Arrays of any layout are copied piece by piece straight into the ring (no
+    compact copy first); CUDA arrays asynchronously, on a stream of the save's that waits for the
+    caller's current stream, into pinned buffers. ``threads`` (writer threads), ``chunk_bytes``
+    (one write, a multiple of 4096) and ``direct_io=False`` tune that. ``progress`` as in
+    :func:`load_file` (bytes written; an exception it raises is raised once the save has
+    finished).
+
+    ``wait=False`` returns at once a :class:`SaveHandle` and saves on a thread of its own: every
+    byte is copied into host memory (pinned for CUDA arrays) as fast as the copies go, so that
+    ``handle.wait_copied()`` returns (and ``handle.copied`` is true) long before the disk is done;
+    from then on the arrays may be written or freed (not before: an optimizer step must wait for
+    it). ``handle.wait()`` returns once the file is durable, raising the save's error (a full
+    disk: ``OSError``, with nothing partial left, as the synchronous form); ``handle.done()``
+    tells without waiting. The staging memory (the file's size) goes back to dlbridge's pool
+    after the save and is kept there for the next one; ``dlbridge.empty_cache("cuda_host:0")``
+    (or ``"cpu"`` for CPU arrays) releases it. Saves still running when the interpreter exits are
+    waited for.
 
     ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``): ``path`` is a folder
     (created where missing) that receives a checkpoint as Hugging Face's ``save_pretrained``
@@ -336,16 +382,40 @@ def save_file(
     tensors in the given order; one larger than the limit alone in its shard), written in
     parallel, and ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``); one
     shard is ``model.safetensors`` without an index. The shards are renamed into place only once
-    all are written, the index last. :func:`load_file` takes the index or the folder."""
+    all are written, the index last; then the checkpoint files of an earlier save that the new
+    one does not name (shards of another count, an index or ``model.safetensors`` left from a
+    save of the other shape) are removed, as ``huggingface_hub.save_torch_state_dict`` does;
+    no other file is touched. :func:`load_file` takes the index or the folder."""
     shard = None if max_shard_size is None else _size(max_shard_size)
+    args = (dict(tensors), os.fspath(path), None if metadata is None else dict(metadata), shard)
+    if not wait:
+        if progress is not None and progress is not False and not callable(progress):
+            raise TypeError("save_file(wait=False) takes a callable progress (no bar)")
+        handle = _dlbridge._st_save_async(
+            *args, progress if callable(progress) else None, threads, chunk_bytes, direct_io)
+        _running[:] = [h for h in _running if not h.done()] + [handle]
+        return handle
     callback, bar = _progress_callback(progress, "saving")
     try:
-        _dlbridge._st_save(
-            dict(tensors), os.fspath(path), None if metadata is None else dict(metadata),
-            shard, callback, threads, chunk_bytes, direct_io)
+        _dlbridge._st_save(*args, callback, threads, chunk_bytes, direct_io)
     finally:
         if bar is not None:
             bar.close()
+    return None
+
+
+# Asynchronous saves not known to have ended: waited for when the interpreter exits, so that a
+# script that returns right after `save_file(..., wait=False)` still leaves its file.
+_running: List[SaveHandle] = []
+
+
+@atexit.register
+def _wait_for_saves() -> None:
+    for handle in _running:
+        try:
+            handle.wait()
+        except BaseException:
+            pass
 
 
 class _Slice:
@@ -458,3 +528,6 @@ class safe_open:
         is none)."""
         self._open().info(name)
         return _Slice(self, name)
+
+
+from ._stream import StreamedLoad, stream_file  # noqa: E402  (it uses the helpers above)

@@ -13,7 +13,8 @@
 //! | load | [`load`] with [`LoadOptions`] | CPU views of the mapping (or private copies); Metal views of the wrapped pages (or blits); CUDA through parallel positioned reads, pinned staging and asynchronous copies, or direct reads and cuFile for files not in the page cache |
 //! | part | [`load_part`], [`PartPlan`] | a strided part of one array (a rank's rows or columns) reading only the bytes it needs |
 //! | one array on the CPU | [`host_tensor`] | a view of the mapping or a private copy, as a CPU load makes each |
-//! | save | [`write_file`] with [`WriteItem`], [`WriteOptions`] | a head and arrays of any device and layout at their file offsets: a ring of page-aligned host buffers filled in file order, written by several threads around the page cache (`O_DIRECT`, buffered where refused), then synced |
+//! | stream | [`stream`] with [`GroupPlan`]s over a [`FileSet`] | groups of arrays loaded one after another in the caller's order on a thread of the engine's, each handed out ([`LoadedGroup`]) with a CUDA event that completes when its bytes are on the device, while the next groups load |
+//! | save | [`write_file`] with [`WriteItem`], [`WriteOptions`]; [`write_file_staged`] with [`CopyStreams`] | a head and arrays of any device and layout at their file offsets: a ring of page-aligned host buffers (pinned for CUDA arrays, copied into on the save's streams) filled in file order, strided arrays piece by piece, written by several threads around the page cache (`O_DIRECT`, buffered where refused), then synced; the asynchronous form holds the whole file and tells when every byte is in host memory |
 //!
 //! How a load reads: reader threads ([`default_threads`], [`default_direct_threads`]) take
 //! pieces of at most [`DEFAULT_CHUNK`] (or [`DEFAULT_DIRECT_CHUNK`]) bytes; whether a file is
@@ -25,6 +26,7 @@ mod file;
 mod load;
 mod part;
 mod save;
+mod stream;
 
 pub use file::MappedFile;
 #[cfg_attr(not(cuda), allow(unused_imports))] // `Mapping`: the CUDA reader's shared mappings
@@ -36,4 +38,8 @@ pub use load::{
 };
 pub use part::{DEFAULT_MAX_GAP, PartPlan};
 pub(crate) use save::write_to;
-pub use save::{DEFAULT_WRITE_CHUNK, WriteItem, WriteOptions, default_write_threads, write_file};
+pub use save::{
+    CopyStreams, DEFAULT_WRITE_CHUNK, WriteItem, WriteOptions, default_write_threads, write_file,
+    write_file_staged,
+};
+pub use stream::{FileSet, GroupPlan, LoadStream, LoadedGroup, stream};

@@ -3,12 +3,18 @@
 //! byte offset) and the engine moves the bytes.
 //!
 //! The caller's thread fills a ring of page-aligned host buffers of [`DEFAULT_WRITE_CHUNK`] bytes
-//! (from the CPU pool) in file order: host arrays by copies of their compact bytes, strided ones
-//! through the copy planner, device arrays through the backend's copy to the host, one array at
-//! a time. Writer threads take each full buffer and write it at its aligned file offset around
-//! the page cache (`O_DIRECT`), while the next ones fill; the last, partial buffer, and every
-//! write where the file system refuses `O_DIRECT` (tmpfs), go through the page cache. The file is
-//! then synced.
+//! in file order, straight from each array: compact host arrays by copies of their bytes; strided
+//! arrays, and CUDA arrays of any layout, piece by piece through the copy planner, each piece a
+//! strided view of the array whose bytes fill the rest of a buffer (no compact copy of the array
+//! first). CUDA arrays are copied asynchronously on a stream of the save's into pinned buffers
+//! (the pool's pinned memory), and a buffer is handed on once its copies ran. Writer threads take
+//! each full buffer and write it at its aligned file offset around the page cache (`O_DIRECT`),
+//! while the next ones fill; the last, partial buffer, and every write where the file system
+//! refuses `O_DIRECT` (ramfs), go through the page cache. The file is then synced.
+//!
+//! The ring holds `threads + 2` buffers, or, for an asynchronous save
+//! ([`WriteOptions::whole`]), as many as the file needs, so that every byte is in host memory at
+//! the speed of the copies ([`write_file_staged`] tells when) while the disk catches up.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -17,6 +23,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+use crate::backend::cuda::{self, Stream};
+use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -56,6 +64,11 @@ pub struct WriteOptions {
     pub chunk: usize,
     /// Whether full chunks are written around the page cache where the file system allows it.
     pub direct_io: bool,
+    /// Whether the ring grows to hold the whole file, so that every byte reaches host memory
+    /// at the speed of the copies instead of waiting for the disk (the asynchronous save: the
+    /// arrays may change once they are all copied). The memory goes back to its pool (pinned
+    /// memory for CUDA arrays, the CPU pool's otherwise), which keeps it for the next save.
+    pub whole: bool,
 }
 
 impl Default for WriteOptions {
@@ -64,6 +77,7 @@ impl Default for WriteOptions {
             threads: default_write_threads(),
             chunk: DEFAULT_WRITE_CHUNK,
             direct_io: true,
+            whole: false,
         }
     }
 }
@@ -75,12 +89,74 @@ impl Default for WriteOptions {
 /// full chunks; where that fails (tmpfs refuses it, other systems have no such flag) or a direct
 /// write is refused, the writes go through `file`. Errors ([`Error::Io`] naming `path`, such as
 /// a full disk) leave the file partly written: the caller removes it.
+///
+/// CUDA arrays are copied on streams ordered after the calling thread's current streams
+/// ([`CopyStreams::after_current`]); [`write_file_staged`] takes streams made earlier, and tells
+/// when every byte is in host memory.
 pub fn write_file(
     path: &Path,
     file: &File,
     head: &[u8],
     items: &[WriteItem<'_>],
     options: &WriteOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<u64> {
+    let streams = CopyStreams::after_current(items.iter().map(|i| i.tensor))?;
+    write_file_staged(path, file, head, items, options, &streams, &|| {}, progress)
+}
+
+/// The streams a save copies CUDA arrays on: one per device, each ordered after the stream that
+/// was current on the thread that made them, so that the copies see every write enqueued there
+/// before (a save started on one thread may copy on another: the asynchronous save).
+#[derive(Debug, Default)]
+pub struct CopyStreams {
+    streams: Vec<Stream>,
+}
+
+impl CopyStreams {
+    /// For each CUDA device (device, pinned or managed memory) among `tensors`: a new
+    /// non-blocking stream that waits for the work enqueued so far on this thread's current stream
+    /// of that device. None for other devices.
+    pub fn after_current<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<CopyStreams> {
+        let mut streams: Vec<Stream> = Vec::new();
+        for tensor in tensors {
+            let device = tensor.device();
+            let ordinal = device.index() as i32;
+            if !device.kind().is_cuda() || streams.iter().any(|s| s.device() == ordinal) {
+                continue;
+            }
+            let stream = Stream::new(ordinal, true)?;
+            cuda::order_streams(ordinal, cuda::current_stream(ordinal), stream.handle())?;
+            streams.push(stream);
+        }
+        Ok(CopyStreams { streams })
+    }
+
+    /// The stream for device `ordinal`.
+    fn of(&self, ordinal: i32) -> Option<&Stream> {
+        self.streams.iter().find(|s| s.device() == ordinal)
+    }
+
+    /// Waits for every copy enqueued so far.
+    fn synchronize(&self) -> Result<()> {
+        self.streams.iter().try_for_each(Stream::synchronize)
+    }
+}
+
+/// [`write_file`] with streams made beforehand ([`CopyStreams::after_current`], which must cover
+/// the CUDA devices of `items`), calling `copied()` once every byte of the file is in host memory:
+/// from then on the arrays may change without changing the file. With `options.whole` set that
+/// happens at the speed of the copies, as the ring then grows to hold the whole file rather than
+/// waiting for the disk.
+#[allow(clippy::too_many_arguments)] // the engine's one entry point; `write_file` is the short form
+pub fn write_file_staged(
+    path: &Path,
+    file: &File,
+    head: &[u8],
+    items: &[WriteItem<'_>],
+    options: &WriteOptions,
+    streams: &CopyStreams,
+    copied: &(dyn Fn() + Sync),
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<u64> {
     let chunk = options.chunk.max(4096).next_multiple_of(4096);
@@ -91,6 +167,15 @@ pub fn write_file(
                 "an array at byte {} overlaps the bytes before it (which end at {total})",
                 item.offset
             )));
+        }
+        if item.nbytes > 0 && item.tensor.device().kind().is_cuda() {
+            let ordinal = item.tensor.device().index() as i32;
+            if streams.of(ordinal).is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "the save was given no copy stream for {}",
+                    item.tensor.device()
+                )));
+            }
         }
         total = item
             .offset
@@ -103,6 +188,18 @@ pub fn write_file(
         None
     };
     let threads = options.threads.max(1);
+    let chunks = total.div_ceil(chunk as u64).max(1) as usize;
+    let ring = if options.whole {
+        chunks
+    } else {
+        (threads + 2).min(chunks)
+    };
+    // Pinned memory where a CUDA array is saved (the copies from the device go straight into
+    // it), the CPU pool's otherwise.
+    let staging = match streams.streams.first() {
+        Some(stream) => Device::cuda_host(stream.device() as u32),
+        None => Device::CPU,
+    };
     let done = AtomicU64::new(0);
     let failed = AtomicBool::new(false);
     let first_error = Mutex::new(None);
@@ -113,14 +210,9 @@ pub fn write_file(
             .unwrap_or_else(|p| p.into_inner())
             .get_or_insert(e);
     };
-    let (work_tx, work_rx) = mpsc::channel::<(u64, Tensor)>();
+    let (work_tx, work_rx) = mpsc::channel::<(u64, Slot)>();
     let work_rx = Mutex::new(work_rx);
-    let (free_tx, free_rx) = mpsc::channel::<Tensor>();
-    for _ in 0..(threads + 2).min(total.div_ceil(chunk as u64).max(1) as usize) {
-        free_tx
-            .send(Tensor::empty(&[chunk], DType::U8, Device::CPU)?)
-            .map_err(|_| hung_up())?;
-    }
+    let (free_tx, free_rx) = mpsc::channel::<Slot>();
     let direct_refused = AtomicBool::new(false);
     std::thread::scope(|scope| {
         for _ in 0..threads {
@@ -131,35 +223,38 @@ pub fn write_file(
             scope.spawn(move || {
                 loop {
                     let next = work_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                    let Ok((offset, buffer)) = next else { return };
+                    let Ok((offset, slot)) = next else { return };
                     if !failed.load(Ordering::Relaxed) {
-                        let bytes = match buffer.as_slice::<u8>() {
-                            Ok(bytes) => bytes,
-                            Err(e) => {
-                                record(e);
-                                &[]
+                        let written = slot.bytes(chunk).and_then(|bytes| {
+                            write_chunk(file, direct, direct_refused, bytes, offset)
+                                .map(|()| bytes.len())
+                                .map_err(|e| io_error(path, e))
+                        });
+                        match written {
+                            Ok(n) => {
+                                done.fetch_add(n as u64, Ordering::Relaxed);
                             }
-                        };
-                        match write_chunk(file, direct, direct_refused, bytes, offset) {
-                            Ok(()) => {
-                                done.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                            }
-                            Err(e) => record(io_error(path, e)),
+                            Err(e) => record(e),
                         }
                     }
                     // The filler waits for buffers: it gets each back, written or not.
-                    let _ = free_tx.send(buffer);
+                    let _ = free_tx.send(slot);
                 }
             });
         }
         drop(free_tx);
         let mut filler = Filler {
             chunk,
+            staging,
+            ring,
+            allocated: 0,
             free: &free_rx,
             work: work_tx,
             current: None,
             start: 0,
             fill: 0,
+            device_copies: false,
+            streams,
             failed: &failed,
         };
         let mut last_report = Instant::now();
@@ -169,8 +264,7 @@ pub fn write_file(
             for item in items {
                 filler.zeros((item.offset - at) as usize)?;
                 if item.nbytes > 0 {
-                    let bytes = host_bytes(item.tensor, item.nbytes)?;
-                    filler.put(bytes.as_slice()?)?;
+                    filler.array(item.tensor, item.nbytes)?;
                 }
                 at = item.offset + item.nbytes;
                 if last_report.elapsed() >= Duration::from_millis(100) {
@@ -178,9 +272,11 @@ pub fn write_file(
                     last_report = Instant::now();
                 }
             }
+            filler.settle()?;
+            copied();
             // The last, partial chunk: through the page cache, at its exact length.
-            if let Some(buffer) = filler.current.take() {
-                let bytes = &buffer.as_slice::<u8>()?[..filler.fill];
+            if let Some(slot) = filler.current.take() {
+                let bytes = &slot.bytes(chunk)?[..filler.fill];
                 file.write_all_at(bytes, filler.start)
                     .map_err(|e| io_error(path, e))?;
                 done.fetch_add(bytes.len() as u64, Ordering::Relaxed);
@@ -201,16 +297,90 @@ pub fn write_file(
     Ok(total)
 }
 
+/// One ring buffer: `chunk` page-aligned bytes of host memory (pinned where the save copies
+/// from a CUDA device) at `start` of `host`, a CPU view; `pinned`, the same memory as the CUDA
+/// backend knows it, where it is pinned.
+struct Slot {
+    host: Tensor,
+    pinned: Option<Buffer>,
+    start: usize,
+}
+
+impl Slot {
+    /// `chunk` bytes of `staging` (the CPU, or a CUDA device's pinned memory), page-aligned.
+    fn new(staging: Device, chunk: usize) -> Result<Slot> {
+        let storage = (!staging.is_cpu()).then_some(StorageMode::Shared);
+        let buffer = crate::backend::allocate(staging, chunk + PAGE, storage, false)?;
+        let base = buffer.require_host("staging a file write")?;
+        let start = base.as_ptr().align_offset(PAGE);
+        let (host, pinned) = if staging.is_cpu() {
+            (buffer, None)
+        } else {
+            // SAFETY: pinned memory is host memory: `buffer.len()` bytes at `base` the host may
+            // read and write, valid while the pinned buffer lives, which the clone given as the
+            // owner ensures.
+            let alias = unsafe {
+                Buffer::from_foreign(
+                    base.as_ptr().cast(),
+                    base.as_ptr(),
+                    buffer.len(),
+                    Device::CPU,
+                    StorageMode::Shared,
+                    false,
+                    Box::new(buffer.clone()),
+                )
+            };
+            (alias, Some(buffer))
+        };
+        let len = host.len();
+        Ok(Slot {
+            host: Tensor::new(host, DType::U8, Layout::contiguous(&[len])?)?,
+            pinned,
+            start,
+        })
+    }
+
+    /// The buffer's `chunk` bytes.
+    fn bytes(&self, chunk: usize) -> Result<&[u8]> {
+        Ok(&self.host.host_bytes()?[self.start..self.start + chunk])
+    }
+
+    /// A compact byte array of `shape` at byte `at` of the chunk, in the memory a copy from
+    /// `source` writes best: the CPU view for host sources, the pinned buffer for CUDA ones.
+    fn view(&self, at: usize, shape: &[usize], source: Device) -> Result<Tensor> {
+        let buffer = match &self.pinned {
+            Some(pinned) if source.kind().is_cuda() => pinned.clone(),
+            _ => self.host.buffer().clone(),
+        };
+        Tensor::new(
+            buffer,
+            DType::U8,
+            Layout::contiguous_at(shape, self.start + at)?,
+        )
+    }
+}
+
+/// The page size `O_DIRECT` aligns buffers to.
+const PAGE: usize = 4096;
+
 /// The caller's side of the ring: the buffer being filled and where it goes in the file.
 struct Filler<'a> {
     chunk: usize,
-    free: &'a mpsc::Receiver<Tensor>,
-    work: mpsc::Sender<(u64, Tensor)>,
-    current: Option<Tensor>,
+    /// Where new ring buffers are allocated.
+    staging: Device,
+    /// How many buffers the ring may hold.
+    ring: usize,
+    allocated: usize,
+    free: &'a mpsc::Receiver<Slot>,
+    work: mpsc::Sender<(u64, Slot)>,
+    current: Option<Slot>,
     /// The file offset of `current`'s first byte.
     start: u64,
     /// Bytes of `current` filled.
     fill: usize,
+    /// Whether copies from a device into `current` may still be running.
+    device_copies: bool,
+    streams: &'a CopyStreams,
     failed: &'a AtomicBool,
 }
 
@@ -237,16 +407,83 @@ impl Filler<'_> {
         Ok(())
     }
 
-    /// How many of `want` bytes fit in the current buffer (taking a free one where none is
-    /// being filled).
+    /// Appends the first `nbytes` bytes of `tensor`'s elements, compact and row-major: host
+    /// arrays compact in memory by copies of their bytes; strided host arrays and CUDA arrays
+    /// (compact or not) by copies of row-major pieces straight into the ring buffers, the CUDA
+    /// ones on the save's streams into pinned memory; others (sub-byte elements, memory the host
+    /// cannot address) through a compact host copy.
+    fn array(&mut self, tensor: &Tensor, nbytes: u64) -> Result<()> {
+        let nbytes = usize::try_from(nbytes).map_err(|_| crate::error::overflow("array length"))?;
+        let device = tensor.device();
+        let host = if device.is_cpu() {
+            Some(tensor.clone())
+        } else if device.kind().is_cuda() {
+            None
+        } else {
+            crate::backend::host_view(tensor)?
+        };
+        // Sub-byte elements (packed, or one per byte to be packed) keep the host copy's path.
+        let direct = !tensor.dtype().is_sub_byte() && (device.kind().is_cuda() || host.is_some());
+        if !direct {
+            return self.put(host_bytes(tensor, nbytes as u64)?.as_slice()?);
+        }
+        let source = host.as_ref().unwrap_or(tensor);
+        if source.is_contiguous() && source.device().is_cpu() {
+            return self.put(&source.host_bytes()?[..nbytes]);
+        }
+        let bytes = byte_view(source)?;
+        let ordinal = device.index() as i32;
+        let _current = match (source.device().kind().is_cuda(), self.streams.of(ordinal)) {
+            (true, Some(stream)) => Some(CurrentStream::set(ordinal, stream.handle())),
+            _ => None,
+        };
+        let mut pos = 0;
+        while pos < nbytes {
+            let n = self.room(nbytes - pos)?;
+            let at = self.fill;
+            let slot = self.current.as_ref().ok_or_else(hung_up)?;
+            let mut boxes = Vec::new();
+            split_range(bytes.shape(), bytes.strides(), 0, pos, pos + n, &mut boxes);
+            let mut filled = 0;
+            for (offset, shape, strides) in boxes {
+                let start = bytes.byte_offset() as isize + offset;
+                let piece = Tensor::new(
+                    bytes.buffer().clone(),
+                    DType::U8,
+                    Layout::new(&shape, &strides, start as usize)?,
+                )?;
+                let dst = slot.view(at + filled, &shape, source.device())?;
+                // SAFETY: `dst` lies in the part of the ring buffer not yet filled, which no
+                // slice addresses and no other thread touches until the buffer is handed on
+                // (after the copies are waited for, in `advance` and `settle`); `piece` is a
+                // view of the caller's array, a different allocation.
+                unsafe { dst.copy_from_unchecked(&piece)? };
+                filled += piece.numel();
+            }
+            self.device_copies |= source.device().kind().is_cuda();
+            pos += n;
+            self.advance(n)?;
+        }
+        Ok(())
+    }
+
+    /// How many of `want` bytes fit in the current buffer (taking a free one, or allocating one
+    /// while the ring may grow, where none is being filled).
     fn room(&mut self, want: usize) -> Result<usize> {
         if self.current.is_none() {
-            let buffer = self.free.recv().map_err(|_| hung_up())?;
+            let slot = match self.free.try_recv() {
+                Ok(slot) => slot,
+                Err(_) if self.allocated < self.ring => {
+                    self.allocated += 1;
+                    Slot::new(self.staging, self.chunk)?
+                }
+                Err(_) => self.free.recv().map_err(|_| hung_up())?,
+            };
             if self.failed.load(Ordering::Relaxed) {
                 // A writer failed: its error is the one reported.
                 return Err(hung_up());
             }
-            self.current = Some(buffer);
+            self.current = Some(slot);
         }
         Ok(want.min(self.chunk - self.fill))
     }
@@ -255,24 +492,127 @@ impl Filler<'_> {
     fn space(&mut self, n: usize) -> Result<&mut [u8]> {
         let fill = self.fill;
         match self.current.as_mut() {
-            Some(buffer) => Ok(&mut buffer.as_mut_slice::<u8>()?[fill..fill + n]),
+            Some(slot) => {
+                let start = slot.start + fill;
+                Ok(&mut slot.host.host_bytes_mut()?[start..start + n])
+            }
             None => Err(hung_up()),
         }
     }
 
-    /// Counts `n` more bytes filled; a full buffer goes to the writers.
+    /// Counts `n` more bytes filled; a full buffer goes to the writers once the copies into it
+    /// have run.
     fn advance(&mut self, n: usize) -> Result<()> {
         self.fill += n;
-        if self.fill == self.chunk
-            && let Some(buffer) = self.current.take()
-        {
-            self.work
-                .send((self.start, buffer))
-                .map_err(|_| hung_up())?;
-            self.start += self.chunk as u64;
-            self.fill = 0;
+        if self.fill == self.chunk {
+            self.settle()?;
+            if let Some(slot) = self.current.take() {
+                self.work.send((self.start, slot)).map_err(|_| hung_up())?;
+                self.start += self.chunk as u64;
+                self.fill = 0;
+            }
         }
         Ok(())
+    }
+
+    /// Waits for the device copies into the current buffer.
+    fn settle(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.device_copies) {
+            self.streams.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
+/// The calling thread's current stream on a CUDA device, replaced until dropped (the backend's
+/// copies go to the current stream).
+struct CurrentStream {
+    ordinal: i32,
+    previous: usize,
+}
+
+impl CurrentStream {
+    fn set(ordinal: i32, handle: usize) -> CurrentStream {
+        CurrentStream {
+            ordinal,
+            previous: cuda::set_current_stream(ordinal, handle),
+        }
+    }
+}
+
+impl Drop for CurrentStream {
+    fn drop(&mut self) {
+        cuda::set_current_stream(self.ordinal, self.previous);
+    }
+}
+
+/// `tensor`'s elements as bytes: a `U8` view of the same memory with one more axis, of the
+/// element's bytes (strides in bytes), so that any piece of the row-major byte stream is a view;
+/// one axis for a compact tensor (every piece then one linear copy).
+fn byte_view(tensor: &Tensor) -> Result<Tensor> {
+    let item = tensor.dtype().itemsize();
+    if tensor.is_contiguous() {
+        let layout = Layout::contiguous_at(&[tensor.numel() * item], tensor.byte_offset())?;
+        return Tensor::new(tensor.buffer().clone(), DType::U8, layout);
+    }
+    let mut shape = tensor.shape().to_vec();
+    let mut strides: Vec<isize> = tensor.strides().iter().map(|s| s * item as isize).collect();
+    shape.push(item);
+    strides.push(1);
+    Tensor::new(
+        tensor.buffer().clone(),
+        DType::U8,
+        Layout::new(&shape, &strides, tensor.byte_offset())?,
+    )
+}
+
+/// Splits elements `lo..hi` (row-major order) of an array of `shape` and `strides` whose first
+/// element is at `base` (in strides' units) into boxes, each a strided view `(offset, shape,
+/// strides)` whose row-major elements are consecutive in that order: at most two per axis.
+fn split_range(
+    shape: &[usize],
+    strides: &[isize],
+    base: isize,
+    lo: usize,
+    hi: usize,
+    out: &mut Vec<(isize, Vec<usize>, Vec<isize>)>,
+) {
+    if lo >= hi {
+        return;
+    }
+    let Some((&step, inner_strides)) = strides.split_first() else {
+        out.push((base, Vec::new(), Vec::new()));
+        return;
+    };
+    let inner_shape = &shape[1..];
+    let inner: usize = inner_shape.iter().product();
+    let rows = |from: usize, to: usize, out: &mut Vec<_>| {
+        let mut box_shape = vec![to - from];
+        box_shape.extend_from_slice(inner_shape);
+        out.push((base + from as isize * step, box_shape, strides.to_vec()));
+    };
+    let (first, last) = (lo / inner, (hi - 1) / inner);
+    let (head, tail) = (lo - first * inner, hi - last * inner);
+    let row = |r: usize| base + r as isize * step;
+    if first == last {
+        if head == 0 && tail == inner {
+            rows(first, first + 1, out);
+        } else {
+            split_range(inner_shape, inner_strides, row(first), head, tail, out);
+        }
+        return;
+    }
+    let mut full = first;
+    if head != 0 {
+        split_range(inner_shape, inner_strides, row(first), head, inner, out);
+        full += 1;
+    }
+    let end = if tail == inner { last + 1 } else { last };
+    if full < end {
+        rows(full, end, out);
+    }
+    if tail != inner {
+        split_range(inner_shape, inner_strides, row(last), 0, tail, out);
     }
 }
 
@@ -473,6 +813,7 @@ mod tests {
                 threads,
                 chunk: 65536,
                 direct_io,
+                whole: direct_io,
             };
             let mut reports = Vec::new();
             let len = write_file(&path, &file, &head, &items, &options, &mut |d, t| {
@@ -518,5 +859,189 @@ mod tests {
         assert!(matches!(result, Err(Error::InvalidArgument(_))));
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Every range of a permuted 3-d array's row-major elements splits into strided boxes whose
+    /// elements, in row-major order, are exactly those of the range, at most two per axis plus
+    /// one.
+    #[test]
+    fn split_range_gives_the_range_as_strided_boxes() {
+        let shape = [3usize, 4, 5];
+        let strides = [1isize, 15, 3]; // a permutation of a compact [4, 5, 3]
+        let address = |mut i: usize| {
+            let mut at = 0isize;
+            for axis in (0..3).rev() {
+                at += (i % shape[axis]) as isize * strides[axis];
+                i /= shape[axis];
+            }
+            at
+        };
+        for lo in 0..60 {
+            for hi in lo..=60 {
+                let mut boxes = Vec::new();
+                split_range(&shape, &strides, 0, lo, hi, &mut boxes);
+                assert!(boxes.len() <= 7, "{lo}..{hi}: {} boxes", boxes.len());
+                let mut got = Vec::new();
+                for (base, box_shape, box_strides) in &boxes {
+                    let count: usize = box_shape.iter().product();
+                    for mut i in 0..count {
+                        let mut at = *base;
+                        for axis in (0..box_shape.len()).rev() {
+                            at += (i % box_shape[axis]) as isize * box_strides[axis];
+                            i /= box_shape[axis];
+                        }
+                        got.push(at);
+                    }
+                }
+                let expected: Vec<isize> = (lo..hi).map(address).collect();
+                assert_eq!(got, expected, "{lo}..{hi}");
+            }
+        }
+    }
+
+    /// A permuted 3-d array and a column slice placed so that chunk boundaries cut rows and
+    /// elements, through a ring of 4 KiB buffers that holds the whole file and through one of
+    /// two buffers: the bytes `write_to` gives, and `copied` told once.
+    #[test]
+    fn strided_pieces_cut_anywhere_give_the_compact_bytes() {
+        let values: Vec<f64> = (0..6000).map(|i| i as f64 * 0.5).collect();
+        let cube = Tensor::from_slice(&values, &[10, 20, 30]).unwrap();
+        let permuted = cube.permute(&[2, 0, 1]).unwrap();
+        let column = cube.slice(2, crate::layout::SliceArg::range(3, 4)).unwrap();
+        let reversed = cube
+            .slice(
+                1,
+                crate::layout::SliceArg {
+                    start: None,
+                    stop: None,
+                    step: -1,
+                },
+            )
+            .unwrap();
+        let head = b"abc".to_vec();
+        let items = [
+            WriteItem {
+                tensor: &permuted,
+                offset: 3,
+                nbytes: 48000,
+            },
+            WriteItem {
+                tensor: &column,
+                offset: 48003,
+                nbytes: 1600,
+            },
+            WriteItem {
+                tensor: &reversed,
+                offset: 49605,
+                nbytes: 48000,
+            },
+        ];
+        let mut expected = Vec::new();
+        write_to(&mut expected, &head, &items, Path::new("<memory>")).unwrap();
+        for whole in [true, false] {
+            let path = std::env::temp_dir().join(format!(
+                "dlbridge-engine-pieces-{}-{whole}.bin",
+                std::process::id()
+            ));
+            let file = File::create(&path).unwrap();
+            let options = WriteOptions {
+                threads: 1,
+                chunk: 4096,
+                direct_io: true,
+                whole,
+            };
+            let copied = AtomicU64::new(0);
+            write_file_staged(
+                &path,
+                &file,
+                &head,
+                &items,
+                &options,
+                &CopyStreams::default(),
+                &|| {
+                    copied.fetch_add(1, Ordering::Relaxed);
+                },
+                &mut |_, _| {},
+            )
+            .unwrap();
+            assert_eq!(copied.load(Ordering::Relaxed), 1);
+            assert_eq!(std::fs::read(&path).unwrap(), expected, "whole={whole}");
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+
+    /// CUDA arrays (compact, transposed, a strided slice, pinned host memory) go to the file
+    /// through pinned ring buffers: the bytes of their host copies, with small chunks so that
+    /// pieces cut rows, in a ring that waits for the disk and in one that holds the whole file.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_arrays_give_the_bytes_of_their_host_copies() {
+        let gpu = Device::cuda(0);
+        let values: Vec<f32> = (0..300_000).map(|i| i as f32).collect();
+        let host = Tensor::from_slice(&values, &[600, 500]).unwrap();
+        let on_device = host.copy_to(gpu).unwrap();
+        let transposed = on_device.transpose().unwrap();
+        let stepped = on_device
+            .slice(
+                1,
+                crate::layout::SliceArg {
+                    start: Some(1),
+                    stop: None,
+                    step: 3,
+                },
+            )
+            .unwrap();
+        let pinned = host.copy_to(Device::cuda_host(0)).unwrap();
+        let arrays = [&on_device, &transposed, &stepped, &pinned];
+        let host_copies: Vec<Tensor> = arrays
+            .iter()
+            .map(|a| a.copy_to(Device::CPU).unwrap())
+            .collect();
+        let mut offset = 5u64;
+        let mut items = Vec::new();
+        let mut host_items = Vec::new();
+        for (array, copy) in arrays.iter().zip(&host_copies) {
+            let nbytes = copy.nbytes() as u64;
+            items.push(WriteItem {
+                tensor: array,
+                offset,
+                nbytes,
+            });
+            host_items.push(WriteItem {
+                tensor: copy,
+                offset,
+                nbytes,
+            });
+            offset += nbytes + 1;
+        }
+        let mut expected = Vec::new();
+        write_to(&mut expected, b"head!", &host_items, Path::new("<memory>")).unwrap();
+        for whole in [false, true] {
+            let path = std::env::temp_dir().join(format!(
+                "dlbridge-engine-cuda-{}-{whole}.bin",
+                std::process::id()
+            ));
+            let file = File::create(&path).unwrap();
+            let options = WriteOptions {
+                threads: 3,
+                chunk: 65536,
+                direct_io: true,
+                whole,
+            };
+            let streams = CopyStreams::after_current(arrays).unwrap();
+            write_file_staged(
+                &path,
+                &file,
+                b"head!",
+                &items,
+                &options,
+                &streams,
+                &|| {},
+                &mut |_, _| {},
+            )
+            .unwrap();
+            assert!(std::fs::read(&path).unwrap() == expected, "whole={whole}");
+            std::fs::remove_file(&path).unwrap();
+        }
     }
 }

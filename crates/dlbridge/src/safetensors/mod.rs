@@ -14,8 +14,9 @@
 //! | part | [`PartPlan`], [`Checkpoint::load_part`] | a strided part of one tensor (a rank's rows or columns) reading only the bytes it needs: CPU views, or runs of bytes read into one allocation on any device |
 //! | load anywhere | [`Checkpoint::load_to`] with [`LoadOptions`] | the engine's [`load`](crate::engine::load) on any device, with progress: Metal from the mapped files without a copy (read-only views in shared storage, a GPU blit into private storage), CUDA through pinned staging buffers and asynchronous copies |
 //! | bytes | [`serialize`], [`deserialize`] | a file's bytes in memory, both ways |
-//! | save | [`save_file`], [`save_file_with`], [`write()`], [`serialize`] | the format from CPU or device tensors, written by the engine's [`write_file`](crate::engine::write_file) (aligned ring, parallel `O_DIRECT` writes) atomically and durably to a file |
-//! | shards | [`save_sharded`] | Hugging Face's layout: `model-00001-of-00003.safetensors` shards of at most `max_shard_size` bytes written in parallel, and [`INDEX_NAME`] |
+//! | save | [`save_file`], [`save_file_with`], [`save_file_staged`] (the asynchronous save's), [`write()`], [`serialize`] | the format from CPU or device tensors, written by the engine's [`write_file`](crate::engine::write_file) (aligned ring, parallel `O_DIRECT` writes) atomically and durably to a file |
+//! | shards | [`save_sharded`], [`save_sharded_staged`] | Hugging Face's layout: `model-00001-of-00003.safetensors` shards of at most `max_shard_size` bytes written in parallel, and [`INDEX_NAME`] |
+//! | stream | [`Checkpoint::stream`] | groups of tensors in the caller's order, each handed out with a CUDA event once on the device while the next load ([`crate::engine::stream`]) |
 //!
 //! ```
 //! use dlbridge::Tensor;
@@ -42,6 +43,7 @@ mod header;
 mod index;
 mod plan;
 mod save;
+mod stream;
 
 pub use dtype::{dtype_from_name, dtype_name, dtype_names};
 pub use file::{Checkpoint, SafeTensors, TensorLocation, deserialize};
@@ -49,7 +51,10 @@ pub use header::{Header, MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN, TensorInfo};
 pub use index::Index;
 // The loading engine's options and plans, where users of this module have always found them.
 pub use crate::engine::{
-    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, DEFAULT_MAX_GAP, LoadOptions, PartPlan,
-    WriteOptions, default_direct_threads, default_threads,
+    Allocation, CopyStreams, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, DEFAULT_MAX_GAP, LoadOptions,
+    PartPlan, WriteOptions, default_direct_threads, default_threads,
 };
-pub use save::{INDEX_NAME, save_file, save_file_with, save_sharded, serialize, write};
+pub use save::{
+    INDEX_NAME, save_file, save_file_staged, save_file_with, save_sharded, save_sharded_staged,
+    serialize, write,
+};

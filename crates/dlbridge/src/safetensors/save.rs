@@ -10,7 +10,9 @@ use crate::tensor::Tensor;
 
 use super::dtype::dtype_name;
 use super::header::{MAX_HEADER_LEN, METADATA_KEY, PREFIX_LEN};
-use crate::engine::{WriteItem, WriteOptions, check_regular, io_error, write_file, write_to};
+use crate::engine::{
+    CopyStreams, WriteItem, WriteOptions, check_regular, io_error, write_file_staged, write_to,
+};
 
 /// One tensor to write: its name, dtype name and the bytes it takes in the file.
 struct Planned<'a> {
@@ -91,20 +93,35 @@ pub fn save_file_with(
     options: &WriteOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
-    let plan = plan(tensors)?;
-    let header = header_json(&plan, metadata)?;
-    save_planned(&plan, &header, path.as_ref(), options, progress)
+    let streams = CopyStreams::after_current(tensors.iter().map(|(_, t)| *t))?;
+    save_file_staged(tensors, metadata, path, options, &streams, &|| {}, progress)
 }
 
-/// Writes a planned file to `path` as [`save_file`] describes.
-fn save_planned(
-    plan: &[Planned<'_>],
-    header: &str,
-    path: &Path,
+/// [`save_file_with`] on streams made beforehand ([`CopyStreams::after_current`] on the thread
+/// whose writes the save must see, covering the tensors' CUDA devices), calling `copied()` once
+/// every byte is in host memory (the tensors may change from then on; with
+/// [`WriteOptions::whole`] that is at the speed of the copies, before the disk is done): the
+/// asynchronous save runs this on a thread of its own.
+pub fn save_file_staged(
+    tensors: &[(&str, &Tensor)],
+    metadata: Option<&BTreeMap<String, String>>,
+    path: impl AsRef<Path>,
     options: &WriteOptions,
+    streams: &CopyStreams,
+    copied: &(dyn Fn() + Sync),
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
-    prepare(plan, header, path, options, progress)?.commit()
+    let plan = plan(tensors)?;
+    let header = header_json(&plan, metadata)?;
+    let staged = Staged { streams, copied };
+    prepare(&plan, &header, path.as_ref(), options, &staged, progress)?.commit()
+}
+
+/// The streams a save copies CUDA tensors on and whom it tells when every byte is in host
+/// memory.
+struct Staged<'a> {
+    streams: &'a CopyStreams,
+    copied: &'a (dyn Fn() + Sync),
 }
 
 /// A file written and synced under its temporary name, not yet renamed over its target; dropped
@@ -142,6 +159,7 @@ fn prepare(
     header: &str,
     path: &Path,
     options: &WriteOptions,
+    staged: &Staged<'_>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Pending> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -173,8 +191,17 @@ fn prepare(
     let items = write_items(plan, head.len() as u64);
     // Before the old file's mode and owner are given to it: the engine opens the temporary a
     // second time (O_DIRECT), which a read-only mode would refuse.
-    write_file(&pending.temp, &file, &head, &items, options, progress)
-        .map_err(|e| renamed(e, &pending.temp, path))?;
+    write_file_staged(
+        &pending.temp,
+        &file,
+        &head,
+        &items,
+        options,
+        staged.streams,
+        staged.copied,
+        progress,
+    )
+    .map_err(|e| renamed(e, &pending.temp, path))?;
     if let Some(meta) = &existing {
         // SAFETY: `geteuid` only reads the process's effective user id.
         if unsafe { libc::geteuid() } == 0 {
@@ -204,15 +231,44 @@ pub const INDEX_NAME: &str = "model.safetensors.index.json";
 ///
 /// The shards are written in parallel, each as [`save_file`] writes a file, to temporaries that
 /// are renamed only once all of them are written, the index last: a failed save leaves the folder
-/// as it was (stale files of an earlier save with more shards are not removed). Errors as
-/// [`save_file`]'s, before anything is written where the tensors or metadata are refused; a
-/// `max_shard_size` of 0 is an [`Error::InvalidArgument`].
+/// as it was. Once the new checkpoint is in place, what an earlier save there left and this one
+/// does not name is removed, as `huggingface_hub.save_torch_state_dict` does: shards of another
+/// count (`model-NNNNN-of-MMMMM.safetensors`), an index where the new checkpoint is one file, a
+/// `model.safetensors` where it has shards; no other file is touched. Errors as [`save_file`]'s,
+/// before anything is written where the tensors or metadata are refused; a `max_shard_size` of 0
+/// is an [`Error::InvalidArgument`].
 pub fn save_sharded(
     tensors: &[(&str, &Tensor)],
     metadata: Option<&BTreeMap<String, String>>,
     folder: impl AsRef<Path>,
     max_shard_size: u64,
     options: &WriteOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<PathBuf> {
+    let streams = CopyStreams::after_current(tensors.iter().map(|(_, t)| *t))?;
+    save_sharded_staged(
+        tensors,
+        metadata,
+        folder,
+        max_shard_size,
+        options,
+        &streams,
+        &|| {},
+        progress,
+    )
+}
+
+/// [`save_sharded`] on streams made beforehand, calling `copied()` once every shard's bytes are
+/// in host memory, as [`save_file_staged`].
+#[allow(clippy::too_many_arguments)] // save_sharded's, and the two of a staged save
+pub fn save_sharded_staged(
+    tensors: &[(&str, &Tensor)],
+    metadata: Option<&BTreeMap<String, String>>,
+    folder: impl AsRef<Path>,
+    max_shard_size: u64,
+    options: &WriteOptions,
+    streams: &CopyStreams,
+    copied: &(dyn Fn() + Sync),
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<PathBuf> {
     use std::sync::atomic::AtomicUsize;
@@ -275,6 +331,16 @@ pub fn save_sharded(
         .sum::<u64>()
         + total;
     let caller = std::thread::current();
+    let shards_copied = AtomicUsize::new(0);
+    let shard_copied = || {
+        if shards_copied.fetch_add(1, Ordering::AcqRel) + 1 == count {
+            copied();
+        }
+    };
+    let staged = Staged {
+        streams,
+        copied: &shard_copied,
+    };
     std::thread::scope(|scope| {
         let workers: Vec<_> = (0..parallel)
             .map(|_| {
@@ -284,9 +350,10 @@ pub fn save_sharded(
                         plans.get(i).map(|p| (p, i))
                     } {
                         let path = folder.join(&names[i]);
-                        let result = prepare(plan, header, &path, &shard_options, &mut |d, _| {
-                            done[i].store(d, Ordering::Relaxed)
-                        });
+                        let result =
+                            prepare(plan, header, &path, &shard_options, &staged, &mut |d, _| {
+                                done[i].store(d, Ordering::Relaxed)
+                            });
                         let failed = result.is_err();
                         *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
                         if failed {
@@ -323,14 +390,59 @@ pub fn save_sharded(
         p.commit()?;
     }
     progress(data_total, data_total);
-    match index {
+    let path = match index {
         Some(text) => {
             let path = folder.join(INDEX_NAME);
             write_small_file(&path, text.as_bytes())?;
-            Ok(path)
+            path
         }
-        None => Ok(folder.join(&names[0])),
+        None => folder.join(&names[0]),
+    };
+    remove_stale_shards(folder, &names, count > 1)?;
+    Ok(path)
+}
+
+/// Removes from `folder` the checkpoint files of an earlier save that the one just written
+/// (`names`, with an index where `indexed`) does not name: shards named as Hugging Face names
+/// them, `model.safetensors`, and the index. Other files stay, also ones named alike but not
+/// exactly (`model-1-of-2.safetensors`, `model-00001-of-00002.safetensors.bak`).
+fn remove_stale_shards(folder: &Path, names: &[String], indexed: bool) -> Result<()> {
+    let is_shard = |name: &str| {
+        let Some(rest) = name
+            .strip_prefix("model-")
+            .and_then(|r| r.strip_suffix(".safetensors"))
+        else {
+            return false;
+        };
+        let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+        matches!(rest.split_once("-of-"), Some((i, n)) if digits(i) && digits(n))
+    };
+    let entries = std::fs::read_dir(folder).map_err(|e| io_error(folder, e))?;
+    let mut removed = false;
+    for entry in entries {
+        let entry = entry.map_err(|e| io_error(folder, e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let checkpoint_file =
+            is_shard(name) || name == "model.safetensors" || (name == INDEX_NAME && !indexed);
+        if !checkpoint_file || names.iter().any(|n| n == name) {
+            continue;
+        }
+        let path = entry.path();
+        // Only files (or links to them): a folder of that name is left alone.
+        if entry.file_type().map_err(|e| io_error(&path, e))?.is_dir() {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed = true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_error(&path, e)),
+        }
     }
+    if removed {
+        sync_folder(&folder.join(INDEX_NAME)).map_err(|e| io_error(folder, e))?;
+    }
+    Ok(())
 }
 
 /// Hugging Face's split of `tensors` (in order) into shards of at most `max` bytes each.
@@ -699,6 +811,44 @@ mod tests {
     }
 
     /// Hugging Face's split: tensors in order, a new shard where the next would overflow, one
+    /// Only checkpoint files an earlier save left are removed: shards of another count, an
+    /// index under a one-file checkpoint; files named alike but not exactly stay.
+    #[test]
+    fn stale_shards_are_removed_and_nothing_else() {
+        let folder =
+            std::env::temp_dir().join(format!("dlbridge-stale-shards-{}", std::process::id()));
+        std::fs::create_dir_all(&folder).unwrap();
+        let stale = [
+            "model-00001-of-00003.safetensors",
+            "model-00003-of-00003.safetensors",
+            INDEX_NAME,
+        ];
+        let kept = [
+            "model-00001-of-00001.safetensors.tmp",
+            "model-1-of-3.safetensors",
+            "model-0000a-of-00003.safetensors",
+            "xmodel-00001-of-00003.safetensors",
+            "notes.txt",
+        ];
+        for name in stale.iter().chain(&kept) {
+            std::fs::write(folder.join(name), b"old").unwrap();
+        }
+        std::fs::create_dir(folder.join("model-00002-of-00003.safetensors")).unwrap();
+        std::fs::write(folder.join("model.safetensors"), b"new").unwrap();
+        remove_stale_shards(&folder, &["model.safetensors".to_owned()], false).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&folder)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut expected: Vec<String> = kept.iter().map(|s| s.to_string()).collect();
+        expected.push("model-00002-of-00003.safetensors".into()); // a folder: left alone
+        expected.push("model.safetensors".into());
+        expected.sort();
+        assert_eq!(left, expected);
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
+
     /// over the limit alone (placed before the shard being filled), nothing left empty.
     #[test]
     fn shards_split_as_hugging_face_splits_them() {

@@ -1,0 +1,142 @@
+//! Streaming loads from Python: `dlbridge.stream_file` iterates over a native
+//! [`PyLoadStream`], which hands out `(group name, {name: array}, ready event or None)` as the
+//! engine's loading thread delivers each group.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use dlbridge::engine::LoadStream;
+use dlbridge::safetensors::Checkpoint;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::array::PyArray;
+use crate::cuda::PyEvent;
+use crate::errors::IntoPyResult;
+
+/// A streaming load in progress (`dlbridge.stream_file`).
+#[pyclass(frozen, module = "dlbridge._dlbridge", name = "_LoadStream")]
+pub(crate) struct PyLoadStream {
+    /// `None` once closed or ended.
+    inner: Mutex<Option<LoadStream>>,
+}
+
+impl PyLoadStream {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<LoadStream>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyLoadStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// The next group, waiting for it with the GIL released (signals answered every 50 ms).
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let next = loop {
+            let polled = py.detach(|| {
+                let started = std::time::Instant::now();
+                loop {
+                    let mut guard = self.lock();
+                    let Some(stream) = guard.as_mut() else {
+                        return Some(None);
+                    };
+                    if let Ok(next) = stream.try_next() {
+                        if !matches!(next, Some(Ok(_))) {
+                            // The end or an error: the stream and its thread go.
+                            *guard = None;
+                        }
+                        return Some(next);
+                    }
+                    drop(guard);
+                    if started.elapsed() >= std::time::Duration::from_millis(50) {
+                        return None;
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            });
+            match polled {
+                Some(next) => break next,
+                None => py.check_signals()?,
+            }
+        };
+        let Some(group) = next else { return Ok(None) };
+        let group = group.py()?;
+        let tensors = PyDict::new(py);
+        for (name, tensor) in group.tensors {
+            tensors.set_item(name, Bound::new(py, PyArray::new(tensor))?)?;
+        }
+        let ready = match group.ready {
+            Some(event) => Bound::new(py, PyEvent::from(event))?.into_any(),
+            None => py.None().into_bound(py),
+        };
+        Ok(Some(PyTuple::new(
+            py,
+            [
+                group.name.into_pyobject(py)?.into_any(),
+                tensors.into_any(),
+                ready,
+            ],
+        )?))
+    }
+
+    /// Stops the load: the group being read finishes, then everything not handed out is freed.
+    fn close(&self, py: Python<'_>) {
+        let stream = self.lock().take();
+        py.detach(move || drop(stream));
+    }
+}
+
+/// Starts streaming `groups` (`[(name, [tensor names])]`, in order) of the checkpoint at `path`
+/// onto `device`, at most `ahead` loaded groups waiting; the other arguments as `load`'s.
+#[pyfunction]
+#[pyo3(signature = (
+    path, groups, device, ahead, copy, dtype, threads, chunk_bytes, direct_io
+))]
+#[allow(clippy::too_many_arguments)]
+fn _st_stream(
+    py: Python<'_>,
+    path: &Bound<'_, PyAny>,
+    groups: Vec<(String, Vec<String>)>,
+    device: &Bound<'_, PyAny>,
+    ahead: usize,
+    copy: bool,
+    dtype: Option<&Bound<'_, PyAny>>,
+    threads: Option<usize>,
+    chunk_bytes: Option<usize>,
+    direct_io: Option<bool>,
+) -> PyResult<PyLoadStream> {
+    let options = crate::safetensors::load_options(
+        device,
+        copy,
+        dtype,
+        threads,
+        chunk_bytes,
+        direct_io,
+        None,
+        None,
+        None,
+    )?;
+    let paths: Vec<PathBuf> = crate::safetensors::paths(path)?;
+    let stream = py
+        .detach(|| {
+            let checkpoint = match paths.as_slice() {
+                [one] => Checkpoint::open(one),
+                many => Checkpoint::open_files(many),
+            }?;
+            checkpoint.stream(&groups, options, ahead)
+        })
+        .py()?;
+    Ok(PyLoadStream {
+        inner: Mutex::new(Some(stream)),
+    })
+}
+
+/// Registers the natives on the extension module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyLoadStream>()?;
+    m.add_function(wrap_pyfunction!(_st_stream, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,210 @@
+"""Streaming loads (dlbridge.stream_file): groups in the caller's order, bit-exact tensors, ready
+events a consumer's stream waits on, errors mid-stream, and an abandoned stream freeing what it
+loaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dlbridge
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file as st_load_torch  # noqa: E402
+from safetensors.torch import save_file as st_save_torch  # noqa: E402
+
+_needs_torch_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and dlbridge.cuda.is_available()), reason="needs a CUDA GPU and PyTorch with CUDA"
+)
+
+
+def _model(layers=6, width=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {"model.embed_tokens.weight": torch.randn(100, width, generator=gen)}
+    for i in range(layers):
+        tensors[f"model.layers.{i}.attn.weight"] = torch.randn(width, width, generator=gen).to(torch.bfloat16)
+        tensors[f"model.layers.{i}.mlp.weight"] = torch.randn(width, 2 * width, generator=gen)
+        tensors[f"model.layers.{i}.norm"] = torch.randn(width, generator=gen).to(torch.float16)
+    tensors["model.norm.weight"] = torch.randn(width, generator=gen)
+    tensors["lm_head.weight"] = torch.randn(100, width, generator=gen)
+    return tensors
+
+
+def _execution_order(layers=6):
+    names = ["model.embed_tokens.weight"]
+    for i in range(layers):
+        names += [f"model.layers.{i}.norm", f"model.layers.{i}.attn.weight", f"model.layers.{i}.mlp.weight"]
+    return names + ["model.norm.weight", "lm_head.weight"]
+
+
+@pytest.fixture()
+def checkpoint(tmp_path):
+    tensors = _model()
+    path = tmp_path / "model.safetensors"
+    st_save_torch(tensors, str(path))
+    return path, tensors
+
+
+def test_groups_come_by_layer_in_the_given_order_bit_exact(checkpoint):
+    path, tensors = checkpoint
+    order = _execution_order()
+    got = list(dlbridge.stream_file(path, order=order, framework="pt"))
+    assert [g for g, _, _ in got] == (
+        ["model.embed_tokens.weight"] + [f"model.layers.{i}" for i in range(6)] + ["model.norm.weight", "lm_head.weight"]
+    )
+    assert [n for _, ts, _ in got for n in ts] == order
+    reference = st_load_torch(str(path))
+    for _, ts, ready in got:
+        assert ready is None  # the CPU: ready when handed out
+        for name, t in ts.items():
+            assert t.dtype == reference[name].dtype and torch.equal(t, reference[name]), name
+
+
+def test_the_files_order_and_other_groupings(checkpoint):
+    path, tensors = checkpoint
+    file_order = dlbridge.safe_open(path).offset_keys()
+    got = [n for _, ts, _ in dlbridge.stream_file(path, groups=lambda n: n) for n in ts]
+    assert got == file_order
+    by_kind = dlbridge.stream_file(path, groups=r"\.(attn|mlp|norm)\b", order=_execution_order())
+    groups = {g: list(ts) for g, ts, _ in by_kind}
+    assert groups["attn"] == [f"model.layers.{i}.attn.weight" for i in range(6)]
+    assert groups["norm"][0] == "model.layers.0.norm"
+    assert "lm_head.weight" in groups  # not matched: a group of its own
+
+
+def test_a_sharded_checkpoint_streams_across_shards(tmp_path):
+    tensors = _model(layers=8)
+    dlbridge.save_file(tensors, tmp_path / "ckpt", max_shard_size="40kB")
+    assert len([n for n in os.listdir(tmp_path / "ckpt") if n.startswith("model-")]) > 2
+    order = _execution_order(8)
+    for path in (tmp_path / "ckpt", tmp_path / "ckpt" / "model.safetensors.index.json"):
+        got = {}
+        for _, ts, _ in dlbridge.stream_file(path, order=order, framework="pt", copy=True):
+            got.update(ts)
+        assert list(got) == order
+        for name in order:
+            assert torch.equal(got[name], tensors[name]), name
+
+
+def test_bad_arguments_are_clear_errors(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(KeyError, match="nope"):
+        dlbridge.stream_file(path, order=["nope"])
+    with pytest.raises(ValueError, match="twice"):
+        dlbridge.stream_file(path, order=["lm_head.weight", "lm_head.weight"])
+    with pytest.raises(ValueError, match="ahead"):
+        dlbridge.stream_file(path, ahead=0)
+    with pytest.raises(TypeError, match="groups"):
+        dlbridge.stream_file(path, groups=3)
+    with pytest.raises(TypeError, match="not a str"):
+        list(dlbridge.stream_file(path, groups=lambda n: 1))
+
+
+_TRUNCATED = """
+import os, sys, dlbridge
+path = sys.argv[1]
+stream = dlbridge.stream_file(path, "cuda:0", order=sys.argv[2:], groups=lambda n: n, ahead=1)
+first = next(stream)
+print("first", first[0], flush=True)
+os.truncate(path, 200)  # the rest of the file is gone under the stream
+try:
+    for group, tensors, ready in stream:
+        print("group", group, flush=True)
+except OSError as e:
+    print("OSError", e.errno, flush=True)
+print("end", flush=True)
+"""
+
+
+@_needs_torch_cuda
+def test_a_file_truncated_mid_stream_raises_from_the_iterator(tmp_path):
+    """In a child, so that nothing the truncation does can take the test down: the group being
+    read when the file shrank raises OSError from the iteration (the device reader's reads come
+    short); groups already taken were fine. (On the CPU the tensors are views of the mapped file,
+    which a truncation turns into SIGBUS on reading, as load_file's views; the engine's test
+    `a_truncated_file_ends_the_stream_with_an_error` covers a plan past the end there.)"""
+    tensors = {f"t{i}": torch.full((256 * 1024,), float(i)) for i in range(8)}  # 1 MB each
+    path = tmp_path / "t.safetensors"
+    st_save_torch(tensors, str(path))
+    order = [f"t{i}" for i in range(8)]
+    out = subprocess.run([sys.executable, "-c", _TRUNCATED, str(path), *order], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "first t0"
+    assert any(line.startswith("OSError") for line in lines), out.stdout
+    assert lines[-1] == "end"
+
+
+def test_abandoning_a_stream_frees_what_it_loaded(checkpoint):
+    path, _ = checkpoint
+    dlbridge.empty_cache("cpu")
+    before = dlbridge.memory_stats("cpu")["active_bytes"]
+    stream = dlbridge.stream_file(path, order=_execution_order(), copy=True, ahead=3)
+    name, tensors, _ = next(stream)
+    del tensors
+    stream.close()
+    assert dlbridge.memory_stats("cpu")["active_bytes"] == before
+    with dlbridge.stream_file(path, copy=True) as s:
+        next(s)
+    assert dlbridge.memory_stats("cpu")["active_bytes"] == before
+    assert list(s) == []  # closed: nothing more
+
+
+@_needs_torch_cuda
+def test_cuda_groups_are_bit_exact_and_their_events_order_a_consumer(tmp_path):
+    """A consumer kernel on PyTorch's stream reads each layer right after waiting its event
+    (not the host): every layer's sum matches the file's, for every group."""
+    tensors = {}
+    for i in range(16):
+        tensors[f"layers.{i}.w"] = torch.randn(1024, 1024)
+        tensors[f"layers.{i}.b"] = torch.randn(1024).to(torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    order = [f"layers.{i}.{k}" for i in range(16) for k in ("w", "b")]
+    consumer = torch.cuda.Stream()
+    sums = []
+    kept = []  # until the consumer's stream is done with them (see stream_file's docstring)
+    with torch.cuda.stream(consumer):
+        for group, ts, ready in dlbridge.stream_file(path, "cuda:0", order=order, framework="pt"):
+            assert isinstance(ready, dlbridge.cuda.Event) and ready.handle
+            ready.wait(consumer)
+            sums.append((group, ts[f"{group}.w"].double().sum(), ts[f"{group}.b"].float().sum()))
+            kept.append(ts)
+    torch.cuda.synchronize()
+    assert [g for g, _, _ in sums] == [f"layers.{i}" for i in range(16)]
+    for group, w, b in sums:
+        assert w.item() == tensors[f"{group}.w"].double().sum().item()
+        assert b.item() == tensors[f"{group}.b"].float().sum().item()
+
+
+@_needs_torch_cuda
+def test_cuda_stream_with_dtype_events_cover_the_conversion(tmp_path):
+    tensors = {f"layers.{i}.w": torch.randn(2048, 2048) for i in range(4)}
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    for group, ts, ready in dlbridge.stream_file(path, "cuda:0", framework="pt", dtype="bfloat16"):
+        ready.synchronize()
+        name = f"{group}.w"
+        assert ts[name].dtype == torch.bfloat16
+        assert torch.equal(ts[name].cpu(), tensors[name].to(torch.bfloat16))
+
+
+@_needs_torch_cuda
+def test_abandoning_a_cuda_stream_frees_the_device_memory(tmp_path):
+    tensors = {f"layers.{i}.w": torch.randn(1024, 1024) for i in range(12)}
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    torch.cuda.synchronize()
+    dlbridge.empty_cache("cuda:0")
+    before = dlbridge.memory_stats("cuda:0")["active_bytes"]
+    stream = dlbridge.stream_file(path, "cuda:0", ahead=4)
+    next(stream)
+    stream.close()
+    import gc
+    gc.collect()
+    assert dlbridge.memory_stats("cuda:0")["active_bytes"] == before

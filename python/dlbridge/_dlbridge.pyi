@@ -465,6 +465,10 @@ class _Checkpoint:
         gds: _bool | None = None,
     ) -> dict[str, Array]: ...
     def load_part(self, name: str, key: Any, device: _DeviceLike, copy: _bool) -> Array: ...
+    def load_part_into(
+        self, name: str, key: Any, target: Any, threads: int | None = None,
+        direct_io: _bool | None = None,
+    ) -> int: ...
 
 def _st_save(tensors: dict[str, Any], path: str, metadata: dict[str, str] | None = None,
              max_shard_size: int | None = None, progress: Callable[[int, int], Any] | None = None,

@@ -170,37 +170,77 @@ impl PyCheckpoint {
         device: &Bound<'_, PyAny>,
         copy: bool,
     ) -> PyResult<PyArray> {
-        let (shard, info) = self
-            .inner
-            .info(name)
-            .ok_or_else(|| PyKeyError::new_err(format!("no tensor named {name:?}")))?;
         let options = load_options(device, copy, None, None, None, None, None, None, None)?;
-        check_part_key(key)?;
-        let whole = Layout::contiguous(info.shape()).py()?;
-        let part = if info.is_packed() {
-            // The loader says why a part of packed elements cannot be read.
-            whole
-        } else {
-            // The key applied as an array applies it, to a view of the tensor in the mapped file
-            // that goes nowhere else: its layout is the part (no byte is read for it).
-            let start = info.byte_range().start as usize;
-            let at = whole.with_byte_offset(start);
-            let view = Tensor::new(shard.buffer().clone(), info.dtype(), at).py()?;
-            let selected = Bound::new(py, PyArray::new(view))?.get_item(key)?;
-            let selected = selected.cast::<PyArray>()?.get().tensor()?.clone();
-            if !selected.buffer().same_allocation(shard.buffer()) {
-                return Err(PyIndexError::new_err(
-                    "get_slice takes basic indexing (integers, slices, '...', None) only",
-                ));
-            }
-            // An empty view keeps its offset, so every view begins at or after the tensor.
-            let offset = selected.byte_offset().saturating_sub(start);
-            selected.layout().with_byte_offset(offset)
-        };
+        let part = self.part(py, name, key)?;
         let tensor = py
             .detach(|| self.inner.load_part(name, &part, &options))
             .py()?;
         Ok(PyArray::new(tensor))
+    }
+
+    /// Reads the part of tensor `name` that `key` selects (as `load_part` takes it) into
+    /// `target`, an existing writable array of the part's shape (a dlbridge array or any DLPack
+    /// producer: a PyTorch parameter, a CuPy or NumPy array), on its device
+    /// (`Checkpoint::load_part_into`); returns the bytes of the file the part needs.
+    #[pyo3(signature = (name, key, target, threads=None, direct_io=None))]
+    fn load_part_into(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        key: &Bound<'_, PyAny>,
+        target: &Bound<'_, PyAny>,
+        threads: Option<usize>,
+        direct_io: Option<bool>,
+    ) -> PyResult<u64> {
+        let part = self.part(py, name, key)?;
+        // The target's own memory: never a copy.
+        let dst = crate::creation::tensor_from(target, None, None, None, Some(false))?;
+        let options = LoadOptions {
+            threads,
+            direct_io,
+            ..LoadOptions::new(dst.device())
+        };
+        // The read runs without the GIL, so that one thread per device loads in parallel (as
+        // PyTorch's `copy_` runs without it).
+        py.detach(|| {
+            // SAFETY: no Rust reference into `dst`'s memory outlives a Python call; the caller
+            // handed the target to this read, and another thread writing it meanwhile would race
+            // as it would with PyTorch's own `copy_` (documented on `dlbridge.load_into`).
+            unsafe { self.inner.load_part_into(name, &part, &dst, &options) }
+        })
+        .py()
+    }
+}
+
+impl PyCheckpoint {
+    /// The layout over tensor `name`'s elements that `key` selects (its byte offset counted from
+    /// the tensor's first byte), as a part for `Checkpoint::load_part`.
+    fn part(&self, py: Python<'_>, name: &str, key: &Bound<'_, PyAny>) -> PyResult<Layout> {
+        let (shard, info) = self
+            .inner
+            .info(name)
+            .ok_or_else(|| PyKeyError::new_err(format!("no tensor named {name:?}")))?;
+        check_part_key(key)?;
+        let whole = Layout::contiguous(info.shape()).py()?;
+        if info.is_packed() {
+            // The loader says why a part of packed elements cannot be read.
+            return Ok(whole);
+        }
+        // The key applied as an array applies it, to a view of the tensor in the mapped file
+        // that goes nowhere else: its layout is the part (no byte is read for it).
+        let start = info.byte_range().start as usize;
+        let at = whole.with_byte_offset(start);
+        let view = Tensor::new(shard.buffer().clone(), info.dtype(), at).py()?;
+        let selected = Bound::new(py, PyArray::new(view))?.get_item(key)?;
+        let selected = selected.cast::<PyArray>()?.get().tensor()?.clone();
+        if !selected.buffer().same_allocation(shard.buffer()) {
+            return Err(PyIndexError::new_err(
+                "get_slice takes basic indexing (integers, slices, '...', None) only",
+            ));
+        }
+        // An empty view keeps its offset, so every view begins at or after the tensor.
+        let offset = selected.byte_offset().saturating_sub(start);
+        Ok(selected.layout().with_byte_offset(offset))
     }
 }
 

@@ -331,6 +331,111 @@ pub fn load_part(
     Ok(tensor)
 }
 
+/// Reads the part of the array of `array_len` bytes at byte `start` of `file` that `part`
+/// selects (as [`load_part`] takes it) straight into `dst`, existing memory of the part's shape
+/// on any device (a model's parameter, imported through DLPack), and returns the bytes of the
+/// file the part needs. Only the part's bytes are read, none through ([`PartPlan`] without
+/// gaps).
+///
+/// - `dst` compact, of the array's dtype, on the CPU or a CUDA device: the runs are read into
+///   `dst` itself at its byte offset (through the reader's pinned staging and asynchronous
+///   copies on CUDA): no other memory on the device.
+/// - Otherwise (strided `dst`, another dtype, another kind of device): the part as [`load_part`]
+///   gives it on `dst`'s device (a view of the mapped file on the CPU, a compact allocation of
+///   the part's bytes elsewhere), converted on that device where the dtypes differ (NumPy's
+///   `astype` rules, as `copy_` converts), then copied into `dst` with its strides.
+///
+/// `options.device`, `copy` and `dtype` are ignored (`dst` says them); the reader's options
+/// apply.
+///
+/// # Errors
+/// [`Error::Shape`] where `dst`'s shape is not the part's; [`Error::ReadOnly`] where `dst` is
+/// read-only; the errors of [`PartPlan::new`] and [`load_part`].
+///
+/// # Safety
+/// No reference (`&[T]`, `&mut [T]`) into the bytes `dst` addresses may be alive during the call,
+/// and no other thread (or device stream) may access them until it returns, as for
+/// [`Tensor::copy_from_unchecked`].
+pub unsafe fn load_part_into(
+    file: &MappedFile,
+    start: u64,
+    array_len: usize,
+    part: &Layout,
+    dtype: DType,
+    dst: &Tensor,
+    options: &LoadOptions,
+) -> Result<u64> {
+    if dst.shape() != part.shape() {
+        return Err(Error::Shape(format!(
+            "the target has shape {} but the part read into it has shape {}",
+            crate::layout::shape_text(dst.shape()),
+            crate::layout::shape_text(part.shape())
+        )));
+    }
+    if dst.is_read_only() {
+        return Err(Error::ReadOnly(
+            "reading a checkpoint into a read-only target".into(),
+        ));
+    }
+    let plan = PartPlan::new(part, dtype.itemsize(), array_len, 0)?;
+    if dst.numel() == 0 {
+        return Ok(0);
+    }
+    let device = dst.device();
+    let in_place = dst.dtype() == dtype
+        && !dtype.is_sub_byte()
+        && dst.is_contiguous()
+        && (device.is_cpu() || device.kind() == crate::device::DeviceKind::Cuda);
+    if in_place {
+        // A plan without gaps is the part's elements, row-major, one run after another: `dst`'s
+        // own order.
+        let direct = if device.is_cpu() {
+            None
+        } else {
+            direct_file(file, options)
+        };
+        let reads: Vec<FileRead<'_>> = plan
+            .runs
+            .iter()
+            .map(|(run, dst_offset)| FileRead {
+                path: file.path(),
+                file: file.file(),
+                direct: direct.as_ref(),
+                offset: start + run.start,
+                len: (run.end - run.start) as usize,
+                dst: dst.buffer(),
+                dst_offset: dst.byte_offset() + dst_offset,
+            })
+            .collect();
+        let done = AtomicU64::new(0);
+        run_reads(
+            &reads,
+            device,
+            options,
+            direct.is_some(),
+            &done,
+            plan.bytes_read(),
+            &mut |_, _| {},
+        )?;
+        return Ok(plan.bytes_read());
+    }
+    let on_device = LoadOptions {
+        device,
+        copy: false,
+        storage: None,
+        dtype: None,
+        ..options.clone()
+    };
+    let mut part = load_part(file, start, array_len, part, dtype, &on_device)?;
+    if part.dtype() != dst.dtype() {
+        part = crate::compute::cast(&part, dst.dtype())?;
+    }
+    // SAFETY: the caller guarantees no reference into `dst`'s bytes and no other access to them
+    // during the call; `part` is another allocation (or the mapped file).
+    unsafe { dst.copy_from_unchecked(&part)? };
+    Ok(plan.bytes_read())
+}
+
 fn load_to_device(
     files: &[(&MappedFile, Vec<Item>)],
     options: &LoadOptions,

@@ -63,6 +63,53 @@ impl Checkpoint {
             options,
         )
     }
+
+    /// Reads the part of tensor `name` that `part` selects (as [`Checkpoint::load_part`] takes
+    /// it) into `dst`, existing memory of the part's shape on any device, and returns the bytes
+    /// of the file the part needs: [`engine::load_part_into`], straight into `dst` where it is
+    /// compact and of the tensor's dtype on the CPU or CUDA, else converted and copied with its
+    /// strides.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_part`], and a `dst` of another shape ([`Error::Shape`], naming the
+    /// tensor and both shapes) or read-only.
+    ///
+    /// # Safety
+    /// As [`engine::load_part_into`]: nothing else reads or writes `dst`'s bytes during the call.
+    pub unsafe fn load_part_into(
+        &self,
+        name: &str,
+        part: &Layout,
+        dst: &Tensor,
+        options: &LoadOptions,
+    ) -> Result<u64> {
+        let (shard, info) = self.info(name).ok_or_else(|| {
+            Error::InvalidArgument(format!("no tensor `{name}` in the checkpoint"))
+        })?;
+        let dtype = info.dtype();
+        if info.is_packed() {
+            return Err(Error::UnsupportedDType(format!(
+                "tensor `{name}` holds packed sub-byte {dtype} elements: a part of it cannot be \
+                 read on its own; load the tensor whole"
+            )));
+        }
+        // SAFETY: the caller's guarantee, passed on.
+        let read = unsafe {
+            engine::load_part_into(
+                shard.mapped(),
+                info.byte_range().start,
+                info.nbytes() as usize,
+                part,
+                dtype,
+                dst,
+                options,
+            )
+        };
+        read.map_err(|e| match e {
+            Error::Shape(m) => Error::Shape(format!("tensor `{name}`: {m}")),
+            e => e,
+        })
+    }
 }
 
 impl SafeTensors {

@@ -20,7 +20,6 @@ communicator's timeout, or the process group's) instead of hanging.
 
 from __future__ import annotations
 
-import time
 from typing import (
     Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union,
 )
@@ -266,7 +265,6 @@ def _run(
     out: List[Dict[str, Any]] = [{} for _ in local]
     total = sum(i.nbytes for i in infos)
     done = read = 0
-    last = time.monotonic()
 
     def target_of(slot: int, name: str) -> Any:
         return None if targets is None else targets[slot].get(name)
@@ -315,7 +313,7 @@ def _run(
                     other = local.index(rank)
                     store(other, name, part.to(devices[other], copy=True))
                 elif part.size:
-                    transport.send(part if part.is_contiguous() else part.copy(), rank)
+                    transport.send(part if part.is_contiguous else part.copy(), rank)
             del whole
         else:
             for slot, rank in enumerate(local):
@@ -338,11 +336,10 @@ def _run(
                     _copy_into(t, got)
                     out[slot][name] = t
         done += info.nbytes
-        if progress is not None and (time.monotonic() - last > 0.1 or done == total):
-            last = time.monotonic()
+        if progress is not None:
             progress(done, total)
-    if progress is not None and done != total:
-        progress(total, total)
+    if progress is not None and not infos:
+        progress(0, 0)
     return out, read
 
 

@@ -161,29 +161,35 @@ class _TorchGroup:
     tensors, gloo for CPU ones)."""
 
     def __init__(self, group: Any) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self.torch, self.dist, self.group = torch, dist, group
+        self.group = group
 
     def _peer(self, rank: int) -> int:
-        if self.group is None or self.group is self.dist.group.WORLD:
+        import torch.distributed as dist
+
+        if self.group is None or self.group is dist.group.WORLD:
             return rank
-        return int(self.dist.get_global_rank(self.group, rank))
+        return int(dist.get_global_rank(self.group, rank))
 
     def send(self, array: Array, peer: int) -> None:
-        self.dist.send(self.torch.from_dlpack(array), dst=self._peer(peer), group=self.group)
+        import torch.distributed as dist
+        from torch.utils.dlpack import from_dlpack
+
+        dist.send(from_dlpack(array), dst=self._peer(peer), group=self.group)
 
     def recv(self, shape: Tuple[int, ...], dtype: Any, device: Device, peer: int,
              into: Any = None) -> Any:
+        import torch.distributed as dist
+        from torch.utils.dlpack import from_dlpack
+
         t = into
         if t is None:
-            t = self.torch.from_dlpack(_dlbridge.empty(shape, dtype, device=device))
-        self.dist.recv(t, src=self._peer(peer), group=self.group)
+            t = from_dlpack(_dlbridge.empty(shape, dtype, device=device))
+        dist.recv(t, src=self._peer(peer), group=self.group)
         return t
 
     def can_receive_into(self, target: Any, dtype: Any, device: Device) -> bool:
-        torch = self.torch
+        import torch
+
         return (isinstance(target, torch.Tensor) and target.is_contiguous()
                 and Device(str(target.device)) == device
                 and _dlbridge.from_dlpack(target, copy=False).dtype == _dlbridge.DType(dtype))
@@ -451,7 +457,7 @@ def load_into(
     groups = [{k: _detached(v) for k, v in g.items()} for g in groups]
     # The device of each local rank: where its targets are.
     if not devices:
-        found = {_device_of(v) for v in groups[0].values()} - {None}
+        found = {d for d in (_device_of(v) for v in groups[0].values()) if d is not None}
         devices = [found.pop() if len(found) == 1 else Device("cpu")]
     ckpt = _dlbridge._Checkpoint(_target(checkpoint))
     local, world, transport = _ranks(devices, shard, rank, world_size, group)

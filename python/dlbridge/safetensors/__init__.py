@@ -181,6 +181,27 @@ def _target(path: Union[PathLike, Sequence[PathLike]]) -> Any:
 @overload
 def load_file(
     path: Union[PathLike, Sequence[PathLike]],
+    device: Union[List[Any], Tuple[Any, ...]],
+    *,
+    keys: Union[str, Iterable[str], None] = ...,
+    dtype: Any = ...,
+    copy: Optional[bool] = ...,
+    framework: str = ...,
+    progress: Progress = ...,
+    threads: Optional[int] = ...,
+    chunk_bytes: Optional[int] = ...,
+    direct_io: Optional[bool] = ...,
+    storage: Optional[str] = ...,
+    allocation: Optional[str] = ...,
+    gds: Optional[bool] = ...,
+    shard: Any = ...,
+    rank: Optional[int] = ...,
+    world_size: Optional[int] = ...,
+    group: Any = ...,
+) -> List[Dict[str, Any]]: ...
+@overload
+def load_file(
+    path: Union[PathLike, Sequence[PathLike]],
     device: DeviceLike = ...,
     *,
     keys: Union[str, Iterable[str], None] = ...,
@@ -198,7 +219,7 @@ def load_file(
     rank: Optional[int] = ...,
     world_size: Optional[int] = ...,
     group: Any = ...,
-) -> Any: ...
+) -> Dict[str, Array]: ...
 @overload
 def load_file(
     path: Union[PathLike, Sequence[PathLike]],
@@ -219,7 +240,7 @@ def load_file(
     rank: Optional[int] = ...,
     world_size: Optional[int] = ...,
     group: Any = ...,
-) -> Any: ...
+) -> Dict[str, Any]: ...
 def load_file(
     path: Union[PathLike, Sequence[PathLike]],
     device: DeviceLike = "cpu",

@@ -465,9 +465,9 @@ class _Checkpoint:
         gds: _bool | None = None,
     ) -> dict[str, Array]: ...
     def load_part(self, name: str, key: Any, device: _DeviceLike, copy: _bool) -> Array: ...
-    def load_part_into(
-        self, name: str, key: Any, target: Any, threads: int | None = None,
-        direct_io: _bool | None = None,
+    def load_parts_into(
+        self, items: list[tuple[str, Any, Any]], threads: int | None = None,
+        direct_io: _bool | None = None, progress: Callable[[int, int], Any] | None = None,
     ) -> int: ...
 
 def _st_save(tensors: dict[str, Any], path: str, metadata: dict[str, str] | None = None,

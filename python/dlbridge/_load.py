@@ -5,7 +5,8 @@ One engine for every mode. Each tensor of the checkpoint, in file order, is eith
 
 - *read by every rank itself*: a split whose ranks' parts are each one run of the file (dimension
   0, or a dimension with only length-1 dimensions before it), read by
-  ``_Checkpoint.load_part``/``load_part_into``, which read only the part's bytes; or
+  ``_Checkpoint.load_part``/``load_parts_into``, which read only the parts' bytes (into
+  targets, all of them by one run of the reader per device); or
 - *read once by its owner* (replicated tensors, splits of an inner dimension, whose parts are
   one run per row): owners are chosen by bytes (each such tensor to the rank with the fewest
   bytes so far, in file order: the same answer on every rank), the owner reads the whole tensor
@@ -88,7 +89,9 @@ def _materialise(module: Any, device: Optional[Device]) -> None:
                     )
                 new = done.get(id(t))
                 if new is None:
-                    data = torch.empty_like(t, device=str(device))
+                    # (`empty_like` on a meta tensor imports PyTorch's reference ops: 0.7 s.)
+                    data = torch.empty_strided(tuple(t.shape), tuple(t.stride()),
+                                               dtype=t.dtype, device=str(device))
                     if isinstance(t, torch.nn.Parameter):
                         new = torch.nn.Parameter(data, requires_grad=t.requires_grad)
                     else:
@@ -109,6 +112,23 @@ def _targets(targets: Any, device: Optional[Device]) -> Dict[str, Any]:
             f"{type(targets).__name__}"
         )
     return dict(targets)
+
+
+def _untied(targets: Mapping[str, Any], present: Any) -> Dict[str, Any]:
+    """``targets`` without the second and later names of one memory among those the checkpoint
+    has (tied weights, which a ``state_dict`` lists under each name): the first is filled, which
+    fills all."""
+    seen: Dict[Tuple[Any, ...], str] = {}
+    out: Dict[str, Any] = {}
+    for name, t in targets.items():
+        ptr = getattr(t, "data_ptr", None)
+        if name in present and callable(ptr) and getattr(t, "numel", lambda: 0)():
+            key = (str(t.device), ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key in seen:
+                continue
+            seen[key] = name
+        out[name] = t
+    return out
 
 
 class _Info(NamedTuple):
@@ -258,11 +278,16 @@ def _run(
 ) -> Tuple[List[Dict[str, Any]], int]:
     """The engine (see the module's documentation): returns, per local rank, the tensors it
     loaded (new arrays, or the targets it filled), and the bytes this process needed from the
-    file."""
-    order = list(ckpt.offset_keys()) if names is None else [
-        n for n in ckpt.offset_keys() if n in set(names)]
+    file.
+
+    First every part this process reads for itself, into targets by one call of the reader
+    (``load_parts_into``: one run per device); then, in file order, the tensors read once by an
+    owner and handed out, each rank taking part in the same order."""
+    wanted = None if names is None else set(names)
     infos = []
-    for name in order:
+    for name in ckpt.offset_keys():
+        if wanted is not None and name not in wanted:
+            continue
         dtype, shape, (begin, end), _ = ckpt.info(name)
         infos.append(_Info(name, dtype, tuple(shape), end - begin))
     splits = {i.name: (_shard.resolve(plan, i.name, i.shape, world) if plan is not None else None)
@@ -270,7 +295,6 @@ def _run(
     owners = _owners(infos, splits, world)
     out: List[Dict[str, Any]] = [{} for _ in local]
     total = sum(i.nbytes for i in infos)
-    done = read = 0
 
     def target_of(slot: int, name: str) -> Any:
         return None if targets is None else targets[slot].get(name)
@@ -283,29 +307,47 @@ def _run(
             _copy_into(t, value)
             out[slot][name] = t
 
+    # Each rank's own parts, and the replicated tensors an owner reads into its own target.
+    items = []
+    read = 0
     for info in infos:
-        name, split = info.name, splits[info.name]
-        owner = owners.get(name)
-        if owner is None:
-            # Every rank reads its own part (one run of the file each).
-            for slot, rank in enumerate(local):
+        name, split, owner = info.name, splits[info.name], owners.get(info.name)
+        for slot, rank in enumerate(local):
+            t = target_of(slot, name)
+            if owner is None:
+                if targets is not None and t is None:
+                    continue  # no target here (a tied name, or a rank without it)
                 key = _key(info.shape, split, rank)
-                t = target_of(slot, name)
-                if t is None:
-                    got = ckpt.load_part(name, key, devices[slot], False)
-                    read += got.nbytes
-                    out[slot][name] = got
-                else:
-                    read += ckpt.load_part_into(name, key, t, threads, direct_io)
-                    out[slot][name] = t
-        elif owner in local:
+            elif owner == rank and split is None and t is not None:
+                key = ()
+            else:
+                continue
+            if t is None:
+                got = ckpt.load_part(name, key, devices[slot], False)
+                read += got.nbytes
+                out[slot][name] = got
+            else:
+                items.append((name, key, t))
+                out[slot][name] = t
+    first = 0
+
+    def report(done: int, _total: int) -> None:
+        if progress is not None:
+            progress(min(done, total), total)
+
+    if items:
+        first = ckpt.load_parts_into(items, threads, direct_io, report)
+        read += first
+    done = first
+    for info in infos:
+        name, split, owner = info.name, splits[info.name], owners.get(info.name)
+        if owner is None:
+            continue
+        if owner in local:
             slot = local.index(owner)
             t = target_of(slot, name)
             if split is None and t is not None:
-                # A replicated tensor goes into the owner's target, and is sent from there.
-                read += ckpt.load_part_into(name, (), t, threads, direct_io)
-                whole = _dlbridge.from_dlpack(t, copy=False)
-                out[slot][name] = t
+                whole = _dlbridge.from_dlpack(t, copy=False)  # read above
             else:
                 whole = ckpt.load_part(name, (), devices[slot], False)
                 read += info.nbytes
@@ -342,10 +384,8 @@ def _run(
                     _copy_into(t, got)
                     out[slot][name] = t
         done += info.nbytes
-        if progress is not None:
-            progress(done, total)
-    if progress is not None and not infos:
-        progress(0, 0)
+        report(done, total)
+    report(total, total)
     return out, read
 
 
@@ -502,6 +542,11 @@ def load_into(
                     f"tensor {name!r}: the target has shape {got} but {what}the checkpoint's "
                     f"tensor has shape {want}"
                 )
+    groups = [_untied(g, full) for g in groups]
+    # One process per rank: every rank walks every tensor, so that all agree on the owners
+    # whatever targets each has (a tensor a rank has no target for is handed to it and dropped).
+    load_names = None if transport is not None else [
+        n for n in ckpt.offset_keys() if any(n in g for g in groups)]
     callback, bar = _progress_callback(progress)
     try:
         _run(ckpt, devices, local, world, plan, groups, transport, threads, direct_io, callback,

@@ -211,3 +211,27 @@ def test_no_device_memory_beyond_the_parameters(tmp_path):
     after = dlbridge.memory_stats("cuda:0")
     assert torch.cuda.max_memory_allocated() - base <= params + 512 * len(want)
     assert after.get("peak") == before.get("active"), (before, after)
+
+
+def test_targets_that_share_memory_are_refused_and_tied_names_filled_once(tmp_path):
+    path, want = _checkpoint(tmp_path)
+    buf = torch.zeros(10, 6)
+    overlapping = {"embed.weight": buf, "layers.0.norm.weight": buf[0]}
+    with pytest.raises(ValueError, match="share memory"):
+        dlbridge.load_into(overlapping, path, strict=False)
+    # One tensor under two names the checkpoint both has: filled once, from the first name.
+    tied = os.path.join(tmp_path, "tied.safetensors")
+    st.save_file({"a": want["embed.weight"], "b": want["embed.weight"].clone()}, tied)
+    same = torch.zeros(10, 6)
+    assert dlbridge.load_into({"a": same, "b": same}, tied) == ([], [])
+    assert torch.equal(same, want["embed.weight"])
+
+
+def test_progress_reaches_the_total(tmp_path):
+    path, want = _checkpoint(tmp_path)
+    seen = []
+    targets = {k: torch.zeros_like(v) for k, v in want.items()}
+    dlbridge.load_into(targets, path, progress=lambda done, total: seen.append((done, total)))
+    total = sum(v.numel() * v.element_size() for v in want.values())
+    assert seen and seen[-1] == (total, total)
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))

@@ -178,38 +178,90 @@ impl PyCheckpoint {
         Ok(PyArray::new(tensor))
     }
 
-    /// Reads the part of tensor `name` that `key` selects (as `load_part` takes it) into
-    /// `target`, an existing writable array of the part's shape (a dlbridge array or any DLPack
-    /// producer: a PyTorch parameter, a CuPy or NumPy array), on its device
-    /// (`Checkpoint::load_part_into`); returns the bytes of the file the part needs.
-    #[pyo3(signature = (name, key, target, threads=None, direct_io=None))]
-    fn load_part_into(
+    /// Reads each `(name, key, target)` of `items` (the part of tensor `name` that `key` selects,
+    /// as `load_part` takes it) into `target`, an existing writable array of the part's shape (a
+    /// dlbridge array or any DLPack producer: a PyTorch parameter, a CuPy or NumPy array), on its
+    /// device (`Checkpoint::load_parts_into`: the compact targets of one device by one run of the
+    /// reader); returns the bytes of the files the parts need. `progress(done, total)` (bytes) is
+    /// called about ten times a second while it reads. Every item is checked before anything is
+    /// read.
+    #[pyo3(signature = (items, threads=None, direct_io=None, progress=None))]
+    fn load_parts_into(
         &self,
         py: Python<'_>,
-        name: &str,
-        key: &Bound<'_, PyAny>,
-        target: &Bound<'_, PyAny>,
+        items: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>)>,
         threads: Option<usize>,
         direct_io: Option<bool>,
+        progress: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
-        let part = self.part(py, name, key)?;
-        // The target's own memory: never a copy.
-        let dst = crate::creation::tensor_from(target, None, None, None, Some(false))?;
+        let mut parts: Vec<(String, Layout, Tensor)> = Vec::with_capacity(items.len());
+        for (name, key, target) in &items {
+            let part = self.part(py, name, key)?;
+            // The target's own memory: never a copy.
+            let dst = crate::creation::tensor_from(target, None, None, None, Some(false))?;
+            parts.push((name.clone(), part, dst));
+        }
+        check_disjoint(&parts)?;
         let options = LoadOptions {
             threads,
             direct_io,
-            ..LoadOptions::new(dst.device())
+            ..LoadOptions::new(Device::CPU)
         };
-        // The read runs without the GIL, so that one thread per device loads in parallel (as
-        // PyTorch's `copy_` runs without it).
-        py.detach(|| {
-            // SAFETY: no Rust reference into `dst`'s memory outlives a Python call; the caller
-            // handed the target to this read, and another thread writing it meanwhile would race
-            // as it would with PyTorch's own `copy_` (documented on `dlbridge.load_into`).
-            unsafe { self.inner.load_part_into(name, &part, &dst, &options) }
-        })
-        .py()
+        let refs: Vec<(&str, Layout, &Tensor)> = parts
+            .iter()
+            .map(|(n, l, t)| (n.as_str(), l.clone(), t))
+            .collect();
+        let mut callback_error: Option<PyErr> = None;
+        // The read runs without the GIL, as PyTorch's `copy_` runs without it.
+        let read = py.detach(|| {
+            let mut report = |done: u64, total: u64| {
+                let Some(progress) = &progress else {
+                    return;
+                };
+                if callback_error.is_some() {
+                    return;
+                }
+                Python::attach(|py| {
+                    if let Err(e) = progress.call1(py, (done, total)) {
+                        callback_error = Some(e);
+                    }
+                });
+            };
+            // SAFETY: no Rust reference into the targets' memory outlives a Python call; the
+            // caller handed the targets to this read (another thread writing them meanwhile would
+            // race as it would with PyTorch's own `copy_`, as `dlbridge.load_into` documents);
+            // `check_disjoint` refused targets that overlap.
+            unsafe { self.inner.load_parts_into(&refs, &options, &mut report) }
+        });
+        if let Some(e) = callback_error {
+            return Err(e);
+        }
+        read.py()
     }
+}
+
+/// Refuses targets whose bytes overlap (two names given one tensor's memory, a tied weight
+/// listed twice): each would be written while the other is.
+fn check_disjoint(parts: &[(String, Layout, Tensor)]) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize, &str)> = parts
+        .iter()
+        .filter(|(_, _, t)| t.numel() > 0)
+        .map(|(n, _, t)| {
+            let r = t.byte_range();
+            let base = t.buffer().handle() as usize;
+            (base + r.start, base + r.end, n.as_str())
+        })
+        .collect();
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(PyValueError::new_err(format!(
+                "the targets of {:?} and {:?} share memory: give each tensor its own target",
+                w[0].2, w[1].2
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl PyCheckpoint {

@@ -133,7 +133,7 @@ def _untied(targets: Mapping[str, Any], present: Any) -> Dict[str, Any]:
 
 class _Info(NamedTuple):
     name: str
-    dtype: str
+    dtype: Any
     shape: Tuple[int, ...]
     nbytes: int
 
@@ -288,8 +288,8 @@ def _run(
     for name in ckpt.offset_keys():
         if wanted is not None and name not in wanted:
             continue
-        dtype, shape, (begin, end), _ = ckpt.info(name)
-        infos.append(_Info(name, dtype, tuple(shape), end - begin))
+        _, shape, (begin, end), _ = ckpt.info(name)
+        infos.append(_Info(name, ckpt.dtype(name), tuple(shape), end - begin))
     splits = {i.name: (_shard.resolve(plan, i.name, i.shape, world) if plan is not None else None)
               for i in infos}
     owners = _owners(infos, splits, world)
@@ -322,9 +322,16 @@ def _run(
                 key = ()
             else:
                 continue
-            if t is None:
+            if t is None and devices[slot].type == "cpu":
+                # A view of the mapped file: nothing is read.
                 got = ckpt.load_part(name, key, devices[slot], False)
                 read += got.nbytes
+                out[slot][name] = got
+            elif t is None:
+                # New memory, read into with the targets by the one run of the reader.
+                got = _dlbridge.empty(_part_shape(info.shape, split, rank), info.dtype,
+                                      device=devices[slot])
+                items.append((name, key, got))
                 out[slot][name] = got
             else:
                 items.append((name, key, t))

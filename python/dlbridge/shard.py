@@ -10,7 +10,10 @@ shard=plan)`` as one of:
   matches is replicated;
 - a callable ``name -> spec``;
 - ``"targets"`` (``load_into`` only): built from the targets, a target smaller than the tensor
-  along one dimension has that dimension split (:func:`from_targets`).
+  along one dimension has that dimension split (:func:`from_targets`). With one process per
+  rank, each rank builds it from its own targets, so every rank must come to the same plan: a
+  rank whose chunk is the whole dimension (a dimension shorter than the ranks) cannot tell it is
+  split; give such a plan explicitly.
 
 A spec is ``None`` or ``"replicate"`` (every rank gets the whole tensor), an ``int`` ``d`` (split
 dimension ``d`` evenly, as :func:`torch.chunk` splits it), or :class:`Split` (``Split(d)``, or

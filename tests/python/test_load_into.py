@@ -210,7 +210,7 @@ def test_no_device_memory_beyond_the_parameters(tmp_path):
     params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     after = dlbridge.memory_stats("cuda:0")
     assert torch.cuda.max_memory_allocated() - base <= params + 512 * len(want)
-    assert after.get("peak") == before.get("active"), (before, after)
+    assert after["peak_active_bytes"] == before["active_bytes"], (before, after)
 
 
 def test_targets_that_share_memory_are_refused_and_tied_names_filled_once(tmp_path):

@@ -57,6 +57,7 @@ def _checkpoint(tmp_path):
         "layers.0.o.weight": torch.randn(6, 9, generator=g),
         "layers.1.q.weight": torch.randn(5, 3, generator=g).to(torch.float16),
         "layers.1.o.weight": torch.randn(3, 5, generator=g).to(torch.float64),
+        "layers.2.q.weight": torch.randn(6, 4, generator=g).to(torch.float8_e4m3fn),
         "embed": torch.arange(7 * 4, dtype=torch.int32).reshape(7, 4),
         "conv.w1": torch.randn(2, 3, 5, generator=g),
         "row": torch.randn(1, 11, generator=g),
@@ -110,6 +111,15 @@ def test_chunk_ranges_are_torch_chunk():
             for r, (a, b) in enumerate(ranges):
                 want = chunks[r].tolist() if r < len(chunks) else []
                 assert t[a:b].tolist() == want, (n, world, r)
+
+
+def test_the_shard_module_examples_run():
+    import doctest
+
+    import dlbridge.shard
+
+    result = doctest.testmod(dlbridge.shard)
+    assert result.attempted >= 3 and result.failed == 0
 
 
 def test_plans_resolve_patterns_callables_and_refuse_bad_specs():
@@ -224,6 +234,8 @@ RANK = textwrap.dedent(r"""
     backend, device = {{"gloo": ("gloo", "cpu"), "nccl": ("nccl", f"cuda:{{rank}}"),
                        "dlnccl": (None, f"cuda:{{rank}}")}}[mode.split("-")[0]]
     group = None
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
     if backend:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=20))

@@ -157,6 +157,15 @@ impl PyCheckpoint {
         Ok(out)
     }
 
+    /// The element type of tensor `name`, as a `dlbridge.DType`.
+    fn dtype(&self, name: &str) -> PyResult<crate::dtype::PyDType> {
+        let (_, info) = self
+            .inner
+            .info(name)
+            .ok_or_else(|| PyKeyError::new_err(format!("no tensor named {name:?}")))?;
+        Ok(crate::dtype::PyDType(info.dtype()))
+    }
+
     /// The part of tensor `name` that `key` selects (basic indexing: integers, slices with a
     /// positive step, `...`, `None`, as `Array.__getitem__` takes them), on `device`, reading only
     /// the bytes it needs (`Checkpoint::load_part`): on the CPU a view of the mapped file unless

@@ -518,8 +518,8 @@ def load_into(
             for k, v in g.items():
                 if k in full and _shape_of(v) != full[k]:
                     shapes.setdefault(k, _shape_of(v))
-        plan = _shard.from_targets(shapes, full, local[0] if len(local) == 1 else 0, world) \
-            if len(local) == 1 else _plan_from_many(groups, full, world)
+        plan = (_shard.from_targets(shapes, full, local[0], world) if len(local) == 1
+                else _plan_from_many(groups, full, world))
     names = set().union(*[set(g) for g in groups]) if groups else set()
     missing = sorted(names - set(full))
     unexpected = sorted(set(full) - names)
@@ -552,12 +552,12 @@ def load_into(
     groups = [_untied(g, full) for g in groups]
     # One process per rank: every rank walks every tensor, so that all agree on the owners
     # whatever targets each has (a tensor a rank has no target for is handed to it and dropped).
-    load_names = None if transport is not None else [
+    walk = None if transport is not None else [
         n for n in ckpt.offset_keys() if any(n in g for g in groups)]
     callback, bar = _progress_callback(progress)
     try:
         _run(ckpt, devices, local, world, plan, groups, transport, threads, direct_io, callback,
-             load_names)
+             walk)
     finally:
         if bar is not None:
             bar.close()

@@ -235,3 +235,20 @@ def test_progress_reaches_the_total(tmp_path):
     total = sum(v.numel() * v.element_size() for v in want.values())
     assert seen and seen[-1] == (total, total)
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_compact_targets_take_no_memory_of_dlbridge(tmp_path):
+    """Compact targets of the checkpoint's dtype are read into in place: dlbridge's pool allocates
+    nothing during the load (a strided target, read on its device first, does)."""
+    path, want = _checkpoint(tmp_path)
+    targets = {k: torch.zeros_like(v) for k, v in want.items()}
+    dlbridge.empty_cache("cpu")
+    dlbridge.reset_peak_memory("cpu")
+    before = dlbridge.memory_stats("cpu")
+    dlbridge.load_into(targets, path)
+    after = dlbridge.memory_stats("cpu")
+    assert after["peak_active_bytes"] == before["active_bytes"], (before, after)
+    assert after["allocations"] == before["allocations"], (before, after)
+    cast = {"embed.weight": torch.zeros(10, 6, dtype=torch.float64)}
+    dlbridge.load_into(cast, path, strict=False)
+    assert dlbridge.memory_stats("cpu")["allocations"] > after["allocations"]

@@ -444,7 +444,7 @@ def into_safetensors(model, files, device, first):
     from safetensors.torch import load_file
     for f in files:
         sd = load_file(f, device=device)
-        first(0, 0)
+        first(1, 1)
         model.load_state_dict(sd, assign=True, strict=False)
         del sd
 
@@ -460,7 +460,7 @@ def into_instanttensor(model, files, device, first):
     index = int(device.split(":")[1]) if ":" in device else 0
     with safe_open(files, framework="pt", device=index, backend=BackendPolicy.BUFFERED) as f:
         for name, t in f.tensors():
-            first(0, 0)
+            first(1, 1)
             with torch.no_grad():
                 params[name].copy_(t)
 
@@ -471,7 +471,7 @@ def into_fastsafetensors(model, files, device, first):
     params = dict(model.named_parameters())
     with fastsafe_open(filenames=files, device=device, nogds=True) as f:
         for name in f.keys():
-            first(0, 0)
+            first(1, 1)
             with torch.no_grad():
                 params[name].copy_(f.get_tensor(name))
 
@@ -510,7 +510,8 @@ def child_into(loader: str, files: list[str], device: str) -> dict:
     start = time.perf_counter()
 
     def first(done, total):
-        if not first_at:
+        # The first bytes in place (dlbridge's progress), or a peer's first tensor.
+        if done > 0 and not first_at:
             first_at.append(time.perf_counter() - start)
 
     fn(model, files, device, first)

@@ -346,18 +346,14 @@ def _run(
         first = ckpt.load_parts_into(items, threads, direct_io, report)
         read += first
     done = first
-    for info in infos:
-        name, split, owner = info.name, splits[info.name], owners.get(info.name)
-        if owner is None:
-            continue
+
+    def hand_out(info: _Info, whole: Any) -> None:
+        """Tensor `info` (`whole`: the owner's copy, where this process is its owner) handed out:
+        each local rank keeps its part, the others are sent theirs."""
+        name, split, owner = info.name, splits[info.name], owners[info.name]
         if owner in local:
             slot = local.index(owner)
             t = target_of(slot, name)
-            if split is None and t is not None:
-                whole = _dlbridge.from_dlpack(t, copy=False)  # read above
-            else:
-                whole = ckpt.load_part(name, (), devices[slot], False)
-                read += info.nbytes
             for rank in range(world):
                 part = whole[_key(info.shape, split, rank)]
                 if rank == owner:
@@ -369,31 +365,69 @@ def _run(
                     store(other, name, part.to(devices[other], copy=True))
                 elif part.size:
                     transport.send(part if part.is_contiguous else part.copy(), rank)
-            del whole
-        else:
-            for slot, rank in enumerate(local):
-                shape = _part_shape(info.shape, split, rank)
-                t = target_of(slot, name)
-                dtype = info.dtype
-                if 0 in shape:
-                    # Nothing is sent for an empty part.
-                    got = _dlbridge.empty(shape, dtype, device=devices[slot])
-                    out[slot][name] = got if t is None else t
-                    continue
-                if t is not None and transport.can_receive_into(t, dtype, devices[slot]):
-                    transport.recv(shape, dtype, devices[slot], owner, into=t)
-                    out[slot][name] = t
-                    continue
-                got = transport.recv(shape, dtype, devices[slot], owner)
-                if t is None:
-                    out[slot][name] = got if isinstance(got, Array) else _dlbridge.from_dlpack(got)
-                else:
-                    _copy_into(t, got)
-                    out[slot][name] = t
-        done += info.nbytes
-        report(done, total)
+            return
+        for slot, rank in enumerate(local):
+            shape = _part_shape(info.shape, split, rank)
+            t = target_of(slot, name)
+            dtype = info.dtype
+            if 0 in shape:
+                # Nothing is sent for an empty part.
+                got = _dlbridge.empty(shape, dtype, device=devices[slot])
+                out[slot][name] = got if t is None else t
+                continue
+            if t is not None and transport.can_receive_into(t, dtype, devices[slot]):
+                transport.recv(shape, dtype, devices[slot], owner, into=t)
+                out[slot][name] = t
+                continue
+            got = transport.recv(shape, dtype, devices[slot], owner)
+            if t is None:
+                out[slot][name] = got if isinstance(got, Array) else _dlbridge.from_dlpack(got)
+            else:
+                _copy_into(t, got)
+                out[slot][name] = t
+
+    # The tensors read by an owner, in groups of at most `_BATCH` bytes (a larger tensor alone),
+    # the same groups on every rank: an owner reads its tensors of a group by one run of the
+    # reader, then the group's tensors are handed out in file order.
+    groups: List[List[_Info]] = []
+    size = 0
+    for info in infos:
+        if info.name not in owners:
+            continue
+        if not groups or size + info.nbytes > _BATCH:
+            groups.append([])
+            size = 0
+        groups[-1].append(info)
+        size += info.nbytes
+    for group in groups:
+        wholes: Dict[str, Any] = {}
+        batch = []
+        for info in group:
+            owner = owners[info.name]
+            if owner not in local:
+                continue
+            slot = local.index(owner)
+            t = target_of(slot, info.name)
+            if splits[info.name] is None and t is not None:
+                wholes[info.name] = _dlbridge.from_dlpack(t, copy=False)  # read above
+            else:
+                whole = _dlbridge.empty(info.shape, info.dtype, device=devices[slot])
+                batch.append((info.name, (), whole))
+                wholes[info.name] = whole
+        if batch:
+            read += ckpt.load_parts_into(batch, threads, direct_io, None)
+        del batch
+        for info in group:
+            hand_out(info, wholes.pop(info.name, None))
+            done += info.nbytes
+            report(done, total)
     report(total, total)
     return out, read
+
+
+_BATCH = 1 << 30
+"""The most bytes of tensors read by their owners that one run of the reader reads (a larger
+tensor alone): the memory a load holds above its results while it hands them out."""
 
 
 def _devices(device: Any) -> List[Device]:

@@ -152,6 +152,17 @@ def test_one_process_on_the_cpu(tmp_path, world):
     assert all(isinstance(v, torch.Tensor) for v in torch_out[0].values())
 
 
+@pytest.mark.parametrize("batch", [1, 64, 1 << 30])
+def test_owners_read_in_batches(tmp_path, monkeypatch, batch):
+    """The tensors owners read are read by one run of the reader per group of at most `_BATCH`
+    bytes (a larger tensor alone): any grouping gives the same parts."""
+    monkeypatch.setattr(_load, "_BATCH", batch)
+    path = _checkpoint(tmp_path)
+    got = dlbridge.load_file(path, device=["cpu"] * 3, shard=plan_for(3))
+    for rank in range(3):
+        _same(got[rank], _expected(path, rank, 3), f"rank {rank}")
+
+
 def test_each_byte_is_read_once_over_all_ranks(tmp_path):
     """Parts of one run are read by their rank, the rest by one owner: the bytes the ranks need
     from the file add up to the checkpoint's tensors, and owners share the rest by bytes."""

@@ -8,6 +8,26 @@ every tensor is on cuda:0 and the device is synchronized: cold (page cache dropp
 root: `echo 3 > /proc/sys/vm/drop_caches`) and warm (the files read once before). Beside them: the
 machine's pinned host-to-device bandwidth and the raw sequential read speed of the files. Prints
 GB/s and dlbridge's ratio to each. Peers that are not installed are reported as such.
+
+Two more modes, each loader in its own fresh process (peers in the same run), printing a table
+with ratios, peak device memory above the parameters, pinned staging bytes and time to the first
+tensor:
+
+    python bench/bench_load.py --mode into [--model 8b] [--device cuda:0]
+    python bench/bench_load.py --mode tp --world 2 [--model 8b]
+
+`--mode into`: a synthetic Llama model built on PyTorch's `meta` device, from open until every
+parameter is filled on the device: `dlbridge.load_into(model, files, device=)` against
+`safetensors.torch.load_file` + `load_state_dict(assign=True)`, InstantTensor + `copy_` and
+fastsafetensors + `copy_` (skipped with a message where not installed). `--mode tp`: one process
+per rank in a `torch.distributed` group (NCCL on GPUs, gloo on the CPU), q/k/v/gate/up/embedding/
+lm_head split on dim 0, o/down on dim 1, the rest replicated; time until the last rank holds its
+slices: dlbridge `load_file(shard=, rank=, world_size=, group=)` against every rank loading the
+whole checkpoint (safetensors, dlbridge) then `narrow`, `safe_open(...).get_slice` on the CPU then
+`.to`, fastsafetensors `get_sharded` and InstantTensor with a process group. `--model 8b` is
+Llama-3-8B's shapes (hidden 4096, MLP 14336, vocabulary 128256, 8 KV heads, 32 layers: about 16
+GB bf16); `--model tiny` a few MB (runs on the CPU: `--device cpu`, the default where there is no
+GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +47,7 @@ import dlbridge
 HIDDEN, MLP, VOCAB = 4096, 11008, 32000
 
 
-def generate(directory: str, layers: int, shards: int) -> list[str]:
+def generate(directory: str, layers: int, shards: int, kv: int | None = None) -> list[str]:
     """The checkpoint's shards, written once: safetensors files whose bf16 values are random bytes
     (a 64 MiB block repeated; finite, as the high byte's exponent bits are never all set). The
     header is written here, the format's way (an 8-byte little-endian length, JSON padded with
@@ -35,14 +55,18 @@ def generate(directory: str, layers: int, shards: int) -> list[str]:
     import numpy as np
 
     os.makedirs(directory, exist_ok=True)
-    stamp = os.path.join(directory, f"stamp-{layers}-{shards}.json")
+    kv = HIDDEN if kv is None else kv
+    shape_tag = "" if (HIDDEN, MLP, VOCAB, kv) == (4096, 11008, 32000, 4096) else \
+        f"-{HIDDEN}-{MLP}-{VOCAB}-{kv}"
+    stamp = os.path.join(directory, f"stamp-{layers}-{shards}{shape_tag}.json")
     if os.path.exists(stamp):
         return json.load(open(stamp))
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
     for i in range(layers):
         p = f"model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes[p + f"self_attn.{name}.weight"] = (HIDDEN, HIDDEN)
+            rows = kv if name in ("k_proj", "v_proj") else HIDDEN
+            shapes[p + f"self_attn.{name}.weight"] = (rows, HIDDEN)
         shapes[p + "mlp.gate_proj.weight"] = (MLP, HIDDEN)
         shapes[p + "mlp.up_proj.weight"] = (MLP, HIDDEN)
         shapes[p + "mlp.down_proj.weight"] = (HIDDEN, MLP)
@@ -65,7 +89,8 @@ def generate(directory: str, layers: int, shards: int) -> list[str]:
             offset += nbytes
         text = json.dumps(header).encode()
         text += b" " * (-len(text) % 8)
-        path = os.path.join(directory, f"model-{s + 1:05d}-of-{shards:05d}.safetensors")
+        path = os.path.join(directory, f"model{shape_tag}-{layers}-{s + 1:05d}-of-{shards:05d}.safetensors"
+                            if shape_tag else f"model-{s + 1:05d}-of-{shards:05d}.safetensors")
         with open(path, "wb") as f:
             f.write(len(text).to_bytes(8, "little"))
             f.write(text)
@@ -262,7 +287,16 @@ def main() -> int:
     ap.add_argument("--sweep-cold", action="store_true", help="only the cold sweep of direct reads")
     ap.add_argument("--only", default="", help="run only the loaders whose names contain one of these "
                     "comma-separated words (e.g. 'dlbridge,BUFFERED')")
+    ap.add_argument("--mode", choices=["load", "into", "tp"], default="load",
+                    help="load (the default: one GPU), into (a meta model filled), tp (ranks)")
+    ap.add_argument("--model", choices=["7b", "8b", "tiny"], default=None,
+                    help="the checkpoint's shapes (default: 7b for load, 8b for into and tp)")
+    ap.add_argument("--world", type=int, default=2, help="ranks of --mode tp")
+    ap.add_argument("--device", default=None, help="cuda:0 (default where there is a GPU) or cpu")
+    ap.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mode != "load" or args.child:
+        return modes_main(args)
     t0 = time.perf_counter()
     files = generate(args.dir, args.layers, args.shards)
     size = total_bytes(files)
@@ -351,6 +385,399 @@ def main() -> int:
     if args.sweep:
         sweep(files, size)
     return 0
+
+
+# --- --mode into and --mode tp: each loader in a fresh process --------------------------------------
+
+MODELS = {
+    # hidden, MLP, vocabulary, KV rows, layers, shards
+    "7b": (4096, 11008, 32000, 4096, 16, 4),
+    "8b": (4096, 14336, 128256, 1024, 32, 4),
+    "tiny": (64, 160, 256, 16, 2, 2),
+}
+
+TP_PLAN = {
+    "*.q_proj.weight": 0, "*.k_proj.weight": 0, "*.v_proj.weight": 0,
+    "*.gate_proj.weight": 0, "*.up_proj.weight": 0,
+    "model.embed_tokens.weight": 0, "lm_head.weight": 0,
+    "*.o_proj.weight": 1, "*.down_proj.weight": 1,
+}
+
+
+def model_files(args) -> list[str]:
+    global HIDDEN, MLP, VOCAB
+    name = args.model or ("7b" if args.mode == "load" else "8b")
+    HIDDEN, MLP, VOCAB, kv, layers, shards = MODELS[name]
+    if args.model is None and args.mode == "load":
+        layers, shards = args.layers, args.shards
+    return generate(args.dir, layers, shards, kv)
+
+
+def meta_model(files: list[str]):
+    """A module on PyTorch's `meta` device with one parameter per tensor of the checkpoint, under
+    its name (a Llama's layout: nested modules, Parameters that require grad)."""
+    ckpt = dlbridge._dlbridge._Checkpoint(files)
+    with torch.device("meta"):
+        root = torch.nn.Module()
+        for name in ckpt.keys():
+            _, shape, _, _ = ckpt.info(name)
+            *path, leaf = name.split(".")
+            mod = root
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16)))
+    return root
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def into_dlbridge(model, files, device, first):
+    return dlbridge.load_into(model, files, device=device, progress=first)
+
+
+def into_safetensors(model, files, device, first):
+    from safetensors.torch import load_file
+    for f in files:
+        sd = load_file(f, device=device)
+        first(1, 1)
+        model.load_state_dict(sd, assign=True, strict=False)
+        del sd
+
+
+def _materialised(model, device):
+    return model.to_empty(device=device)
+
+
+def into_instanttensor(model, files, device, first):
+    from instanttensor import BackendPolicy, safe_open
+    model = _materialised(model, device)
+    params = dict(model.named_parameters())
+    index = int(device.split(":")[1]) if ":" in device else 0
+    with safe_open(files, framework="pt", device=index, backend=BackendPolicy.BUFFERED) as f:
+        for name, t in f.tensors():
+            first(1, 1)
+            with torch.no_grad():
+                params[name].copy_(t)
+
+
+def into_fastsafetensors(model, files, device, first):
+    from fastsafetensors import fastsafe_open
+    model = _materialised(model, device)
+    params = dict(model.named_parameters())
+    with fastsafe_open(filenames=files, device=device, nogds=True) as f:
+        for name in f.keys():
+            first(1, 1)
+            with torch.no_grad():
+                params[name].copy_(f.get_tensor(name))
+
+
+INTO = {
+    "dlbridge.load_into(meta model, device=)": into_dlbridge,
+    "safetensors load_file + load_state_dict(assign=True)": into_safetensors,
+    "InstantTensor (BUFFERED) + copy_": into_instanttensor,
+    "fastsafetensors + copy_": into_fastsafetensors,
+}
+
+
+def _pinned_peak(device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    try:
+        return dlbridge.memory_stats("cuda_host:0")["peak_active_bytes"]
+    except Exception:
+        return None
+
+
+def child_into(loader: str, files: list[str], device: str) -> dict:
+    fn = INTO[loader]
+    warm_up(files)
+    if device.startswith("cuda"):
+        torch.cuda.init()
+        torch.empty(1, device=device)
+        dlbridge.empty(1, device=device)
+        torch.cuda.reset_peak_memory_stats(device)
+        dlbridge.reset_peak_memory(device)
+    dlbridge.reset_peak_memory("cpu")
+    model = meta_model(files)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    base = torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
+    first_at: list[float] = []
+    start = time.perf_counter()
+
+    def first(done, total):
+        # The first bytes in place (dlbridge's progress), or a peer's first tensor.
+        if done > 0 and not first_at:
+            first_at.append(time.perf_counter() - start)
+
+    fn(model, files, device, first)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    out = {"seconds": seconds, "bytes": params, "first": first_at[0] if first_at else None}
+    if device.startswith("cuda"):
+        torch_peak = torch.cuda.max_memory_allocated(device) - base
+        ours = dlbridge.memory_stats(device)["peak_active_bytes"]
+        out["extra"] = max(torch_peak - params, 0) + ours
+        out["pinned"] = _pinned_peak(device)
+    return out
+
+
+def _tp_files_per_rank(files, rank, world):
+    return files[rank::world]
+
+
+def tp_dlbridge(files, device, rank, world, group):
+    from dlbridge import _load
+    out, _, read = _load.load_sharded(files, device, TP_PLAN, rank, world, group, None, None,
+                                      None, None)
+    return out[0], read
+
+
+def _narrowed(sd, rank, world):
+    from dlbridge.shard import resolve
+    out = {}
+    for name, t in sd.items():
+        split = resolve(TP_PLAN, name, tuple(t.shape), world)
+        if split is None:
+            out[name] = t
+        else:
+            a, b = split.ranges[rank]
+            out[name] = t.narrow(split.dim, a, b - a).contiguous()
+    return out
+
+
+def tp_safetensors(files, device, rank, world, group):
+    from safetensors.torch import load_file
+    out = {}
+    for f in files:
+        out.update(_narrowed(load_file(f, device=device), rank, world))
+    return out, sum(os.path.getsize(f) for f in files)
+
+
+def tp_dlbridge_whole(files, device, rank, world, group):
+    sd = dlbridge.load_file(files, device, framework="pt", progress=False)
+    return _narrowed(sd, rank, world), sum(os.path.getsize(f) for f in files)
+
+
+def tp_get_slice(files, device, rank, world, group):
+    from safetensors import safe_open
+    from dlbridge.shard import resolve
+    out, read = {}, 0
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                s = h.get_slice(name)
+                shape = tuple(s.get_shape())
+                split = resolve(TP_PLAN, name, shape, world)
+                if split is None:
+                    t = s[:]
+                else:
+                    a, b = split.ranges[rank]
+                    t = s[(slice(None),) * split.dim + (slice(a, b),)]
+                read += t.numel() * t.element_size()
+                out[name] = t.to(device)
+    return out, read
+
+
+def tp_fastsafetensors(files, device, rank, world, group):
+    import torch.distributed as dist
+    from fastsafetensors import SafeTensorsFileLoader
+    from dlbridge.shard import resolve
+    loader = SafeTensorsFileLoader(dist.group.WORLD, torch.device(device), nogds=True)
+    loader.add_filenames({r: files[r::world] for r in range(world)})
+    fb = loader.copy_files_to_device()
+    out = {}
+    for name in fb.key_to_rank_lidx.keys():
+        split = resolve(TP_PLAN, name, (1 << 62,) * 2, world)
+        out[name] = (fb.get_sharded(name, dim=split.dim) if split is not None
+                     else fb.get_tensor(name)).clone()
+    fb.close()
+    loader.close()
+    return out, sum(os.path.getsize(f) for f in files[rank::world])
+
+
+def tp_instanttensor(files, device, rank, world, group):
+    import torch.distributed as dist
+    from instanttensor import BackendPolicy, safe_open
+    index = int(device.split(":")[1]) if ":" in device else 0
+    out = {}
+    with safe_open(files, framework="pt", device=index, backend=BackendPolicy.BUFFERED,
+                   process_group=dist.group.WORLD) as f:
+        out = _narrowed({k: v for k, v in f.tensors()}, rank, world)
+        out = {k: v.clone() for k, v in out.items()}
+    return out, None
+
+
+TP = {
+    "dlbridge load_file(shard=, rank=, group=)": tp_dlbridge,
+    "safetensors load_file(device=rank) + narrow, every rank": tp_safetensors,
+    "dlbridge load_file everything + narrow, every rank": tp_dlbridge_whole,
+    "safetensors safe_open get_slice on the CPU, then .to": tp_get_slice,
+    "fastsafetensors get_sharded (process group)": tp_fastsafetensors,
+    "InstantTensor (BUFFERED, process_group) + narrow + clone": tp_instanttensor,
+}
+
+
+def child_tp(loader: str, files: list[str], rank: int, world: int, gpu: bool) -> dict | None:
+    import datetime
+    import torch.distributed as dist
+    device = f"cuda:{rank}" if gpu else "cpu"
+    if gpu:
+        torch.cuda.set_device(rank)
+        torch.empty(1, device=device)
+        dlbridge.empty(1, device=device)
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300),
+                            **({"device_id": torch.device(device)} if gpu else {}))
+    warm_up(files) if rank == 0 else None
+    dist.barrier()
+    if gpu:
+        dlbridge.reset_peak_memory("cuda_host:0")
+    start = time.perf_counter()
+    out, read = TP[loader](files, device, rank, world, dist.group.WORLD)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    held = sum(t.numel() * t.element_size() for t in
+               (torch.from_dlpack(v) if not isinstance(v, torch.Tensor) else v for v in out.values()))
+    stats = torch.tensor([seconds, float(read if read is not None else -1), float(held)],
+                         dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(stats) for _ in range(world)]
+    dist.all_gather(gathered, stats)
+    pinned = _pinned_peak(device)
+    dist.destroy_process_group()
+    if rank:
+        return None
+    rows = [g.tolist() for g in gathered]
+    return {"seconds": max(r[0] for r in rows), "read": [r[1] for r in rows],
+            "held": [r[2] for r in rows], "pinned": pinned}
+
+
+def _run_child(argv: list[str], env: dict | None = None, timeout: float = 3600) -> dict:
+    import subprocess
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (done.stderr or done.stdout).strip().splitlines()
+    return {"error": tail[-1][:120] if tail else f"exit {done.returncode}"}
+
+
+def _importable(loader: str) -> str | None:
+    import importlib.util
+    for word, module in (("InstantTensor", "instanttensor"), ("fastsafetensors", "fastsafetensors"),
+                         ("safetensors", "safetensors")):
+        if word in loader and importlib.util.find_spec(module) is None:
+            return f"{module} is not installed"
+    return None
+
+
+def modes_main(args) -> int:
+    files = model_files(args)
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if args.child:
+        kind, loader = args.child[0], args.child[1]
+        if kind == "into":
+            result = child_into(loader, files, device)
+        else:
+            rank = int(os.environ["RANK"])
+            result = child_tp(loader, files, rank, args.world, device.startswith("cuda"))
+        if result is not None:
+            print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    size = total_bytes(files)
+    print(f"checkpoint: {args.model or '8b'}-shaped, {len(files)} shards, {size / 1e9:.3f} GB bf16; "
+          f"device {device}"
+          + (f" ({torch.cuda.get_device_name(0)})" if device.startswith("cuda") else "")
+          + f"; {os.cpu_count()} CPUs; warm page cache; each loader in a fresh process")
+    base = ["--mode", args.mode, "--dir", args.dir, "--device", device, "--world", str(args.world)]
+    if args.model:
+        base += ["--model", args.model]
+    results: dict[str, dict] = {}
+    table = INTO if args.mode == "into" else TP
+    for loader in table:
+        if args.only and not any(w in loader for w in args.only.split(",")):
+            continue
+        missing = _importable(loader)
+        if missing:
+            results[loader] = {"error": f"skipped: {missing}"}
+            print(f"  {loader}: skipped ({missing})", flush=True)
+            continue
+        runs = []
+        for _ in range(args.runs):
+            if args.mode == "into":
+                r = _run_child(base + ["--child", "into", loader])
+            else:
+                r = _run_tp(base + ["--child", "tp", loader], args.world)
+            if "error" in r:
+                runs = [r]
+                break
+            runs.append(r)
+        r = runs[0] if "error" in runs[0] else min(runs, key=lambda x: x["seconds"])
+        results[loader] = r
+        shown = r.get("error") or "%.3f s" % r["seconds"]
+        print(f"  {loader}: {shown}", flush=True)
+    ours = results[next(iter(table))].get("seconds")
+    print()
+    if args.mode == "into":
+        print(f"{'loader (into a meta model)':<56} {'s':>8} {'GB/s':>7} {'ours/peer':>9} "
+              f"{'extra device MiB':>16} {'pinned MiB':>10} {'first ms':>9}")
+    else:
+        print(f"{'loader (TP=' + str(args.world) + ', until the last rank has its slices)':<56} "
+              f"{'s':>8} {'GB/s':>7} {'ours/peer':>9} {'read/rank (of ckpt)':>20} {'pinned MiB':>10}")
+    for loader, r in results.items():
+        if "error" in r:
+            print(f"{loader:<56} {'-':>8}   {r['error']}")
+            continue
+        ratio = f"{r['seconds'] / ours:.2f}" if ours else "-"
+        gbps = size / r["seconds"] / 1e9
+        pinned = f"{r['pinned'] / 2**20:.0f}" if r.get("pinned") is not None else "-"
+        if args.mode == "into":
+            extra = f"{r['extra'] / 2**20:.0f}" if r.get("extra") is not None else "-"
+            first = f"{r['first'] * 1e3:.1f}" if r.get("first") is not None else "-"
+            print(f"{loader:<56} {r['seconds']:>8.3f} {gbps:>7.2f} {ratio:>9} {extra:>16} "
+                  f"{pinned:>10} {first:>9}")
+        else:
+            reads = [x for x in r["read"] if x >= 0]
+            share = "/".join(f"{x / size:.2f}" for x in reads) if reads else "-"
+            print(f"{loader:<56} {r['seconds']:>8.3f} {gbps:>7.2f} {ratio:>9} {share:>20} {pinned:>10}")
+    print("ours/peer: the peer's time over dlbridge's (above 1: dlbridge is faster)")
+    return 0
+
+
+def _run_tp(argv: list[str], world: int) -> dict:
+    """One loader's ranks, each a fresh process; rank 0's report."""
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=3600))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate())
+    for line in outs[0][0].splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    for out, err in outs:
+        tail = (err or out).strip().splitlines()
+        if tail:
+            return {"error": tail[-1][:120]}
+    return {"error": "no result"}
 
 
 if __name__ == "__main__":

@@ -62,6 +62,8 @@ from . import safetensors
 from .safetensors import load_file, safe_open, save_file, stream_file
 from . import npy
 from .npy import load_npy, load_npz
+from . import shard
+from ._load import IncompatibleKeys, load_into
 
 __all__ += [
     "Array",
@@ -107,4 +109,7 @@ __all__ += [
     "load_npy",
     "load_npz",
     "npy",
+    "IncompatibleKeys",
+    "load_into",
+    "shard",
 ]

@@ -157,6 +157,15 @@ impl PyCheckpoint {
         Ok(out)
     }
 
+    /// The element type of tensor `name`, as a `dlbridge.DType`.
+    fn dtype(&self, name: &str) -> PyResult<crate::dtype::PyDType> {
+        let (_, info) = self
+            .inner
+            .info(name)
+            .ok_or_else(|| PyKeyError::new_err(format!("no tensor named {name:?}")))?;
+        Ok(crate::dtype::PyDType(info.dtype()))
+    }
+
     /// The part of tensor `name` that `key` selects (basic indexing: integers, slices with a
     /// positive step, `...`, `None`, as `Array.__getitem__` takes them), on `device`, reading only
     /// the bytes it needs (`Checkpoint::load_part`): on the CPU a view of the mapped file unless
@@ -170,37 +179,129 @@ impl PyCheckpoint {
         device: &Bound<'_, PyAny>,
         copy: bool,
     ) -> PyResult<PyArray> {
-        let (shard, info) = self
-            .inner
-            .info(name)
-            .ok_or_else(|| PyKeyError::new_err(format!("no tensor named {name:?}")))?;
         let options = load_options(device, copy, None, None, None, None, None, None, None)?;
-        check_part_key(key)?;
-        let whole = Layout::contiguous(info.shape()).py()?;
-        let part = if info.is_packed() {
-            // The loader says why a part of packed elements cannot be read.
-            whole
-        } else {
-            // The key applied as an array applies it, to a view of the tensor in the mapped file
-            // that goes nowhere else: its layout is the part (no byte is read for it).
-            let start = info.byte_range().start as usize;
-            let at = whole.with_byte_offset(start);
-            let view = Tensor::new(shard.buffer().clone(), info.dtype(), at).py()?;
-            let selected = Bound::new(py, PyArray::new(view))?.get_item(key)?;
-            let selected = selected.cast::<PyArray>()?.get().tensor()?.clone();
-            if !selected.buffer().same_allocation(shard.buffer()) {
-                return Err(PyIndexError::new_err(
-                    "get_slice takes basic indexing (integers, slices, '...', None) only",
-                ));
-            }
-            // An empty view keeps its offset, so every view begins at or after the tensor.
-            let offset = selected.byte_offset().saturating_sub(start);
-            selected.layout().with_byte_offset(offset)
-        };
+        let part = self.part(py, name, key)?;
         let tensor = py
             .detach(|| self.inner.load_part(name, &part, &options))
             .py()?;
         Ok(PyArray::new(tensor))
+    }
+
+    /// Reads each `(name, key, target)` of `items` (the part of tensor `name` that `key` selects,
+    /// as `load_part` takes it) into `target`, an existing writable array of the part's shape (a
+    /// dlbridge array or any DLPack producer: a PyTorch parameter, a CuPy or NumPy array), on its
+    /// device (`Checkpoint::load_parts_into`: the compact targets of one device by one run of the
+    /// reader); returns the bytes of the files the parts need. `progress(done, total)` (bytes) is
+    /// called about ten times a second while it reads. Every item is checked before anything is
+    /// read.
+    #[pyo3(signature = (items, threads=None, direct_io=None, progress=None))]
+    fn load_parts_into(
+        &self,
+        py: Python<'_>,
+        items: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+        threads: Option<usize>,
+        direct_io: Option<bool>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let mut parts: Vec<(String, Layout, Tensor)> = Vec::with_capacity(items.len());
+        for (name, key, target) in &items {
+            let part = self.part(py, name, key)?;
+            // The target's own memory: never a copy.
+            let dst = crate::creation::tensor_from(target, None, None, None, Some(false))?;
+            parts.push((name.clone(), part, dst));
+        }
+        check_disjoint(&parts)?;
+        let options = LoadOptions {
+            threads,
+            direct_io,
+            ..LoadOptions::new(Device::CPU)
+        };
+        let refs: Vec<(&str, Layout, &Tensor)> = parts
+            .iter()
+            .map(|(n, l, t)| (n.as_str(), l.clone(), t))
+            .collect();
+        let mut callback_error: Option<PyErr> = None;
+        // The read runs without the GIL, as PyTorch's `copy_` runs without it.
+        let read = py.detach(|| {
+            let mut report = |done: u64, total: u64| {
+                let Some(progress) = &progress else {
+                    return;
+                };
+                if callback_error.is_some() {
+                    return;
+                }
+                Python::attach(|py| {
+                    if let Err(e) = progress.call1(py, (done, total)) {
+                        callback_error = Some(e);
+                    }
+                });
+            };
+            // SAFETY: no Rust reference into the targets' memory outlives a Python call; the
+            // caller handed the targets to this read (another thread writing them meanwhile would
+            // race as it would with PyTorch's own `copy_`, as `dlbridge.load_into` documents);
+            // `check_disjoint` refused targets that overlap.
+            unsafe { self.inner.load_parts_into(&refs, &options, &mut report) }
+        });
+        if let Some(e) = callback_error {
+            return Err(e);
+        }
+        read.py()
+    }
+}
+
+/// Refuses targets whose bytes overlap (two names given one tensor's memory, a tied weight
+/// listed twice): each would be written while the other is.
+fn check_disjoint(parts: &[(String, Layout, Tensor)]) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize, &str)> = parts
+        .iter()
+        .filter(|(_, _, t)| t.numel() > 0)
+        .map(|(n, _, t)| {
+            let r = t.byte_range();
+            let base = t.buffer().handle() as usize;
+            (base + r.start, base + r.end, n.as_str())
+        })
+        .collect();
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(PyValueError::new_err(format!(
+                "the targets of {:?} and {:?} share memory: give each tensor its own target",
+                w[0].2, w[1].2
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl PyCheckpoint {
+    /// The layout over tensor `name`'s elements that `key` selects (its byte offset counted from
+    /// the tensor's first byte), as a part for `Checkpoint::load_part`.
+    fn part(&self, py: Python<'_>, name: &str, key: &Bound<'_, PyAny>) -> PyResult<Layout> {
+        let (shard, info) = self
+            .inner
+            .info(name)
+            .ok_or_else(|| PyKeyError::new_err(format!("no tensor named {name:?}")))?;
+        check_part_key(key)?;
+        let whole = Layout::contiguous(info.shape()).py()?;
+        if info.is_packed() {
+            // The loader says why a part of packed elements cannot be read.
+            return Ok(whole);
+        }
+        // The key applied as an array applies it, to a view of the tensor in the mapped file
+        // that goes nowhere else: its layout is the part (no byte is read for it).
+        let start = info.byte_range().start as usize;
+        let at = whole.with_byte_offset(start);
+        let view = Tensor::new(shard.buffer().clone(), info.dtype(), at).py()?;
+        let selected = Bound::new(py, PyArray::new(view))?.get_item(key)?;
+        let selected = selected.cast::<PyArray>()?.get().tensor()?.clone();
+        if !selected.buffer().same_allocation(shard.buffer()) {
+            return Err(PyIndexError::new_err(
+                "get_slice takes basic indexing (integers, slices, '...', None) only",
+            ));
+        }
+        // An empty view keeps its offset, so every view begins at or after the tensor.
+        let offset = selected.byte_offset().saturating_sub(start);
+        Ok(selected.layout().with_byte_offset(offset))
     }
 }
 

@@ -1534,6 +1534,176 @@ fn a_part_on_the_gpu_holds_the_same_elements() {
     }
 }
 
+/// `Checkpoint::load_parts_into` for one part.
+///
+/// # Safety
+/// As `Checkpoint::load_parts_into`.
+unsafe fn load_part_into(
+    ckpt: &Checkpoint,
+    name: &str,
+    part: &Layout,
+    dst: &Tensor,
+    options: &LoadOptions,
+) -> dlbridge::Result<u64> {
+    // SAFETY: the caller's guarantee.
+    unsafe { ckpt.load_parts_into(&[(name, part.clone(), dst)], options, &mut |_, _| {}) }
+}
+
+/// A part read into existing memory on `device` (`Checkpoint::load_parts_into`): a compact target
+/// of the tensor's dtype is filled in place (its own allocation, nothing else on the device),
+/// a strided target keeps its strides and the elements around it, a target of another dtype gets
+/// the elements converted; each holds what `load_part` gives, and only the part's bytes are
+/// counted. A target of another shape or a read-only one is refused, naming the tensor.
+fn parts_into(device: Device) {
+    let dir = TempDir::new("parts-into");
+    let path = part_file(&dir);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let cpu = LoadOptions::new(Device::CPU);
+    let options = LoadOptions {
+        threads: Some(2),
+        ..LoadOptions::new(device)
+    };
+    for name in ["w", "m"] {
+        let shape = ckpt.info(name).unwrap().1.shape().to_vec();
+        for part in [
+            part_of(&shape, &[]),
+            part_of(&shape, &[(0, range(2, 5, 1))]),
+            part_of(&shape, &[(1, range(1, 4, 1))]),
+            part_of(&shape, &[(0, Err(3)), (0, Err(1))]),
+            part_of(&shape, &[(0, range(4, 4, 1))]),
+        ] {
+            let want = f32s(&ckpt.load_part(name, &part, &cpu).unwrap());
+            let bytes = 4 * part.numel() as u64;
+            // Compact, the tensor's dtype: filled in place.
+            let dst = Tensor::zeros(part.shape(), DType::F32, device).unwrap();
+            let before = dst.buffer().handle();
+            // SAFETY: `dst` is this test's own memory, used by nothing else during the call.
+            let read = unsafe { load_part_into(&ckpt, name, &part, &dst, &options) }.unwrap();
+            assert_eq!(read, bytes, "{name} {part:?}");
+            assert_eq!(dst.buffer().handle(), before);
+            assert_eq!(f32s(&dst), want, "{name} {part:?} in place");
+            // Strided: every other column of a wider array; the others stay zero.
+            let mut wide_shape = part.shape().to_vec();
+            if let Some(last) = wide_shape.last_mut() {
+                *last *= 2;
+            }
+            let wide = Tensor::zeros(&wide_shape, DType::F32, device).unwrap();
+            let mut layout = wide.layout().clone();
+            if !wide_shape.is_empty() {
+                let axis = wide_shape.len() as isize - 1;
+                layout = layout
+                    .slice(
+                        axis,
+                        SliceArg {
+                            start: Some(0),
+                            stop: None,
+                            step: 2,
+                        },
+                        4,
+                    )
+                    .unwrap();
+            }
+            let strided = Tensor::new(wide.buffer().clone(), DType::F32, layout).unwrap();
+            // SAFETY: as above.
+            unsafe { load_part_into(&ckpt, name, &part, &strided, &options) }.unwrap();
+            assert_eq!(f32s(&strided), want, "{name} {part:?} strided");
+            let all = f32s(&wide);
+            let zeros = all.iter().filter(|&&v| v == 0.0).count();
+            let nonzero_want = want.iter().filter(|&&v| v != 0.0).count();
+            assert_eq!(all.len() - zeros, nonzero_want, "the gaps stay untouched");
+            // Another dtype: converted.
+            let half = Tensor::zeros(part.shape(), DType::F16, device).unwrap();
+            // SAFETY: as above.
+            unsafe { load_part_into(&ckpt, name, &part, &half, &options) }.unwrap();
+            let got = f32s(&half.cast(DType::F32).unwrap());
+            assert_eq!(got, want, "{name} {part:?} converted");
+        }
+    }
+    let part = part_of(&[16, 12], &[(0, range(0, 2, 1))]);
+    let wrong = Tensor::zeros(&[3, 12], DType::F32, device).unwrap();
+    // SAFETY: as above.
+    match unsafe { load_part_into(&ckpt, "w", &part, &wrong, &options) } {
+        Err(Error::Shape(m)) => assert!(
+            m.contains("`w`") && m.contains("(3, 12)") && m.contains("(2, 12)"),
+            "{m}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    let read_only = Tensor::zeros(&[2, 12], DType::F32, device)
+        .unwrap()
+        .into_read_only();
+    // SAFETY: as above.
+    let e = unsafe { load_part_into(&ckpt, "w", &part, &read_only, &options) };
+    assert!(matches!(e, Err(Error::ReadOnly(_))), "{e:?}");
+}
+
+#[test]
+fn a_part_is_read_into_existing_memory_on_the_cpu() {
+    parts_into(Device::CPU);
+    many_parts_into(Device::CPU);
+}
+
+/// Several parts at once (`load_parts_into`), compact ones read by one run of the reader and the
+/// others copied: each target holds its part, the bytes needed are the parts' own, progress ends
+/// at the total; one bad target among them (another shape) fails the call before anything is
+/// written.
+fn many_parts_into(device: Device) {
+    let dir = TempDir::new("many-parts-into");
+    let path = part_file(&dir);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let cpu = LoadOptions::new(Device::CPU);
+    let rows = part_of(&[16, 12], &[(0, range(4, 8, 1))]);
+    let cols = part_of(&[16, 12], &[(1, range(6, 12, 1))]);
+    let m_rows = part_of(&[8, 5], &[(0, range(0, 3, 1))]);
+    let a = Tensor::zeros(rows.shape(), DType::F32, device).unwrap();
+    let b = Tensor::zeros(cols.shape(), DType::F32, device).unwrap();
+    let c = Tensor::zeros(m_rows.shape(), DType::F64, device).unwrap();
+    let parts = [
+        ("w", rows.clone(), &a),
+        ("w", cols.clone(), &b),
+        ("m", m_rows.clone(), &c),
+    ];
+    let options = LoadOptions {
+        threads: Some(3),
+        chunk_bytes: Some(16),
+        ..LoadOptions::new(device)
+    };
+    let mut last = (0, 0);
+    // SAFETY: the targets are this test's own memory, apart, used by nothing else meanwhile.
+    let read =
+        unsafe { ckpt.load_parts_into(&parts, &options, &mut |d, t| last = (d, t)) }.unwrap();
+    assert_eq!(read, 4 * (48 + 96 + 15));
+    assert_eq!(last, (read, read));
+    for (name, part, dst) in &parts {
+        let want = f32s(&ckpt.load_part(name, part, &cpu).unwrap());
+        assert_eq!(
+            f32s(&dst.cast(DType::F32).unwrap()),
+            want,
+            "{name} {part:?}"
+        );
+    }
+    let fresh = Tensor::zeros(rows.shape(), DType::F32, device).unwrap();
+    let wrong = Tensor::zeros(&[2, 2], DType::F32, device).unwrap();
+    let bad = [("w", rows.clone(), &fresh), ("m", m_rows.clone(), &wrong)];
+    // SAFETY: as above.
+    let e = unsafe { ckpt.load_parts_into(&bad, &options, &mut |_, _| {}) };
+    assert!(
+        matches!(e, Err(Error::Shape(ref m)) if m.contains("`m`")),
+        "{e:?}"
+    );
+    assert!(
+        f32s(&fresh).iter().all(|&v| v == 0.0),
+        "nothing read before the error"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_part_is_read_into_existing_memory_on_the_gpu() {
+    parts_into(gpu());
+    many_parts_into(gpu());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Folders, and files in memory
 

@@ -182,6 +182,27 @@ def _target(path: Union[PathLike, Sequence[PathLike]]) -> Any:
 @overload
 def load_file(
     path: Union[PathLike, Sequence[PathLike]],
+    device: Union[List[Any], Tuple[Any, ...]],
+    *,
+    keys: Union[str, Iterable[str], None] = ...,
+    dtype: Any = ...,
+    copy: Optional[bool] = ...,
+    framework: str = ...,
+    progress: Progress = ...,
+    threads: Optional[int] = ...,
+    chunk_bytes: Optional[int] = ...,
+    direct_io: Optional[bool] = ...,
+    storage: Optional[str] = ...,
+    allocation: Optional[str] = ...,
+    gds: Optional[bool] = ...,
+    shard: Any = ...,
+    rank: Optional[int] = ...,
+    world_size: Optional[int] = ...,
+    group: Any = ...,
+) -> List[Dict[str, Any]]: ...
+@overload
+def load_file(
+    path: Union[PathLike, Sequence[PathLike]],
     device: DeviceLike = ...,
     *,
     keys: Union[str, Iterable[str], None] = ...,
@@ -195,6 +216,10 @@ def load_file(
     storage: Optional[str] = ...,
     allocation: Optional[str] = ...,
     gds: Optional[bool] = ...,
+    shard: Any = ...,
+    rank: Optional[int] = ...,
+    world_size: Optional[int] = ...,
+    group: Any = ...,
 ) -> Dict[str, Array]: ...
 @overload
 def load_file(
@@ -212,6 +237,10 @@ def load_file(
     storage: Optional[str] = ...,
     allocation: Optional[str] = ...,
     gds: Optional[bool] = ...,
+    shard: Any = ...,
+    rank: Optional[int] = ...,
+    world_size: Optional[int] = ...,
+    group: Any = ...,
 ) -> Dict[str, Any]: ...
 def load_file(
     path: Union[PathLike, Sequence[PathLike]],
@@ -228,7 +257,11 @@ def load_file(
     storage: Optional[str] = None,
     allocation: Optional[str] = None,
     gds: Optional[bool] = None,
-) -> Dict[str, Any]:
+    shard: Any = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    group: Any = None,
+) -> Any:
     """Loads a safetensors file, a list of shards, a ``model.safetensors.index.json``, or a folder
     holding a checkpoint (its ``model.safetensors.index.json``, else its one
     ``*.safetensors.index.json``, else all its ``*.safetensors`` files in name order).
@@ -263,7 +296,32 @@ def load_file(
     never (``None``: ``DLBRIDGE_LOAD_GDS``, else cuFile for cold files where the nvidia-fs module
     is loaded). ``DLBRIDGE_LOAD_REGISTER=1`` copies from the files' registered pages instead of
     pinned staging buffers.
+
+    Tensor-parallel loads (``shard=``, a plan of :mod:`dlbridge.shard`): with ``device`` a list
+    (``["cuda:0", "cuda:1"]``, also ``["cpu", "cpu"]``), this process loads rank ``i``'s parts onto
+    ``device[i]`` and returns a list of dicts, one per device; with ``rank=``, ``world_size=`` and
+    ``group=`` (a ``dlbridge.nccl.Communicator`` or a ``torch.distributed`` process group), one
+    device, it returns rank ``rank``'s parts only, the other ranks calling it with theirs. Parts
+    each one run of the file (splits of dimension 0) are read by their rank; replicated tensors
+    and inner-dimension splits are read once, by one owner rank, and each other rank gets only its
+    part from it (a copy between devices, or a send over the group). Each rank's part is
+    ``tensor.narrow(dim, start, length)`` as ``torch.chunk`` splits it, bit for bit. ``copy``,
+    ``dtype``, ``storage``, ``allocation`` and ``gds`` are for unsharded loads.
     """
+    if isinstance(device, (list, tuple)) or shard is not None or rank is not None:
+        from .._load import load_sharded
+
+        names = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+        callback, bar = _progress_callback(progress)
+        try:
+            parts, many, _ = load_sharded(path, device, shard, rank, world_size, group, names,
+                                       threads, direct_io, callback)
+        finally:
+            if bar is not None:
+                bar.close()
+        devices = device if isinstance(device, (list, tuple)) else [device]
+        converted = [_Convert(framework, _device(d)).all(p) for d, p in zip(devices, parts)]
+        return converted if many else converted[0]
     convert = _Convert(framework, _device(device))
     checkpoint = _dlbridge._Checkpoint(_target(path))
     names = None if keys is None else [keys] if isinstance(keys, str) else list(keys)

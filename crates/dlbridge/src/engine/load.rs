@@ -331,6 +331,153 @@ pub fn load_part(
     Ok(tensor)
 }
 
+/// One part of an array read into existing memory ([`load_parts_into`]): the part `part` (as
+/// [`load_part`] takes it) of the array of `array_len` bytes of `dtype` at byte `start` of
+/// `file`, into `dst`.
+#[derive(Clone, Debug)]
+pub struct PartInto<'a> {
+    /// The mapped file holding the array.
+    pub file: &'a MappedFile,
+    /// The array's first byte in the file.
+    pub start: u64,
+    /// The array's length in bytes.
+    pub array_len: usize,
+    /// The part: a layout over the array's elements, its byte offset counted from the array's
+    /// first byte.
+    pub part: Layout,
+    /// The array's element type.
+    pub dtype: DType,
+    /// Existing memory of the part's shape, on any device.
+    pub dst: &'a Tensor,
+}
+
+/// Reads each part of `parts` straight into its `dst`, existing memory of the part's shape on
+/// any device (a model's parameters, imported through DLPack), calling `progress(done, total)`
+/// (bytes) as [`load`] does; returns the bytes of the files the parts need. Only the parts' bytes
+/// are read, none through ([`PartPlan`] without gaps). Every part is checked before anything is
+/// read.
+///
+/// - `dst` compact, of the array's dtype, on the CPU or a CUDA device: the parts of one device
+///   are read together, by one run of the reader (parallel positioned reads; pinned staging and
+///   asynchronous copies on CUDA), into the destinations themselves at their byte offsets: no
+///   other memory on the device.
+/// - Otherwise (strided `dst`, another dtype, another kind of device), one part after another:
+///   the part as [`load_part`] gives it on `dst`'s device (a view of the mapped file on the CPU, a
+///   compact allocation of the part's bytes elsewhere), converted on that device where the
+///   dtypes differ (NumPy's `astype` rules, as `copy_` converts), then copied into `dst` with its
+///   strides.
+///
+/// `options.device`, `copy` and `dtype` are ignored (each `dst` says them); the reader's options
+/// apply.
+///
+/// # Errors
+/// [`Error::Shape`] where a `dst`'s shape is not its part's; [`Error::ReadOnly`] where a `dst` is
+/// read-only; the errors of [`PartPlan::new`] and [`load_part`].
+///
+/// # Safety
+/// No reference (`&[T]`, `&mut [T]`) into the bytes the `dst`s address may be alive during the
+/// call, no other thread (or device stream) may access them until it returns, and no two parts'
+/// `dst`s may overlap, as for [`Tensor::copy_from_unchecked`].
+pub unsafe fn load_parts_into(
+    parts: &[PartInto<'_>],
+    options: &LoadOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<u64> {
+    let mut plans = Vec::with_capacity(parts.len());
+    for p in parts {
+        if p.dst.shape() != p.part.shape() {
+            return Err(Error::Shape(format!(
+                "the target has shape {} but the part read into it has shape {}",
+                crate::layout::shape_text(p.dst.shape()),
+                crate::layout::shape_text(p.part.shape())
+            )));
+        }
+        if p.dst.is_read_only() {
+            return Err(Error::ReadOnly(
+                "reading a checkpoint into a read-only target".into(),
+            ));
+        }
+        plans.push(PartPlan::new(&p.part, p.dtype.itemsize(), p.array_len, 0)?);
+    }
+    let total: u64 = plans.iter().map(PartPlan::bytes_read).sum();
+    let in_place = |p: &PartInto<'_>| {
+        let device = p.dst.device();
+        p.dst.dtype() == p.dtype
+            && !p.dtype.is_sub_byte()
+            && p.dst.is_contiguous()
+            && (device.is_cpu() || device.kind() == crate::device::DeviceKind::Cuda)
+    };
+    let done = AtomicU64::new(0);
+    // The direct-I/O descriptors, one per file (by address: the caller's files outlive the call).
+    let mut direct: Vec<(*const MappedFile, Option<File>)> = Vec::new();
+    for p in parts {
+        let key: *const MappedFile = p.file;
+        if !p.dst.device().is_cpu() && in_place(p) && !direct.iter().any(|(k, _)| *k == key) {
+            direct.push((key, direct_file(p.file, options)));
+        }
+    }
+    let direct_of = |file: &MappedFile| {
+        let key: *const MappedFile = file;
+        direct
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, f)| f.as_ref())
+    };
+    let mut devices: Vec<Device> = Vec::new();
+    for p in parts.iter().filter(|p| in_place(p) && p.dst.numel() > 0) {
+        if !devices.contains(&p.dst.device()) {
+            devices.push(p.dst.device());
+        }
+    }
+    for device in devices {
+        let mut reads: Vec<FileRead<'_>> = Vec::new();
+        let mut all_direct = true;
+        for (p, plan) in parts.iter().zip(&plans) {
+            if !in_place(p) || p.dst.numel() == 0 || p.dst.device() != device {
+                continue;
+            }
+            // A plan without gaps is the part's elements, row-major, one run after another:
+            // `dst`'s own order.
+            let direct = if device.is_cpu() {
+                None
+            } else {
+                direct_of(p.file)
+            };
+            all_direct &= direct.is_some();
+            reads.extend(plan.runs.iter().map(|(run, dst_offset)| FileRead {
+                path: p.file.path(),
+                file: p.file.file(),
+                direct,
+                offset: p.start + run.start,
+                len: (run.end - run.start) as usize,
+                dst: p.dst.buffer(),
+                dst_offset: p.dst.byte_offset() + dst_offset,
+            }));
+        }
+        run_reads(&reads, device, options, all_direct, &done, total, progress)?;
+    }
+    for p in parts.iter().filter(|p| !in_place(p) && p.dst.numel() > 0) {
+        let on_device = LoadOptions {
+            device: p.dst.device(),
+            copy: false,
+            storage: None,
+            dtype: None,
+            ..options.clone()
+        };
+        let mut part = load_part(p.file, p.start, p.array_len, &p.part, p.dtype, &on_device)?;
+        if part.dtype() != p.dst.dtype() {
+            part = crate::compute::cast(&part, p.dst.dtype())?;
+        }
+        // SAFETY: the caller guarantees no reference into `dst`'s bytes and no other access to
+        // them during the call; `part` is another allocation (or the mapped file).
+        unsafe { p.dst.copy_from_unchecked(&part)? };
+        done.fetch_add(part.nbytes() as u64, Ordering::Relaxed);
+        progress(done.load(Ordering::Relaxed).min(total), total);
+    }
+    progress(total, total);
+    Ok(total)
+}
+
 fn load_to_device(
     files: &[(&MappedFile, Vec<Item>)],
     options: &LoadOptions,

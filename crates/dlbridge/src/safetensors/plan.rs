@@ -63,6 +63,59 @@ impl Checkpoint {
             options,
         )
     }
+
+    /// Reads each part `(name, part, dst)` of `parts` (the part of tensor `name` that `part`
+    /// selects, as [`Checkpoint::load_part`] takes it) into `dst`, existing memory of the part's
+    /// shape on any device, calling `progress(done, total)` (bytes); returns the bytes of the
+    /// files the parts need: [`engine::load_parts_into`], straight into each `dst` that is
+    /// compact and of its tensor's dtype on the CPU or CUDA (one run of the reader per device),
+    /// else converted and copied with its strides. Every part is checked before anything is read.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_part`], and a `dst` of another shape ([`Error::Shape`], naming the
+    /// tensor and both shapes) or read-only.
+    ///
+    /// # Safety
+    /// As [`engine::load_parts_into`]: nothing else reads or writes the `dst`s' bytes during the
+    /// call, and no two `dst`s overlap.
+    pub unsafe fn load_parts_into(
+        &self,
+        parts: &[(&str, Layout, &Tensor)],
+        options: &LoadOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<u64> {
+        let mut items = Vec::with_capacity(parts.len());
+        for (name, part, dst) in parts {
+            let (shard, info) = self.info(name).ok_or_else(|| {
+                Error::InvalidArgument(format!("no tensor `{name}` in the checkpoint"))
+            })?;
+            let dtype = info.dtype();
+            if info.is_packed() {
+                return Err(Error::UnsupportedDType(format!(
+                    "tensor `{name}` holds packed sub-byte {dtype} elements: a part of it cannot \
+                     be read on its own; load the tensor whole"
+                )));
+            }
+            if dst.shape() != part.shape() {
+                return Err(Error::Shape(format!(
+                    "tensor `{name}`: the target has shape {} but the part read into it has \
+                     shape {}",
+                    crate::layout::shape_text(dst.shape()),
+                    crate::layout::shape_text(part.shape())
+                )));
+            }
+            items.push(engine::PartInto {
+                file: shard.mapped(),
+                start: info.byte_range().start,
+                array_len: info.nbytes() as usize,
+                part: part.clone(),
+                dtype,
+                dst,
+            });
+        }
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { engine::load_parts_into(&items, options, progress) }
+    }
 }
 
 impl SafeTensors {

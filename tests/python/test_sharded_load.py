@@ -1,0 +1,367 @@
+"""Tensor-parallel loads (`load_file(..., shard=)`, `load_into(..., shard=)`): every rank's parts
+bit for bit as `safetensors` + `narrow` (as `torch.chunk` splits), in one process driving several
+devices and in one process per rank (two real processes over a `torch.distributed` group: gloo
+on the CPU here, NCCL and `dlbridge.nccl` on a machine of two GPUs); plans that do not divide
+evenly, 0-d, empty, replicated and mixed-dtype tensors, a cast; each byte of the checkpoint read
+once over all ranks; a rank that dies makes the others fail, not hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import dlbridge
+from dlbridge import _load
+from dlbridge.shard import Split, chunk_ranges, resolve
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+dist = pytest.importorskip("torch.distributed")
+
+cuda = dlbridge.cuda.is_available() and torch.cuda.is_available()
+gpus = torch.cuda.device_count() if cuda else 0
+needs_cuda = pytest.mark.skipif(not cuda, reason="needs a CUDA device (and PyTorch with CUDA)")
+needs_two_gpus = pytest.mark.skipif(
+    gpus < 2, reason=f"needs two CUDA devices (this machine: {gpus})")
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+# q/k/v/embedding split on dim 0, o/down on dim 1 (one run per row), a 3-d tensor on its last
+# dim, a [1, n] tensor on dim 1 (one run: only a length-1 dim before it), the rest replicated.
+PLAN = {
+    "*.q.weight": 0,
+    "*.o.weight": 1,
+    "embed": 0,
+    re.compile(r"conv\.w[0-9]"): 2,
+    "row": 1,
+    "explicit": Split(0, ((0, 1), (1, 4), (4, 4), (4, 7))),
+}
+
+
+def plan_for(world):
+    """PLAN, its explicit ranges (four ranks') left out for other world sizes."""
+    return PLAN if world == 4 else {k: v for k, v in PLAN.items() if k != "explicit"}
+
+
+def _checkpoint(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        "layers.0.q.weight": torch.randn(10, 6, generator=g).to(torch.bfloat16),
+        "layers.0.o.weight": torch.randn(6, 9, generator=g),
+        "layers.1.q.weight": torch.randn(5, 3, generator=g).to(torch.float16),
+        "layers.1.o.weight": torch.randn(3, 5, generator=g).to(torch.float64),
+        "layers.2.q.weight": torch.randn(6, 4, generator=g).to(torch.float8_e4m3fn),
+        "embed": torch.arange(7 * 4, dtype=torch.int32).reshape(7, 4),
+        "conv.w1": torch.randn(2, 3, 5, generator=g),
+        "row": torch.randn(1, 11, generator=g),
+        "explicit": torch.randn(7, 2, generator=g),
+        "norm": torch.randn(6, generator=g),
+        "scalar": torch.tensor(2.5),
+        "count": torch.tensor(3, dtype=torch.int64),
+        "empty": torch.zeros(0, 3),
+        "empty.q.weight": torch.zeros(0, 3),
+        "flags": torch.tensor([True, False, True]),
+    }
+    path = os.path.join(tmp_path, "model.safetensors")
+    st.save_file(tensors, path)
+    return path
+
+
+def _expected(path, rank, world, plan=None):
+    """Rank `rank`'s parts, as `safetensors` + `narrow` give them (`torch.chunk`'s split)."""
+    plan = plan_for(world) if plan is None else plan
+    out = {}
+    for name, t in st.load_file(path).items():
+        split = resolve(plan, name, tuple(t.shape), world)
+        if split is None:
+            out[name] = t
+        else:
+            a, b = split.ranges[rank]
+            out[name] = t.narrow(split.dim, a, b - a)
+    return out
+
+
+def _bits(t):
+    t = torch.as_tensor(t).detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).tolist()
+
+
+def _same(got, want, where=""):
+    assert set(got) == set(want), where
+    for k in want:
+        g = torch.from_dlpack(got[k]) if not isinstance(got[k], torch.Tensor) else got[k]
+        assert g.dtype == want[k].dtype and tuple(g.shape) == tuple(want[k].shape), (where, k)
+        assert _bits(g) == _bits(want[k]), (where, k)
+
+
+def test_chunk_ranges_are_torch_chunk():
+    for n in [0, 1, 3, 5, 7, 8, 13]:
+        for world in [1, 2, 3, 4, 8]:
+            t = torch.arange(n)
+            chunks = list(torch.chunk(t, world)) if n else []
+            ranges = chunk_ranges(n, world)
+            assert len(ranges) == world
+            for r, (a, b) in enumerate(ranges):
+                want = chunks[r].tolist() if r < len(chunks) else []
+                assert t[a:b].tolist() == want, (n, world, r)
+
+
+def test_the_shard_module_examples_run():
+    import doctest
+
+    import dlbridge.shard
+
+    result = doctest.testmod(dlbridge.shard)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_plans_resolve_patterns_callables_and_refuse_bad_specs():
+    assert resolve(PLAN, "layers.3.q.weight", (8, 2), 2) == Split(0, ((0, 4), (4, 8)))
+    assert resolve(PLAN, "conv.w1", (2, 3, 5), 2) == Split(2, ((0, 3), (3, 5)))
+    assert resolve(PLAN, "conv.w", (2, 3, 5), 2) is None  # the regex is matched whole
+    assert resolve({"*": "replicate"}, "x", (4,), 2) is None
+    assert resolve(lambda name: -1, "x", (4, 6), 3) == Split(1, ((0, 2), (2, 4), (4, 6)))
+    with pytest.raises(ValueError, match="'x'.*no dimension 2"):
+        resolve({"x": 2}, "x", (4, 6), 2)
+    with pytest.raises(ValueError, match="'x'.*ranges"):
+        resolve({"x": Split(0, ((0, 2),))}, "x", (4, 6), 2)
+    with pytest.raises(ValueError, match="'x'.*ranges"):
+        resolve({"x": Split(0, ((0, 2), (2, 5)))}, "x", (4, 6), 2)
+    with pytest.raises(TypeError, match="'x'"):
+        resolve({"x": "rows"}, "x", (4, 6), 2)
+    with pytest.raises(TypeError, match="pattern"):
+        resolve({3: 0}, "x", (4, 6), 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_one_process_on_the_cpu(tmp_path, world):
+    path = _checkpoint(tmp_path)
+    plan = plan_for(world)
+    got = dlbridge.load_file(path, device=["cpu"] * world, shard=plan)
+    assert isinstance(got, list) and len(got) == world
+    for rank in range(world):
+        _same(got[rank], _expected(path, rank, world, plan), f"rank {rank}")
+    torch_out = dlbridge.load_file(path, device=["cpu"] * world, shard=plan, framework="pt")
+    assert all(isinstance(v, torch.Tensor) for v in torch_out[0].values())
+
+
+@pytest.mark.parametrize("batch", [1, 64, 1 << 30])
+def test_owners_read_in_batches(tmp_path, monkeypatch, batch):
+    """The tensors owners read are read by one run of the reader per group of at most `_BATCH`
+    bytes (a larger tensor alone): any grouping gives the same parts."""
+    monkeypatch.setattr(_load, "_BATCH", batch)
+    path = _checkpoint(tmp_path)
+    got = dlbridge.load_file(path, device=["cpu"] * 3, shard=plan_for(3))
+    for rank in range(3):
+        _same(got[rank], _expected(path, rank, 3), f"rank {rank}")
+
+
+def test_each_byte_is_read_once_over_all_ranks(tmp_path):
+    """Parts of one run are read by their rank, the rest by one owner: the bytes the ranks need
+    from the file add up to the checkpoint's tensors, and owners share the rest by bytes."""
+    path = _checkpoint(tmp_path)
+    total = sum(t.numel() * t.element_size() for t in st.load_file(path).values())
+    _, _, read = _load.load_sharded(path, ["cpu"] * 4, PLAN, None, None, None, None, None,
+                                    None, None)
+    assert read == total
+    ckpt = dlbridge._dlbridge._Checkpoint(path)
+    infos = []
+    for name in ckpt.offset_keys():
+        dtype, shape, (a, b), _ = ckpt.info(name)
+        infos.append(_load._Info(name, dtype, tuple(shape), b - a))
+    splits = {i.name: resolve(PLAN, i.name, i.shape, 4) for i in infos}
+    owners = _load._owners(infos, splits, 4)
+    assert "layers.0.q.weight" not in owners and "row" not in owners  # read by their ranks
+    assert {"layers.0.o.weight", "norm", "conv.w1"} <= set(owners)
+    load = [sum(i.nbytes for i in infos if owners.get(i.name) == r) for r in range(4)]
+    assert max(load) - min(load) <= max(i.nbytes for i in infos)
+
+
+def test_load_into_one_process_several_targets(tmp_path):
+    """`load_into` with a list of devices fills each rank's targets: the plan given, or built from
+    the targets' shapes; a cast where a target's dtype differs."""
+    path = _checkpoint(tmp_path)
+    world = 2
+    for shard in [plan_for(world), "targets"]:
+        want = [_expected(path, r, world) for r in range(world)]
+        targets = [{k: torch.full_like(v, 0) for k, v in w.items()} for w in want]
+        targets[1]["norm"] = torch.zeros(6, dtype=torch.float64)  # converted
+        ptrs = [{k: v.data_ptr() for k, v in t.items()} for t in targets]
+        result = dlbridge.load_into(targets, path, device=["cpu"] * world, shard=shard)
+        assert result == ([], [])
+        for r in range(world):
+            for k, v in want[r].items():
+                assert targets[r][k].data_ptr() == ptrs[r][k], (r, k)
+                if r == 1 and k == "norm":
+                    assert torch.equal(targets[r][k], v.double())
+                else:
+                    assert _bits(targets[r][k]) == _bits(v), (shard, r, k)
+
+
+def test_a_target_of_the_wrong_part_shape(tmp_path):
+    path = _checkpoint(tmp_path)
+    targets = [{"layers.0.q.weight": torch.zeros(5, 6, dtype=torch.bfloat16)},
+               {"layers.0.q.weight": torch.zeros(4, 6, dtype=torch.bfloat16)}]
+    with pytest.raises(ValueError, match=r"'layers.0.q.weight'.*\(4, 6\).*rank 1.*\(5, 6\)"):
+        dlbridge.load_into(targets, path, device=["cpu", "cpu"], shard={"*.q.weight": 0},
+                           strict=False)
+    assert torch.count_nonzero(targets[0]["layers.0.q.weight"]) == 0
+
+
+def test_argument_errors(tmp_path):
+    path = _checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="go together"):
+        dlbridge.load_file(path, shard=PLAN, rank=0)
+    with pytest.raises(ValueError, match="one device"):
+        dlbridge.load_file(path, device=["cpu", "cpu"], shard=PLAN, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="not in a world"):
+        dlbridge.load_file(path, shard=PLAN, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised|group="):
+        dlbridge.load_file(path, shard=PLAN, rank=0, world_size=2)
+    with pytest.raises(TypeError, match="group must be"):
+        dlbridge.load_file(path, shard=PLAN, rank=0, world_size=2, group=object())
+    with pytest.raises(KeyError, match="nope"):
+        dlbridge.load_file(path, device=["cpu"], shard=PLAN, keys=["nope"])
+
+
+# ---------------------------------------------------------------------------------------------
+# One process per rank
+
+RANK = textwrap.dedent(r"""
+    import datetime, os, sys, time, traceback
+    import torch, torch.distributed as dist
+    import dlbridge
+    sys.path.insert(0, {tests!r})
+    from test_sharded_load import plan_for, _expected, _same
+
+    rank, world, mode, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    backend, device = {{"gloo": ("gloo", "cpu"), "nccl": ("nccl", f"cuda:{{rank}}"),
+                       "dlnccl": (None, f"cuda:{{rank}}")}}[mode.split("-")[0]]
+    group = None
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+    if backend:
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=20))
+    else:
+        import dlbridge.nccl as nccl
+        uid_path = path + ".uid"
+        if rank == 0:
+            uid = nccl.unique_id()
+            with open(uid_path + ".tmp", "wb") as f:
+                f.write(uid)
+            os.replace(uid_path + ".tmp", uid_path)
+        else:
+            while not os.path.exists(uid_path):
+                time.sleep(0.05)
+            uid = open(uid_path, "rb").read()
+        group = nccl.Communicator(uid, world, rank, device=rank, timeout=20)
+    dies = mode.endswith("-dies")
+    if dies and rank == 1:
+        os._exit(3)  # before the load: its peers wait for transfers it never makes
+    def progress(done, total):
+        if mode.endswith("-dies-midway") and rank == 1 and done > 0:
+            os._exit(3)
+    try:
+        if mode.endswith("-into"):
+            want = _expected(path, rank, world)
+            targets = {{k: torch.zeros_like(v, device=device) for k, v in want.items()}}
+            dlbridge.load_into(targets, path, shard=plan_for(world), rank=rank,
+                               world_size=world, group=group, progress=progress)
+            got = targets
+        else:
+            got = dlbridge.load_file(path, device=device, shard=plan_for(world), rank=rank,
+                                     world_size=world, group=group, progress=progress)
+        _same(got, _expected(path, rank, world), f"rank {{rank}}")
+        print(f"rank {{rank}} ok", flush=True)
+    except Exception as e:
+        kind = "transfer" if isinstance(e, RuntimeError) else "other"
+        print(f"rank {{rank}} error ({{kind}}) {{type(e).__name__}}: {{e}}", flush=True)
+        os._exit(5)
+    if backend:
+        dist.destroy_process_group()
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(tmp_path, mode, world=4, timeout=120):
+    path = _checkpoint(tmp_path)
+    script = RANK.format(tests=os.path.dirname(__file__))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               DLBRIDGE_NCCL_TIMEOUT="20")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), mode, path],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+@needs_gloo
+@pytest.mark.parametrize("how", ["file", "into"])
+def test_one_process_per_rank_over_gloo(tmp_path, how):
+    mode = "gloo" if how == "file" else "gloo-into"
+    for rank, (rc, out) in enumerate(_ranks(tmp_path, mode)):
+        assert rc == 0 and f"rank {rank} ok" in out, out
+
+
+@needs_gloo
+@pytest.mark.parametrize("when", ["dies", "dies-midway"])
+def test_a_rank_that_dies_ends_the_others_with_an_error_over_gloo(tmp_path, when):
+    outs = _ranks(tmp_path, f"gloo-{when}", world=2, timeout=90)
+    assert outs[1][0] == 3, outs[1][1]
+    rc, out = outs[0]
+    assert rc == 5 and "rank 0 error (transfer)" in out, out
+
+
+@needs_cuda
+def test_one_process_on_gpus(tmp_path):
+    """Rank i on GPU i (every rank on GPU 0 where there is one): parts copied between devices."""
+    path = _checkpoint(tmp_path)
+    world = 4
+    devices = [f"cuda:{r % gpus}" for r in range(world)]
+    got = dlbridge.load_file(path, device=devices, shard=PLAN)
+    for rank in range(world):
+        assert all(str(a.device) == devices[rank] for a in got[rank].values())
+        _same(got[rank], _expected(path, rank, world), f"rank {rank}")
+    targets = [{k: torch.zeros_like(v, device=devices[r]) for k, v in
+                _expected(path, r, world).items()} for r in range(world)]
+    dlbridge.load_into(targets, path, device=devices, shard=PLAN)
+    for rank in range(world):
+        _same(targets[rank], _expected(path, rank, world), f"into rank {rank}")
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("mode", ["nccl", "nccl-into", "dlnccl", "dlnccl-into"])
+def test_one_process_per_rank_on_gpus(tmp_path, mode):
+    for rank, (rc, out) in enumerate(_ranks(tmp_path, mode, world=2)):
+        assert rc == 0 and f"rank {rank} ok" in out, out
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("mode", ["nccl-dies", "dlnccl-dies", "dlnccl-dies-midway"])
+def test_a_rank_that_dies_on_gpus(tmp_path, mode):
+    outs = _ranks(tmp_path, mode, world=2, timeout=120)
+    assert outs[1][0] == 3, outs[1][1]
+    rc, out = outs[0]
+    assert rc == 5 and "rank 0 error (transfer)" in out, out

@@ -60,6 +60,7 @@ mod fork;
 pub mod layout;
 pub mod npy;
 pub mod pool;
+pub mod runs;
 pub mod safetensors;
 pub mod share;
 pub mod storage;

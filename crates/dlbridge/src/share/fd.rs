@@ -18,7 +18,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 use super::SharedHandle;
-use super::cpu::os_error;
+use super::memfd::os_error;
 use crate::error::{Error, Result};
 
 /// The most descriptors one message carries.

@@ -43,7 +43,7 @@ use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
-use crate::share::cpu::SharedCounter;
+use crate::share::memfd::SharedCounter;
 use crate::share::{BlockKey, Exported, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
 
 type DriverResult<T> = std::result::Result<T, DriverError>;

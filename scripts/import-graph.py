@@ -6,7 +6,7 @@ Reads every `.rs` file under a crate's `src/`, takes each path that starts with 
 the deepest module it names, and prints the strongly connected components of more than one file
 (the circles): `python3 scripts/import-graph.py crates/dlbridge [--edges] [--from DIR]`.
 
-`--edges` also lists, for each circle, the edges inside it; `--from DIR` lists the files outside
+Unit-test modules (`#[cfg(test)] mod tests`) are left out. `--edges` also lists, for each circle, the edges inside it; `--from DIR` lists the files outside
 DIR that name a module under DIR (e.g. `--from backend/cuda`).
 """
 
@@ -36,6 +36,8 @@ def modules(src):
 
 
 def strip_comments(text):
+    # Unit tests (a `#[cfg(test)] mod tests` at the end of a file) are not the architecture.
+    text = re.split(r"#\[cfg\(test\)\]\s*mod tests\b", text)[0]
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     return "\n".join(line.split("//")[0] for line in text.splitlines())
 

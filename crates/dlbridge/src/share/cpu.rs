@@ -48,9 +48,9 @@ use super::memfd::{anonymous_file, check_sealed, file_size, map_file, os_error, 
 #[cfg(target_os = "linux")]
 use super::memfd::{map_over, write_all_at};
 use crate::backend::cpu::page_size;
-use crate::backend::cuda::ipc;
+use crate::backend::{self, ShareRoute, Sharing};
 use crate::buffer::{Allocation, Buffer, StorageMode};
-use crate::device::{Device, DeviceKind};
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
 
@@ -87,8 +87,8 @@ struct Block {
 
 /// The blocks of one pool by start address, shared by its allocator and by [`export`].
 struct Files {
-    /// The CUDA device pinned memory is registered with (`cuda_host:N`), if any.
-    cuda: Option<i32>,
+    /// The device pinned memory is registered with (`cuda_host:N`), if any.
+    registered: Option<Registered>,
     blocks: Mutex<BTreeMap<usize, Block>>,
 }
 
@@ -99,18 +99,18 @@ impl Files {
 
     /// Registers a fresh mapping with the CUDA device, for pinned shareable memory.
     fn register(&self, ptr: NonNull<c_void>, len: usize) -> Result<()> {
-        match self.cuda {
+        match self.registered {
             // SAFETY: `ptr` is a live mapping of `len` bytes of ours, not yet registered.
-            Some(ordinal) => unsafe { ipc::host_register(ptr, len, ordinal) },
+            Some(r) => unsafe { r.sharing.host_register(r.device, ptr, len) },
             None => Ok(()),
         }
     }
 
     /// Undoes [`Files::register`].
     fn unregister(&self, ptr: NonNull<c_void>) {
-        if let Some(ordinal) = self.cuda {
+        if let Some(r) = self.registered {
             // SAFETY: `ptr` was registered by `register` and nothing uses it now.
-            if let Err(e) = unsafe { ipc::host_unregister(ptr, ordinal) } {
+            if let Err(e) = unsafe { r.sharing.host_unregister(r.device, ptr) } {
                 log::warn!("{e}");
             }
         }
@@ -199,6 +199,31 @@ impl RawAllocator for FileAllocator {
     }
 }
 
+/// The device a shared file's mappings are registered with (pinned memory, `cuda_host:N`) and
+/// its backend's sharing capability, which registers them.
+#[derive(Clone, Copy)]
+struct Registered {
+    device: Device,
+    sharing: &'static dyn Sharing,
+}
+
+/// How shared files of `device` are mapped: `None` for plain host memory, the registration for a
+/// kind whose facts say its files are registered with the device (which must exist); an error for
+/// kinds without shareable host memory.
+fn registration(device: Device) -> Result<Option<Registered>> {
+    match backend::facts(device.kind()).map(|f| f.sharing) {
+        Some(ShareRoute::HostFile { registered: false }) => Ok(None),
+        Some(ShareRoute::HostFile { registered: true }) => {
+            let sharing = backend::sharing(device)?;
+            sharing.check_device(device)?;
+            Ok(Some(Registered { device, sharing }))
+        }
+        _ => Err(Error::UnsupportedDevice(format!(
+            "shareable host memory lives on cpu or cuda_host, not {device}"
+        ))),
+    }
+}
+
 /// A pool and its blocks.
 struct Shareable {
     pool: Arc<Pool>,
@@ -208,24 +233,13 @@ struct Shareable {
 /// The shareable pool of `device` (`cpu`, or `cuda_host:N` for pinned shareable memory).
 fn shareable(device: Device) -> Result<&'static Shareable> {
     static POOLS: OnceLock<Mutex<HashMap<Device, &'static Shareable>>> = OnceLock::new();
-    let cuda = match device.kind() {
-        DeviceKind::Cpu => None,
-        DeviceKind::CudaHost => Some(device.index() as i32),
-        _ => {
-            return Err(Error::UnsupportedDevice(format!(
-                "shareable host memory lives on cpu or cuda_host, not {device}"
-            )));
-        }
-    };
-    if let Some(ordinal) = cuda {
-        // Fails with a clear error where CUDA is missing or the device does not exist.
-        ipc::check_device(ordinal)?;
-    }
+    // Fails with a clear error where CUDA is missing or the device does not exist.
+    let registered = registration(device)?;
     let pools = POOLS.get_or_init(Mutex::default);
     let mut pools = pools.lock().unwrap_or_else(PoisonError::into_inner);
     Ok(*pools.entry(device).or_insert_with(|| {
         let files = Arc::new(Files {
-            cuda,
+            registered,
             blocks: Mutex::default(),
         });
         let pool = Pool::new(device, StorageMode::Shared, FileAllocator(files.clone()));
@@ -328,7 +342,7 @@ fn locate<R>(
             return Some(f(fd, start, size, None));
         }
     }
-    if buffer.device().kind() == DeviceKind::Cpu && MOVED_BLOCKS.load(Ordering::Acquire) > 0 {
+    if buffer.device().is_cpu() && MOVED_BLOCKS.load(Ordering::Acquire) > 0 {
         let moved = moved();
         let range = moved.range(..=addr).map(|(k, b)| (k, b.len, &b.fd));
         if let Some((start, size, fd)) = find(range, addr, len) {
@@ -486,7 +500,7 @@ fn release_moved(ptr: NonNull<c_void>, size: usize) -> bool {
 struct Mapping {
     ptr: NonNull<c_void>,
     len: usize,
-    cuda: Option<i32>,
+    registered: Option<Registered>,
 }
 
 // SAFETY: the mapping is plain shared memory; the address is only a value here, and munmap may
@@ -500,9 +514,9 @@ impl Allocation for Mapping {}
 impl Drop for Mapping {
     fn drop(&mut self) {
         mappings().remove(&self.ptr.as_ptr().expose_provenance());
-        if let Some(ordinal) = self.cuda {
+        if let Some(r) = self.registered {
             // SAFETY: registered by `map`; the last buffer handle is gone.
-            if let Err(e) = unsafe { ipc::host_unregister(self.ptr, ordinal) } {
+            if let Err(e) = unsafe { r.sharing.host_unregister(r.device, self.ptr) } {
                 log::warn!("{e}");
             }
         }
@@ -515,18 +529,7 @@ impl Drop for Mapping {
 /// mapping keeps the memory; the descriptor is kept beside it so that the array can be shared on,
 /// and closed when the mapping goes.
 pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
-    let cuda = match device.kind() {
-        DeviceKind::Cpu => None,
-        DeviceKind::CudaHost => {
-            ipc::check_device(device.index() as i32)?;
-            Some(device.index() as i32)
-        }
-        _ => {
-            return Err(Error::UnsupportedDevice(format!(
-                "shareable host memory lives on cpu or cuda_host, not {device}"
-            )));
-        }
-    };
+    let registered = registration(device)?;
     // Sealed first: then the size read next is the size for good.
     check_sealed(&fd)?;
     let size = file_size(&fd)?;
@@ -537,11 +540,15 @@ pub(crate) fn map(fd: OwnedFd, len: usize, device: Device) -> Result<Buffer> {
     }
     // SAFETY: no fixed address.
     let ptr = unsafe { map_file(&fd, len, None) }?;
-    let mapping = Mapping { ptr, len, cuda };
-    if let Some(ordinal) = cuda {
+    let mapping = Mapping {
+        ptr,
+        len,
+        registered,
+    };
+    if let Some(r) = registered {
         // SAFETY: a fresh mapping of `len` bytes; dropping `mapping` on failure unmaps it, and
         // unregistering memory that was never registered only reports an error.
-        unsafe { ipc::host_register(ptr, len, ordinal) }?;
+        unsafe { r.sharing.host_register(r.device, ptr, len) }?;
     }
     mappings().insert(ptr.as_ptr().expose_provenance(), (len, fd));
     let storage = StorageMode::Shared;

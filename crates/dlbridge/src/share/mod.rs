@@ -79,21 +79,35 @@ pub(crate) use handle::{BlockKey, Exported, LegacyExported, VmmExported};
 pub use handle::{IPC_HANDLE_BYTES, SharedHandle, SharedKind};
 use handle::{already_opened, boot_id, malformed};
 
-use crate::backend::cuda::ipc;
+use crate::backend::{self, ShareRoute};
 use crate::buffer::Buffer;
-use crate::device::{Device, DeviceKind};
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::tensor::Tensor;
 
+/// How memory of `device` goes to another process, by its backend's facts.
+fn route(device: Device) -> ShareRoute {
+    backend::facts(device.kind()).map_or(ShareRoute::None, |f| f.sharing)
+}
+
+/// The sharing capability of `device`'s backend for a handle of device memory (`what`), refused
+/// for a device whose memory is not shared so (a forged or corrupted handle).
+fn device_sharing(device: Device, what: &str) -> Result<&'static dyn backend::Sharing> {
+    if route(device) != ShareRoute::Device {
+        return Err(Error::UnsupportedDevice(format!("{what} of {device}")));
+    }
+    backend::sharing(device)
+}
+
 /// A new buffer of shareable memory of `bytes` on `device` (`cpu`, `cuda_host:N` or `cuda:N`),
 /// from that device's shareable pool.
 pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
-    match device.kind() {
-        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::allocate(device, bytes, zeroed),
-        DeviceKind::Cuda => ipc::allocate(device, bytes, zeroed),
-        _ => Err(Error::UnsupportedDevice(format!(
+    match route(device) {
+        ShareRoute::HostFile { .. } => cpu::allocate(device, bytes, zeroed),
+        ShareRoute::Device => backend::sharing(device)?.allocate(device, bytes, zeroed),
+        ShareRoute::None => Err(Error::UnsupportedDevice(format!(
             "dlbridge has no shareable memory on {device}"
         ))),
     }
@@ -102,10 +116,10 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
 /// The caching pool of shareable memory on `device` (`cpu`, `cuda_host:N` or `cuda:N`): its
 /// statistics and limits work as for every other pool.
 pub fn pool(device: Device) -> Result<&'static std::sync::Arc<crate::pool::Pool>> {
-    match device.kind() {
-        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::pool(device),
-        DeviceKind::Cuda => ipc::pool(device),
-        _ => Err(Error::UnsupportedDevice(format!(
+    match route(device) {
+        ShareRoute::HostFile { .. } => cpu::pool(device),
+        ShareRoute::Device => backend::sharing(device)?.pool(device),
+        ShareRoute::None => Err(Error::UnsupportedDevice(format!(
             "dlbridge has no shareable memory on {device}"
         ))),
     }
@@ -117,8 +131,10 @@ pub fn pool(device: Device) -> Result<&'static std::sync::Arc<crate::pool::Pool>
 /// memory sent again and again maps once; while kept, the memory stays allocated even when every
 /// other process has let go. [`crate::empty_cache`] calls this. Host memory is never kept.
 pub fn release_kept(device: Device) {
-    if device.kind() == DeviceKind::Cuda {
-        ipc::release_kept(device.index() as i32);
+    if route(device) == ShareRoute::Device
+        && let Ok(sharing) = backend::sharing(device)
+    {
+        sharing.release_kept(device);
     }
 }
 
@@ -126,10 +142,8 @@ pub fn release_kept(device: Device) {
 /// untouched) and lets go of the received memory kept mapped ([`release_kept`]): what
 /// [`crate::empty_cache`] does for shareable memory. Nothing for devices without one.
 pub fn empty_cache(device: Device) {
-    if matches!(
-        device.kind(),
-        DeviceKind::Cpu | DeviceKind::CudaHost | DeviceKind::Cuda
-    ) && let Ok(pool) = pool(device)
+    if route(device) != ShareRoute::None
+        && let Ok(pool) = pool(device)
     {
         pool.clear_cache();
     }
@@ -140,10 +154,11 @@ pub fn empty_cache(device: Device) {
 /// without a copy (see the module's table). Not [`StorageMode::Shared`](crate::StorageMode),
 /// which every host array has.
 pub fn is_shared(t: &Tensor) -> bool {
-    match t.device().kind() {
-        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::is_shared(t.buffer()),
-        DeviceKind::Cuda => ipc::is_shared(t.buffer()),
-        _ => false,
+    let device = t.device();
+    match route(device) {
+        ShareRoute::HostFile { .. } => cpu::is_shared(t.buffer()),
+        ShareRoute::Device => backend::sharing(device).is_ok_and(|s| s.is_shared(t.buffer())),
+        ShareRoute::None => false,
     }
 }
 
@@ -191,16 +206,13 @@ pub fn share_memory(t: &Tensor) -> Result<Tensor> {
 /// As [`share_memory`].
 pub fn share_memory_in_place(t: &Tensor) -> Result<bool> {
     let device = t.device();
-    match device.kind() {
-        DeviceKind::Cpu | DeviceKind::CudaHost | DeviceKind::Cuda => {}
-        _ => {
-            return Err(Error::UnsupportedDevice(format!(
-                "arrays on {device} cannot be put in process-shareable memory: dlbridge shares \
-                 host (cpu, cuda_host) and CUDA device memory with other processes"
-            )));
-        }
+    if route(device) == ShareRoute::None {
+        return Err(Error::UnsupportedDevice(format!(
+            "arrays on {device} cannot be put in process-shareable memory: dlbridge shares \
+             host (cpu, cuda_host) and CUDA device memory with other processes"
+        )));
     }
-    Ok(is_shared(t) || (device.kind() == DeviceKind::Cpu && cpu::move_in_place(t.buffer())?))
+    Ok(is_shared(t) || (device.is_cpu() && cpu::move_in_place(t.buffer())?))
 }
 
 /// A compact copy of `t` in shareable memory of its device (the copy [`share`] makes of memory
@@ -301,8 +313,8 @@ impl Allocation {
 /// `copy` is `false`.
 fn export_allocation(t: &Tensor, copy: bool) -> Result<Option<Allocation>> {
     let device = t.device();
-    let exported = match device.kind() {
-        DeviceKind::Cpu | DeviceKind::CudaHost => cpu::export(t.buffer())?.map(|e| Allocation {
+    let exported = match route(device) {
+        ShareRoute::HostFile { .. } => cpu::export(t.buffer())?.map(|e| Allocation {
             kind: SharedKind::HostFile,
             fd: e.fd,
             ipc: None,
@@ -312,7 +324,7 @@ fn export_allocation(t: &Tensor, copy: bool) -> Result<Option<Allocation>> {
         }),
         // A block of the shareable pool, or a mapping opened from another handle: the same
         // physical memory, never a copy.
-        DeviceKind::Cuda => match ipc::export(t.buffer())? {
+        ShareRoute::Device => match backend::sharing(device)?.export(t.buffer())? {
             Some(v) => Some(Allocation {
                 kind: SharedKind::CudaVmm,
                 fd: v.exported.fd,
@@ -326,7 +338,7 @@ fn export_allocation(t: &Tensor, copy: bool) -> Result<Option<Allocation>> {
             // No copy: the legacy handle, valid while this process lives (or the driver's
             // refusal, as `Error::CopyRequired`).
             None => {
-                let e = ipc::export_legacy(t.buffer())?;
+                let e = backend::sharing(device)?.export_legacy(t.buffer())?;
                 Some(Allocation {
                     kind: SharedKind::CudaIpc,
                     fd: e.users,
@@ -337,7 +349,7 @@ fn export_allocation(t: &Tensor, copy: bool) -> Result<Option<Allocation>> {
                 })
             }
         },
-        _ => {
+        ShareRoute::None => {
             return Err(Error::UnsupportedDevice(format!(
                 "arrays on {device} cannot be shared with other processes"
             )));
@@ -349,10 +361,10 @@ fn export_allocation(t: &Tensor, copy: bool) -> Result<Option<Allocation>> {
 /// The IPC event a consumer on `device` waits for: recorded on the producer's current stream
 /// after the work queued so far (none for plain host memory).
 fn record_event(device: Device) -> Result<Option<[u8; IPC_HANDLE_BYTES]>> {
-    match device.kind() {
-        DeviceKind::Cpu => Ok(None),
-        _ => ipc::record_event(device).map(Some),
+    if !backend::has_streams(device.kind()) {
+        return Ok(None);
     }
+    backend::sharing(device)?.record_event(device).map(Some)
 }
 
 /// [`share`] of a copy in shareable memory, or the refusal when `copy` is `false`.
@@ -472,7 +484,7 @@ pub fn share_many(tensors: &[Tensor], copy: bool) -> Result<SharedGroup> {
         // An allocation even when every array is empty, so each view has a handle to name.
         let len = total.max(PACK_ALIGN);
         let block = allocate(*device, len, false)?;
-        if device.kind() != DeviceKind::Cuda {
+        if matches!(route(*device), ShareRoute::HostFile { .. }) {
             cpu::prefault(&block);
         }
         let whole = Tensor::new(block.clone(), DType::U8, Layout::contiguous(&[len])?)?;
@@ -491,8 +503,8 @@ pub fn share_many(tensors: &[Tensor], copy: bool) -> Result<SharedGroup> {
                 // Plain host memory only: pinned and managed memory may still be written by queued
                 // device work, which the copy machinery waits for.
                 (Some(d), Some(s))
-                    if device.kind() == DeviceKind::Cpu
-                        && src.device().kind() == DeviceKind::Cpu
+                    if device.is_cpu()
+                        && src.device().is_cpu()
                         && src.is_contiguous()
                         && !src.is_packed() =>
                 {
@@ -624,7 +636,8 @@ pub fn open_with(mut handle: SharedHandle, wait: &broker::Wait<'_>) -> Result<Te
             // The descriptor is claimed only when this process does not map the allocation
             // already; else the ticket is redeemed (proved and ended) without it.
             let len = handle.alloc_len;
-            let buffer = ipc::import(device, || handle.descriptor(wait), len, key)?;
+            let sharing = device_sharing(device, "a VMM handle")?;
+            let buffer = sharing.import(device, &mut || handle.descriptor(wait), len, key)?;
             handle.redeem(wait)?;
             buffer
         }
@@ -633,7 +646,8 @@ pub fn open_with(mut handle: SharedHandle, wait: &broker::Wait<'_>) -> Result<Te
             if handle.pid == std::process::id() {
                 // The driver opens legacy handles only in other processes: here, the memory the
                 // handle was made of, the view placed in it as in the allocation.
-                let (buffer, start) = ipc::open_own_legacy(users)?;
+                let sharing = device_sharing(device, "a CUDA IPC handle")?;
+                let (buffer, start) = sharing.open_own_legacy(users)?;
                 let offset = handle
                     .layout
                     .byte_offset()
@@ -645,12 +659,19 @@ pub fn open_with(mut handle: SharedHandle, wait: &broker::Wait<'_>) -> Result<Te
                 buffer
             } else {
                 let ipc_handle = handle.ipc.ok_or_else(already_opened)?;
-                ipc::open_legacy(device, &ipc_handle, handle.alloc_len, users)?
+                let len = handle.alloc_len;
+                device_sharing(device, "a CUDA IPC handle")?.open_legacy(
+                    device,
+                    &ipc_handle,
+                    len,
+                    users,
+                )?
             }
         }
     };
     if let Some(event) = &handle.event {
-        ipc::wait_event(device, event, handle.pid == std::process::id())?;
+        let same_process = handle.pid == std::process::id();
+        backend::sharing(device)?.wait_event(device, event, same_process)?;
     }
     let t = Tensor::new(buffer, handle.dtype, handle.layout.clone())?;
     Ok(if handle.read_only {

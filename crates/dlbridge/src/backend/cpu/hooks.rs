@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, no_stream_here, unreachable_copy};
+use crate::backend::{Backend, KindFacts, ShareRoute, Storage, no_stream_here, unreachable_copy};
 use crate::buffer::{Buffer, StorageMode};
+use crate::compute::kernel::Kernel;
 use crate::compute::{MapRequest, MatmulRequest, ReduceOp, ReduceRequest};
 use crate::device::{Device, DeviceKind};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::storage;
 use crate::tensor::Tensor;
@@ -14,7 +15,38 @@ use crate::tensor::Tensor;
 /// The CPU backend.
 pub(crate) struct Cpu;
 
+/// The host: memory the CPU addresses, always in shared storage, shared with other processes
+/// through anonymous shared files.
+const KINDS: &[KindFacts] = &[KindFacts {
+    kind: DeviceKind::Cpu,
+    addressable: true,
+    host_accessible: true,
+    storage: Storage::Always(StorageMode::Shared),
+    foreign_storage: StorageMode::Shared,
+    sharing: ShareRoute::HostFile { registered: false },
+    streams: false,
+    faults_on_misaligned: false,
+}];
+
 impl Backend for Cpu {
+    fn name(&self) -> &'static str {
+        "CPU"
+    }
+
+    fn kinds(&self) -> &'static [KindFacts] {
+        KINDS
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(1)
+    }
+
+    fn compile_kernel(&self, device: Device, _: &str, _: &str, _: &[String]) -> Result<Kernel> {
+        Err(Error::UnsupportedDevice(format!(
+            "run-time kernels compile for CUDA (NVRTC) and Metal (MSL), not {device}"
+        )))
+    }
+
     #[inline]
     fn allocate(
         &self,
@@ -25,14 +57,14 @@ impl Backend for Cpu {
     ) -> Result<Buffer> {
         // Resolving reads `DLBRIDGE_STORAGE_MODE` on first use (and warns once if it is invalid);
         // host memory is shared memory whatever the answer (see `StorageMode`).
-        storage::resolve(DeviceKind::Cpu, storage)?;
+        storage::resolve(&KINDS[0], storage)?;
         super::allocate(bytes, zeroed)
     }
 
     fn pool(&self, _device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>> {
         // One pool, whatever the mode; a mode asked for must still be one the CPU has.
         if storage.is_some() {
-            storage::resolve(DeviceKind::Cpu, storage)?;
+            storage::resolve(&KINDS[0], storage)?;
         }
         Ok(super::pool())
     }

@@ -44,9 +44,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use super::Exported;
-use super::memfd::{anonymous_file, check_sealed, file_size, map_file, os_error, unmap};
+use super::memfd::{anonymous_file, check_sealed, file_size, map_file, unmap};
 #[cfg(target_os = "linux")]
-use super::memfd::{map_over, write_all_at};
+use super::memfd::{map_over, os_error, write_all_at};
 use crate::backend::cpu::page_size;
 use crate::backend::{self, ShareRoute, Sharing};
 use crate::buffer::{Allocation, Buffer, StorageMode};

@@ -66,7 +66,7 @@ pub struct Resolved {
 }
 
 /// Resolves the storage mode of an allocation on a device kind with `facts` (its backend's
-/// [`KindFacts`], [`backend::facts`](crate::backend::facts)): `explicit` when given, else the
+/// [`KindFacts`], [`backend::facts`](fn@crate::backend::facts)): `explicit` when given, else the
 /// environment variable (read on the first call, see the module documentation), else the kind's
 /// default.
 ///

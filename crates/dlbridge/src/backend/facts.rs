@@ -1,6 +1,6 @@
 //! What dlbridge knows about a device kind, as plain data: each backend lists the kinds it serves
-//! in a table of [`KindFacts`] ([`Backend::kinds`](super::Backend::kinds)), and the core reads
-//! the table (`backend::facts`) instead of matching on [`DeviceKind`]. A new kind is a new row
+//! in a table of [`KindFacts`] (the `Backend` trait's `kinds`), and the core reads the table
+//! ([`backend::facts`](fn@crate::backend::facts)) instead of matching on [`DeviceKind`]. A new kind is a new row
 //! in its backend's table.
 
 use crate::buffer::StorageMode;
@@ -108,6 +108,6 @@ pub enum ShareRoute {
         registered: bool,
     },
     /// Device memory, through its backend's sharing capability
-    /// ([`Backend::sharing`](super::Backend::sharing)).
+    /// (the `Backend` trait's `sharing`).
     Device,
 }

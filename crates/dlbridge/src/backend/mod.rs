@@ -13,7 +13,9 @@ pub mod cuda;
 #[cfg(not(cuda))]
 #[path = "cuda/unavailable.rs"]
 pub mod cuda;
-pub mod facts;
+#[cfg(feature = "test-backend")]
+mod extdev;
+pub(crate) mod facts;
 pub mod metal;
 pub mod plan;
 
@@ -37,7 +39,13 @@ pub use facts::{KindFacts, Placement, ShareRoute, Storage};
 
 /// The backends of this build, in the order [`of`] asks them which kinds they serve. A new
 /// backend is a folder, its `mod` line above and its line here.
-const BACKENDS: &[&dyn Backend] = &[&cpu::Cpu, &cuda::Cuda, &metal::Metal];
+const BACKENDS: &[&dyn Backend] = &[
+    &cpu::Cpu,
+    &cuda::Cuda,
+    &metal::Metal,
+    #[cfg(feature = "test-backend")]
+    &extdev::ExtDev,
+];
 
 /// The operations every backend has. One unit type per backend implements it (`cpu::Cpu`,
 /// `cuda::Cuda`, `metal::Metal`); [`of`] picks the one for a device.

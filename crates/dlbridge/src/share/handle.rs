@@ -57,7 +57,7 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 /// type, shape, strides (in elements) and byte offset, read-only-ness, and where it came from.
 ///
 /// Every handle owns one descriptor: the memory's, or for a legacy IPC handle the count of its
-/// consumers (which tells the producer when the memory may be reused). [`open`] consumes the
+/// consumers (which tells the producer when the memory may be reused). [`open`](super::open) consumes the
 /// handle, so a handle opens once.
 #[derive(Debug)]
 pub struct SharedHandle {

@@ -28,6 +28,7 @@ use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::pool::{Pool, RawAllocator, StreamKey};
+use crate::tensor::Tensor;
 
 pub(crate) use hooks::Cpu;
 
@@ -234,6 +235,33 @@ pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
             block,
         )
     })
+}
+
+/// Copies between two views of host memory of one shape and dtype: the CPU's copy, and that of
+/// every backend whose memory the host addresses.
+///
+/// # Safety
+/// As [`Tensor::copy_from_unchecked`](crate::Tensor::copy_from_unchecked).
+pub(crate) unsafe fn copy_host(dst: &Tensor, src: &Tensor) -> Result<()> {
+    let dst_base = dst.buffer().require_host("copying into it")?;
+    let src_base = src.buffer().require_host("copying from it")?;
+    // Inside each live allocation: both views were bounds-checked when they were built.
+    let src_first = src_base.as_ptr().wrapping_add(src.byte_offset());
+    let dst_first = dst_base.as_ptr().wrapping_add(dst.byte_offset());
+    // SAFETY: every element address of each layout lies inside its live allocation; the
+    // caller guarantees the byte ranges are disjoint and that no reference into the
+    // destination bytes is alive.
+    unsafe {
+        copy_strided(
+            src_first,
+            src.strides(),
+            dst_first,
+            dst.strides(),
+            dst.shape(),
+            dst.dtype().itemsize(),
+        )
+    };
+    Ok(())
 }
 
 /// Copies `shape` elements of `itemsize` bytes from a strided source to a strided destination.

@@ -126,7 +126,8 @@ def graph(src):
                 add("self", [child] + [s for s in rest.split("::") if s])
         for kind, rest in PATH.findall(text):
             segs = [s for s in rest.split("::") if s and s != "{"]
-            add(kind, segs)
+            if segs:  # `use super::{a, b}` is read by GROUP above
+                add(kind, segs)
     return edges
 
 

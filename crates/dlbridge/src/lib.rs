@@ -57,6 +57,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 mod fork;
+mod host;
 pub mod layout;
 pub mod npy;
 pub mod pool;

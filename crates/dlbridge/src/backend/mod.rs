@@ -32,7 +32,7 @@ use crate::device::{Device, DeviceKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pool::{MemoryStats, Pool};
-use crate::share::{BlockKey, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
+use crate::share::handle::{BlockKey, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
 use crate::storage::{self, Resolved};
 use crate::tensor::Tensor;
 pub use facts::{KindFacts, Placement, ShareRoute, Storage};

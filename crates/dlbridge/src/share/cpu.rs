@@ -47,11 +47,11 @@ use super::Exported;
 use super::memfd::{anonymous_file, check_sealed, file_size, map_file, unmap};
 #[cfg(target_os = "linux")]
 use super::memfd::{map_over, os_error, write_all_at};
-use crate::backend::cpu::page_size;
 use crate::backend::{self, ShareRoute, Sharing};
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::host::page_size;
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
 
 /// Faults in every page of `buffer`'s host memory now, in one call (`MADV_POPULATE_WRITE`), for

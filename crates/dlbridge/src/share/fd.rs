@@ -17,7 +17,7 @@ use std::io::IoSlice;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
-use super::SharedHandle;
+use super::handle::SharedHandle;
 use super::memfd::os_error;
 use crate::error::{Error, Result};
 

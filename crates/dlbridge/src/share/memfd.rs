@@ -9,8 +9,8 @@ use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
-use crate::backend::cpu::page_size;
 use crate::error::{Error, Result};
+use crate::host::page_size;
 
 /// The error of a failed system call, naming it, with `errno`'s text.
 pub(crate) fn os_error(call: &str) -> Error {

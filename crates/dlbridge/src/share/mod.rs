@@ -75,7 +75,7 @@ use std::os::fd::OwnedFd;
 /// The runs plan, which lives at the crate's root (NCCL plans with it too); named here as before.
 pub use crate::runs;
 pub use fd::{adopt_fd, recv_fds, recv_handle, send_fds, send_handle};
-pub(crate) use handle::{BlockKey, Exported, LegacyExported, VmmExported};
+pub(crate) use handle::{BlockKey, Exported};
 pub use handle::{IPC_HANDLE_BYTES, SharedHandle, SharedKind};
 use handle::{already_opened, boot_id, malformed};
 

@@ -77,19 +77,7 @@ pub(crate) fn host_memory_bytes() -> usize {
     })
 }
 
-/// The OS page size in bytes, read once.
-pub fn page_size() -> usize {
-    static PAGE: OnceLock<usize> = OnceLock::new();
-    *PAGE.get_or_init(|| {
-        // SAFETY: sysconf has no preconditions; it returns -1 on error, handled below.
-        let raw = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        if raw > 0 && (raw as usize).is_power_of_two() {
-            raw as usize
-        } else {
-            4096
-        }
-    })
-}
+pub use crate::host::page_size;
 
 /// The alignment and padded length an allocation of `bytes` gets.
 pub fn allocation_layout(bytes: usize) -> Result<AllocLayout> {

@@ -2,10 +2,34 @@
 //!
 //! Each backend is a folder that implements `Backend`, the operations every backend has; the
 //! rest of the crate reaches them only through the functions here, which pick the backend of a
-//! device (`of`) and call it. A backend that is not compiled in keeps its module's shape through
-//! a stub (`cuda/unavailable.rs`, `metal/unavailable.rs`) whose operations answer
+//! device (`of`, reading the list of backends) and call it. What the core needs to know about a
+//! device kind is data, not code: each backend lists its kinds in a table of [`KindFacts`]
+//! ([`facts`]), which the core reads where it used to match on [`DeviceKind`].
+//!
+//! | capability | trait method(s) | default where a backend lacks it |
+//! | --- | --- | --- |
+//! | identity | `name`, `kinds` (the table) | required |
+//! | memory | `allocate`, `pool`, `resolve_storage`, `host_barrier`, `synchronize` | `allocate`, `pool`, `synchronize` required |
+//! | copies | `copy` | required |
+//! | exchange | `export_handoff`, `validate_foreign`, `resolve_import`, `host_view`, streams | no streams, the producer's word |
+//! | devices | `device_count` | [`Error::BackendUnavailable`] |
+//! | built-in kernels | `map`, `reduce`, `reduces`, `matmul` | required (may answer an error) |
+//! | run-time kernels | `compile_kernel`, `launch_kernel` | [`Error::BackendUnavailable`] |
+//! | across processes | `sharing`, one `Sharing` capability (export, open, IPC events, host registration, releasing kept mappings) | [`Error::BackendUnavailable`] |
+//! | loading | `read_file`, `wrap_host` | parallel reads into host memory; no wrapping |
+//!
+//! A backend that is not compiled in keeps its module's shape through a stub
+//! (`cuda/unavailable.rs`, `metal/unavailable.rs`) whose operations answer
 //! [`Error::BackendUnavailable`], never a panic; the build script's `cfg(cuda)` / `cfg(metal)` is
 //! tested only where a backend's module is chosen.
+//!
+//! A new backend is a new folder plus two lines here: its `mod` line and its entry in
+//! `BACKENDS` (`extdev/`, compiled with feature `test-backend`, is one: host memory as DLPack's
+//! `kDLExtDev`, which `tests/test_backend.rs` runs the shared tests on). A backend folder imports
+//! the core's types (requests, tensors, buffers, the plain data of `share/handle.rs`), never
+//! `share/` or `compute/` behaviour; outside `backend/`, only the host's own pieces of
+//! `backend/cpu` are named (its pool, whose blocks `share::cpu` moves into shared files, and the
+//! host's page and memory sizes).
 
 pub mod cpu;
 #[cfg(cuda)]

@@ -243,6 +243,38 @@ def test_torch_dtypes_both_ways(torch, dtype):
     assert torch.equal(back, t)
 
 
+@pytest.mark.parametrize("nbytes", [4096, 3 << 20, 64 << 20])
+def test_pinned_memory_is_copied_from_and_read_in_a_forked_child(nbytes):
+    """Pinned blocks of 2 MiB and more are pages of dlbridge's own registered with the driver
+    (huge pages where the kernel has them), smaller ones the driver's: both copy both ways at
+    every offset, and a forked child reads what the parent wrote, as it reads the driver's."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import ctypes, os
+        import numpy as np
+        import dlbridge
+        n = {nbytes}
+        a = dlbridge.asarray(np.arange(n, dtype=np.uint8) ^ 0x5A, device="cuda_host:0")
+        assert a.device == "cuda_host:0"
+        d = a.to("cuda:0")
+        back = np.asarray(d.to("cuda_host:0").to("cpu"))
+        assert (back == (np.arange(n, dtype=np.uint8) ^ 0x5A)).all(), "round trip"
+        view = (ctypes.c_ubyte * n).from_address(a.data_ptr)
+        pid = os.fork()
+        if pid == 0:
+            ok = view[n - 1] == ((n - 1) & 0xFF) ^ 0x5A and view[0] == 0x5A
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", status)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_pinned_memory_as_cuda_host(torch):
     t = torch.arange(8.0).pin_memory()
     # PyTorch exports pinned memory as kDLCPU; a producer that says kDLCUDAHost is checked against

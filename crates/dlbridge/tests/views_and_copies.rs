@@ -1,4 +1,4 @@
-//! Views and copies, checked against a plain-index-arithmetic reference model.
+//! Views and copies, checked against a plain-index-arithmetic reference model, on every device.
 //!
 //! The randomized tests use a tiny deterministic xorshift generator (fixed seeds, so a failure
 //! reproduces), build chains of view operations on a tensor and on a [`Model`] side by side, and
@@ -7,8 +7,22 @@
 
 mod common;
 
-use common::Rng;
+use common::devices::{Dev, device_tests};
+use common::{Rng, raw_bytes};
 use dlbridge::{DType, Device, Error, Layout, SliceArg, Tensor};
+
+// The view chains and the copies run on every device: `cpu::`, `cuda::`, `metal::` (see
+// tests/common/devices.rs); the typed host access below is the CPU's.
+device_tests! {
+    all: [
+        random_view_chains_match_the_reference,
+        copy_from_into_strided_destinations,
+        random_copy_from_matches_the_reference,
+        overlapping_copies_go_through_a_temporary,
+        strided_views_copy_to_compact_memory,
+        copies_between_storage_modes_and_into_windows,
+    ],
+}
 
 // ---------------------------------------------------------------------------------------------
 // The reference model
@@ -353,14 +367,20 @@ fn check(t: &Tensor, m: &Model, data: &[i32], original: &Tensor, trace: &[String
 
     let c = t.copy().unwrap();
     assert!(c.is_contiguous());
+    assert_eq!(c.device(), t.device());
     assert!(!c.buffer().same_allocation(original.buffer()));
     assert_eq!(c.shape(), t.shape());
+    assert_eq!(c.to_vec::<i32>().unwrap(), expected, "copy after {trace:?}");
+
+    // Host access (the CPU's; Metal's is tested in metal.rs).
+    if t.device() != Device::CPU {
+        return;
+    }
     assert_eq!(
         c.as_slice::<i32>().unwrap(),
         &expected[..],
         "copy after {trace:?}"
     );
-
     if t.is_contiguous() {
         assert_eq!(
             t.as_slice::<i32>().unwrap(),
@@ -376,15 +396,15 @@ fn check(t: &Tensor, m: &Model, data: &[i32], original: &Tensor, trace: &[String
 }
 
 /// Random chains of slice / index / permute / transpose / expand_dims / broadcast_to / reshape on
-/// random shapes (0-4 dims, extents 0-5) agree with the reference model at every step.
-#[test]
-fn random_view_chains_match_the_reference() {
+/// random shapes (0-4 dims, extents 0-5) agree with the reference model at every step, and copy
+/// (on the device, and to the host) to the model's values.
+fn random_view_chains_match_the_reference(dev: &Dev) {
     let mut rng = Rng::new(0xD1B2);
     for trial in 0..1500 {
         let shape = rng.shape(4, 5);
         let n: usize = shape.iter().product();
         let data: Vec<i32> = (0..n as i32).map(|i| 1000 + i * 3).collect();
-        let original = Tensor::from_slice(&data, &shape).unwrap();
+        let original = dev.put(&Tensor::from_slice(&data, &shape).unwrap());
         let mut t = original.clone();
         let mut m = Model::identity(&shape);
         let mut trace = vec![format!("trial {trial}: shape {shape:?}")];
@@ -400,11 +420,29 @@ fn random_view_chains_match_the_reference() {
 // copy_from
 // ---------------------------------------------------------------------------------------------
 
+// The copy bodies run on every device (`device_tests!`, at the top): sources and destinations
+// live on the device under test, in each of its storage modes.
+
+/// `n` floats `-7, -6.5, ...`.
+fn iota_f32(n: usize) -> Vec<f32> {
+    (0..n).map(|i| i as f32 * 0.5 - 7.0).collect()
+}
+
+/// The whole buffer of `t` as a compact `shape` view (to see the elements a view left alone).
+fn whole(t: &Tensor, shape: &[usize]) -> Tensor {
+    Tensor::new(
+        t.buffer().clone(),
+        t.dtype(),
+        Layout::contiguous(shape).unwrap(),
+    )
+    .unwrap()
+}
+
 /// Writing every other column and reversed rows of a destination leaves the other elements alone.
-#[test]
-fn copy_from_into_strided_destinations() {
+fn copy_from_into_strided_destinations(dev: &Dev) {
+    let on = |values: &[i32], shape: &[usize]| dev.put(&Tensor::from_slice(values, shape).unwrap());
     // Every other column of a 3x6 zero matrix.
-    let base = Tensor::zeros(&[3, 6], DType::I32, Device::CPU).unwrap();
+    let base = Tensor::zeros(&[3, 6], DType::I32, dev.device).unwrap();
     let mut cols = base
         .slice(
             1,
@@ -415,7 +453,7 @@ fn copy_from_into_strided_destinations() {
             },
         )
         .unwrap();
-    let src = Tensor::from_slice(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &[3, 3]).unwrap();
+    let src = on(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &[3, 3]);
     // The base still shares the buffer, so the safe copy refuses.
     assert!(matches!(
         cols.copy_from(&src),
@@ -423,14 +461,8 @@ fn copy_from_into_strided_destinations() {
     ));
     drop(base);
     cols.copy_from(&src).unwrap();
-    let whole = Tensor::new(
-        cols.buffer().clone(),
-        DType::I32,
-        Layout::contiguous(&[3, 6]).unwrap(),
-    )
-    .unwrap();
     assert_eq!(
-        whole.to_vec::<i32>().unwrap(),
+        whole(&cols, &[3, 6]).to_vec::<i32>().unwrap(),
         vec![1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0]
     );
 
@@ -440,44 +472,64 @@ fn copy_from_into_strided_destinations() {
         stop: None,
         step: -1,
     };
-    let mut rows = Tensor::zeros(&[3, 2], DType::I32, Device::CPU)
+    let mut rows = Tensor::zeros(&[3, 2], DType::I32, dev.device)
         .unwrap()
         .slice(0, rev)
         .unwrap();
-    let row = Tensor::from_slice(&[7, 8], &[2]).unwrap();
-    rows.copy_from(&row).unwrap();
+    rows.copy_from(&on(&[7, 8], &[2])).unwrap();
     assert_eq!(rows.to_vec::<i32>().unwrap(), vec![7, 8, 7, 8, 7, 8]);
-    let col = Tensor::from_slice(&[1, 2, 3], &[3, 1]).unwrap();
-    rows.copy_from(&col).unwrap();
+    rows.copy_from(&on(&[1, 2, 3], &[3, 1])).unwrap();
     assert_eq!(rows.to_vec::<i32>().unwrap(), vec![1, 1, 2, 2, 3, 3]);
     // Shapes that do not broadcast, and other dtypes, are refused.
     assert!(matches!(
-        rows.copy_from(&Tensor::from_slice(&[1, 2, 3], &[3]).unwrap()),
+        rows.copy_from(&on(&[1, 2, 3], &[3])),
         Err(Error::Shape(_))
     ));
+    let floats = dev.put(&Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap());
     assert!(matches!(
-        rows.copy_from(&Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap()),
+        rows.copy_from(&floats),
         Err(Error::DTypeMismatch(_))
     ));
-    let whole = Tensor::new(
-        rows.buffer().clone(),
-        DType::I32,
-        Layout::contiguous(&[3, 2]).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(whole.to_vec::<i32>().unwrap(), vec![3, 3, 2, 2, 1, 1]);
+    assert_eq!(
+        whole(&rows, &[3, 2]).to_vec::<i32>().unwrap(),
+        vec![3, 3, 2, 2, 1, 1]
+    );
+
+    // A compact source into every other column, backwards, of a wider destination, from each
+    // storage mode (Metal's strided copy kernel writes through the destination's strides).
+    for mode in dev.storage_modes() {
+        let mut dst = Tensor::zeros(&[4, 10], DType::F32, dev.device)
+            .unwrap()
+            .slice(
+                1,
+                SliceArg {
+                    start: Some(9),
+                    stop: None,
+                    step: -2,
+                },
+            )
+            .unwrap();
+        let src = dev.put_in(&Tensor::from_slice(&iota_f32(20), &[4, 5]).unwrap(), mode);
+        dst.copy_from(&src).unwrap();
+        let got = whole(&dst, &[4, 10]).to_vec::<f32>().unwrap();
+        for r in 0..4 {
+            for c in 0..5 {
+                assert_eq!(got[r * 10 + 9 - 2 * c], iota_f32(20)[r * 5 + c], "{mode:?}");
+                assert_eq!(got[r * 10 + 8 - 2 * c], 0.0, "{mode:?}");
+            }
+        }
+    }
 }
 
 /// Random strided destinations (chains without broadcasts) receive random, sometimes broadcast,
 /// sources: exactly the destination's elements change, to the right values.
-#[test]
-fn random_copy_from_matches_the_reference() {
+fn random_copy_from_matches_the_reference(dev: &Dev) {
     let mut rng = Rng::new(0xC0F7);
     for trial in 0..800 {
         let shape = rng.shape(4, 5);
         let n: usize = shape.iter().product();
         let initial: Vec<i32> = (0..n as i32).map(|i| -1 - i).collect();
-        let mut dst = Tensor::from_slice(&initial, &shape).unwrap();
+        let mut dst = dev.put(&Tensor::from_slice(&initial, &shape).unwrap());
         let mut m = Model::identity(&shape);
         let mut trace = vec![format!("trial {trial}: shape {shape:?}")];
         for _ in 0..rng.below(5) {
@@ -498,7 +550,7 @@ fn random_copy_from_matches_the_reference() {
         };
         let src_n: usize = src_shape.iter().product();
         let src_values: Vec<i32> = (0..src_n).map(|_| rng.below(1 << 20) as i32).collect();
-        let src = Tensor::from_slice(&src_values, &src_shape).unwrap();
+        let src = dev.put(&Tensor::from_slice(&src_values, &src_shape).unwrap());
         trace.push(format!("copy_from {src_shape:?}"));
         dst.copy_from(&src).unwrap();
 
@@ -512,66 +564,216 @@ fn random_copy_from_matches_the_reference() {
             source.values(&src_values),
             "{trace:?}"
         );
-        let whole = Tensor::new(
-            dst.buffer().clone(),
-            DType::I32,
-            Layout::contiguous(&shape).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(whole.to_vec::<i32>().unwrap(), expected, "{trace:?}");
+        assert_eq!(
+            whole(&dst, &shape).to_vec::<i32>().unwrap(),
+            expected,
+            "{trace:?}"
+        );
     }
 }
 
-/// Copying between overlapping views of one buffer behaves as if through a temporary.
-#[test]
-fn overlapping_copies_go_through_a_temporary() {
-    let data: Vec<i32> = (0..10).collect();
-    let run = |dst: SliceArg, src: SliceArg| -> Vec<i32> {
-        let t = Tensor::from_slice(&data, &[10]).unwrap();
-        let d = t.slice(0, dst).unwrap();
-        let s = t.slice(0, src).unwrap();
+/// Copying between overlapping views of one buffer behaves as if through a temporary, in every
+/// storage mode.
+fn overlapping_copies_go_through_a_temporary(dev: &Dev) {
+    for mode in dev.storage_modes() {
+        let put = |data: &[i32], shape: &[usize]| {
+            dev.put_in(&Tensor::from_slice(data, shape).unwrap(), mode)
+        };
+        let data: Vec<i32> = (0..10).collect();
+        let run = |dst: SliceArg, src: SliceArg| -> Vec<i32> {
+            let t = put(&data, &[10]);
+            let d = t.slice(0, dst).unwrap();
+            let s = t.slice(0, src).unwrap();
+            // SAFETY: no slice into the buffer is alive and no other thread touches it.
+            unsafe { d.copy_from_unchecked(&s) }.unwrap();
+            t.to_vec::<i32>().unwrap()
+        };
+        let reference = |dst: SliceArg, src: SliceArg| -> Vec<i32> {
+            let mut out = data.clone();
+            let d = py_slice(10, dst.start, dst.stop, dst.step);
+            let s = py_slice(10, src.start, src.stop, src.step);
+            let staged: Vec<i32> = s.iter().map(|&i| data[i]).collect();
+            for (&i, v) in d.iter().zip(staged) {
+                out[i] = v;
+            }
+            out
+        };
+        let shift_right = (SliceArg::range(2, 10), SliceArg::range(0, 8));
+        let shift_left = (SliceArg::range(0, 8), SliceArg::range(2, 10));
+        assert_eq!(
+            run(shift_right.0, shift_right.1),
+            vec![0, 1, 0, 1, 2, 3, 4, 5, 6, 7],
+            "{mode:?}"
+        );
+        assert_eq!(
+            run(shift_left.0, shift_left.1),
+            vec![2, 3, 4, 5, 6, 7, 8, 9, 8, 9],
+            "{mode:?}"
+        );
+
+        // Random overlapping pairs, any steps.
+        let mut rng = Rng::new(0x0E1A);
+        for _ in 0..500 {
+            let (dst, src) = (random_slice_arg(&mut rng), random_slice_arg(&mut rng));
+            let count = |a: SliceArg| py_slice(10, a.start, a.stop, a.step).len();
+            if count(dst) != count(src) {
+                continue;
+            }
+            assert_eq!(
+                run(dst, src),
+                reference(dst, src),
+                "{mode:?}: {dst:?} <- {src:?}"
+            );
+        }
+
+        // A longer shift within one buffer: the source is read before it is overwritten.
+        let long: Vec<i32> = (0..64).collect();
+        let t = put(&long, &[64]);
+        let src = t.slice(0, SliceArg::range(0, 48)).unwrap();
+        let dst = t.slice(0, SliceArg::range(8, 56)).unwrap();
+        // SAFETY: no host reference into the buffer exists.
+        unsafe { dst.copy_from_unchecked(&src) }.unwrap();
+        drop((src, dst));
+        let got = t.to_vec::<i32>().unwrap();
+        assert_eq!(&got[..8], &long[..8], "{mode:?}");
+        assert_eq!(&got[8..56], &long[..48], "{mode:?}");
+        assert_eq!(&got[56..], &long[56..], "{mode:?}");
+
+        // A square matrix copied from its own transpose ends up transposed.
+        let m = put(&(0..9).collect::<Vec<i32>>(), &[3, 3]);
+        let mt = m.transpose().unwrap();
         // SAFETY: no slice into the buffer is alive and no other thread touches it.
-        unsafe { d.copy_from_unchecked(&s) }.unwrap();
-        t.to_vec::<i32>().unwrap()
-    };
-    let reference = |dst: SliceArg, src: SliceArg| -> Vec<i32> {
-        let mut out = data.clone();
-        let d = py_slice(10, dst.start, dst.stop, dst.step);
-        let s = py_slice(10, src.start, src.stop, src.step);
-        let staged: Vec<i32> = s.iter().map(|&i| data[i]).collect();
-        for (&i, v) in d.iter().zip(staged) {
-            out[i] = v;
-        }
-        out
-    };
-    let shift_right = (SliceArg::range(2, 10), SliceArg::range(0, 8));
-    let shift_left = (SliceArg::range(0, 8), SliceArg::range(2, 10));
-    assert_eq!(
-        run(shift_right.0, shift_right.1),
-        vec![0, 1, 0, 1, 2, 3, 4, 5, 6, 7]
-    );
-    assert_eq!(
-        run(shift_left.0, shift_left.1),
-        vec![2, 3, 4, 5, 6, 7, 8, 9, 8, 9]
-    );
-
-    // Random overlapping pairs, any steps.
-    let mut rng = Rng::new(0x0E1A);
-    for _ in 0..500 {
-        let (dst, src) = (random_slice_arg(&mut rng), random_slice_arg(&mut rng));
-        let count = |a: SliceArg| py_slice(10, a.start, a.stop, a.step).len();
-        if count(dst) != count(src) {
-            continue;
-        }
-        assert_eq!(run(dst, src), reference(dst, src), "{dst:?} <- {src:?}");
+        unsafe { m.copy_from_unchecked(&mt) }.unwrap();
+        assert_eq!(
+            m.to_vec::<i32>().unwrap(),
+            vec![0, 3, 6, 1, 4, 7, 2, 5, 8],
+            "{mode:?}"
+        );
     }
+}
 
-    // A square matrix copied from its own transpose ends up transposed.
-    let m = Tensor::from_slice(&(0..9).collect::<Vec<i32>>(), &[3, 3]).unwrap();
-    let mt = m.transpose().unwrap();
-    // SAFETY: no slice into the buffer is alive and no other thread touches it.
-    unsafe { m.copy_from_unchecked(&mt) }.unwrap();
-    assert_eq!(m.to_vec::<i32>().unwrap(), vec![0, 3, 6, 1, 4, 7, 2, 5, 8]);
+/// The bytes of `view`, a view of a compact host tensor whose bytes are `base`, gathered in
+/// row-major order by index arithmetic from its shape, strides and byte offset (a reference that
+/// shares nothing with the copiers).
+fn gathered(view: &Tensor, base: &[u8]) -> Vec<u8> {
+    let size = view.dtype().itemsize() as isize;
+    let mut out = Vec::with_capacity(view.nbytes());
+    for idx in indices(view.shape()) {
+        let element: isize = idx
+            .iter()
+            .zip(view.strides())
+            .map(|(&i, &s)| i as isize * s)
+            .sum();
+        let at = (view.byte_offset() as isize + element * size) as usize;
+        out.extend_from_slice(&base[at..at + size as usize]);
+    }
+    out
+}
+
+/// Transposed, permuted, reversed-and-strided, indexed and broadcast views of 1- to 16-byte
+/// elements, in each storage mode, copied to compact memory in each storage mode on the device:
+/// the bytes the view addresses, in row-major order.
+fn strided_views_copy_to_compact_memory(dev: &Dev) {
+    let shape = [5usize, 6, 7];
+    let n: usize = shape.iter().product();
+    let host_f32 = Tensor::from_slice(&iota_f32(n), &shape).unwrap();
+    let host_u8 = Tensor::from_slice(&(0..n).map(|i| i as u8).collect::<Vec<_>>(), &shape).unwrap();
+    let host_f64 = Tensor::from_slice(
+        &(0..n).map(|i| i as f64 * -1.25).collect::<Vec<_>>(),
+        &shape,
+    )
+    .unwrap();
+    let host_f16 = host_f32.cast(DType::F16).unwrap();
+    let host_c128 = host_f64.cast(DType::C128).unwrap();
+    let views = |t: &Tensor| -> Vec<Tensor> {
+        vec![
+            t.transpose().unwrap(),
+            t.permute(&[1, 0, 2]).unwrap(),
+            t.slice(
+                1,
+                SliceArg {
+                    start: Some(5),
+                    stop: None,
+                    step: -2,
+                },
+            )
+            .unwrap(),
+            t.slice(
+                2,
+                SliceArg {
+                    start: Some(1),
+                    stop: Some(6),
+                    step: 3,
+                },
+            )
+            .unwrap()
+            .index(0, 2)
+            .unwrap(),
+            t.index(2, 4)
+                .unwrap()
+                .expand_dims(0)
+                .unwrap()
+                .broadcast_to(&[3, 5, 6])
+                .unwrap(),
+        ]
+    };
+    for host in [&host_f32, &host_u8, &host_f64, &host_f16, &host_c128] {
+        let base = raw_bytes(host);
+        for mode in dev.storage_modes() {
+            let on_dev = dev.put_in(host, mode);
+            for (dev_view, host_view) in views(&on_dev).into_iter().zip(views(host)) {
+                let want = gathered(&host_view, &base);
+                for to in dev.storage_modes() {
+                    let compact = dev_view.copy_to_storage(dev.device, to).unwrap();
+                    assert_eq!(compact.device(), dev.device);
+                    assert!(compact.is_contiguous());
+                    assert_eq!(
+                        raw_bytes(&compact),
+                        want,
+                        "{} {mode:?} -> {to:?} {dev_view:?}",
+                        host.dtype()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Compact copies between the device's storage modes land in new memory; a contiguous window of
+/// one buffer copies into the middle of another, leaving the rest alone; mismatched shapes are
+/// refused.
+fn copies_between_storage_modes_and_into_windows(dev: &Dev) {
+    let data = iota_f32(3 * 1024 + 5);
+    let host = Tensor::from_slice(&data, &[data.len()]).unwrap();
+    for from in dev.storage_modes() {
+        let src = dev.put_in(&host, from);
+        for to in dev.storage_modes() {
+            let copy = src.copy_to_storage(dev.device, to).unwrap();
+            assert_ne!(copy.buffer().handle(), src.buffer().handle());
+            assert_eq!(copy.to_vec::<f32>().unwrap(), data, "{from:?} -> {to:?}");
+            // Host-visible memory holds the values once the device is idle.
+            if copy.buffer().host_ptr().is_some() {
+                dlbridge::backend::synchronize(dev.device).unwrap();
+                assert_eq!(copy.as_slice::<f32>().unwrap(), data.as_slice());
+            }
+        }
+        // Buffer to buffer at offsets: a contiguous slice of one buffer into the middle of
+        // another.
+        let mut dst = Tensor::zeros(&[100], DType::F32, dev.device).unwrap();
+        let part = src.slice(0, SliceArg::range(7, 57)).unwrap();
+        let window = dst.slice(0, SliceArg::range(20, 70)).unwrap();
+        // SAFETY: no host reference into `dst` is alive.
+        unsafe { window.copy_from_unchecked(&part) }.unwrap();
+        drop(window);
+        let got = dst.to_vec::<f32>().unwrap();
+        assert!(got[..20].iter().all(|&x| x == 0.0), "{from:?}");
+        assert_eq!(&got[20..70], &data[7..57], "{from:?}");
+        assert!(got[70..].iter().all(|&x| x == 0.0), "{from:?}");
+        assert!(
+            matches!(dst.copy_from(&part), Err(Error::Shape(_))),
+            "shape mismatch"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod devices;
+pub(crate) mod values;
+
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,7 +21,7 @@ use dlbridge::dlpack::ffi::{
     DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLPackVersion, DLTensor,
     K_DL_CPU, K_DL_FLOAT,
 };
-use dlbridge::{Error, Tensor};
+use dlbridge::{DType, Error, Layout, Tensor};
 
 /// What a producer's deleter reports.
 #[derive(Default, Debug)]
@@ -591,4 +594,15 @@ pub(crate) fn numpy_divmod(dtype: dlbridge::DType, x: f64, y: f64) -> (f64, f64)
         let (q, m) = numpy_divmod!(f32, x, y);
         (q as f64, m as f64)
     }
+}
+
+/// The bytes of a view's elements in row-major order (a compact copy read back as bytes), on any
+/// device.
+pub(crate) fn raw_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.copy().unwrap();
+    let layout = Layout::contiguous_at(&[t.nbytes()], t.byte_offset()).unwrap();
+    Tensor::new(t.buffer().clone(), DType::U8, layout)
+        .unwrap()
+        .to_vec::<u8>()
+        .unwrap()
 }

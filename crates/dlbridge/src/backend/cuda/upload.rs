@@ -1,11 +1,14 @@
 //! Files into device memory: parallel positioned reads into a ring of pinned staging buffers,
 //! each filled buffer copied to its destination asynchronously while the next one is read.
 //!
-//! Every worker thread owns two pinned staging buffers (taken once from the pinned pool and
-//! reused), one stream and one event per buffer. It takes the next piece of the work list, waits
-//! until the buffer it will fill is no longer being copied from (its event), reads the piece into
-//! it with `pread` (page-aligned, for `O_DIRECT`), and enqueues the host-to-device copy on its
-//! stream. Pinned memory in use is bounded by `threads × 2 × chunk`.
+//! Every worker thread owns two pinned staging buffers of `chunk` bytes, one stream and one event
+//! per buffer. It takes the next piece of the work list (at most `chunk` less two pages, so that
+//! a direct read's whole pages fit the buffer), waits until the buffer it will fill is no longer
+//! being copied from (its event), reads the piece into it with `pread` (page-aligned, for
+//! `O_DIRECT`), and enqueues the host-to-device copy on its stream. The buffers of all workers are
+//! one block of the pinned pool, `threads × 2 × chunk` bytes, taken once per load and reused by
+//! the next: pinning is what a process's first load waits for, and one block pins in one driver
+//! call (see `memory.rs`).
 //!
 //! Asked to (`ReadOptions::register`), files read through the page cache go without the staging
 //! copy: each file is mapped shared and read-only, its pages are registered with the driver a
@@ -32,33 +35,39 @@ use crate::error::{Error, Result};
 /// The alignment `O_DIRECT` asks of file offsets, lengths and buffer addresses.
 const DIRECT_ALIGN: usize = 4096;
 
+/// The smallest staging buffer: a piece of two pages, and the two pages around it.
+const STAGING_MIN: usize = 4 * DIRECT_ALIGN;
+
 /// Reads every `reads` entry into its device destination on CUDA device `ordinal`.
 pub(crate) fn read_to_device(
     ordinal: i32,
     reads: &[FileRead<'_>],
     options: &ReadOptions<'_>,
 ) -> Result<()> {
+    // The staging buffer's size; a piece leaves two pages of it for a direct read's page-aligned
+    // ends.
     let chunk = options
         .chunk
-        .max(DIRECT_ALIGN)
+        .max(STAGING_MIN)
         .next_multiple_of(DIRECT_ALIGN);
+    let piece = chunk - 2 * DIRECT_ALIGN;
     // GPUDirect Storage where asked, or by default for direct reads where cuFile reads without
     // a host copy; a default use that cuFile refuses falls back to the staging workers.
     let direct = reads.iter().all(|r| r.direct.is_some());
     match options.gds {
         Some(true) => {
             let files = super::gds::register_files(ordinal, reads)?;
-            return files.read(ordinal, reads, chunk, options);
+            return files.read(ordinal, reads, piece, options);
         }
         None if direct && super::gds::native() => {
             match super::gds::register_files(ordinal, reads) {
-                Ok(files) => return files.read(ordinal, reads, chunk, options),
+                Ok(files) => return files.read(ordinal, reads, piece, options),
                 Err(e) => log::debug!("dlbridge: cuFile declined the load ({e}); staging instead"),
             }
         }
         _ => {}
     }
-    let pieces = pieces(reads, chunk);
+    let pieces = pieces(reads, piece);
     if pieces.is_empty() {
         return Ok(());
     }
@@ -68,21 +77,79 @@ pub(crate) fn read_to_device(
         && let Some(windows) = plan_windows(
             reads,
             |r| maps.of(r.file),
-            chunk.saturating_mul(CHUNKS_PER_WINDOW),
+            piece.saturating_mul(CHUNKS_PER_WINDOW),
         )
         && can_register(ordinal, &windows)
     {
         // `maps` outlives every registration: `read_registered` unregisters all before returning.
         return read_registered(ordinal, &windows, options);
     }
+    let threads = options.threads.clamp(1, pieces.len());
+    let staging = Staging::new(ordinal, threads, chunk)?;
     let next = AtomicUsize::new(0);
-    run_workers(options.threads.clamp(1, pieces.len()), |failed| {
-        let mut w = Worker::new(ordinal, chunk)?;
+    let worker = AtomicUsize::new(0);
+    run_workers(threads, |failed| {
+        let mut w = Worker::new(
+            ordinal,
+            staging.slots(worker.fetch_add(1, Ordering::Relaxed)),
+        )?;
         let run = w.run(reads, &pieces, &next, failed, options.done);
         // Whatever happened, nothing may still be copying out of our buffers when they go back
         // to the pool.
         run.and(w.stream.synchronize())
     })
+}
+
+/// Every worker's two staging buffers: one block of pinned memory, `threads × 2 × chunk` bytes.
+struct Staging {
+    /// Pinned memory from the pool, held for the whole load.
+    _pinned: Buffer,
+    /// The page-aligned start of its `threads × 2 × chunk` bytes.
+    base: *mut u8,
+    chunk: usize,
+    threads: usize,
+}
+
+// SAFETY: `base` points into the `Staging`'s own pinned block; each worker writes only its own two
+// buffers of it (`slots` hands disjoint ones to each index).
+unsafe impl Sync for Staging {}
+
+impl Staging {
+    fn new(ordinal: i32, threads: usize, chunk: usize) -> Result<Staging> {
+        let bytes = threads
+            .checked_mul(2 * chunk)
+            .ok_or_else(|| Error::InvalidArgument("staging memory overflows".into()))?;
+        let allocate = |bytes| {
+            crate::backend::allocate(
+                Device::cuda_host(ordinal as u32),
+                bytes,
+                Some(StorageMode::Shared),
+                false,
+            )
+        };
+        // Large blocks start on a page (the driver's own allocations); a small one may not, and is
+        // taken again a page larger.
+        let mut pinned = allocate(bytes)?;
+        let mut base = pinned.require_host("staging a file read")?.as_ptr();
+        if base.align_offset(DIRECT_ALIGN) != 0 {
+            pinned = allocate(bytes + DIRECT_ALIGN)?;
+            let start = pinned.require_host("staging a file read")?.as_ptr();
+            base = start.wrapping_add(start.align_offset(DIRECT_ALIGN));
+        }
+        Ok(Staging {
+            _pinned: pinned,
+            base,
+            chunk,
+            threads,
+        })
+    }
+
+    /// Worker `index`'s two buffers.
+    fn slots(&self, index: usize) -> [*mut u8; 2] {
+        assert!(index < self.threads, "more workers than staging buffers");
+        let at = |k: usize| self.base.wrapping_add((2 * index + k) * self.chunk);
+        [at(0), at(1)]
+    }
 }
 
 /// One reader thread's staging buffers, stream and events.
@@ -93,9 +160,7 @@ struct Worker {
 }
 
 struct Slot {
-    /// Pinned memory from the pool, held for the whole load.
-    _pinned: Buffer,
-    /// The page-aligned start inside `buffer`.
+    /// The page-aligned start of this worker's `chunk` bytes of the load's [`Staging`].
     aligned: *mut u8,
     /// Recorded after the last copy out of this slot.
     event: Event,
@@ -104,23 +169,11 @@ struct Slot {
 }
 
 impl Worker {
-    fn new(ordinal: i32, chunk: usize) -> Result<Worker> {
+    fn new(ordinal: i32, buffers: [*mut u8; 2]) -> Result<Worker> {
         let _ctx = context(ordinal)?;
         let stream = Stream::new(ordinal, true)?;
-        let slot = || -> Result<Slot> {
-            // One page of slack so the start can be page-aligned whatever the pool returns, and
-            // one more so an unaligned piece can be read as whole pages around it.
-            let bytes = chunk + 2 * DIRECT_ALIGN;
-            let buffer = crate::backend::allocate(
-                Device::cuda_host(ordinal as u32),
-                bytes,
-                Some(StorageMode::Shared),
-                false,
-            )?;
-            let base = buffer.require_host("staging a file read")?.as_ptr();
-            let aligned = base.wrapping_add(base.align_offset(DIRECT_ALIGN));
+        let slot = |aligned: *mut u8| -> Result<Slot> {
             Ok(Slot {
-                _pinned: buffer,
                 aligned,
                 event: Event::new(ordinal, false)?,
                 used: false,
@@ -129,7 +182,7 @@ impl Worker {
         Ok(Worker {
             ordinal,
             stream,
-            slots: [slot()?, slot()?],
+            slots: [slot(buffers[0])?, slot(buffers[1])?],
         })
     }
 
@@ -196,9 +249,9 @@ fn fill(slot: &Slot, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*co
     } else {
         len
     };
-    // SAFETY: `aligned` starts at most one page into the slot's `chunk + 2 pages` of pinned
-    // memory, and `want <= chunk + page` bytes fit after it; the worker alone writes the slot, and
-    // its event says no copy still reads it.
+    // SAFETY: `aligned` starts the slot's `chunk` bytes of pinned memory, and `want <= len + 2
+    // pages <= chunk` bytes (a piece is at most `chunk - 2 pages`); the worker alone writes the
+    // slot, and its event says no copy still reads it.
     let dst = unsafe { std::slice::from_raw_parts_mut(slot.aligned, want) };
     let mut filled = 0;
     while filled < skip + len {
@@ -220,8 +273,9 @@ fn fill(slot: &Slot, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*co
     Ok(slot.aligned.wrapping_add(skip).cast_const())
 }
 
-// SAFETY: the raw pointer in a `Slot` points into the slot's own pinned `Buffer`, which the
-// worker owns; a `Worker` is created, used and dropped by one thread at a time.
+// SAFETY: the raw pointer in a `Slot` points into the load's `Staging`, which outlives every
+// worker, at buffers no other worker uses; a `Worker` is created, used and dropped by one thread
+// at a time.
 unsafe impl Send for Worker {}
 
 /// A window of registered pages is this many chunks (64 MiB for the default 4 MiB chunk): large

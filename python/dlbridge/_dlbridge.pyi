@@ -606,8 +606,9 @@ def storage_mode(
     """`(mode, source)`, e.g. `("shared", "default")`; source is default, environment or explicit."""
     ...
 
-# The element types (crates/dlbridge-py/src/dtype.rs `NAMES`); `__all__`, which dlbridge re-exports
-# wholesale, names all but `bool`. stubtest checks both lists against the built module.
+# The element types (the core's `DType::named`, registered by crates/dlbridge-py/src/dtype.rs);
+# `__all__`, which dlbridge re-exports wholesale, names all but `bool`. stubtest and
+# tests/python/test_stub_dtypes.py check both lists against the built module.
 __all__ = [
     "int8",
     "int16",

@@ -81,52 +81,27 @@ impl PyDType {
     }
 }
 
-/// The element types that are attributes of `dlbridge` (`dlbridge.float32`, ...), by name: the one
-/// list of them. The extension module's `__all__` lists them (all but `bool`, which would shadow
-/// the built-in), and `dlbridge/__init__.py` takes its attributes and `__all__` entries from it.
-pub(crate) const NAMES: [&str; 26] = [
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-    "float8_e3m4",
-    "float8_e4m3",
-    "float8_e4m3b11fnuz",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float6_e2m3fn",
-    "float6_e3m2fn",
-    "float4_e2m1fn",
-];
+/// The names of the element types that are attributes of `dlbridge` (`dlbridge.float32`, ...):
+/// the core's [`DType::named`], the one list of them. The extension module's `__all__` lists them
+/// (all but `bool`, which would shadow the built-in), and `dlbridge/__init__.py` takes its
+/// attributes and `__all__` entries from it.
+pub(crate) fn names() -> Vec<String> {
+    DType::named().into_iter().map(DType::name).collect()
+}
 
-/// Registers `DType` and one attribute per name of [`NAMES`].
+/// Registers `DType` and one attribute per name of [`names`].
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDType>()?;
-    for name in NAMES {
-        let dtype: DType = name.parse().expect("a built-in dtype name");
-        m.add(name, PyDType(dtype))?;
+    for dtype in DType::named() {
+        m.add(dtype.name(), PyDType(dtype))?;
     }
     Ok(())
 }
 
-/// Sets the module's `__all__` to the names of [`NAMES`] but `bool`: what `dlbridge` re-exports
+/// Sets the module's `__all__` to the names of [`names`] but `bool`: what `dlbridge` re-exports
 /// wholesale (`from ._dlbridge import *`). Called last, since every `add` appends to `__all__`.
 pub(crate) fn set_all(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let exported: Vec<&str> = NAMES.into_iter().filter(|&n| n != "bool").collect();
+    let exported: Vec<String> = names().into_iter().filter(|n| n != "bool").collect();
     m.setattr("__all__", pyo3::types::PyList::new(m.py(), exported)?)
 }
 

@@ -8,7 +8,7 @@
 //! | `dlbridge.load_npy`, `load_npz` | [`npy`] over [`dlbridge::npy`] |
 //! | exceptions | [`errors`] (the one mapping) |
 //! | `dlbridge.Backend` | [`backend::PyBackend`] over [`dlbridge::compute::Backend`] |
-//! | `dlbridge.float32`, ... | [`dtype::NAMES`], the one list of them (the module's `__all__`) |
+//! | `dlbridge.float32`, ... | [`dtype::names`] (the core's `DType::named`), the one list of them (the module's `__all__`) |
 //! | `dlbridge.cuda`, `dlbridge.metal` | [`cuda`], [`metal`] (natives the Python modules wrap) |
 //! | `Array.__getitem__` / `__setitem__` | [`indexing`]: basic indices as views, integer arrays and masks through [`dlbridge::compute::index`] |
 //! | `repr(a)`, `str(a)` | [`format`]: NumPy's printing, with NumPy's print options ([`npcompat`]) |

@@ -168,6 +168,9 @@ macro_rules! scalar_dtypes {
     ($($(#[$doc:meta])* $name:ident = ($code:ident, $bits:expr);)*) => {
         impl DType {
             $($(#[$doc])* pub const $name: DType = DType { code: DTypeCode::$code, bits: $bits, lanes: 1 };)*
+
+            /// The constants above, in order.
+            const SCALARS: &'static [DType] = &[$(DType::$name),*];
         }
     };
 }
@@ -206,6 +209,22 @@ scalar_dtypes! {
 }
 
 impl DType {
+    /// Every element type with a name of its own, one lane: `bool`, the integers, floats and
+    /// complex types of the constants above, then each minifloat code in DLPack order. The Python
+    /// package makes each an attribute (`dlbridge.float32`), and its stub lists them
+    /// (`tests/python/test_stub_dtypes.py` holds the two together).
+    pub fn named() -> Vec<DType> {
+        let minifloats = DTypeCode::ALL
+            .into_iter()
+            .filter(|&code| code.name_has_width() && code != DTypeCode::Bool)
+            .map(|code| DType {
+                code,
+                bits: code.fixed_bits()[0],
+                lanes: 1,
+            });
+        Self::SCALARS.iter().copied().chain(minifloats).collect()
+    }
+
     /// A checked dtype: the code must allow `bits`, and `lanes` must be at least 1. Sub-byte
     /// widths are allowed only with one lane.
     pub fn new(code: DTypeCode, bits: u8, lanes: u16) -> Result<Self> {
@@ -647,5 +666,23 @@ mod tests {
             assert_eq!(code.to_raw() as usize, i);
             assert_eq!(DTypeCode::from_raw(i as u8), Some(code));
         }
+    }
+
+    #[test]
+    fn every_code_but_handles_has_a_named_dtype() {
+        let named = DType::named();
+        for code in DTypeCode::ALL {
+            assert_eq!(
+                named.iter().any(|d| d.code() == code),
+                code != DTypeCode::OpaqueHandle,
+                "{code:?}"
+            );
+        }
+        for d in &named {
+            assert_eq!(d.name().parse::<DType>().unwrap(), *d);
+        }
+        let mut names: Vec<String> = named.iter().map(|d| d.name()).collect();
+        names.dedup();
+        assert_eq!(names.len(), named.len());
     }
 }

@@ -16,11 +16,12 @@
 //! | storage mode | [`StorageMode`], [`storage_mode`] | private, shared or managed memory: asked for, else `DLBRIDGE_STORAGE_MODE`, else the device's default ([`storage`]) |
 //! | compute | [`compute`] | element-wise ops with broadcasting, reductions, matmul and casts on any backend; run-time user kernels ([`compute::kernel`]) |
 //! | caching pool | [`Pool`], [`memory_stats`] | freed blocks kept per (device, storage mode) and reused without a driver call; limits and statistics ([`pool`]) |
-//! | backends | [`backend`] | the seam: one implementation per backend (CPU, CUDA, Metal), stubs where one is not compiled in |
+//! | backends | [`backend`] | the seam: one folder per backend (CPU, CUDA, Metal) behind one trait, each with a table of its device kinds' facts ([`backend::KindFacts`]); stubs where one is not compiled in |
 //! | loading engine | [`engine`] | files mapped copy-on-write, arrays (byte ranges + dtype + layout) onto any device: views of the mapping, or parallel reads through staging; no format |
 //! | checkpoints | [`safetensors`] | safetensors files parsed once, planned for the engine, saving |
 //! | NumPy files | [`npy`] | `.npy` arrays and `np.savez` archives, parsed once, through the same engine |
-//! | across processes | [`share`] | shareable host and CUDA memory, handles another process opens without a copy |
+//! | across processes | [`share`] | shareable host and CUDA memory, handles another process opens without a copy; device memory through its backend's sharing capability |
+//! | runs | [`runs`] | views of one allocation merged into a few byte runs, for a transport that moves bytes (NCCL) |
 //!
 //! ```
 //! use dlbridge::{DType, Device, SliceArg, Tensor};
@@ -38,6 +39,17 @@
 //! assert_eq!(back.device(), Device::CPU);
 //! # Ok::<(), dlbridge::Error>(())
 //! ```
+//!
+//! # Layout, and where a change goes
+//! | change | where | existing files it touches |
+//! | --- | --- | --- |
+//! | a backend | a new folder `backend/<name>/` implementing the `Backend` trait (allocation, copies, pool, handoff, compute, kernels, device count, sharing; each capability it lacks keeps the trait's default, a typed [`Error::BackendUnavailable`]) with the table of its device kinds | 2: its `mod` line and its entry in the list of backends (`backend/mod.rs`), plus its cargo feature (`Cargo.toml`); `backend/extdev` (feature `test-backend`) is the proof |
+//! | a device kind of an existing backend | a row in that backend's table of [`backend::KindFacts`] (addressable, host-accessible, storage modes and where each places memory, foreign storage, sharing route, streams) | that backend's table; [`DeviceKind`] only for a name of its own (else `DeviceKind::Other(code)` serves) |
+//! | a file format | a folder beside [`safetensors`] and [`npy`]: header parsing (bytes in, metadata out) and a plan of byte ranges for [`engine`] | the format's folder; its Python binding |
+//! | a transport between processes | [`share`] for memory another process maps (plain data in `share/handle.rs`, the OS's shared files in `share/memfd.rs`), a backend's `Sharing` for its device memory, [`runs`] for one that moves bytes | `share/` or the backend's folder |
+//!
+//! `scripts/import-graph.py crates/dlbridge --seam` prints the module graph's circles other than
+//! "the core registers its backends".
 //!
 //! [DLPack]: https://dmlc.github.io/dlpack/latest/
 
@@ -57,9 +69,11 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 mod fork;
+mod host;
 pub mod layout;
 pub mod npy;
 pub mod pool;
+pub mod runs;
 pub mod safetensors;
 pub mod share;
 pub mod storage;

@@ -19,8 +19,8 @@
 
 use std::sync::{Mutex, OnceLock};
 
+use crate::backend::facts::{KindFacts, Storage};
 use crate::buffer::StorageMode;
-use crate::device::DeviceKind;
 use crate::error::{Error, Result};
 
 /// The name of the environment variable that picks the storage mode of allocations that do not
@@ -65,29 +65,17 @@ pub struct Resolved {
     pub source: Source,
 }
 
-/// The storage mode a device kind gets when nothing asks for one.
-///
-/// Returns `None` for kinds dlbridge cannot allocate on ([`DeviceKind::Other`]).
-pub const fn default_mode(kind: DeviceKind) -> Option<StorageMode> {
-    match kind {
-        DeviceKind::Cpu | DeviceKind::Metal | DeviceKind::CudaHost => Some(StorageMode::Shared),
-        DeviceKind::Cuda => Some(StorageMode::Private),
-        DeviceKind::CudaManaged => Some(StorageMode::Managed),
-        DeviceKind::Other(_) => None,
-    }
-}
-
-/// Resolves the storage mode of an allocation on a device of `kind`: `explicit` when given, else
-/// the environment variable (read on the first call, see the module documentation), else the
-/// device's default.
+/// Resolves the storage mode of an allocation on a device kind with `facts` (its backend's
+/// [`KindFacts`], [`backend::facts`](fn@crate::backend::facts)): `explicit` when given, else the
+/// environment variable (read on the first call, see the module documentation), else the kind's
+/// default.
 ///
 /// # Errors
-/// [`Error::UnsupportedDevice`] for a kind dlbridge cannot allocate on;
-/// [`Error::InvalidArgument`] when `kind` names a mode itself (CUDA host, CUDA managed) and
+/// [`Error::InvalidArgument`] when the kind names a mode itself (CUDA host, CUDA managed) and
 /// `explicit` asks for another.
 #[inline]
-pub fn resolve(kind: DeviceKind, explicit: Option<StorageMode>) -> Result<Resolved> {
-    resolve_with(kind, explicit, environment_mode())
+pub fn resolve(facts: &KindFacts, explicit: Option<StorageMode>) -> Result<Resolved> {
+    resolve_with(facts, explicit, environment_mode())
 }
 
 /// [`resolve`] with the environment's answer given instead of read: `environment` is what
@@ -96,23 +84,18 @@ pub fn resolve(kind: DeviceKind, explicit: Option<StorageMode>) -> Result<Resolv
 /// # Errors
 /// As [`resolve`].
 pub fn resolve_with(
-    kind: DeviceKind,
+    facts: &KindFacts,
     explicit: Option<StorageMode>,
     environment: Option<StorageMode>,
 ) -> Result<Resolved> {
-    let default = default_mode(kind).ok_or_else(|| {
-        Error::UnsupportedDevice(format!(
-            "dlbridge has no storage modes for {} memory",
-            kind.name()
-        ))
-    })?;
-    let (asked, source) = match kind {
+    let default = facts.storage.default_mode();
+    let (asked, source) = match facts.storage {
         // These kinds name their mode: the device is the explicit request.
-        DeviceKind::CudaHost | DeviceKind::CudaManaged => match explicit {
+        Storage::Names(..) => match explicit {
             Some(mode) if mode != default => {
                 return Err(Error::InvalidArgument(format!(
                     "{} memory is {default} storage; it cannot be {mode}",
-                    kind.name()
+                    facts.kind.name()
                 )));
             }
             _ => (default, Source::Explicit),
@@ -123,9 +106,9 @@ pub fn resolve_with(
             (None, None) => (default, Source::Default),
         },
     };
-    let mode = match kind {
+    let mode = match facts.storage {
         // Host memory is shared memory whatever was asked for.
-        DeviceKind::Cpu => StorageMode::Shared,
+        Storage::Always(mode) => mode,
         _ => asked,
     };
     Ok(Resolved { mode, source })
@@ -223,50 +206,55 @@ mod tests {
 
     #[test]
     fn defaults_environment_and_explicit() {
-        use DeviceKind::*;
+        use crate::device::DeviceKind;
         use StorageMode::*;
+        let facts = |kind| crate::backend::facts(kind).expect("a kind of this build");
+        let (cpu, cuda, metal) = (
+            facts(DeviceKind::Cpu),
+            facts(DeviceKind::Cuda),
+            facts(DeviceKind::Metal),
+        );
+        let (cuda_host, cuda_managed) =
+            (facts(DeviceKind::CudaHost), facts(DeviceKind::CudaManaged));
         let r = |mode, source| Resolved { mode, source };
         assert_eq!(
-            resolve_with(Cpu, None, None).unwrap(),
+            resolve_with(cpu, None, None).unwrap(),
             r(Shared, Source::Default)
         );
         assert_eq!(
-            resolve_with(Cuda, None, None).unwrap(),
+            resolve_with(cuda, None, None).unwrap(),
             r(Private, Source::Default)
         );
         assert_eq!(
-            resolve_with(Metal, None, None).unwrap(),
+            resolve_with(metal, None, None).unwrap(),
             r(Shared, Source::Default)
         );
         assert_eq!(
-            resolve_with(Cuda, None, Some(Managed)).unwrap(),
+            resolve_with(cuda, None, Some(Managed)).unwrap(),
             r(Managed, Source::Environment)
         );
         assert_eq!(
-            resolve_with(Metal, Some(Private), Some(Managed)).unwrap(),
+            resolve_with(metal, Some(Private), Some(Managed)).unwrap(),
             r(Private, Source::Explicit)
         );
         // The CPU reports shared whatever is asked, but says who asked.
         assert_eq!(
-            resolve_with(Cpu, None, Some(Private)).unwrap(),
+            resolve_with(cpu, None, Some(Private)).unwrap(),
             r(Shared, Source::Environment)
         );
         assert_eq!(
-            resolve_with(Cpu, Some(Managed), None).unwrap(),
+            resolve_with(cpu, Some(Managed), None).unwrap(),
             r(Shared, Source::Explicit)
         );
         // Kinds that name their mode.
         assert_eq!(
-            resolve_with(CudaHost, None, Some(Private)).unwrap(),
+            resolve_with(cuda_host, None, Some(Private)).unwrap(),
             r(Shared, Source::Explicit)
         );
         assert!(matches!(
-            resolve_with(CudaManaged, Some(Private), None),
+            resolve_with(cuda_managed, Some(Private), None),
             Err(Error::InvalidArgument(_))
         ));
-        assert!(matches!(
-            resolve_with(Other(4), None, None),
-            Err(Error::UnsupportedDevice(_))
-        ));
+        assert!(crate::backend::facts(DeviceKind::Other(4)).is_none());
     }
 }

@@ -2,10 +2,34 @@
 //!
 //! Each backend is a folder that implements `Backend`, the operations every backend has; the
 //! rest of the crate reaches them only through the functions here, which pick the backend of a
-//! device (`of`) and call it. A backend that is not compiled in keeps its module's shape through
-//! a stub (`cuda/unavailable.rs`, `metal/unavailable.rs`) whose operations answer
+//! device (`of`, reading the list of backends) and call it. What the core needs to know about a
+//! device kind is data, not code: each backend lists its kinds in a table of [`KindFacts`]
+//! ([`facts`]), which the core reads where it used to match on [`DeviceKind`].
+//!
+//! | capability | trait method(s) | default where a backend lacks it |
+//! | --- | --- | --- |
+//! | identity | `name`, `kinds` (the table) | required |
+//! | memory | `allocate`, `pool`, `resolve_storage`, `host_barrier`, `synchronize` | `allocate`, `pool`, `synchronize` required |
+//! | copies | `copy` | required |
+//! | exchange | `export_handoff`, `validate_foreign`, `resolve_import`, `host_view`, streams | no streams, the producer's word |
+//! | devices | `device_count` | [`Error::BackendUnavailable`] |
+//! | built-in kernels | `map`, `reduce`, `reduces`, `matmul` | required (may answer an error) |
+//! | run-time kernels | `compile_kernel`, `launch_kernel` | [`Error::BackendUnavailable`] |
+//! | across processes | `sharing`, one `Sharing` capability (export, open, IPC events, host registration, releasing kept mappings) | [`Error::BackendUnavailable`] |
+//! | loading | `read_file`, `wrap_host` | parallel reads into host memory; no wrapping |
+//!
+//! A backend that is not compiled in keeps its module's shape through a stub
+//! (`cuda/unavailable.rs`, `metal/unavailable.rs`) whose operations answer
 //! [`Error::BackendUnavailable`], never a panic; the build script's `cfg(cuda)` / `cfg(metal)` is
 //! tested only where a backend's module is chosen.
+//!
+//! A new backend is a new folder plus two lines here: its `mod` line and its entry in
+//! `BACKENDS` (`extdev/`, compiled with feature `test-backend`, is one: host memory as DLPack's
+//! `kDLExtDev`, which `tests/test_backend.rs` runs the shared tests on). A backend folder imports
+//! the core's types (requests, tensors, buffers, the plain data of `share/handle.rs`), never
+//! `share/` or `compute/` behaviour; outside `backend/`, only the host's own pieces of
+//! `backend/cpu` are named (its pool, whose blocks `share::cpu` moves into shared files, and the
+//! host's page and memory sizes).
 
 pub mod cpu;
 #[cfg(cuda)]
@@ -13,24 +37,84 @@ pub mod cuda;
 #[cfg(not(cuda))]
 #[path = "cuda/unavailable.rs"]
 pub mod cuda;
+#[cfg(feature = "test-backend")]
+mod extdev;
+pub(crate) mod facts;
 pub mod metal;
 pub mod plan;
 
+use std::ffi::c_void;
 use std::ops::Range;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, StorageMode};
+use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
 use crate::compute::{MapRequest, MatmulRequest, ReduceOp, ReduceRequest};
 use crate::device::{Device, DeviceKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pool::{MemoryStats, Pool};
+use crate::share::handle::{BlockKey, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
 use crate::storage::{self, Resolved};
 use crate::tensor::Tensor;
+pub use facts::{KindFacts, Placement, ShareRoute, Storage};
+
+/// The backends of this build, in the order [`of`] asks them which kinds they serve. A new
+/// backend is a folder, its `mod` line above and its line here.
+const BACKENDS: &[&dyn Backend] = &[
+    &cpu::Cpu,
+    &cuda::Cuda,
+    &metal::Metal,
+    #[cfg(feature = "test-backend")]
+    &extdev::ExtDev,
+];
 
 /// The operations every backend has. One unit type per backend implements it (`cpu::Cpu`,
 /// `cuda::Cuda`, `metal::Metal`); [`of`] picks the one for a device.
 pub(crate) trait Backend: Sync {
+    /// The backend's name, as errors say it (`CPU`, `CUDA`, `Metal`).
+    fn name(&self) -> &'static str;
+
+    /// The device kinds this backend serves and their facts; the first is the backend's own
+    /// device kind (the one [`crate::compute::Backend`] runs on).
+    fn kinds(&self) -> &'static [KindFacts];
+
+    /// How many devices the backend has here (device indices `0..n`).
+    fn device_count(&self) -> Result<usize> {
+        Err(lacks(self.name(), "a device list"))
+    }
+
+    /// Compiles `source` for `device` and returns its entry point `name`
+    /// ([`crate::compute::kernel::compile`]).
+    fn compile_kernel(
+        &self,
+        _device: Device,
+        _source: &str,
+        _name: &str,
+        _options: &[String],
+    ) -> Result<Kernel> {
+        Err(lacks(self.name(), "run-time kernels"))
+    }
+
+    /// Launches a kernel [`Backend::compile_kernel`] made and waits for it
+    /// ([`crate::compute::kernel::launch`]).
+    fn launch_kernel(
+        &self,
+        _kernel: &Kernel,
+        _config: LaunchConfig,
+        _args: &[KernelArg],
+    ) -> Result<LaunchTiming> {
+        Err(lacks(self.name(), "run-time kernels"))
+    }
+
+    /// The backend's cross-process sharing of device memory ([`Sharing`]), for kinds whose
+    /// facts say [`ShareRoute::Device`] or a registered [`ShareRoute::HostFile`].
+    fn sharing(&self) -> Result<&'static dyn Sharing> {
+        Err(lacks(self.name(), "memory shared with other processes"))
+    }
+
     /// Allocates `bytes` on `device` (zero-filled when `zeroed`) in `storage` (`None`: the
     /// environment's or the device's default, [`storage::resolve`]).
     fn allocate(
@@ -48,7 +132,7 @@ pub(crate) trait Backend: Sync {
     /// The storage mode an allocation on `device` asking for `requested` gets.
     fn resolve_storage(&self, device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
         self.pool(device, None)?;
-        storage::resolve(device.kind(), requested)
+        storage::resolve(kind_facts(device)?, requested)
     }
 
     /// Waits until dlbridge's pending work on `device` has finished.
@@ -310,12 +394,173 @@ pub(crate) fn run_workers(
 /// The backend that serves `device`, or `None` for devices dlbridge holds only opaquely.
 #[inline]
 pub(crate) fn of(device: Device) -> Option<&'static dyn Backend> {
-    match device.kind() {
-        DeviceKind::Cpu => Some(&cpu::Cpu),
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => Some(&cuda::Cuda),
-        DeviceKind::Metal => Some(&metal::Metal),
-        DeviceKind::Other(_) => None,
+    served(device.kind()).map(|(backend, _)| backend)
+}
+
+/// The backend that serves `kind` and the kind's facts.
+#[inline]
+fn served(kind: DeviceKind) -> Option<(&'static dyn Backend, &'static KindFacts)> {
+    BACKENDS.iter().find_map(|&backend| {
+        backend
+            .kinds()
+            .iter()
+            .find(|facts| facts.kind == kind)
+            .map(|facts| (backend, facts))
+    })
+}
+
+/// The facts of a device `kind` ([`KindFacts`]), or `None` for kinds no backend of this build
+/// serves (a foreign tensor on one is held opaquely).
+#[inline]
+pub fn facts(kind: DeviceKind) -> Option<&'static KindFacts> {
+    served(kind).map(|(_, facts)| facts)
+}
+
+/// Whether the host reads and writes memory of `kind` directly, by its backend's facts.
+#[inline]
+pub(crate) fn host_accessible(kind: DeviceKind) -> bool {
+    facts(kind).is_some_and(|f| f.host_accessible)
+}
+
+/// Whether a DLPack `data` pointer of `kind` is an address, by its backend's facts.
+#[inline]
+pub(crate) fn addressable(kind: DeviceKind) -> bool {
+    facts(kind).is_some_and(|f| f.addressable)
+}
+
+/// Whether memory of `kind` has its storage mode per buffer (Metal), by its backend's facts: a
+/// copy within one such device may change the mode.
+#[inline]
+pub(crate) fn storage_per_buffer(kind: DeviceKind) -> bool {
+    facts(kind).is_some_and(|f| matches!(f.storage, Storage::PerBuffer { .. }))
+}
+
+/// Whether `kind` has streams, by its backend's facts.
+#[inline]
+pub(crate) fn has_streams(kind: DeviceKind) -> bool {
+    facts(kind).is_some_and(|f| f.streams)
+}
+
+/// The facts of `device`'s kind, or the error of a device no backend here allocates on.
+pub(crate) fn kind_facts(device: Device) -> Result<&'static KindFacts> {
+    facts(device.kind()).ok_or_else(|| no_memory_of_ours(device))
+}
+
+/// The error of a backend asked for something it does not have.
+fn lacks(backend: &'static str, what: &str) -> Error {
+    Error::BackendUnavailable {
+        backend,
+        reason: format!("it has no {what}"),
     }
+}
+
+/// The sharing capability of `device`'s backend ([`Backend::sharing`]).
+pub(crate) fn sharing(device: Device) -> Result<&'static dyn Sharing> {
+    match of(device) {
+        Some(backend) => backend.sharing(),
+        None => Err(Error::UnsupportedDevice(format!(
+            "arrays on {device} cannot be shared with other processes"
+        ))),
+    }
+}
+
+/// How many devices the backend of `kind` has here ([`Backend::device_count`]).
+pub(crate) fn device_count(kind: DeviceKind) -> Result<usize> {
+    match served(kind) {
+        Some((backend, _)) => backend.device_count(),
+        None => Err(Error::UnsupportedDevice(format!(
+            "dlbridge has no backend for {} devices",
+            kind.name()
+        ))),
+    }
+}
+
+/// The name of the backend that serves `kind` ([`Backend::name`]).
+pub(crate) fn name_of(kind: DeviceKind) -> Option<&'static str> {
+    served(kind).map(|(backend, _)| backend.name())
+}
+
+/// Whether `kind` is its backend's own device kind (the first of its table), the kind a compute
+/// backend runs on.
+pub(crate) fn is_primary(kind: DeviceKind) -> bool {
+    served(kind).is_some_and(|(backend, _)| backend.kinds().first().map(|f| f.kind) == Some(kind))
+}
+
+/// Cross-process sharing of a backend's device memory, as `crate::share` asks for it: the
+/// shareable pool, exporting an allocation (a POSIX descriptor of a VMM allocation, or a legacy
+/// IPC handle), opening one in the receiving process, the events that order the consumer after
+/// the producer, the registration of shared host files with the device (pinned memory), and the
+/// mappings kept after their last array went. What travels is plain data from `share::handle`.
+pub(crate) trait Sharing: Sync {
+    /// Fails unless `device` exists here.
+    fn check_device(&self, device: Device) -> Result<()>;
+
+    /// Registers `len` bytes of host memory at `ptr` with `device` (pins them for its copies).
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` is a live mapping of this process that stays mapped until
+    /// [`Sharing::host_unregister`].
+    unsafe fn host_register(&self, device: Device, ptr: NonNull<c_void>, len: usize) -> Result<()>;
+
+    /// Undoes [`Sharing::host_register`].
+    ///
+    /// # Safety
+    /// `ptr` was registered with `device` by [`Sharing::host_register`] and nothing uses the
+    /// registration any more.
+    unsafe fn host_unregister(&self, device: Device, ptr: NonNull<c_void>) -> Result<()>;
+
+    /// The caching pool of shareable memory on `device`.
+    fn pool(&self, device: Device) -> Result<&'static Arc<Pool>>;
+
+    /// A new buffer of shareable memory of `bytes` on `device`.
+    fn allocate(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Buffer>;
+
+    /// Whether another process can open `buffer`'s memory as it is.
+    fn is_shared(&self, buffer: &Buffer) -> bool;
+
+    /// The shareable allocation `buffer` lies in, exported; `None` where it is not one.
+    fn export(&self, buffer: &Buffer) -> Result<Option<VmmExported>>;
+
+    /// `buffer`'s memory by a handle valid while this process lives (no copy).
+    fn export_legacy(&self, buffer: &Buffer) -> Result<LegacyExported>;
+
+    /// Maps the allocation `key` of `len` bytes on `device`, asking `fd` for its descriptor only
+    /// where this process does not map it already.
+    fn import(
+        &self,
+        device: Device,
+        fd: &mut dyn FnMut() -> Result<OwnedFd>,
+        len: usize,
+        key: BlockKey,
+    ) -> Result<Buffer>;
+
+    /// Opens a handle of [`Sharing::export_legacy`] in the process that made it: the memory and
+    /// where the exported buffer starts in its allocation.
+    fn open_own_legacy(&self, users: OwnedFd) -> Result<(Buffer, usize)>;
+
+    /// Opens a handle of [`Sharing::export_legacy`] of another process.
+    fn open_legacy(
+        &self,
+        device: Device,
+        handle: &[u8; IPC_HANDLE_BYTES],
+        len: usize,
+        users: OwnedFd,
+    ) -> Result<Buffer>;
+
+    /// An event recorded on the calling thread's current stream of `device`, as bytes another
+    /// process opens.
+    fn record_event(&self, device: Device) -> Result<[u8; IPC_HANDLE_BYTES]>;
+
+    /// Makes the calling thread's current stream of `device` wait for `event`.
+    fn wait_event(
+        &self,
+        device: Device,
+        event: &[u8; IPC_HANDLE_BYTES],
+        same_process: bool,
+    ) -> Result<()>;
+
+    /// Lets go of the received memory of `device` kept mapped after its last array went.
+    fn release_kept(&self, device: Device);
 }
 
 /// Allocates `bytes` on `device`, zero-filled when `zeroed`. `storage` picks where the memory
@@ -338,23 +583,18 @@ pub fn allocate(
 /// `managed`: `cuda_managed:N`); a device that already names a host or managed kind must agree
 /// with an explicit mode. Other devices are returned as they are.
 pub fn placement(device: Device, storage: Option<StorageMode>) -> Result<Device> {
-    match device.kind() {
-        DeviceKind::Cuda | DeviceKind::CudaHost | DeviceKind::CudaManaged => {
-            cuda_kind_for(device, storage)
-        }
-        _ => Ok(device),
-    }
-}
-
-pub(crate) fn cuda_kind_for(device: Device, storage: Option<StorageMode>) -> Result<Device> {
-    let index = device.index();
-    let wanted = match storage {
-        None => return Ok(device),
-        Some(StorageMode::Private) => Device::cuda(index),
-        Some(StorageMode::Shared) => Device::cuda_host(index),
-        Some(StorageMode::Managed) => Device::cuda_managed(index),
+    let (Some(mode), Some(placement)) = (
+        storage,
+        facts(device.kind()).and_then(|f| f.storage.placement()),
+    ) else {
+        return Ok(device);
     };
-    if device.kind() == DeviceKind::Cuda || device == wanted {
+    let wanted = Device::new(placement.of(mode), device.index());
+    // The kind that names no mode (`cuda`) goes wherever a mode sends it; one that names its mode
+    // (`cuda_host`) only where that mode is.
+    let names_mode =
+        matches!(facts(device.kind()), Some(f) if matches!(f.storage, Storage::Names(..)));
+    if !names_mode || device == wanted {
         Ok(wanted)
     } else {
         Err(Error::InvalidArgument(format!(
@@ -444,7 +684,7 @@ pub(crate) fn host_view(tensor: &Tensor) -> Result<Option<Tensor>> {
 /// the calling thread's current CUDA stream, with the legacy default stream spelled `1`; `None`
 /// for devices without streams.
 pub fn consumer_stream(device: Device) -> Option<i64> {
-    if !device.kind().is_cuda() {
+    if !has_streams(device.kind()) {
         return None;
     }
     Some(match current_stream(device) {
@@ -489,7 +729,7 @@ pub(crate) unsafe fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
 
 /// The error of a copy no backend here can make: names the side the host cannot address.
 pub(crate) fn unreachable_copy(dst: &Tensor, src: &Tensor) -> Error {
-    let (device, what) = if !src.device().kind().is_host_accessible() {
+    let (device, what) = if !host_accessible(src.device().kind()) {
         (src.device(), format!("copying from it to {}", dst.device()))
     } else {
         (
@@ -542,23 +782,34 @@ pub(crate) unsafe fn copy_blocks_on_host(req: &crate::compute::index::BlockCopy<
     unsafe { cpu::compute::copy_blocks(req) }
 }
 
-/// Compiles a CUDA C kernel with NVRTC ([`crate::compute::kernel::compile`]).
-pub(crate) fn compile_cuda_kernel(
+/// Compiles a run-time kernel for `device` ([`Backend::compile_kernel`]).
+pub(crate) fn compile_kernel(
     device: Device,
     source: &str,
     name: &str,
     options: &[String],
-) -> Result<crate::compute::kernel::Kernel> {
-    cuda::launch::compile(device, source, name, options)
+) -> Result<Kernel> {
+    match of(device) {
+        Some(backend) => backend.compile_kernel(device, source, name, options),
+        None => Err(Error::UnsupportedDevice(format!(
+            "run-time kernels compile for CUDA (NVRTC) and Metal (MSL), not {device}"
+        ))),
+    }
 }
 
-/// Launches a compiled CUDA kernel ([`crate::compute::kernel::launch`]).
-pub(crate) fn launch_cuda_kernel(
-    kernel: &crate::compute::kernel::Kernel,
-    config: crate::compute::kernel::LaunchConfig,
-    args: &[crate::compute::kernel::KernelArg],
-) -> Result<crate::compute::kernel::LaunchTiming> {
-    cuda::launch::launch(kernel, config, args)
+/// Launches a compiled kernel on its device ([`Backend::launch_kernel`]).
+pub(crate) fn launch_kernel(
+    kernel: &Kernel,
+    config: LaunchConfig,
+    args: &[KernelArg],
+) -> Result<LaunchTiming> {
+    match of(kernel.device()) {
+        Some(backend) => backend.launch_kernel(kernel, config, args),
+        None => Err(Error::UnsupportedDevice(format!(
+            "no run-time kernels on {}",
+            kernel.device()
+        ))),
+    }
 }
 
 /// The pool that serves allocations on `device` when nothing asks for a storage mode. CUDA device

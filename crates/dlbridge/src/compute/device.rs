@@ -3,7 +3,7 @@
 use std::fmt;
 
 use crate::backend;
-use crate::device::{Device, DeviceKind};
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pool::MemoryStats;
@@ -50,23 +50,15 @@ impl Backend {
     /// [`Error::BackendUnavailable`] when the backend cannot run here or the device does not
     /// exist; [`Error::InvalidArgument`] for other device kinds.
     pub fn new(device: Device) -> Result<Backend> {
-        let count = match device.kind() {
-            DeviceKind::Cpu => 1,
-            DeviceKind::Cuda => cuda_count()?,
-            DeviceKind::Metal => backend::metal::device_count(),
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "a Backend runs on 'cpu', 'cuda[:N]' or 'metal[:N]', not '{device}'"
-                )));
-            }
-        };
+        if !backend::is_primary(device.kind()) {
+            return Err(Error::InvalidArgument(format!(
+                "a Backend runs on 'cpu', 'cuda[:N]' or 'metal[:N]', not '{device}'"
+            )));
+        }
+        let count = backend::device_count(device.kind())?;
         if device.index() as usize >= count {
-            if count == 0 && device.kind() == DeviceKind::Metal {
-                // Why there is none (not compiled in, no Apple GPU) says more than a count.
-                backend::metal::devices()?;
-            }
             return Err(Error::BackendUnavailable {
-                backend: backend_name(device.kind()),
+                backend: backend::name_of(device.kind()).unwrap_or("no"),
                 reason: format!("{device} does not exist ({count} devices found)"),
             });
         }
@@ -95,20 +87,16 @@ impl Backend {
 
     /// Which kind of backend this is.
     pub fn backend_type(&self) -> BackendType {
-        match self.device.kind() {
-            DeviceKind::Cuda => BackendType::Cuda,
-            DeviceKind::Metal => BackendType::Metal,
+        match backend::name_of(self.device.kind()) {
+            Some("CUDA") => BackendType::Cuda,
+            Some("Metal") => BackendType::Metal,
             _ => BackendType::Cpu,
         }
     }
 
     /// How many devices of this backend's kind exist (1 for the CPU).
     pub fn device_count(&self) -> usize {
-        match self.backend_type() {
-            BackendType::Cpu => 1,
-            BackendType::Cuda => cuda_count().unwrap_or(0),
-            BackendType::Metal => backend::metal::device_count(),
-        }
+        backend::device_count(self.device.kind()).unwrap_or(0)
     }
 
     /// Whether the device is usable.
@@ -195,21 +183,10 @@ impl fmt::Debug for Backend {
     }
 }
 
-fn backend_name(kind: DeviceKind) -> &'static str {
-    match kind {
-        DeviceKind::Metal => "Metal",
-        DeviceKind::Cpu => "CPU",
-        _ => "CUDA",
-    }
-}
-
-fn cuda_count() -> Result<usize> {
-    backend::cuda::device_count()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::DeviceKind;
 
     #[test]
     fn cpu_backend_round_trip_and_free() {

@@ -16,7 +16,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::backend;
-use crate::device::{Device, DeviceKind};
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -176,13 +176,7 @@ pub fn compile(device: Device, source: &str, name: &str, options: &[String]) -> 
             "a kernel needs an entry-point name".into(),
         ));
     }
-    match device.kind() {
-        kind if kind.is_cuda() => backend::compile_cuda_kernel(device, source, name, options),
-        DeviceKind::Metal => backend::metal::compute::compile(device, source, name, options),
-        _ => Err(Error::UnsupportedDevice(format!(
-            "run-time kernels compile for CUDA (NVRTC) and Metal (MSL), not {device}"
-        ))),
-    }
+    backend::compile_kernel(device, source, name, options)
 }
 
 /// Launches `kernel` with `config` and `args` and waits for it, returning its device time.
@@ -214,21 +208,18 @@ pub fn launch(kernel: &Kernel, config: LaunchConfig, args: &[KernelArg]) -> Resu
             )));
         }
     }
-    match kernel.device().kind() {
-        kind if kind.is_cuda() => backend::launch_cuda_kernel(kernel, config, args),
-        DeviceKind::Metal => backend::metal::compute::launch(kernel, config, args),
-        _ => Err(Error::UnsupportedDevice(format!(
-            "no run-time kernels on {}",
-            kernel.device()
-        ))),
-    }
+    backend::launch_kernel(kernel, config, args)
 }
 
-/// Whether a kernel on `kernel` can address memory of `memory`: the same device, or, on CUDA,
-/// pinned or managed memory of the same device index (unified addressing).
+/// Whether a kernel on `kernel` can address memory of `memory`: the same device, or memory of
+/// another kind of the same backend and device index that places a storage mode there (on CUDA:
+/// pinned or managed memory, by unified addressing).
 fn reachable(memory: Device, kernel: Device) -> bool {
+    let placed = |d: Device| backend::facts(d.kind()).and_then(|f| f.storage.placement());
     memory == kernel
-        || (memory.kind().is_cuda() && kernel.kind().is_cuda() && memory.index() == kernel.index())
+        || (memory.index() == kernel.index()
+            && placed(memory).is_some()
+            && placed(memory) == placed(kernel))
 }
 
 #[cfg(test)]

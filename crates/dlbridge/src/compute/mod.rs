@@ -39,7 +39,7 @@ pub mod plan;
 pub mod promote;
 
 use crate::backend;
-use crate::device::{Device, DeviceKind};
+use crate::device::Device;
 use crate::dtype::{DType, DTypeCode};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -597,7 +597,7 @@ pub struct MatmulRequest<'a> {
 fn common_device<'a>(what: &str, tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Device> {
     let mut found: Option<Device> = None;
     for t in tensors {
-        if t.device().kind().is_cuda() {
+        if backend::facts(t.device().kind()).is_some_and(|f| f.faults_on_misaligned) {
             // A misaligned element address makes a CUDA kernel fault, and the driver keeps that
             // fault for the rest of the process: refuse such a (foreign) view up front.
             let address = (t.buffer().handle() as usize).wrapping_add(t.byte_offset());
@@ -623,7 +623,7 @@ fn common_device<'a>(what: &str, tensors: impl IntoIterator<Item = &'a Tensor>) 
         }
     }
     let device = found.expect("at least one tensor");
-    if matches!(device.kind(), DeviceKind::Other(_)) {
+    if backend::facts(device.kind()).is_none() {
         return Err(Error::UnsupportedDevice(format!(
             "{what} on {device}: dlbridge computes on cpu, cuda and metal devices"
         )));

@@ -133,6 +133,77 @@ impl ReducePlan {
     pub fn outputs(&self) -> usize {
         self.out_shape.iter().product()
     }
+
+    /// Whether each output's reduced elements are one run of consecutive input elements.
+    pub fn reduced_contiguous(&self) -> bool {
+        self.reduced.shape.len() == 1 && self.reduced.strides[0][0] == 1
+    }
+
+    /// The input's kept and reduced axes as a GPU reduction kernel's argument block holds them:
+    /// arrays of `N` extents and strides (in elements), the axes past each side's count padded
+    /// with extent 1 and stride 0. `None` when a side has more than `N` axes (the caller makes
+    /// the input compact first, which collapses each side to one axis).
+    pub fn kernel_axes<const N: usize>(&self) -> Option<KernelAxes<N>> {
+        let side = |plan: &MapPlan, operand: usize| {
+            let mut shape = [1u64; N];
+            let mut strides = [0i64; N];
+            if plan.shape.len() > N {
+                return None;
+            }
+            for (d, (&n, &s)) in plan.shape.iter().zip(&plan.strides[operand]).enumerate() {
+                shape[d] = n as u64;
+                strides[d] = s as i64;
+            }
+            Some((shape, strides))
+        };
+        // Operand 1 of the kept side is the input (0 is the compact output).
+        let (kept_shape, kept_strides) = side(&self.kept, 1)?;
+        let (reduced_shape, reduced_strides) = side(&self.reduced, 0)?;
+        Some(KernelAxes {
+            kept_shape,
+            kept_strides,
+            reduced_shape,
+            reduced_strides,
+        })
+    }
+
+    /// Each output's reduced range cut into at most `wanted` chunks of a multiple of `multiple`
+    /// elements (a vector load's width): the chunk length and how many chunks that makes (at
+    /// least one, also for an empty range). A GPU reduction that has too few outputs to fill the
+    /// device runs one group per chunk and combines the chunks' partial results after.
+    pub fn split(&self, wanted: usize, multiple: usize) -> Split {
+        let chunk = self
+            .count
+            .div_ceil(wanted.max(1))
+            .next_multiple_of(multiple.max(1))
+            .max(1);
+        Split {
+            chunk,
+            splits: self.count.div_ceil(chunk).max(1),
+        }
+    }
+}
+
+/// A reduction's axes in fixed-size arrays ([`ReducePlan::kernel_axes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelAxes<const N: usize> {
+    /// Extents of the kept axes.
+    pub kept_shape: [u64; N],
+    /// The input's strides over them.
+    pub kept_strides: [i64; N],
+    /// Extents of the reduced axes.
+    pub reduced_shape: [u64; N],
+    /// The input's strides over them.
+    pub reduced_strides: [i64; N],
+}
+
+/// Each output's reduced range in chunks ([`ReducePlan::split`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    /// Elements per chunk (the last may be shorter).
+    pub chunk: usize,
+    /// How many chunks.
+    pub splits: usize,
 }
 
 /// Row-major (C-order) strides in elements of a compact array of `shape`.
@@ -401,5 +472,50 @@ mod tests {
             0
         );
         assert!(matrix_layout(&[2, 2, 3, 4], &[100, 12, 4, 1]).is_none());
+    }
+
+    #[test]
+    fn kernel_axes_and_splits() {
+        // Reduce axis 1 of a [3, 5, 7] array with strides [35, 7, 1]: kept [3, 7], reduced [5].
+        let plan = ReducePlan::new(&[3, 5, 7], &[35, 7, 1], Some(&[1])).unwrap();
+        let axes = plan.kernel_axes::<4>().unwrap();
+        assert_eq!(axes.kept_shape, [3, 7, 1, 1]);
+        assert_eq!(axes.kept_strides, [35, 1, 0, 0]);
+        assert_eq!(axes.reduced_shape, [5, 1, 1, 1]);
+        assert_eq!(axes.reduced_strides, [7, 0, 0, 0]);
+        assert!(plan.kernel_axes::<1>().is_none());
+        assert!(!plan.reduced_contiguous());
+        let all = ReducePlan::new(&[1000], &[1], None).unwrap();
+        assert!(all.reduced_contiguous());
+        assert_eq!(
+            all.split(3, 1),
+            Split {
+                chunk: 334,
+                splits: 3
+            }
+        );
+        assert_eq!(
+            all.split(3, 16),
+            Split {
+                chunk: 336,
+                splits: 3
+            }
+        );
+        // More chunks asked than elements fill: as many as there are.
+        assert_eq!(
+            all.split(600, 4),
+            Split {
+                chunk: 4,
+                splits: 250
+            }
+        );
+        let empty = ReducePlan::new(&[0], &[1], None).unwrap();
+        assert_eq!(
+            empty.split(8, 1),
+            Split {
+                chunk: 1,
+                splits: 1
+            }
+        );
     }
 }

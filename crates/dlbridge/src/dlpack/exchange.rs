@@ -11,7 +11,7 @@ use std::ptr::NonNull;
 
 use crate::backend;
 use crate::buffer::StorageMode;
-use crate::device::{Device, DeviceKind};
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -126,7 +126,7 @@ impl ImportRequest {
     pub fn finish(&self, taken: Imported) -> Result<Imported> {
         let Imported { tensor, copied } = taken;
         let target = self.device.unwrap_or_else(|| tensor.device());
-        let other_storage = target.kind() == DeviceKind::Metal
+        let other_storage = backend::storage_per_buffer(target.kind())
             && self
                 .storage
                 .is_some_and(|s| s != tensor.buffer().storage_mode());
@@ -169,7 +169,7 @@ impl ImportRequest {
 /// one Metal device, the source's mode).
 pub(crate) fn copy_to(t: &Tensor, device: Device, storage: Option<StorageMode>) -> Result<Tensor> {
     let storage = match storage {
-        None if device == t.device() && device.kind() == DeviceKind::Metal => {
+        None if device == t.device() && backend::storage_per_buffer(device.kind()) => {
             Some(t.buffer().storage_mode())
         }
         storage => storage,

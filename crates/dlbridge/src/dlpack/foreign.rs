@@ -5,6 +5,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
+use crate::backend;
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::dtype::DType;
@@ -280,7 +281,7 @@ unsafe fn describe(dl: &DLTensor, version: Option<DLPackVersion>, flags: u64) ->
         )));
     }
     let first = offset as i128;
-    if device.kind().is_addressable() && numel > 0 {
+    if backend::addressable(device.kind()) && numel > 0 {
         // User-space pointers (host and CUDA alike) lie in the lower half of the address space;
         // a range reaching past `isize::MAX` wrapped or names kernel addresses.
         let base = dl.data as usize as i128 + first + lo;
@@ -293,7 +294,7 @@ unsafe fn describe(dl: &DLTensor, version: Option<DLPackVersion>, flags: u64) ->
                 layout.strides()
             )));
         }
-    } else if device.kind().is_addressable() {
+    } else if backend::addressable(device.kind()) {
         (dl.data as usize)
             .checked_add(offset)
             .filter(|&a| a <= isize::MAX as usize)
@@ -349,7 +350,7 @@ impl Described {
     /// have a NULL `data`, and gets the non-NULL stand-in its tensor would have (no byte is read
     /// through it).
     pub fn first_address(&self) -> Option<usize> {
-        if !self.device.kind().is_addressable() {
+        if !backend::addressable(self.device.kind()) {
             return None;
         }
         match self.data.wrapping_add(self.layout.byte_offset()) {
@@ -362,7 +363,7 @@ impl Described {
     /// opaque handle, and for no elements).
     fn addressed(&self) -> Option<(usize, usize)> {
         let numel = self.layout.numel();
-        (self.device.kind().is_addressable() && numel > 0).then(|| {
+        (backend::addressable(self.device.kind()) && numel > 0).then(|| {
             let first = self.layout.byte_offset() as i128;
             // `describe` checked that this range lies in the user address space.
             (
@@ -405,17 +406,14 @@ impl Described {
         let numel = layout.numel();
         let offset = layout.byte_offset();
         let first = offset as i128;
-        let storage = match device.kind() {
-            DeviceKind::Cpu | DeviceKind::CudaHost => StorageMode::Shared,
-            DeviceKind::CudaManaged => StorageMode::Managed,
-            _ => StorageMode::Private,
-        };
-        let (buffer, layout) = if device.kind().is_addressable() {
+        let storage =
+            backend::facts(device.kind()).map_or(StorageMode::Private, |f| f.foreign_storage);
+        let (buffer, layout) = if backend::addressable(device.kind()) {
             // Rebase onto the lowest addressed byte, so the buffer is exactly the addressed
             // range (validated above).
             let (base, len) = addressed.unwrap_or((data + offset, 0));
             let handle = std::ptr::with_exposed_provenance_mut::<c_void>(base);
-            let host = match device.kind().is_host_accessible() {
+            let host = match backend::host_accessible(device.kind()) {
                 false => std::ptr::null_mut(),
                 // A zero-size tensor may have a NULL `data`; no byte is ever read through it, but
                 // host access should still succeed (with no elements), so give it a non-NULL

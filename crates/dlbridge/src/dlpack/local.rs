@@ -24,7 +24,7 @@ impl Tensor {
     /// The `data` and `byte_offset` DLPack hands out for this view.
     fn dlpack_address(&self) -> (*mut c_void, u64) {
         let handle = self.buffer().handle();
-        if self.device().kind().is_addressable() {
+        if crate::backend::addressable(self.device().kind()) {
             (
                 handle.cast::<u8>().wrapping_add(self.byte_offset()).cast(),
                 0,

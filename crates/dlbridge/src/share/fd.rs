@@ -17,8 +17,8 @@ use std::io::IoSlice;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
-use super::SharedHandle;
-use super::cpu::os_error;
+use super::handle::SharedHandle;
+use super::memfd::os_error;
 use crate::error::{Error, Result};
 
 /// The most descriptors one message carries.

@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, no_stream_here, unreachable_copy};
+use crate::backend::{Backend, KindFacts, ShareRoute, Storage, no_stream_here, unreachable_copy};
 use crate::buffer::{Buffer, StorageMode};
+use crate::compute::kernel::Kernel;
 use crate::compute::{MapRequest, MatmulRequest, ReduceOp, ReduceRequest};
 use crate::device::{Device, DeviceKind};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::storage;
 use crate::tensor::Tensor;
@@ -14,7 +15,38 @@ use crate::tensor::Tensor;
 /// The CPU backend.
 pub(crate) struct Cpu;
 
+/// The host: memory the CPU addresses, always in shared storage, shared with other processes
+/// through anonymous shared files.
+const KINDS: &[KindFacts] = &[KindFacts {
+    kind: DeviceKind::Cpu,
+    addressable: true,
+    host_accessible: true,
+    storage: Storage::Always(StorageMode::Shared),
+    foreign_storage: StorageMode::Shared,
+    sharing: ShareRoute::HostFile { registered: false },
+    streams: false,
+    faults_on_misaligned: false,
+}];
+
 impl Backend for Cpu {
+    fn name(&self) -> &'static str {
+        "CPU"
+    }
+
+    fn kinds(&self) -> &'static [KindFacts] {
+        KINDS
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(1)
+    }
+
+    fn compile_kernel(&self, device: Device, _: &str, _: &str, _: &[String]) -> Result<Kernel> {
+        Err(Error::UnsupportedDevice(format!(
+            "run-time kernels compile for CUDA (NVRTC) and Metal (MSL), not {device}"
+        )))
+    }
+
     #[inline]
     fn allocate(
         &self,
@@ -25,14 +57,14 @@ impl Backend for Cpu {
     ) -> Result<Buffer> {
         // Resolving reads `DLBRIDGE_STORAGE_MODE` on first use (and warns once if it is invalid);
         // host memory is shared memory whatever the answer (see `StorageMode`).
-        storage::resolve(DeviceKind::Cpu, storage)?;
+        storage::resolve(&KINDS[0], storage)?;
         super::allocate(bytes, zeroed)
     }
 
     fn pool(&self, _device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>> {
         // One pool, whatever the mode; a mode asked for must still be one the CPU has.
         if storage.is_some() {
-            storage::resolve(DeviceKind::Cpu, storage)?;
+            storage::resolve(&KINDS[0], storage)?;
         }
         Ok(super::pool())
     }
@@ -45,25 +77,8 @@ impl Backend for Cpu {
         if !dst.device().is_cpu() || !src.device().is_cpu() {
             return Err(unreachable_copy(dst, src));
         }
-        let dst_base = dst.buffer().require_host("copying into it")?;
-        let src_base = src.buffer().require_host("copying from it")?;
-        // Inside each live allocation: both views were bounds-checked when they were built.
-        let src_first = src_base.as_ptr().wrapping_add(src.byte_offset());
-        let dst_first = dst_base.as_ptr().wrapping_add(dst.byte_offset());
-        // SAFETY: every element address of each layout lies inside its live allocation; the
-        // caller guarantees the byte ranges are disjoint and that no reference into the
-        // destination bytes is alive.
-        unsafe {
-            super::copy_strided(
-                src_first,
-                src.strides(),
-                dst_first,
-                dst.strides(),
-                dst.shape(),
-                dst.dtype().itemsize(),
-            )
-        };
-        Ok(())
+        // SAFETY: forwarded contract.
+        unsafe { super::copy_host(dst, src) }
     }
 
     fn export_handoff(&self, device: Device, stream: Option<i64>) -> Result<()> {

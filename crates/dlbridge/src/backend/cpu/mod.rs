@@ -28,6 +28,7 @@ use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::pool::{Pool, RawAllocator, StreamKey};
+use crate::tensor::Tensor;
 
 pub(crate) use hooks::Cpu;
 
@@ -76,19 +77,7 @@ pub(crate) fn host_memory_bytes() -> usize {
     })
 }
 
-/// The OS page size in bytes, read once.
-pub fn page_size() -> usize {
-    static PAGE: OnceLock<usize> = OnceLock::new();
-    *PAGE.get_or_init(|| {
-        // SAFETY: sysconf has no preconditions; it returns -1 on error, handled below.
-        let raw = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        if raw > 0 && (raw as usize).is_power_of_two() {
-            raw as usize
-        } else {
-            4096
-        }
-    })
-}
+pub use crate::host::page_size;
 
 /// The alignment and padded length an allocation of `bytes` gets.
 pub fn allocation_layout(bytes: usize) -> Result<AllocLayout> {
@@ -234,6 +223,33 @@ pub fn allocate(bytes: usize, zeroed: bool) -> Result<Buffer> {
             block,
         )
     })
+}
+
+/// Copies between two views of host memory of one shape and dtype: the CPU's copy, and that of
+/// every backend whose memory the host addresses.
+///
+/// # Safety
+/// As [`Tensor::copy_from_unchecked`](crate::Tensor::copy_from_unchecked).
+pub(crate) unsafe fn copy_host(dst: &Tensor, src: &Tensor) -> Result<()> {
+    let dst_base = dst.buffer().require_host("copying into it")?;
+    let src_base = src.buffer().require_host("copying from it")?;
+    // Inside each live allocation: both views were bounds-checked when they were built.
+    let src_first = src_base.as_ptr().wrapping_add(src.byte_offset());
+    let dst_first = dst_base.as_ptr().wrapping_add(dst.byte_offset());
+    // SAFETY: every element address of each layout lies inside its live allocation; the
+    // caller guarantees the byte ranges are disjoint and that no reference into the
+    // destination bytes is alive.
+    unsafe {
+        copy_strided(
+            src_first,
+            src.strides(),
+            dst_first,
+            dst.strides(),
+            dst.shape(),
+            dst.dtype().itemsize(),
+        )
+    };
+    Ok(())
 }
 
 /// Copies `shape` elements of `itemsize` bytes from a strided source to a strided destination.

@@ -303,26 +303,13 @@ fn plan_reduce(req: &ReduceRequest<'_>, sms: usize) -> Result<ReduceLaunch> {
         divisor: req.divisor(),
         ..ReduceArgs::default()
     };
-    for (d, (&e, &s)) in plan
-        .kept
-        .shape
-        .iter()
-        .zip(&plan.kept.strides[1])
-        .enumerate()
-    {
-        args.kshape[d] = e as u64;
-        args.kstride[d] = s as i64;
-    }
-    for (d, (&e, &s)) in plan
-        .reduced
-        .shape
-        .iter()
-        .zip(&plan.reduced.strides[0])
-        .enumerate()
-    {
-        args.rshape[d] = e as u64;
-        args.rstride[d] = s as i64;
-    }
+    let axes = plan
+        .kernel_axes::<MAX_REDUCE_DIMS>()
+        .ok_or_else(|| Error::Shape("a reduction of more axes than its kernel walks".into()))?;
+    args.kshape = axes.kept_shape;
+    args.kstride = axes.kept_strides;
+    args.rshape = axes.reduced_shape;
+    args.rstride = axes.reduced_strides;
     let target = sms * THREADS_PER_SM;
     // Reduced elements lie closer together than kept ones: a group of threads shares a row.
     let inner = count >= 32
@@ -330,8 +317,7 @@ fn plan_reduce(req: &ReduceRequest<'_>, sms: usize) -> Result<ReduceLaunch> {
     let (kind, splits, chunk) = if inner {
         let threads = if count >= 2048 { 256 } else { 32 };
         let size = input.size();
-        let contiguous_rows = plan.reduced.shape.len() == 1
-            && plan.reduced.strides[0][0] == 1
+        let contiguous_rows = plan.reduced_contiguous()
             && args.input % 16 == 0
             && plan
                 .kept
@@ -347,14 +333,14 @@ fn plan_reduce(req: &ReduceRequest<'_>, sms: usize) -> Result<ReduceLaunch> {
                 .min(count.div_ceil(threads * vec * 4))
                 .clamp(1, MAX_SPLITS)
         };
-        let chunk = count.div_ceil(splits).next_multiple_of(vec);
+        let split = plan.split(splits, vec);
         (
             ReduceKind::Group {
                 threads: threads as u16,
                 vec: vec as u8,
             },
-            count.div_ceil(chunk),
-            chunk,
+            split.splits,
+            split.chunk,
         )
     } else {
         let splits = if outputs >= target || count == 0 {
@@ -364,8 +350,8 @@ fn plan_reduce(req: &ReduceRequest<'_>, sms: usize) -> Result<ReduceLaunch> {
                 .min(count.div_ceil(64))
                 .clamp(1, MAX_SPLITS)
         };
-        let chunk = count.div_ceil(splits).max(1);
-        (ReduceKind::Thread, count.div_ceil(chunk).max(1), chunk)
+        let split = plan.split(splits, 1);
+        (ReduceKind::Thread, split.splits, split.chunk)
     };
     args.splits = splits as u64;
     args.chunk = chunk as u64;

@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use crate::backend::{
-    Backend, FileRead, ReadOptions, cuda_kind_for, placement, read_to_host, unreachable_copy,
+    Backend, FileRead, KindFacts, ReadOptions, Sharing, placement, read_to_host, unreachable_copy,
 };
 use crate::buffer::{Buffer, StorageMode};
+use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
 use crate::compute::{MapRequest, MatmulRequest, ReduceOp, ReduceRequest};
 use crate::device::{Device, DeviceKind};
 use crate::error::Result;
@@ -22,6 +23,41 @@ fn ordinal(device: Device) -> i32 {
 }
 
 impl Backend for Cuda {
+    fn name(&self) -> &'static str {
+        "CUDA"
+    }
+
+    fn kinds(&self) -> &'static [KindFacts] {
+        super::kinds::KINDS
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        super::device_count()
+    }
+
+    fn compile_kernel(
+        &self,
+        device: Device,
+        source: &str,
+        name: &str,
+        options: &[String],
+    ) -> Result<Kernel> {
+        super::launch::compile(device, source, name, options)
+    }
+
+    fn launch_kernel(
+        &self,
+        kernel: &Kernel,
+        config: LaunchConfig,
+        args: &[KernelArg],
+    ) -> Result<LaunchTiming> {
+        super::launch::launch(kernel, config, args)
+    }
+
+    fn sharing(&self) -> Result<&'static dyn Sharing> {
+        Ok(&super::ipc::CudaSharing)
+    }
+
     fn allocate(
         &self,
         device: Device,
@@ -33,10 +69,10 @@ impl Backend for Cuda {
         // and the device kind: private → `cuda:N`, shared → `cuda_host:N`, managed →
         // `cuda_managed:N`. Blocks are keyed by the calling thread's current stream.
         let storage = match (device.kind(), storage) {
-            (DeviceKind::Cuda, None) => Some(storage::resolve(DeviceKind::Cuda, None)?.mode),
+            (DeviceKind::Cuda, None) => Some(storage::resolve(&super::kinds::KINDS[0], None)?.mode),
             (_, explicit) => explicit,
         };
-        super::allocate(cuda_kind_for(device, storage)?, bytes, zeroed)
+        super::allocate(placement(device, storage)?, bytes, zeroed)
     }
 
     fn pool(&self, device: Device, storage: Option<StorageMode>) -> Result<&'static Arc<Pool>> {

@@ -39,12 +39,13 @@ use cudarc::driver::sys;
 use super::context;
 use super::driver::Named;
 use super::stream::{current_stream, handle_of_key, raw};
+use crate::backend::Sharing;
 use crate::buffer::{Allocation, Buffer, StorageMode};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PooledBlock, RawAllocator, StreamKey};
-use crate::share::cpu::SharedCounter;
-use crate::share::{BlockKey, Exported, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
+use crate::share::handle::{BlockKey, Exported, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
+use crate::share::memfd::SharedCounter;
 
 type DriverResult<T> = std::result::Result<T, DriverError>;
 
@@ -1136,4 +1137,84 @@ pub(crate) fn wait_event(
     unsafe { sys::cuStreamWaitEvent(stream, e, 0) }
         .result()
         .named("cuStreamWaitEvent")
+}
+
+/// CUDA's sharing capability ([`Sharing`]): this module's functions behind the backend seam.
+pub(crate) struct CudaSharing;
+
+impl Sharing for CudaSharing {
+    fn check_device(&self, device: Device) -> Result<()> {
+        check_device(device.index() as i32)
+    }
+
+    unsafe fn host_register(&self, device: Device, ptr: NonNull<c_void>, len: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { host_register(ptr, len, device.index() as i32) }
+    }
+
+    unsafe fn host_unregister(&self, device: Device, ptr: NonNull<c_void>) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { host_unregister(ptr, device.index() as i32) }
+    }
+
+    fn pool(&self, device: Device) -> Result<&'static Arc<Pool>> {
+        pool(device)
+    }
+
+    fn allocate(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
+        allocate(device, bytes, zeroed)
+    }
+
+    fn is_shared(&self, buffer: &Buffer) -> bool {
+        is_shared(buffer)
+    }
+
+    fn export(&self, buffer: &Buffer) -> Result<Option<VmmExported>> {
+        export(buffer)
+    }
+
+    fn export_legacy(&self, buffer: &Buffer) -> Result<LegacyExported> {
+        export_legacy(buffer)
+    }
+
+    fn import(
+        &self,
+        device: Device,
+        fd: &mut dyn FnMut() -> Result<OwnedFd>,
+        len: usize,
+        key: BlockKey,
+    ) -> Result<Buffer> {
+        import(device, fd, len, key)
+    }
+
+    fn open_own_legacy(&self, users: OwnedFd) -> Result<(Buffer, usize)> {
+        open_own_legacy(users)
+    }
+
+    fn open_legacy(
+        &self,
+        device: Device,
+        handle: &[u8; IPC_HANDLE_BYTES],
+        len: usize,
+        users: OwnedFd,
+    ) -> Result<Buffer> {
+        open_legacy(device, handle, len, users)
+    }
+
+    fn record_event(&self, device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
+        record_event(device)
+    }
+
+    fn wait_event(
+        &self,
+        device: Device,
+        event: &[u8; IPC_HANDLE_BYTES],
+        same_process: bool,
+    ) -> Result<()> {
+        wait_event(device, event, same_process)
+    }
+
+    fn release_kept(&self, device: Device) {
+        release_kept(device.index() as i32);
+    }
 }

@@ -33,6 +33,7 @@ mod driver;
 mod gds;
 mod hooks;
 pub(crate) mod ipc;
+pub(crate) mod kinds;
 pub(crate) mod launch;
 mod memory;
 pub mod nccl;

@@ -12,7 +12,7 @@
 //! gets [`Error::BackendUnavailable`].
 //!
 //! # Many arrays at once
-//! [`Communicator::send`] plans the arrays as runs ([`crate::share::runs`]): arrays carved from
+//! [`Communicator::send`] plans the arrays as runs ([`crate::runs`]): arrays carved from
 //! one pool slab travel as one operation, so a thousand small arrays cost one send, not a
 //! thousand. The operations of one call are grouped (`ncclGroupStart`/`ncclGroupEnd`).
 //! [`Communicator::recv`] allocates **one** block from the caching pool for all of them.
@@ -49,7 +49,7 @@ use cudarc::driver::sys;
 use super::{context, current_stream, memory, stream};
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, Result};
-use crate::share::runs::{self, RunPlan, RunView};
+use crate::runs::{self, RunPlan, RunView};
 use crate::tensor::Tensor;
 
 const BACKEND: &str = "NCCL";
@@ -771,7 +771,7 @@ fn poll(
     }
 }
 
-/// The runs of CUDA device memory arrays (see [`crate::share::runs`]): spans merge across a gap
+/// The runs of CUDA device memory arrays (see [`crate::runs`]): spans merge across a gap
 /// only inside one driver allocation (`cuMemGetAddressRange`), such as one slab of a caching
 /// pool, so a run never covers unmapped addresses.
 pub fn plan(tensors: &[Tensor]) -> Result<RunPlan> {

@@ -4,8 +4,9 @@
 
 use std::sync::Arc;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, KindFacts, Sharing};
 use crate::buffer::{Buffer, StorageMode};
+use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
 use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -16,6 +17,11 @@ use crate::tensor::Tensor;
 pub const LEGACY_STREAM: usize = 1;
 /// The array API standard's handle of the per-thread default stream.
 pub const PER_THREAD_STREAM: usize = 2;
+
+// The CUDA kinds' facts hold whether or not the backend is compiled in (foreign CUDA memory is
+// described by them).
+#[path = "kinds.rs"]
+pub(crate) mod kinds;
 
 fn no_cuda() -> Error {
     Error::BackendUnavailable {
@@ -271,35 +277,35 @@ impl Event {
     }
 }
 
-/// Run-time kernels (NVRTC): unavailable in this build.
-pub(crate) mod launch {
-    use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
-    use crate::device::Device;
-    use crate::error::Result;
-
-    pub(crate) fn compile(
-        _device: Device,
-        _source: &str,
-        _name: &str,
-        _options: &[String],
-    ) -> Result<Kernel> {
-        Err(super::no_cuda())
-    }
-
-    pub(crate) fn launch(
-        _kernel: &Kernel,
-        _config: LaunchConfig,
-        _args: &[KernelArg],
-    ) -> Result<LaunchTiming> {
-        Err(super::no_cuda())
-    }
-}
-
 /// CUDA's side of the backend seam in this build: every operation is unavailable, except those
 /// that only take a producer's word (foreign pointers are held and handed on untouched).
 pub(crate) struct Cuda;
 
 impl Backend for Cuda {
+    fn name(&self) -> &'static str {
+        "CUDA"
+    }
+
+    fn kinds(&self) -> &'static [KindFacts] {
+        kinds::KINDS
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Err(no_cuda())
+    }
+
+    fn compile_kernel(&self, _: Device, _: &str, _: &str, _: &[String]) -> Result<Kernel> {
+        Err(no_cuda())
+    }
+
+    fn launch_kernel(&self, _: &Kernel, _: LaunchConfig, _: &[KernelArg]) -> Result<LaunchTiming> {
+        Err(no_cuda())
+    }
+
+    fn sharing(&self) -> Result<&'static dyn Sharing> {
+        Err(no_cuda())
+    }
+
     fn allocate(&self, _: Device, _: usize, _: Option<StorageMode>, _: bool) -> Result<Buffer> {
         Err(no_cuda())
     }
@@ -334,112 +340,6 @@ impl Backend for Cuda {
     }
 
     fn matmul(&self, _: &MatmulRequest<'_>) -> Result<()> {
-        Err(no_cuda())
-    }
-}
-
-/// Sharing CUDA memory with other processes (`backend/cuda/ipc.rs`): every call answers
-/// [`Error::BackendUnavailable`].
-pub mod ipc {
-    use std::ffi::c_void;
-    use std::os::fd::OwnedFd;
-    use std::ptr::NonNull;
-
-    use super::no_cuda;
-    use crate::buffer::Buffer;
-    use crate::device::Device;
-    use crate::error::Result;
-    use crate::share::{BlockKey, IPC_HANDLE_BYTES, LegacyExported, VmmExported};
-
-    /// Whether CUDA device `ordinal` exists: never, in this build.
-    pub(crate) fn check_device(_ordinal: i32) -> Result<()> {
-        Err(no_cuda())
-    }
-
-    /// Registers host memory with a device.
-    ///
-    /// # Safety
-    /// Nothing is done in this build.
-    pub(crate) unsafe fn host_register(
-        _p: NonNull<c_void>,
-        _len: usize,
-        _ordinal: i32,
-    ) -> Result<()> {
-        Err(no_cuda())
-    }
-
-    /// Undoes `host_register`.
-    ///
-    /// # Safety
-    /// Nothing is done in this build.
-    pub(crate) unsafe fn host_unregister(_p: NonNull<c_void>, _ordinal: i32) -> Result<()> {
-        Err(no_cuda())
-    }
-
-    /// The shareable device pool.
-    pub(crate) fn pool(_device: Device) -> Result<&'static std::sync::Arc<crate::pool::Pool>> {
-        Err(no_cuda())
-    }
-
-    /// Shareable device memory.
-    pub(crate) fn allocate(_device: Device, _bytes: usize, _zeroed: bool) -> Result<Buffer> {
-        Err(no_cuda())
-    }
-
-    /// The VMM allocation a buffer lies in: none in this build.
-    pub(crate) fn export(_buffer: &Buffer) -> Result<Option<VmmExported>> {
-        Ok(None)
-    }
-
-    /// Whether another process can open a buffer's CUDA memory as it is: none in this build.
-    pub(crate) fn is_shared(_buffer: &Buffer) -> bool {
-        false
-    }
-
-    /// Opens a legacy IPC handle this process made.
-    pub(crate) fn open_own_legacy(_users: OwnedFd) -> Result<(Buffer, usize)> {
-        Err(no_cuda())
-    }
-
-    /// A legacy IPC handle of a buffer.
-    pub(crate) fn export_legacy(_buffer: &Buffer) -> Result<LegacyExported> {
-        Err(no_cuda())
-    }
-
-    /// An IPC event recorded on the current stream.
-    pub(crate) fn record_event(_device: Device) -> Result<[u8; IPC_HANDLE_BYTES]> {
-        Err(no_cuda())
-    }
-
-    /// Lets go of kept received mappings (there are none).
-    pub(crate) fn release_kept(_ordinal: i32) {}
-
-    /// Imports a VMM allocation.
-    pub(crate) fn import(
-        _device: Device,
-        _fd: impl FnOnce() -> Result<OwnedFd>,
-        _len: usize,
-        _key: BlockKey,
-    ) -> Result<Buffer> {
-        Err(no_cuda())
-    }
-
-    /// Opens a legacy IPC handle.
-    pub(crate) fn open_legacy(
-        _device: Device,
-        _handle: &[u8; IPC_HANDLE_BYTES],
-        _len: usize,
-        _users: OwnedFd,
-    ) -> Result<Buffer> {
-        Err(no_cuda())
-    }
-
-    /// Makes the current stream wait for an IPC event.
-    pub(crate) fn wait_event(
-        _device: Device,
-        _event: &[u8; IPC_HANDLE_BYTES],
-        _same_process: bool,
-    ) -> Result<()> {
         Err(no_cuda())
     }
 }

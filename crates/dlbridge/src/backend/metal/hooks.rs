@@ -6,9 +6,11 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::backend::{
-    Backend, FileRead, ReadOptions, no_stream_here, read_to_host, unreachable_copy,
+    Backend, FileRead, KindFacts, ReadOptions, ShareRoute, Storage, no_stream_here, read_to_host,
+    unreachable_copy,
 };
 use crate::buffer::{Buffer, StorageMode};
+use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
 use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
 use crate::device::{Device, DeviceKind};
 use crate::dtype::DType;
@@ -21,7 +23,57 @@ use crate::tensor::Tensor;
 /// The Metal backend.
 pub(crate) struct Metal;
 
+/// Metal memory: an opaque `id<MTLBuffer>` in DLPack, its storage mode a property of each buffer
+/// (shared by default; the backend refines the default per device at run time).
+const KINDS: &[KindFacts] = &[KindFacts {
+    kind: DeviceKind::Metal,
+    addressable: false,
+    host_accessible: false,
+    storage: Storage::PerBuffer {
+        default: StorageMode::Shared,
+    },
+    foreign_storage: StorageMode::Private,
+    sharing: ShareRoute::None,
+    streams: false,
+    faults_on_misaligned: false,
+}];
+
 impl Backend for Metal {
+    fn name(&self) -> &'static str {
+        "Metal"
+    }
+
+    fn kinds(&self) -> &'static [KindFacts] {
+        KINDS
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        match super::device_count() {
+            // Why there is none (not compiled in, no Apple GPU) says more than a count.
+            0 => super::devices().map(|d| d.len()),
+            n => Ok(n),
+        }
+    }
+
+    fn compile_kernel(
+        &self,
+        device: Device,
+        source: &str,
+        name: &str,
+        options: &[String],
+    ) -> Result<Kernel> {
+        super::compute::compile(device, source, name, options)
+    }
+
+    fn launch_kernel(
+        &self,
+        kernel: &Kernel,
+        config: LaunchConfig,
+        args: &[KernelArg],
+    ) -> Result<LaunchTiming> {
+        super::compute::launch(kernel, config, args)
+    }
+
     fn allocate(
         &self,
         device: Device,

@@ -661,7 +661,7 @@ fn random_u64() -> Result<u64> {
     // SAFETY: `bytes` is a valid, writable buffer of the length given.
     let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
     if n != bytes.len() as isize {
-        return Err(crate::share::cpu::os_error("getrandom"));
+        return Err(crate::share::memfd::os_error("getrandom"));
     }
     Ok(u64::from_le_bytes(bytes))
 }

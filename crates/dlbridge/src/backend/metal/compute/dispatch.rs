@@ -11,6 +11,7 @@
 //! non-negative and inside the bound range.
 
 use super::msl::Elem;
+use crate::compute::plan::Split;
 use crate::compute::{
     MapOp, MapPlan, MatmulRequest, MatrixLayout, Operand, ReduceOp, ReduceRequest, Scalar,
 };
@@ -618,11 +619,16 @@ pub(crate) fn plan_reduce(req: &ReduceRequest<'_>) -> Result<ReduceLaunch> {
             )));
         }
     }
+    let axes = plan.kernel_axes::<MAX_DIMS>().ok_or_else(|| {
+        Error::Shape(format!(
+            "the Metal reduction kernels take at most {MAX_DIMS} kept and {MAX_DIMS} reduced axes"
+        ))
+    })?;
     let outputs = plan.outputs();
     let count = plan.count;
     let input = binding(req.input)?;
     let out = binding(req.out)?;
-    let mut params = ReduceParams {
+    let params = ReduceParams {
         outputs: outputs as u64,
         count: count as u64,
         splits: 1,
@@ -633,33 +639,12 @@ pub(crate) fn plan_reduce(req: &ReduceRequest<'_>) -> Result<ReduceLaunch> {
         red_ndim: plan.reduced.shape.len() as u32,
         divisor: count as f32,
         pad: 0,
-        kept_shape: [1; MAX_DIMS],
-        kept_strides: [0; MAX_DIMS],
-        red_shape: [1; MAX_DIMS],
-        red_strides: [0; MAX_DIMS],
+        kept_shape: axes.kept_shape,
+        kept_strides: axes.kept_strides,
+        red_shape: axes.reduced_shape,
+        red_strides: axes.reduced_strides,
     };
-    for (d, (&n, &s)) in plan
-        .kept
-        .shape
-        .iter()
-        .zip(&plan.kept.strides[1])
-        .enumerate()
-    {
-        params.kept_shape[d] = n as u64;
-        params.kept_strides[d] = s as i64;
-    }
-    for (d, (&n, &s)) in plan
-        .reduced
-        .shape
-        .iter()
-        .zip(&plan.reduced.strides[0])
-        .enumerate()
-    {
-        params.red_shape[d] = n as u64;
-        params.red_strides[d] = s as i64;
-    }
-    let contiguous = plan.reduced.shape.len() == 1 && plan.reduced.strides[0][0] == 1;
-    let (kind, splits) = reduce_strategy(outputs, count, contiguous);
+    let (kind, splits) = reduce_strategy(outputs, count, plan.reduced_contiguous());
     let reached = reach(input.first, &plan.kept.shape, &plan.kept.strides[1])
         + reach(0, &plan.reduced.shape, &plan.reduced.strides[0]);
     let wide = !fits_32(reached)
@@ -690,8 +675,7 @@ pub(crate) fn plan_reduce(req: &ReduceRequest<'_>) -> Result<ReduceLaunch> {
     }
     // Pass 1: each of `splits` threadgroups per output reduces one chunk into partials laid out
     // [outputs, splits]; pass 2 reduces each output's row of partials.
-    let chunk = count.div_ceil(splits);
-    let splits = count.div_ceil(chunk);
+    let Split { chunk, splits } = plan.split(splits, 1);
     let first = ReduceParams {
         splits: splits as u64,
         chunk: chunk as u64,

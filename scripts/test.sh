@@ -33,10 +33,10 @@ if [ "$gpu_tests" = 1 ]; then
     # they stay out.
     rust_args=(--include-ignored --skip every_source_compiles --skip compute::math::tests::exhaustive)
 fi
-step "Rust tests (core crate with feature $backend: unit, integration, doc; ${backend} device tests $([ "$gpu_tests" = 1 ] && echo included || echo ignored))"
+step "Rust tests (core crate with features $backend and test-backend: unit, integration, doc; ${backend} device tests $([ "$gpu_tests" = 1 ] && echo included || echo ignored))"
 rust_log="$(mktemp)"
 trap 'rm -f "$rust_log"' EXIT
-cargo test -p dlbridge --features "$backend" --quiet -- ${rust_args[@]+"${rust_args[@]}"} 2>&1 | tee "$rust_log"
+cargo test -p dlbridge --features "$backend,test-backend" --quiet -- ${rust_args[@]+"${rust_args[@]}"} 2>&1 | tee "$rust_log"
 rust_ignored="$(awk '/^test result:/ { for (i = 1; i < NF; i++) if ($(i + 1) ~ /^ignored/) n += $i } END { print n + 0 }' "$rust_log")"
 rust_passed="$(awk '/^test result:/ { for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/) n += $i } END { print n + 0 }' "$rust_log")"
 if [ "$gpu_tests" = 1 ]; then

@@ -120,7 +120,7 @@ impl Buffer {
     /// `handle` (and `host`, when non-NULL) must address `len` bytes on `device` that stay valid
     /// until `allocation` is dropped; `host` must be NULL unless the host may read and write those
     /// bytes through it.
-    pub unsafe fn from_allocation(
+    pub(crate) unsafe fn from_allocation(
         handle: *mut c_void,
         host: *mut u8,
         len: usize,
@@ -137,7 +137,7 @@ impl Buffer {
     /// # Safety
     /// As for [`Buffer::from_allocation`], with `block` as the allocation.
     #[inline]
-    pub unsafe fn from_pooled(
+    pub(crate) unsafe fn from_pooled(
         handle: *mut c_void,
         host: *mut u8,
         len: usize,
@@ -242,7 +242,8 @@ impl Buffer {
 
     /// The stream dlbridge's pool will order this allocation's release on (the stream it was
     /// allocated for), when it has one; `None` for foreign memory and host memory.
-    pub fn allocation_stream(&self) -> Option<crate::pool::StreamKey> {
+    #[cfg_attr(not(cuda), allow(dead_code))] // read by the CUDA backend
+    pub(crate) fn allocation_stream(&self) -> Option<crate::pool::StreamKey> {
         match &self.inner.owner {
             Owner::Own(allocation) => allocation.stream(),
             Owner::Pooled(block) => block.stream(),

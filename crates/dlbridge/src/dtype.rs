@@ -266,7 +266,7 @@ impl DType {
     }
 
     /// Bits per element (`bits * lanes`).
-    pub const fn element_bits(self) -> usize {
+    pub(crate) const fn element_bits(self) -> usize {
         self.bits as usize * self.lanes as usize
     }
 

@@ -110,7 +110,7 @@ impl SliceArg {
     }
 
     /// Resolves against an axis of length `len`: the first index and the number of elements.
-    pub fn resolve(self, len: usize) -> Result<(usize, usize)> {
+    pub(crate) fn resolve(self, len: usize) -> Result<(usize, usize)> {
         if self.step == 0 {
             return Err(Error::InvalidArgument("slice step cannot be zero".into()));
         }

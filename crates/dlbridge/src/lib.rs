@@ -53,6 +53,11 @@
 //!
 //! [DLPack]: https://dmlc.github.io/dlpack/latest/
 
+// Every public item is documented (`missing_docs`, on for the whole workspace in its Cargo.toml),
+// and a doc link that does not resolve, or that sends a reader of the public docs to a
+// crate-internal item, is an error rather than a dead link.
+#![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
+
 /// The README (`crates/dlbridge/README.md` links to the repository's), whose Rust example is
 /// compiled and run with the other doctests; its other blocks are tagged `bash`, `python` or
 /// `text`, which rustdoc leaves alone.

@@ -24,7 +24,8 @@ pub const RUN_ALIGN: usize = 256;
 
 /// The largest gap, in bytes, between two spans of one region that [`plan`] merges into one run
 /// (the gap's bytes travel too).
-pub const MAX_GAP: usize = 64 << 10;
+#[cfg_attr(not(cuda), allow(dead_code))] // NCCL's
+pub(crate) const MAX_GAP: usize = 64 << 10;
 
 /// One contiguous range of the sender's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,7 +195,8 @@ pub fn place(lens_and_phases: &[(usize, usize)]) -> Result<(Vec<usize>, usize)> 
 }
 
 /// The layout of `view` in a receiving block whose runs start at `offsets`.
-pub fn placed_layout(view: &RunView, offsets: &[usize]) -> Result<Layout> {
+#[cfg_attr(not(cuda), allow(dead_code))] // NCCL's
+pub(crate) fn placed_layout(view: &RunView, offsets: &[usize]) -> Result<Layout> {
     let Some(run) = view.run else {
         return Ok(view.layout.with_byte_offset(0));
     };

@@ -74,7 +74,7 @@ pub struct Resolved {
 /// [`Error::InvalidArgument`] when the kind names a mode itself (CUDA host, CUDA managed) and
 /// `explicit` asks for another.
 #[inline]
-pub fn resolve(facts: &KindFacts, explicit: Option<StorageMode>) -> Result<Resolved> {
+pub(crate) fn resolve(facts: &KindFacts, explicit: Option<StorageMode>) -> Result<Resolved> {
     resolve_with(facts, explicit, environment_mode())
 }
 
@@ -83,7 +83,7 @@ pub fn resolve(facts: &KindFacts, explicit: Option<StorageMode>) -> Result<Resol
 ///
 /// # Errors
 /// As [`resolve`].
-pub fn resolve_with(
+pub(crate) fn resolve_with(
     facts: &KindFacts,
     explicit: Option<StorageMode>,
     environment: Option<StorageMode>,
@@ -116,7 +116,7 @@ pub fn resolve_with(
 
 /// The environment variable's storage mode: `None` when it is unset, empty or invalid. Reads
 /// the variable on the first call only.
-pub fn environment_mode() -> Option<StorageMode> {
+pub(crate) fn environment_mode() -> Option<StorageMode> {
     environment().mode
 }
 

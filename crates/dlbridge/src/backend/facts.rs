@@ -79,7 +79,7 @@ impl Placement {
 
 impl Storage {
     /// The mode an allocation gets when nothing asks for one.
-    pub const fn default_mode(&self) -> StorageMode {
+    pub(crate) const fn default_mode(&self) -> StorageMode {
         match *self {
             Storage::Always(mode) | Storage::Names(mode, _) => mode,
             Storage::ByKind { default, .. } | Storage::PerBuffer { default } => default,

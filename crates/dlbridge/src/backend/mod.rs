@@ -41,7 +41,8 @@ pub mod cuda;
 mod extdev;
 pub(crate) mod facts;
 pub mod metal;
-pub mod plan;
+#[cfg_attr(not(cuda), allow(dead_code))] // the CUDA backend's copy planner
+pub(crate) mod plan;
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -564,7 +565,7 @@ pub(crate) trait Sharing: Sync {
 }
 
 /// Allocates `bytes` on `device`, zero-filled when `zeroed`. `storage` picks where the memory
-/// lives; `None` takes the environment's or the device's default ([`storage::resolve`]).
+/// lives; `None` takes the environment's or the device's default (asked for, else `DLBRIDGE_STORAGE_MODE`, else the device's default).
 #[inline]
 pub fn allocate(
     device: Device,
@@ -902,11 +903,12 @@ pub fn storage_mode(device: Device) -> Result<Resolved> {
     resolve_storage(device, None)
 }
 
-/// The storage mode an allocation on `device` asking for `requested` gets ([`storage::resolve`]),
+/// The storage mode an allocation on `device` asking for `requested` gets (asked for, else `DLBRIDGE_STORAGE_MODE`, else the device's default),
 /// for devices whose backend is in this build.
 ///
 /// # Errors
-/// As [`memory_stats`], and as [`storage::resolve`].
+/// As [`memory_stats`]; [`Error::InvalidArgument`] when the device kind names a mode itself (CUDA
+/// host, CUDA managed) and `requested` asks for another.
 pub fn resolve_storage(device: Device, requested: Option<StorageMode>) -> Result<Resolved> {
     match of(device) {
         Some(backend) => backend.resolve_storage(device, requested),

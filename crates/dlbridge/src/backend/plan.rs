@@ -15,7 +15,7 @@
 use crate::error::{Error, Result};
 
 /// The most axes the kernels take; further outer axes are walked by the host.
-pub const MAX_KERNEL_DIMS: usize = 8;
+pub(crate) const MAX_KERNEL_DIMS: usize = 8;
 
 /// Rows narrower than this go to a kernel rather than a pitched copy, which moves narrow rows
 /// slowly.
@@ -23,7 +23,7 @@ const MIN_PITCHED_WIDTH: i64 = 128;
 
 /// One axis of a copy: its extent and the strides of the source and destination, in words.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Axis {
+pub(crate) struct Axis {
     /// Number of positions along the axis.
     pub extent: u64,
     /// Source stride in words (may be negative).
@@ -34,7 +34,7 @@ pub struct Axis {
 
 /// What a copy compiles to.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum CopyPlan {
+pub(crate) enum CopyPlan {
     /// Nothing to copy.
     Empty,
     /// One linear copy of `bytes` bytes.
@@ -71,7 +71,7 @@ pub enum CopyPlan {
 
 /// Plans a copy of `shape` between byte strides `src` and `dst` whose first elements are at
 /// addresses `src_addr` and `dst_addr`. Elements are `itemsize` bytes.
-pub fn plan_copy(
+pub(crate) fn plan_copy(
     shape: &[usize],
     src: &[isize],
     dst: &[isize],

@@ -6,10 +6,10 @@
 //! | layer | here | what it decides |
 //! | --- | --- | --- |
 //! | device | [`Backend`] | one device's allocation, copies, synchronization, memory figures and run-time kernels |
-//! | front | [`unary`], [`binary`], [`binary_scalar`], [`compare`], [`compare_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`plan`]); allocates the result on the operands' device; casts mixed operands first |
+//! | front | [`unary`], [`binary`], [`binary_scalar`], [`compare`], [`compare_scalar`], [`reduce`], [`matmul`], [`cast`] | checks devices, dtypes ([`promote`]) and shapes ([`broadcast_shapes`], [`MapPlan`]); allocates the result on the operands' device; casts mixed operands first |
 //! | composed | [`all`], [`any`], [`isnan`], [`isinf`], [`isfinite`]; `argmax` / `argmin`, [`var`] and [`std()`] where a backend has no kernel for them | the front's operations in sequence, so every backend has them |
 //! | indexing | [`index::take`], [`index::put`], [`index::take_mask`], [`index::put_mask`], [`index::nonzero`] | NumPy's advanced indexing: index arrays checked and turned into block offsets on the host, blocks moved by the CPU (a device's view staged through host memory) |
-//! | request | [`MapRequest`], [`ReduceRequest`], [`MatmulRequest`] | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
+//! | request | `MapRequest`, `ReduceRequest`, `MatmulRequest` (crate-internal) | what a backend executes: every tensor operand already has the dtype the kernel computes on, and the shape of the output |
 //! | backend | `backend::{cpu,cuda,metal}::compute` | how: Rust loops and `gemm` on the CPU; NVRTC kernels and cuBLAS on CUDA; MSL kernels on Metal |
 //!
 //! Results are new compact arrays on the operands' device (the caching pool makes that cheap).
@@ -35,7 +35,7 @@ mod device;
 mod elem;
 pub mod index;
 pub mod kernel;
-pub mod plan;
+pub(crate) mod plan;
 pub mod promote;
 
 use crate::backend;
@@ -47,7 +47,8 @@ use crate::tensor::Tensor;
 pub use compose::{all, any, isfinite, isinf, isnan, std, var};
 pub use device::{Backend, BackendType};
 pub(crate) use elem::Elem;
-pub use plan::{MapPlan, MatmulShape, MatrixLayout, ReducePlan, broadcast_shapes};
+pub use plan::{MapPlan, broadcast_shapes};
+pub(crate) use plan::{MatmulShape, MatrixLayout, ReducePlan};
 
 /// Element-wise functions of one operand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -196,7 +197,7 @@ impl CompareOp {
     }
 
     /// The operator (`"=="`, ...), as C, MSL and Python write it.
-    pub const fn symbol(self) -> &'static str {
+    pub(crate) const fn symbol(self) -> &'static str {
         match self {
             CompareOp::Eq => "==",
             CompareOp::Ne => "!=",
@@ -253,7 +254,7 @@ pub enum ReduceOp {
     /// one).
     ArgMin,
     /// The variance: the squared deviations from the mean, summed and divided by
-    /// `max(count - ddof, 0)` ([`ReduceRequest::ddof`]; 0 through [`reduce`], any through
+    /// `max(count - ddof, 0)` (`ddof`: 0 through [`reduce`], any through
     /// [`var`]), as NumPy's `var`.
     Var,
     /// The standard deviation: the square root of [`ReduceOp::Var`].
@@ -296,7 +297,7 @@ impl ReduceOp {
 
     /// Whether the front can compose the op of the other reductions where a backend has no
     /// kernel for it: the arg reductions, `var` and `std`.
-    pub const fn has_fallback(self) -> bool {
+    pub(crate) const fn has_fallback(self) -> bool {
         matches!(
             self,
             ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::Var | ReduceOp::Std
@@ -305,7 +306,7 @@ impl ReduceOp {
 
     /// Whether the op has no value over no elements (`max`, `min` and the arg reductions: they
     /// have no identity).
-    pub const fn needs_elements(self) -> bool {
+    pub(crate) const fn needs_elements(self) -> bool {
         matches!(
             self,
             ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin
@@ -343,7 +344,7 @@ impl Scalar {
 
 /// What an element-wise kernel computes per element.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MapOp {
+pub(crate) enum MapOp {
     /// `out = op(in0)`; every operand in the request's dtype.
     Unary(UnaryOp),
     /// `out = op(in0, in1)`; every operand in the request's dtype.
@@ -358,7 +359,7 @@ pub enum MapOp {
 
 impl MapOp {
     /// The operation's name in messages (`exp`, `add`, `cast`).
-    pub const fn name(self) -> &'static str {
+    pub(crate) const fn name(self) -> &'static str {
         match self {
             MapOp::Unary(op) => op.name(),
             MapOp::Binary(op) => op.name(),
@@ -368,7 +369,7 @@ impl MapOp {
     }
 
     /// How many operands the function takes.
-    pub const fn arity(self) -> usize {
+    pub(crate) const fn arity(self) -> usize {
         match self {
             MapOp::Binary(_) | MapOp::Compare(_) => 2,
             MapOp::Unary(_) | MapOp::Cast => 1,
@@ -378,7 +379,7 @@ impl MapOp {
 
 /// One input of an element-wise kernel.
 #[derive(Clone, Copy, Debug)]
-pub enum Operand<'a> {
+pub(crate) enum Operand<'a> {
     /// An array, viewed with the output's shape (broadcast axes have stride 0).
     Tensor(&'a Tensor),
     /// A scalar, converted to the request's dtype by the kernel ([`Scalar::as_f64`] for floats,
@@ -395,7 +396,7 @@ pub enum Operand<'a> {
 /// ([`MapRequest::operand_dtype`]), with at least one tensor among the inputs. `plan` is the collapsed loop nest with `out` as operand 0, then the tensor inputs in
 /// order (scalars have no entry).
 #[derive(Debug)]
-pub struct MapRequest<'a> {
+pub(crate) struct MapRequest<'a> {
     /// The function.
     pub op: MapOp,
     /// One operand (unary, cast) or two (binary).
@@ -408,13 +409,14 @@ pub struct MapRequest<'a> {
 
 impl MapRequest<'_> {
     /// The dtype arithmetic operands have (`out`'s).
-    pub fn dtype(&self) -> DType {
+    #[cfg_attr(not(metal), allow(dead_code))] // read by the Metal backend
+    pub(crate) fn dtype(&self) -> DType {
         self.out.dtype()
     }
 
     /// The dtype the inputs are read in: the first tensor input's for casts and comparisons,
     /// else `out`'s ([`MapRequest::dtype`]).
-    pub fn operand_dtype(&self) -> DType {
+    pub(crate) fn operand_dtype(&self) -> DType {
         match self.op {
             MapOp::Cast | MapOp::Compare(_) => self
                 .tensor_inputs()
@@ -425,7 +427,7 @@ impl MapRequest<'_> {
     }
 
     /// The tensor inputs, in order.
-    pub fn tensor_inputs(&self) -> impl Iterator<Item = &Tensor> {
+    pub(crate) fn tensor_inputs(&self) -> impl Iterator<Item = &Tensor> {
         self.inputs.iter().filter_map(|o| match o {
             Operand::Tensor(t) => Some(*t),
             Operand::Scalar(_) => None,
@@ -497,7 +499,7 @@ impl<'a> MapRequest<'a> {
 /// (`plan.count == 0`) reaches a backend only for `sum` (write 0), `prod` (1), `mean` (NaN) and
 /// `var` / `std` (0 divided by the divisor).
 #[derive(Debug)]
-pub struct ReduceRequest<'a> {
+pub(crate) struct ReduceRequest<'a> {
     /// The reduction.
     pub op: ReduceOp,
     /// The input (any layout).
@@ -517,7 +519,7 @@ pub struct ReduceRequest<'a> {
 impl<'a> ReduceRequest<'a> {
     /// What `mean` divides its sum by (the count), and `var` and `std` their sum of squared
     /// deviations (`max(count - ddof, 0)`, as NumPy: a divisor of 0 gives `inf` or NaN).
-    pub fn divisor(&self) -> f64 {
+    pub(crate) fn divisor(&self) -> f64 {
         let count = self.plan.count as f64;
         match self.op {
             ReduceOp::Var | ReduceOp::Std => (count - self.ddof).max(0.0),
@@ -572,7 +574,7 @@ impl<'a> ReduceRequest<'a> {
 /// ([`MatrixLayout::blas_compatible`]); `out` is compact, shape `[batch, m, n]` row-major. `k`
 /// may be 0 (the product is zeros).
 #[derive(Debug)]
-pub struct MatmulRequest<'a> {
+pub(crate) struct MatmulRequest<'a> {
     /// The left operands (`batch × m × k`).
     pub a: &'a Tensor,
     /// The right operands (`batch × k × n`).

@@ -75,7 +75,7 @@ impl MapPlan {
 /// A reduction's index space: for each output element (the kept axes, row-major), the elements
 /// of the reduced axes.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReducePlan {
+pub(crate) struct ReducePlan {
     /// The output's shape with the reduced axes removed (what the kernel writes, compactly).
     pub out_shape: Vec<usize>,
     /// The output's shape with reduced axes kept as 1 (for `keepdims`).
@@ -91,7 +91,11 @@ pub struct ReducePlan {
 impl ReducePlan {
     /// The plan reducing `axes` (any order, negative counted from the end; `None`: all) of an
     /// input of `shape` and `strides`.
-    pub fn new(shape: &[usize], strides: &[isize], axes: Option<&[isize]>) -> Result<ReducePlan> {
+    pub(crate) fn new(
+        shape: &[usize],
+        strides: &[isize],
+        axes: Option<&[isize]>,
+    ) -> Result<ReducePlan> {
         let ndim = shape.len();
         let mut reduce = vec![axes.is_none(); ndim];
         for &axis in axes.unwrap_or(&[]) {
@@ -130,12 +134,12 @@ impl ReducePlan {
     }
 
     /// The number of output elements.
-    pub fn outputs(&self) -> usize {
+    pub(crate) fn outputs(&self) -> usize {
         self.out_shape.iter().product()
     }
 
     /// Whether each output's reduced elements are one run of consecutive input elements.
-    pub fn reduced_contiguous(&self) -> bool {
+    pub(crate) fn reduced_contiguous(&self) -> bool {
         self.reduced.shape.len() == 1 && self.reduced.strides[0][0] == 1
     }
 
@@ -143,7 +147,7 @@ impl ReducePlan {
     /// arrays of `N` extents and strides (in elements), the axes past each side's count padded
     /// with extent 1 and stride 0. `None` when a side has more than `N` axes (the caller makes
     /// the input compact first, which collapses each side to one axis).
-    pub fn kernel_axes<const N: usize>(&self) -> Option<KernelAxes<N>> {
+    pub(crate) fn kernel_axes<const N: usize>(&self) -> Option<KernelAxes<N>> {
         let side = |plan: &MapPlan, operand: usize| {
             let mut shape = [1u64; N];
             let mut strides = [0i64; N];
@@ -171,7 +175,7 @@ impl ReducePlan {
     /// elements (a vector load's width): the chunk length and how many chunks that makes (at
     /// least one, also for an empty range). A GPU reduction that has too few outputs to fill the
     /// device runs one group per chunk and combines the chunks' partial results after.
-    pub fn split(&self, wanted: usize, multiple: usize) -> Split {
+    pub(crate) fn split(&self, wanted: usize, multiple: usize) -> Split {
         let chunk = self
             .count
             .div_ceil(wanted.max(1))
@@ -186,7 +190,7 @@ impl ReducePlan {
 
 /// A reduction's axes in fixed-size arrays ([`ReducePlan::kernel_axes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KernelAxes<const N: usize> {
+pub(crate) struct KernelAxes<const N: usize> {
     /// Extents of the kept axes.
     pub kept_shape: [u64; N],
     /// The input's strides over them.
@@ -199,7 +203,7 @@ pub struct KernelAxes<const N: usize> {
 
 /// Each output's reduced range in chunks ([`ReducePlan::split`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Split {
+pub(crate) struct Split {
     /// Elements per chunk (the last may be shorter).
     pub chunk: usize,
     /// How many chunks.
@@ -207,7 +211,7 @@ pub struct Split {
 }
 
 /// Row-major (C-order) strides in elements of a compact array of `shape`.
-pub fn row_major_strides(shape: &[usize]) -> Vec<isize> {
+pub(crate) fn row_major_strides(shape: &[usize]) -> Vec<isize> {
     let mut strides = vec![0isize; shape.len()];
     crate::layout::row_major_strides(shape, &mut strides);
     strides
@@ -216,7 +220,7 @@ pub fn row_major_strides(shape: &[usize]) -> Vec<isize> {
 /// How one `matmul` operand is laid out for a BLAS: a batch of `rows × cols` matrices, element
 /// `[b, i, j]` at `b * batch_stride + i * row_stride + j * col_stride`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MatrixLayout {
+pub(crate) struct MatrixLayout {
     /// Rows of each matrix.
     pub rows: usize,
     /// Columns of each matrix.
@@ -233,7 +237,7 @@ impl MatrixLayout {
     /// Whether a BLAS can read the matrices in place: one of the two strides is 1 and the other
     /// spans at least a whole row or column (its "leading dimension"), with a non-negative batch
     /// stride.
-    pub fn blas_compatible(&self) -> bool {
+    pub(crate) fn blas_compatible(&self) -> bool {
         let ok =
             |unit: isize, lead: isize, extent: usize| unit == 1 && lead >= extent.max(1) as isize;
         self.batch_stride >= 0
@@ -243,13 +247,15 @@ impl MatrixLayout {
     }
 
     /// Whether rows are contiguous (`col_stride == 1`): "row-major"; else columns are.
-    pub fn is_row_major(&self) -> bool {
+    #[cfg_attr(not(cuda), allow(dead_code))] // the CUDA backend's BLAS calls
+    pub(crate) fn is_row_major(&self) -> bool {
         self.col_stride == 1 && (self.row_stride >= self.cols.max(1) as isize || self.rows <= 1)
     }
 
     /// The leading dimension a BLAS is given: the stride between rows when row-major, else
     /// between columns (at least 1).
-    pub fn leading_dimension(&self) -> usize {
+    #[cfg_attr(not(cuda), allow(dead_code))] // the CUDA backend's BLAS calls
+    pub(crate) fn leading_dimension(&self) -> usize {
         let ld = if self.is_row_major() {
             self.row_stride
         } else {
@@ -263,7 +269,7 @@ impl MatrixLayout {
 /// row vector, a 1-d right operand a column vector (the added axis is removed from the result),
 /// and leading batch axes broadcast.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MatmulShape {
+pub(crate) struct MatmulShape {
     /// The broadcast batch shape.
     pub batch: Vec<usize>,
     /// Rows of the left operand and of the result.
@@ -282,7 +288,7 @@ pub struct MatmulShape {
 
 impl MatmulShape {
     /// The product of arrays of shapes `a` and `b`.
-    pub fn new(a: &[usize], b: &[usize]) -> Result<MatmulShape> {
+    pub(crate) fn new(a: &[usize], b: &[usize]) -> Result<MatmulShape> {
         if a.is_empty() || b.is_empty() {
             return Err(Error::Shape(
                 "matmul needs arrays of at least one dimension (got a 0-d operand)".into(),
@@ -323,14 +329,14 @@ impl MatmulShape {
     }
 
     /// The number of matrices in the batch.
-    pub fn batch_count(&self) -> usize {
+    pub(crate) fn batch_count(&self) -> usize {
         self.batch.iter().product()
     }
 }
 
 /// The matrix layout of a view of shape `batch + [rows, cols]` with `strides`, when its batch
 /// axes collapse to one stride (else `None`: the operand must be made compact first).
-pub fn matrix_layout(shape: &[usize], strides: &[isize]) -> Option<MatrixLayout> {
+pub(crate) fn matrix_layout(shape: &[usize], strides: &[isize]) -> Option<MatrixLayout> {
     let nd = shape.len();
     debug_assert!(nd >= 2);
     let (rows, cols) = (shape[nd - 2], shape[nd - 1]);

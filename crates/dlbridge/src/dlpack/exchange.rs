@@ -97,7 +97,7 @@ impl ImportRequest {
     /// (`kDLMetal`: share a shared or managed buffer, copy a private one) unless the tensor is
     /// bound for another device anyway, then applies `device`, `storage` and `copy`
     /// ([`ImportRequest::finish`]).
-    pub fn finish_foreign(&self, taken: Imported) -> Result<Imported> {
+    pub(crate) fn finish_foreign(&self, taken: Imported) -> Result<Imported> {
         let elsewhere = self.device.is_some_and(|d| d != taken.tensor.device());
         let taken = if elsewhere {
             // Another device is reached by a copy, which needs no resolution first.

@@ -248,7 +248,7 @@ fn shareable(device: Device) -> Result<&'static Shareable> {
 }
 
 /// The caching pool of shareable memory on `device` (`cpu` or `cuda_host:N`).
-pub fn pool(device: Device) -> Result<&'static Arc<Pool>> {
+pub(crate) fn pool(device: Device) -> Result<&'static Arc<Pool>> {
     Ok(&shareable(device)?.pool)
 }
 
@@ -280,7 +280,7 @@ impl Drop for SharedBlock {
 
 /// Allocates `bytes` of shareable host memory on `device` (`cpu` or `cuda_host:N`) from its
 /// pool; the memory reads as zeros when `zeroed`.
-pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
+pub(crate) fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
     let shared = shareable(device)?;
     let block = shared.pool.allocate_static(bytes.max(1), None, zeroed)?;
     let ptr = block.as_ptr().as_ptr();

@@ -22,7 +22,7 @@ use super::memfd::os_error;
 use crate::error::{Error, Result};
 
 /// The most descriptors one message carries.
-pub const MAX_FDS: usize = 16;
+pub(crate) const MAX_FDS: usize = 16;
 
 /// The largest handle message, in bytes.
 const MAX_MESSAGE: usize = 64 * 1024;

@@ -41,7 +41,7 @@
 //!
 //! # What a consumer cannot do to the others
 //! Every process a handle reaches holds a descriptor of the memory. A shared file is sealed at
-//! its size (see [`cpu`]): no holder can shrink it under the others' mappings (which would kill
+//! its size (`share/cpu.rs`): no holder can shrink it under the others' mappings (which would kill
 //! them with `SIGBUS`), and a received file without those seals is refused. Every mapping is
 //! writable, read-only views included (read-only is a flag for the consumers that honour it), so
 //! no consumer faults on a write.
@@ -65,8 +65,8 @@
 //! ```
 
 pub mod broker;
-pub mod cpu;
-pub mod fd;
+pub(crate) mod cpu;
+pub(crate) mod fd;
 pub(crate) mod handle;
 pub(crate) mod memfd;
 

@@ -34,7 +34,7 @@ pub(crate) fn cast_tensor(x: &Tensor, dtype: DType) -> Result<Tensor> {
 
 /// One element, widened.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Scalar {
+pub(crate) enum Scalar {
     /// A boolean.
     Bool(bool),
     /// A signed integer.
@@ -84,7 +84,7 @@ fn bytes<const N: usize>(b: &[u8]) -> [u8; N] {
 
 /// Reads one element of `dtype` from native-order bytes; `None` for dtypes with no numeric value
 /// (opaque handles, vector types).
-pub fn read_scalar(dtype: DType, b: &[u8]) -> Option<Scalar> {
+pub(crate) fn read_scalar(dtype: DType, b: &[u8]) -> Option<Scalar> {
     if dtype.lanes() != 1 {
         return None;
     }
@@ -116,7 +116,7 @@ pub fn read_scalar(dtype: DType, b: &[u8]) -> Option<Scalar> {
 
 /// Writes `value` as one element of `dtype` into `out` (exactly `itemsize` bytes); `None` for
 /// dtypes with no numeric value.
-pub fn write_scalar(dtype: DType, value: Scalar, out: &mut [u8]) -> Option<()> {
+pub(crate) fn write_scalar(dtype: DType, value: Scalar, out: &mut [u8]) -> Option<()> {
     if dtype.lanes() != 1 {
         return None;
     }

@@ -13,7 +13,7 @@
 //! block is reused by the next request of its size. The cache is limited to
 //! [`DEFAULT_CACHE_LIMIT`] unless [`Pool::set_cache_limit`] says otherwise.
 
-pub mod cast;
+pub(crate) mod cast;
 pub(crate) mod compute;
 mod hooks;
 pub(crate) mod workers;
@@ -80,7 +80,7 @@ pub(crate) fn host_memory_bytes() -> usize {
 pub use crate::host::page_size;
 
 /// The alignment and padded length an allocation of `bytes` gets.
-pub fn allocation_layout(bytes: usize) -> Result<AllocLayout> {
+pub(crate) fn allocation_layout(bytes: usize) -> Result<AllocLayout> {
     let (align, len) = if bytes >= PAGE_ALIGN_THRESHOLD {
         let page = page_size();
         let len = bytes
@@ -260,7 +260,7 @@ pub(crate) unsafe fn copy_host(dst: &Tensor, src: &Tensor) -> Result<()> {
 /// Every element address the two layouts produce must be valid for reads (`src`) and writes
 /// (`dst`) of `itemsize` bytes, and the two sets of addressed bytes must not overlap. Both stride
 /// lists have `shape`'s length (else nothing is copied).
-pub unsafe fn copy_strided(
+pub(crate) unsafe fn copy_strided(
     src: *const u8,
     src_strides: &[isize],
     dst: *mut u8,

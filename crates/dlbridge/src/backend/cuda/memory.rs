@@ -467,7 +467,7 @@ pub fn allocate(device: Device, bytes: usize, zeroed: bool) -> Result<Buffer> {
 
 /// Checks that `[addr, addr + len)` is memory the CUDA driver knows, of the kind and device that a
 /// DLPack producer claimed. A pointer the driver does not know is a [`Error::MalformedTensor`].
-pub fn validate_foreign(device: Device, addr: usize, len: usize) -> Result<()> {
+pub(crate) fn validate_foreign(device: Device, addr: usize, len: usize) -> Result<()> {
     let ordinal = device.index() as i32;
     let _ctx = context(ordinal)?;
     let unknown = || {

@@ -48,12 +48,12 @@ use cudarc::driver::sys;
 
 pub(crate) use copy::copy;
 pub(crate) use hooks::Cuda;
-pub use memory::{allocate, pool, validate_foreign};
-pub(crate) use stream::record_use;
+pub(crate) use memory::validate_foreign;
+pub use memory::{allocate, pool};
 pub use stream::{
-    Event, LEGACY_STREAM, PER_THREAD_STREAM, Stream, current_stream, make_visible, order_streams,
-    set_current_stream, stream_from_dlpack,
+    Event, LEGACY_STREAM, PER_THREAD_STREAM, Stream, current_stream, set_current_stream,
 };
+pub(crate) use stream::{make_visible, order_streams, record_use, stream_from_dlpack};
 
 use self::driver::{Named, failed};
 use crate::device::Device;

@@ -81,7 +81,7 @@ pub fn set_current_stream(ordinal: i32, handle: usize) -> usize {
 /// `None` and `1` are the legacy default stream, `2` the per-thread default stream, `-1` means
 /// "do not synchronize" (returned as `None`), larger values are stream handles; `0` is
 /// disallowed because it is ambiguous.
-pub fn stream_from_dlpack(stream: Option<i64>) -> Result<Option<usize>> {
+pub(crate) fn stream_from_dlpack(stream: Option<i64>) -> Result<Option<usize>> {
     match stream {
         None | Some(1) => Ok(Some(LEGACY_STREAM)),
         Some(-1) => Ok(None),
@@ -114,7 +114,7 @@ pub(super) fn raw(handle: usize) -> sys::CUstream {
 /// Makes the work enqueued so far on `producer` visible to later work on `consumer` (both on
 /// device `ordinal`), without blocking the host: an event recorded on `producer` and a wait for it
 /// enqueued on `consumer`. Nothing happens when they are the same stream.
-pub fn order_streams(ordinal: i32, producer: usize, consumer: usize) -> Result<()> {
+pub(crate) fn order_streams(ordinal: i32, producer: usize, consumer: usize) -> Result<()> {
     if same_stream(producer, consumer) {
         return Ok(());
     }
@@ -140,7 +140,7 @@ pub(super) fn order_across(from: i32, producer: usize, to: i32, consumer: usize)
 
 /// As a DLPack producer: makes dlbridge's pending work on device `ordinal` (its current stream)
 /// visible on the consumer's `stream` (already decoded by [`stream_from_dlpack`]).
-pub fn make_visible(ordinal: i32, consumer: Option<usize>) -> Result<()> {
+pub(crate) fn make_visible(ordinal: i32, consumer: Option<usize>) -> Result<()> {
     match consumer {
         None => Ok(()),
         Some(consumer) => order_streams(ordinal, current_stream(ordinal), consumer),

@@ -106,15 +106,6 @@ pub fn pool(_device: Device) -> Result<&'static Arc<Pool>> {
     Err(no_cuda())
 }
 
-/// Checks a producer's CUDA pointer: without a driver nothing can be checked, and nothing here
-/// touches the memory, so the producer's word is taken.
-///
-/// # Errors
-/// Never in this build.
-pub fn validate_foreign(_device: Device, _addr: usize, _len: usize) -> Result<()> {
-    Ok(())
-}
-
 /// The calling thread's current stream: the legacy default stream (`0`).
 pub fn current_stream(_ordinal: i32) -> usize {
     0
@@ -125,27 +116,11 @@ pub fn set_current_stream(_ordinal: i32, _handle: usize) -> usize {
     0
 }
 
-/// Reads a DLPack `stream` argument.
-///
-/// # Errors
-/// Always [`Error::BackendUnavailable`] in this build.
-pub fn stream_from_dlpack(_stream: Option<i64>) -> Result<Option<usize>> {
-    Err(no_cuda())
-}
-
 /// Orders a consumer stream after a producer stream.
 ///
 /// # Errors
 /// Always [`Error::BackendUnavailable`] in this build.
-pub fn order_streams(_ordinal: i32, _producer: usize, _consumer: usize) -> Result<()> {
-    Err(no_cuda())
-}
-
-/// Makes our pending work visible on a consumer's stream.
-///
-/// # Errors
-/// Always [`Error::BackendUnavailable`] in this build.
-pub fn make_visible(_ordinal: i32, _consumer: Option<usize>) -> Result<()> {
+pub(crate) fn order_streams(_ordinal: i32, _producer: usize, _consumer: usize) -> Result<()> {
     Err(no_cuda())
 }
 

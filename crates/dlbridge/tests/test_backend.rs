@@ -36,6 +36,16 @@ fn first(t: &Tensor) -> usize {
     t.buffer().host_ptr().unwrap().as_ptr() as usize + t.byte_offset()
 }
 
+/// The pool test reads the figures of a pool the whole process shares and sets its memory limit:
+/// the tests of this binary run one at a time, so that no other test allocates there meanwhile (it
+/// failed about one run in five with them in parallel).
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Allocation on the device lands in its own pool: figures, reuse of a cached block, the memory
 /// limit, and emptying the cache.
 fn pool(device: Device) {
@@ -201,31 +211,37 @@ macro_rules! on_device {
 
             #[test]
             fn pool() {
+                let _serial = super::serial();
                 super::pool($device);
             }
 
             #[test]
             fn copies() {
+                let _serial = super::serial();
                 super::copies($device);
             }
 
             #[test]
             fn exchange() {
+                let _serial = super::serial();
                 super::exchange($device);
             }
 
             #[test]
             fn share_here() {
+                let _serial = super::serial();
                 super::share_here($device);
             }
 
             #[test]
             fn share_across() {
+                let _serial = super::serial();
                 super::share_across($device, concat!(stringify!($module), "::share_across"));
             }
 
             #[test]
             fn compute_or_typed_error() {
+                let _serial = super::serial();
                 super::compute_or_typed_error($device);
             }
         }

@@ -2,7 +2,7 @@
 //!
 //! | Python | Rust |
 //! | --- | --- |
-//! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
+//! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`]; its methods in [`array_methods`] |
 //! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`dlpack`]: Python objects into the core's exchange requests (capsules are renamed in [`dlpack::capsule`]) |
 //! | `dlbridge.load_file`, `safe_open`, `save_file` | [`safetensors`] over [`dlbridge::safetensors`] |
 //! | `dlbridge.load_npy`, `load_npz` | [`npy`] over [`dlbridge::npy`] |
@@ -20,6 +20,7 @@
 #![allow(rustdoc::private_intra_doc_links)]
 
 mod array;
+mod array_methods;
 mod backend;
 mod convert;
 mod creation;
@@ -87,7 +88,7 @@ fn synchronize(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
 #[pymodule]
 fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<array::PyArray>()?;
-    array::DLPACK.add_to_class::<array::PyArray>(m.py())?;
+    array_methods::DLPACK.add_to_class::<array::PyArray>(m.py())?;
     dtype::register(m)?;
     m.add_class::<device::PyDevice>()?;
     creation::FROM_DLPACK.add_to_module(m)?;

@@ -48,7 +48,7 @@ fi
 
 step "cargo doc: the three crates' documentation builds without a warning (broken or private links)"
 PYO3_PYTHON="$PY" RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps \
-    -p dlbridge -p dlbridge-pyo3 -p dlbridge-py --features "dlbridge/$backend"
+    -p dlbridge -p dlbridge-pyo3 -p dlbridge-python-module --features "dlbridge/$backend"
 
 step "Rust tests of dlbridge-pyo3 (unit and doc tests against the venv's Python)"
 PYO3_PYTHON="$PY" cargo test -p dlbridge-pyo3 --features ndarray --quiet
@@ -66,7 +66,7 @@ if [ "$backend" = cuda ]; then
     step "Apple-target check (aarch64-apple-darwin, Metal backend)"
     bash "$ROOT/scripts/apple-check.sh"
     # The Python bindings always ask for the Metal backend: check their Metal paths too.
-    bash "$ROOT/scripts/apple-check.sh" -p dlbridge-py --all-targets
+    bash "$ROOT/scripts/apple-check.sh" -p dlbridge-python-module --all-targets
     [ -z "${CI:-}" ] || rm -rf "$ROOT/target/apple-check"
 fi
 

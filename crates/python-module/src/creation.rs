@@ -102,7 +102,8 @@ static EMPTY_SIGNATURE: Signature<4> =
     Signature::new("empty", ["shape", "dtype", "device", "storage"], 0, 2, 1);
 
 /// `dlbridge.empty`, registered by hand as a fastcall function (see [`crate::fastcall`]): the
-/// allocation benchmark's subject, whose per-call cost is meant to stay below `numpy.empty`'s.
+/// allocation benchmark's subject, 0.214 µs an allocation and free from the pool against 0.272 µs
+/// through PyO3 (`python bench/bench_pool.py --devices cpu`; `numpy.empty`'s: 0.188 µs).
 pub(crate) static EMPTY: MethodDef = MethodDef::new(
     c"empty",
     c"empty(shape, dtype=None, *, device=None, storage=None)\n--\n\n\
@@ -423,7 +424,8 @@ pub(crate) fn asarray(
 static FROM_DLPACK_SIGNATURE: Signature<3> =
     Signature::new("from_dlpack", ["x", "device", "copy"], 1, 1, 1);
 
-/// `dlbridge.from_dlpack`, registered by hand as a fastcall function (see [`crate::fastcall`]).
+/// `dlbridge.from_dlpack`, registered by hand as a fastcall function (see [`crate::fastcall`]):
+/// 0.537 µs an import of a PyTorch tensor against 0.581 µs through PyO3 (`python bench/bench_cpu.py`).
 pub(crate) static FROM_DLPACK: MethodDef = MethodDef::new(
     c"from_dlpack",
     c"from_dlpack(x, /, *, device=None, copy=None)\n--\n\n\

@@ -4,7 +4,8 @@
 Reads every `.rs` file under a crate's `src/`, takes each path that starts with `crate::`,
 `super::` or `self::` (in `use` lines and in code, comments skipped), resolves it to the file of
 the deepest module it names, and prints the strongly connected components of more than one file
-(the circles): `python3 scripts/import-graph.py crates/dlbridge [--edges] [--from DIR]`.
+(the circles): `python3 scripts/import-graph.py crates/dlbridge [--edges] [--from DIR]
+[--max-circle N]`.
 
 Unit-test modules (`#[cfg(test)] mod tests`) are left out. `--edges` also lists, for each circle, the edges inside it; `--from DIR` lists the files outside
 DIR that name a module under DIR (e.g. `--from backend/cuda`).
@@ -168,6 +169,8 @@ def main():
     ap.add_argument("crate")
     ap.add_argument("--edges", action="store_true")
     ap.add_argument("--from", dest="from_dir")
+    ap.add_argument("--max-circle", type=int, metavar="N",
+                    help="exit with status 1 when a circle has more than N files (a check)")
     ap.add_argument("--seam", action="store_true",
                     help="drop the registration edges (backend/mod.rs into a backend folder): "
                          "the circles left are those a backend takes part in besides "
@@ -195,7 +198,11 @@ def main():
                 hits = sorted(t for t in edges[f] if t.startswith(d))
                 if hits:
                     print(f"  {f} -> {' '.join(hits)}")
+    if args.max_circle is not None and circles and len(circles[0]) > args.max_circle:
+        print(f"\nFAIL: a circle of {len(circles[0])} files (at most {args.max_circle} allowed)")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,6 +10,9 @@ cd "$ROOT"
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "import graph: the extension module's crate has no circle of more than 3 files"
+python3 "$ROOT/scripts/import-graph.py" "$ROOT/crates/python-module" --max-circle 3
+
 # The Rust tests that need a device are `#[ignore = "needs a ... device"]`: they are compiled
 # everywhere the platform has their backend and run only where a device exists, so a machine
 # without one lists them as ignored instead of counting them as passed.
@@ -48,7 +51,7 @@ fi
 
 step "cargo doc: the three crates' documentation builds without a warning (broken or private links)"
 PYO3_PYTHON="$PY" RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps \
-    -p dlbridge -p dlbridge-pyo3 -p dlbridge-py --features "dlbridge/$backend"
+    -p dlbridge -p dlbridge-pyo3 -p dlbridge-python-module --features "dlbridge/$backend"
 
 step "Rust tests of dlbridge-pyo3 (unit and doc tests against the venv's Python)"
 PYO3_PYTHON="$PY" cargo test -p dlbridge-pyo3 --features ndarray --quiet
@@ -66,7 +69,7 @@ if [ "$backend" = cuda ]; then
     step "Apple-target check (aarch64-apple-darwin, Metal backend)"
     bash "$ROOT/scripts/apple-check.sh"
     # The Python bindings always ask for the Metal backend: check their Metal paths too.
-    bash "$ROOT/scripts/apple-check.sh" -p dlbridge-py --all-targets
+    bash "$ROOT/scripts/apple-check.sh" -p dlbridge-python-module --all-targets
     [ -z "${CI:-}" ] || rm -rf "$ROOT/target/apple-check"
 fi
 

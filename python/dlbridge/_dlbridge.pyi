@@ -606,7 +606,7 @@ def storage_mode(
     """`(mode, source)`, e.g. `("shared", "default")`; source is default, environment or explicit."""
     ...
 
-# The element types (the core's `DType::named`, registered by crates/dlbridge-py/src/dtype.rs);
+# The element types (the core's `DType::named`, registered by crates/python-module/src/dtype.rs);
 # `__all__`, which dlbridge re-exports wholesale, names all but `bool`. stubtest and
 # tests/python/test_stub_dtypes.py check both lists against the built module.
 __all__ = [

@@ -1,5 +1,5 @@
 """The hand-written fastcall entry points: ``dlbridge.from_dlpack``, ``dlbridge.empty`` and
-``Array.__dlpack__`` parse their own arguments (see ``crates/dlbridge-py/src/fastcall.rs``), so
+``Array.__dlpack__`` parse their own arguments (see ``crates/python-module/src/fastcall.rs``), so
 their argument handling is tested here as CPython's own would behave.
 
 This file, with ``test_compute.py``, is also what ``scripts/test.sh`` runs on the oldest CPython

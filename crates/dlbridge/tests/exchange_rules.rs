@@ -1,7 +1,7 @@
 //! The exchange rules alone, from Rust with no Python involved: `copy` (`None`, `Some(true)`,
 //! `Some(false)`) × same or other device × read-only × version negotiation × stream values, for
 //! imports ([`ImportRequest`]) and exports ([`ExportRequest`]). A Python caller gets the same
-//! answers: `dlbridge-py` only turns its arguments into these requests.
+//! answers: `dlbridge-python-module` only turns its arguments into these requests.
 //!
 //! The "other device" cases use CUDA: on a machine without a driver a copy there is an exchange
 //! the library "cannot handle" (`UnsupportedDevice`, a `BufferError` in Python); the tests that

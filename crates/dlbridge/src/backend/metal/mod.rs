@@ -47,7 +47,7 @@
 //! buffers ([`import_foreign`], [`wrap_host`]) never enter a pool.
 //!
 //! # Python
-//! The `dlbridge` package wires this up (crates/dlbridge-py): `device="metal"` / `"metal:N"` and
+//! The `dlbridge` package wires this up (crates/python-module): `device="metal"` / `"metal:N"` and
 //! `storage=` in the creation functions and `Array.to`; `Array.storage`; `from_dlpack` of a
 //! `kDLMetal` tensor (PyTorch MPS, MLX) through [`import_foreign`]; `Array.__dlpack__`
 //! synchronizes first and, asked for `dl_device=(kDLCPU, 0)`, hands out a [`host_view`] of shared

@@ -2,8 +2,6 @@
 //! `dlbridge.ray`'s transport between GPUs and hosts: `_dlbridge.NcclCommunicator` and the
 //! natives around it. The rules live in the core; this module turns Python objects into its calls.
 
-use std::time::Duration;
-
 use dlbridge::backend::cuda::nccl::{self, Communicator, UNIQUE_ID_BYTES};
 use dlbridge::share::runs::{RunPlan, RunView};
 use pyo3::exceptions::PyValueError;
@@ -21,18 +19,6 @@ type ViewTuple = share::ViewTuple<isize>;
 
 /// A run of a transfer, as Python carries it: (length in bytes, address phase).
 type RunTuple = (usize, usize);
-
-/// A `timeout=` argument in seconds as a duration (`None` stays `None`): `ValueError` for a
-/// negative, infinite or NaN number. Shared by every call that takes one.
-pub(crate) fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
-    seconds
-        .map(|s| {
-            Duration::try_from_secs_f64(s).map_err(|_| {
-                PyValueError::new_err(format!("timeout={s} is not a duration in seconds"))
-            })
-        })
-        .transpose()
-}
 
 /// One rank of an NCCL communicator on one CUDA device (see `dlbridge.ray`). Joining waits until
 /// every rank has joined, or fails after `timeout` seconds (NCCL 2.14 and later).
@@ -60,7 +46,7 @@ impl PyCommunicator {
             ))
         })?;
         let ordinal = i32::try_from(device).map_err(|_| PyValueError::new_err("device"))?;
-        let timeout = timeout_of(timeout)?;
+        let timeout = share::timeout_of(timeout)?;
         let inner = py
             .detach(|| Communicator::join(&id, size, rank, ordinal, timeout))
             .py()?;
@@ -110,7 +96,7 @@ impl PyCommunicator {
         timeout: Option<f64>,
     ) -> PyResult<()> {
         let tensors = share::tensors_of(&arrays)?;
-        let timeout = timeout_of(timeout)?;
+        let timeout = share::timeout_of(timeout)?;
         py.detach(|| self.inner.send(&tensors, peer, runs.as_deref(), timeout))
             .py()?;
         Ok(())
@@ -139,7 +125,7 @@ impl PyCommunicator {
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let timeout = timeout_of(timeout)?;
+        let timeout = share::timeout_of(timeout)?;
         let tensors = py
             .detach(|| self.inner.recv(&runs, &views, peer, timeout))
             .py()?;

@@ -319,7 +319,7 @@ pub(crate) fn load_options(
     gds: Option<bool>,
 ) -> PyResult<LoadOptions> {
     let device: Device = crate::device::parse(device)?;
-    let storage = crate::creation::parse_storage(storage)?;
+    let storage = crate::device::parse_storage(storage)?;
     let allocation = allocation.map(str::parse::<Allocation>).transpose().py()?;
     let dtype = match dtype.filter(|d| !d.is_none()) {
         Some(d) => Some(crate::dtype::parse(d)?),

@@ -4,6 +4,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use dlbridge::share::broker::{self, Wait};
 use dlbridge::share::{self, SharedHandle};
@@ -62,7 +63,7 @@ pub(crate) fn waiting<T: Send>(
     timeout: Option<f64>,
     f: impl FnOnce(&Wait<'_>) -> dlbridge::Result<T> + Send,
 ) -> PyResult<T> {
-    let timeout = crate::nccl::timeout_of(timeout)?.unwrap_or_else(broker::default_timeout);
+    let timeout = timeout_of(timeout)?.unwrap_or_else(broker::default_timeout);
     let raised: Mutex<Option<PyErr>> = Mutex::new(None);
     let check = || -> dlbridge::Result<()> {
         Python::attach(|py| py.check_signals()).map_err(|e| {
@@ -487,4 +488,16 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_open_many, m)?)?;
     m.add_function(wrap_pyfunction!(_share_timeout, m)?)?;
     Ok(())
+}
+
+/// A `timeout=` argument in seconds as a duration (`None` stays `None`): `ValueError` for a
+/// negative, infinite or NaN number. Shared by every call that takes one.
+pub(crate) fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
+    seconds
+        .map(|s| {
+            Duration::try_from_secs_f64(s).map_err(|_| {
+                PyValueError::new_err(format!("timeout={s} is not a duration in seconds"))
+            })
+        })
+        .transpose()
 }

@@ -1,8 +1,13 @@
-//! The `dlbridge._dlbridge` extension module: Python bindings of the `dlbridge` crate.
+//! The `dlbridge._dlbridge` extension module (not a library: extension authors want `dlbridge-pyo3`).
+//!
+//! The crate `dlbridge-python-module` (`crates/python-module`, never published) is what maturin
+//! builds into the `dlbridge` wheel: the Python bindings of the `dlbridge` crate. Its modules are
+//! private; `dlbridge-pyo3` (`crates/dlbridge-pyo3`, published) is the crate to depend on for a
+//! PyO3 extension of one's own that takes and returns dlbridge arrays.
 //!
 //! | Python | Rust |
 //! | --- | --- |
-//! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`] |
+//! | `dlbridge.Array` | [`array::PyArray`] over [`dlbridge::Tensor`]; its methods in [`array_methods`] |
 //! | `dlbridge.from_dlpack`, `Array.__dlpack__` | [`dlpack`]: Python objects into the core's exchange requests (capsules are renamed in [`dlpack::capsule`]) |
 //! | `dlbridge.load_file`, `safe_open`, `save_file` | [`safetensors`] over [`dlbridge::safetensors`] |
 //! | `dlbridge.load_npy`, `load_npz` | [`npy`] over [`dlbridge::npy`] |
@@ -20,6 +25,7 @@
 #![allow(rustdoc::private_intra_doc_links)]
 
 mod array;
+mod array_methods;
 mod backend;
 mod convert;
 mod creation;
@@ -87,7 +93,7 @@ fn synchronize(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
 #[pymodule]
 fn _dlbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<array::PyArray>()?;
-    array::DLPACK.add_to_class::<array::PyArray>(m.py())?;
+    array_methods::DLPACK.add_to_class::<array::PyArray>(m.py())?;
     dtype::register(m)?;
     m.add_class::<device::PyDevice>()?;
     creation::FROM_DLPACK.add_to_module(m)?;

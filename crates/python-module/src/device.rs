@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use dlbridge::Device;
+use dlbridge::{Device, StorageMode};
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
@@ -156,4 +156,30 @@ pub(crate) fn parse(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
          (device_type, device_id) tuple)",
         obj.repr()?
     )))
+}
+
+/// Reads an optional device argument (`None` and Python's `None` both mean "not given").
+pub(crate) fn parse_opt(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Device>> {
+    match device {
+        Some(d) if !d.is_none() => Ok(Some(parse(d)?)),
+        _ => Ok(None),
+    }
+}
+
+/// Reads a storage mode: `private` (alias `device`), `shared` (alias `pinned`) or `managed`.
+pub(crate) fn parse_storage(storage: Option<&str>) -> PyResult<Option<StorageMode>> {
+    let Some(name) = storage else {
+        return Ok(None);
+    };
+    let mode = match name.trim().to_ascii_lowercase().as_str() {
+        "device" => StorageMode::Private,
+        "pinned" => StorageMode::Shared,
+        other => other.parse::<StorageMode>().map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "unknown storage {name:?}: expected 'private' (or 'device'), 'shared' (or \
+                 'pinned') or 'managed'"
+            ))
+        })?,
+    };
+    Ok(Some(mode))
 }

@@ -14,7 +14,6 @@ use pyo3::exceptions::{PyRuntimeWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyTuple};
 
-use crate::creation::parse_opt_device;
 use crate::errors::IntoPyResult;
 
 /// Adds this module's functions to the extension module.
@@ -44,7 +43,7 @@ pub(crate) fn warn_env_once(py: Python<'_>) -> PyResult<()> {
 }
 
 fn device_or_cpu(device: Option<&Bound<'_, PyAny>>) -> PyResult<Device> {
-    Ok(parse_opt_device(device)?.unwrap_or(Device::CPU))
+    Ok(crate::device::parse_opt(device)?.unwrap_or(Device::CPU))
 }
 
 /// The pool of `device` (default CPU) for `storage` (`None`: the device's own).
@@ -52,7 +51,7 @@ fn pool_of(
     device: Option<&Bound<'_, PyAny>>,
     storage: Option<&str>,
 ) -> PyResult<&'static Arc<Pool>> {
-    let storage = crate::creation::parse_storage(storage)?;
+    let storage = crate::device::parse_storage(storage)?;
     dlbridge::backend::pool_for(device_or_cpu(device)?, storage).py()
 }
 

@@ -26,6 +26,13 @@ const REGISTERED_MIN: usize = 2 << 20;
 /// The huge page size the kernel backs anonymous memory with where asked (`MADV_HUGEPAGE`).
 const HUGE_PAGE: usize = 2 << 20;
 
+/// The advice [`registered_pages`] gives its mapping before registering it: back it with huge
+/// pages, and fault it in now (Linux; elsewhere the registration faults the pages in).
+#[cfg(target_os = "linux")]
+const HINTS: [libc::c_int; 2] = [libc::MADV_HUGEPAGE, libc::MADV_POPULATE_WRITE];
+#[cfg(not(target_os = "linux"))]
+const HINTS: [libc::c_int; 0] = [];
+
 /// The pinned blocks [`registered_pages`] made: start address → length of the mapping.
 static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
 
@@ -76,7 +83,7 @@ fn registered_pages(bytes: usize) -> Option<NonNull<c_void>> {
     }
     // Hints, on the mapping above that only this function knows of: refusals (an older kernel,
     // huge pages off) leave ordinary pages, faulted in by the registration below.
-    for advice in [libc::MADV_HUGEPAGE, libc::MADV_POPULATE_WRITE] {
+    for advice in HINTS {
         // SAFETY: as above.
         unsafe { libc::madvise(start, len, advice) };
     }

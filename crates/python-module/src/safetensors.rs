@@ -129,26 +129,13 @@ impl PyCheckpoint {
         let wanted: Option<std::collections::BTreeSet<String>> =
             keys.map(|k| k.into_iter().collect());
         let select = |name: &str| wanted.as_ref().is_none_or(|w| w.contains(name));
-        let mut callback_error: Option<PyErr> = None;
+        let mut progress = Progress::new(progress);
         let loaded = py.detach(|| {
-            let mut report = |done: u64, total: u64| {
-                let Some(progress) = &progress else {
-                    return;
-                };
-                if callback_error.is_some() {
-                    return;
-                }
-                Python::attach(|py| {
-                    if let Err(e) = progress.call1(py, (done, total)) {
-                        callback_error = Some(e);
-                    }
-                });
-            };
-            self.inner.load_to(select, &options, &mut report)
+            self.inner.load_to(select, &options, &mut |done, total| {
+                progress.report(done, total)
+            })
         });
-        if let Some(e) = callback_error {
-            return Err(e);
-        }
+        progress.finish()?;
         let loaded = loaded.py()?;
         let out = PyDict::new(py);
         for (name, tensor) in loaded {
@@ -220,32 +207,55 @@ impl PyCheckpoint {
             .iter()
             .map(|(n, l, t)| (n.as_str(), l.clone(), t))
             .collect();
-        let mut callback_error: Option<PyErr> = None;
+        let mut progress = Progress::new(progress);
         // The read runs without the GIL, as PyTorch's `copy_` runs without it.
         let read = py.detach(|| {
-            let mut report = |done: u64, total: u64| {
-                let Some(progress) = &progress else {
-                    return;
-                };
-                if callback_error.is_some() {
-                    return;
-                }
-                Python::attach(|py| {
-                    if let Err(e) = progress.call1(py, (done, total)) {
-                        callback_error = Some(e);
-                    }
-                });
-            };
+            let mut report = |done, total| progress.report(done, total);
             // SAFETY: no Rust reference into the targets' memory outlives a Python call; the
             // caller handed the targets to this read (another thread writing them meanwhile would
             // race as it would with PyTorch's own `copy_`, as `dlbridge.load_into` documents);
             // `check_disjoint` refused targets that overlap.
             unsafe { self.inner.load_parts_into(&refs, &options, &mut report) }
         });
-        if let Some(e) = callback_error {
-            return Err(e);
-        }
+        progress.finish()?;
         read.py()
+    }
+}
+
+/// A Python `progress(done, total)` callable, called from a load or save that runs without the
+/// GIL: each call attaches; the first exception it raises is kept and later calls are skipped;
+/// [`finish`](Progress::finish) (with the GIL held, so the callable is released there) raises it.
+pub(crate) struct Progress {
+    callable: Option<Py<PyAny>>,
+    error: Option<PyErr>,
+}
+
+impl Progress {
+    pub(crate) fn new(callable: Option<Py<PyAny>>) -> Progress {
+        Progress {
+            callable,
+            error: None,
+        }
+    }
+
+    /// Tells the callable, unless there is none or it raised before.
+    pub(crate) fn report(&mut self, done: u64, total: u64) {
+        let Some(callable) = &self.callable else {
+            return;
+        };
+        if self.error.is_some() {
+            return;
+        }
+        Python::attach(|py| {
+            if let Err(e) = callable.call1(py, (done, total)) {
+                self.error = Some(e);
+            }
+        });
+    }
+
+    /// The exception the callable raised, if it did.
+    pub(crate) fn finish(self) -> PyResult<()> {
+        self.error.map_or(Ok(()), Err)
     }
 }
 
@@ -415,30 +425,16 @@ fn _st_save(
     let owned = named_tensors(tensors)?;
     let refs: Vec<(&str, &Tensor)> = owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let options = write_options(threads, chunk_bytes, direct_io);
-    let mut callback_error: Option<PyErr> = None;
+    let mut progress = Progress::new(progress);
     let saved = py.detach(|| {
-        let mut report = |done: u64, total: u64| {
-            let Some(progress) = &progress else {
-                return;
-            };
-            if callback_error.is_some() {
-                return;
-            }
-            Python::attach(|py| {
-                if let Err(e) = progress.call1(py, (done, total)) {
-                    callback_error = Some(e);
-                }
-            });
-        };
+        let mut report = |done, total| progress.report(done, total);
         match max_shard_size {
             Some(max) => save_sharded(&refs, metadata.as_ref(), &path, max, &options, &mut report),
             None => save_file_with(&refs, metadata.as_ref(), &path, &options, &mut report)
                 .map(|()| path.clone()),
         }
     });
-    if let Some(e) = callback_error {
-        return Err(e);
-    }
+    progress.finish()?;
     saved.py()
 }
 

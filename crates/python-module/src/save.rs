@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::to_py;
+use crate::safetensors::Progress;
 
 /// What the saving thread has told so far.
 #[derive(Default)]
@@ -185,17 +186,8 @@ fn _st_save_async(
             let shared = thread_shared;
             let refs: Vec<(&str, &Tensor)> = owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
             let copied = || shared.update(|s| s.copied = true);
-            let mut report = |done: u64, total: u64| {
-                let Some(progress) = &progress else { return };
-                if shared.lock().callback_error.is_some() {
-                    return;
-                }
-                Python::attach(|py| {
-                    if let Err(e) = progress.call1(py, (done, total)) {
-                        shared.update(|s| s.callback_error = Some(e));
-                    }
-                });
-            };
+            let mut progress = Progress::new(progress);
+            let mut report = |done, total| progress.report(done, total);
             let result = match max_shard_size {
                 Some(max) => save_sharded_staged(
                     &refs,
@@ -221,10 +213,12 @@ fn _st_save_async(
             // The arrays go before the end is told: a caller that waited may free them.
             drop(refs);
             drop(owned);
-            if let Some(progress) = progress {
-                Python::attach(|_| drop(progress));
-            }
-            shared.update(|s| s.result = Some(result.map_err(to_py)));
+            // The callable goes with the GIL held; its exception is raised by `wait`.
+            let raised = Python::attach(|_| progress.finish().err());
+            shared.update(|s| {
+                s.callback_error = raised;
+                s.result = Some(result.map_err(to_py));
+            });
         })
         .map_err(|e| {
             to_py(dlbridge::Error::Io {

@@ -263,20 +263,6 @@ def _copy_into(target: Any, src: Any) -> None:
     dst[...] = src
 
 
-def _settle(targets: Sequence[Mapping[str, Any]]) -> None:
-    """Waits for the work already queued on the CUDA devices that hold `targets`: the reader's
-    streams do not wait for the caller's (PyTorch's default stream, say), so a kernel still
-    filling a target (``torch.full_like``, an optimizer step) could otherwise land after the
-    load's bytes and overwrite them."""
-    seen = set()
-    for group in targets:
-        for t in group.values():
-            d = _device_of(t)
-            if d is not None and d.type.startswith("cuda") and d.index not in seen:
-                seen.add(d.index)
-                _dlbridge._cuda_synchronize(f"cuda:{d.index}")
-
-
 def _run(
     ckpt: Any,
     devices: Sequence[Device],
@@ -356,8 +342,6 @@ def _run(
         if progress is not None:
             progress(min(done, total), total)
 
-    if targets is not None:
-        _settle(targets)
     if items:
         first = ckpt.load_parts_into(items, threads, direct_io, report)
         read += first

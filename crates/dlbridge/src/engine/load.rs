@@ -367,6 +367,10 @@ pub struct PartInto<'a> {
 ///   dtypes differ (NumPy's `astype` rules, as `copy_` converts), then copied into `dst` with its
 ///   strides.
 ///
+/// Work already queued on the `dst`s' devices is waited for first ([`backend::synchronize`]): the
+/// reader's streams do not wait for the caller's (PyTorch's, say), and a kernel still filling a
+/// `dst` could otherwise land after the checkpoint's bytes.
+///
 /// `options.device`, `copy` and `dtype` are ignored (each `dst` says them); the reader's options
 /// apply.
 ///
@@ -423,6 +427,18 @@ pub unsafe fn load_parts_into(
             .find(|(k, _)| *k == key)
             .and_then(|(_, f)| f.as_ref())
     };
+    // Work already queued on the targets' devices (a kernel still filling a target, on any
+    // stream: the readers' streams wait for none of them) finishes before anything is written.
+    let mut waited: Vec<Device> = Vec::new();
+    for p in parts
+        .iter()
+        .filter(|p| !p.dst.device().is_cpu() && p.dst.numel() > 0)
+    {
+        if !waited.contains(&p.dst.device()) {
+            crate::backend::synchronize(p.dst.device())?;
+            waited.push(p.dst.device());
+        }
+    }
     let mut devices: Vec<Device> = Vec::new();
     for p in parts.iter().filter(|p| in_place(p) && p.dst.numel() > 0) {
         if !devices.contains(&p.dst.device()) {

@@ -182,23 +182,7 @@ def child_raw_read(files: list[str], threads: int, chunk: int) -> None:
 
 
 # --- the parent: fresh processes, medians, the table ---------------------------------------------
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def warm_up(files: list[str]) -> None:
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(bytearray(64 << 20)):
-                pass
-
+# (The loaders' processes import neither bench_load.py nor dlbridge unless they load with it.)
 
 def run_child(args: list[str], timeout: float = 300) -> dict | None:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
@@ -247,7 +231,7 @@ def main() -> int:
 
     os.environ["BENCH_DLBRIDGE_KW"] = args.dlbridge_kw
     sys.path.insert(0, HERE)
-    from bench_load import generate  # the checkpoint bench_load.py times, shared
+    from bench_load import drop_caches, generate, warm_up  # bench_load.py's checkpoint and cache control
     files = generate(args.dir, args.layers, args.shards)
     size = sum(os.path.getsize(f) for f in files)
     print(f"checkpoint: {len(files)} files, {size / 1e9:.2f} GB; each load in a fresh process, "

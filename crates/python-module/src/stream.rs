@@ -68,8 +68,17 @@ impl PyLoadStream {
         for (name, tensor) in group.tensors {
             tensors.set_item(name, Bound::new(py, PyArray::new(tensor))?)?;
         }
-        let ready = match group.ready {
-            Some(event) => Bound::new(py, PyEvent::from(event))?.into_any(),
+        // A CUDA event as `dlbridge.cuda.Event`; a backend's event of another type is waited
+        // for here, so that its group is ready when handed out.
+        let ready = match group
+            .ready
+            .map(|e| e.downcast::<dlbridge::backend::cuda::Event>())
+        {
+            Some(Ok(event)) => Bound::new(py, PyEvent::from(event))?.into_any(),
+            Some(Err(event)) => {
+                py.detach(|| event.synchronize()).py()?;
+                py.None().into_bound(py)
+            }
             None => py.None().into_bound(py),
         };
         Ok(Some(PyTuple::new(

@@ -12,6 +12,7 @@
 //! | memory | `allocate`, `pool`, `resolve_storage`, `host_barrier`, `synchronize` | `allocate`, `pool`, `synchronize` required |
 //! | copies | `copy` | required |
 //! | exchange | `export_handoff`, `validate_foreign`, `resolve_import`, `host_view`, streams | no streams, the producer's word |
+//! | queues of work | `queue_after_current`, `record_event` ([`Queue`], [`Event`]) | none: work done when its call returns |
 //! | devices | `device_count` | [`Error::BackendUnavailable`] |
 //! | built-in kernels | `map`, `reduce`, `reduces`, `matmul` | required (may answer an error) |
 //! | run-time kernels | `compile_kernel`, `launch_kernel` | [`Error::BackendUnavailable`] |
@@ -43,6 +44,7 @@ pub(crate) mod facts;
 pub mod metal;
 #[cfg_attr(not(cuda), allow(dead_code))] // the CUDA backend's copy planner
 pub(crate) mod plan;
+mod queue;
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -61,6 +63,8 @@ use crate::share::handle::{BlockKey, IPC_HANDLE_BYTES, LegacyExported, VmmExport
 use crate::storage::{self, Resolved};
 use crate::tensor::Tensor;
 pub use facts::{KindFacts, Placement, ShareRoute, Storage};
+pub(crate) use queue::{DeviceEvent, DeviceQueue};
+pub use queue::{Entered, Event, Queue};
 
 /// The backends of this build, in the order [`of`] asks them which kinds they serve. A new
 /// backend is a folder, its `mod` line above and its line here.
@@ -179,6 +183,18 @@ pub(crate) trait Backend: Sync {
     /// Makes our current stream on `device` wait for a producer's stream.
     fn order_after_producer(&self, _device: Device, _producer: usize) -> Result<()> {
         Ok(())
+    }
+
+    /// A new queue of `device`'s work that starts after the work enqueued so far on the calling
+    /// thread's current queue there; `None` where the device has no queues.
+    fn queue_after_current(&self, _device: Device) -> Result<Option<Queue>> {
+        Ok(None)
+    }
+
+    /// An event recorded on the calling thread's current queue of `device`; `None` where the
+    /// device has no queues.
+    fn record_event(&self, _device: Device) -> Result<Option<Event>> {
+        Ok(None)
     }
 
     /// Runs an element-wise kernel ([`crate::compute`]).
@@ -708,6 +724,26 @@ pub fn current_stream(device: Device) -> usize {
 /// The backend's error recording or waiting for the event.
 pub fn order_after_producer(device: Device, producer: usize) -> Result<()> {
     of(device).map_or(Ok(()), |b| b.order_after_producer(device, producer))
+}
+
+/// A new queue of `device`'s work (a CUDA stream) that starts after the work enqueued so far on
+/// the calling thread's current queue there, for work of dlbridge's own that must see the
+/// caller's ([`Queue::enter`] makes it current); `None` for devices without queues, whose work is
+/// done when the call that does it returns.
+///
+/// # Errors
+/// The backend's error making the queue or ordering it.
+pub fn queue_after_current(device: Device) -> Result<Option<Queue>> {
+    of(device).map_or(Ok(None), |b| b.queue_after_current(device))
+}
+
+/// An event recorded on the calling thread's current queue of `device`: it completes when the
+/// work enqueued there so far has. `None` for devices without queues.
+///
+/// # Errors
+/// The backend's error making or recording the event.
+pub fn record_event(device: Device) -> Result<Option<Event>> {
+    of(device).map_or(Ok(None), |b| b.record_event(device))
 }
 
 /// Copies between two views of one shape and dtype: by the backend of the side that is not CPU

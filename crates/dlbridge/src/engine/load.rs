@@ -774,7 +774,7 @@ impl Placement {
 
 /// The byte ranges of the mapped file the device must address: those of the non-empty tensors
 /// (an empty one needs no bytes, and may sit where no wrapped page is).
-fn wrapped_ranges(locations: &[&Item]) -> Vec<Range<usize>> {
+pub(crate) fn wrapped_ranges(locations: &[&Item]) -> Vec<Range<usize>> {
     locations
         .iter()
         .filter(|l| !l.byte_range.is_empty())
@@ -1428,63 +1428,6 @@ mod tests {
         // A backend that placed fewer ranges than it was given is an error, not a panic.
         let short = vec![(mapping.clone(), ranges[0].start)];
         assert!(place(mapping, &locations, short, StorageMode::Shared, false).is_err());
-    }
-
-    /// The loader's ranges against Metal's page plan: every tensor lands inside one wrapped
-    /// buffer of whole pages, at its file offset from the mapping's start, also when the
-    /// buffers are small enough that the file needs several.
-    #[test]
-    fn wrapped_ranges_fit_the_page_plan() {
-        use crate::backend::metal::pages::{locate, plan_chunks};
-        const PAGE: usize = 16 * 1024;
-        let big = Tensor::from_slice(&vec![0.25f32; 6000], &[6000]).unwrap();
-        let small = Tensor::from_slice(&[7i64; 3], &[3]).unwrap();
-        let empty = Tensor::zeros(&[0], DType::F16, Device::CPU).unwrap();
-        let path = std::env::temp_dir().join(format!(
-            "dlbridge-load-{}-pages.safetensors",
-            std::process::id()
-        ));
-        crate::safetensors::save_file(
-            &[
-                ("big", &big),
-                ("small", &small),
-                ("empty", &empty),
-                ("big2", &big),
-            ],
-            None,
-            &path,
-        )
-        .unwrap();
-        let file = SafeTensors::open(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        let plan = file.items(|_| true).unwrap();
-        let ranges = wrapped_ranges(&plan.iter().collect::<Vec<_>>());
-        assert_eq!(ranges.len(), 3);
-        // The plan is arithmetic on addresses: every alignment a mapping of 4 KiB pages can have
-        // against 16 KiB pages is tried, since how many 16 KiB pages the file and each item touch
-        // depends on it. The limit is the largest item's pages, less than the whole file's.
-        let len = file.buffer().len();
-        for base in (0..4).map(|k| (1usize << 32) + k * 4096) {
-            let pages = |start: usize, end: usize| (end.div_ceil(PAGE) - start / PAGE) * PAGE;
-            let whole = pages(base, base + len);
-            let largest = ranges
-                .iter()
-                .map(|r| pages(base + r.start, base + r.end))
-                .max()
-                .unwrap();
-            assert!(largest < whole, "{largest} {whole}");
-            for max_len in [1 << 30, largest] {
-                let chunks = plan_chunks(base, len, PAGE, max_len, &ranges).unwrap();
-                assert!(max_len >= whole || chunks.len() > 1, "{chunks:?}");
-                for r in &ranges {
-                    let (i, offset) = locate(&chunks, base, r.clone()).unwrap();
-                    let span = chunks[i].span;
-                    assert_eq!(span.start % PAGE, 0);
-                    assert_eq!(span.start + offset, base + r.start);
-                    assert!(span.start + offset + r.len() <= span.end());
-                }
-            }
-        }
     }
 
     #[cfg(not(metal))]

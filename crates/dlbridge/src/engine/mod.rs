@@ -33,6 +33,8 @@ pub use file::MappedFile;
 #[cfg_attr(not(cuda), allow(unused_imports))] // `Mapping`: the CUDA reader's shared mappings
 pub(crate) use file::{Mapping, check_regular, file_len, io_error, open_regular};
 pub(crate) use load::cast_floating;
+#[cfg(test)]
+pub(crate) use load::wrapped_ranges;
 pub use load::{
     Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, Item, LoadOptions, PartInto,
     default_direct_threads, default_threads, host_tensor, load, load_part, load_parts_into,

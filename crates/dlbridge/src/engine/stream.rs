@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 
 use super::file::MappedFile;
 use super::load::{Item, LoadOptions, load};
-use crate::backend::cuda::{self, Event};
+use crate::backend::{self, Event};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -50,9 +50,10 @@ pub struct LoadedGroup {
     pub name: String,
     /// Its arrays, in the plan's order.
     pub tensors: Vec<(String, Tensor)>,
-    /// On a CUDA device: an event that completes once the group's bytes (converted, where a
-    /// dtype was asked for) are on the device; a stream that waits for it may read them. `None`
-    /// where the arrays are ready when handed out (the CPU: views of the mapped file; Metal).
+    /// On a device with queues (CUDA): an event that completes once the group's bytes
+    /// (converted, where a dtype was asked for) are on the device; a stream that waits for it
+    /// may read them ([`Event::downcast`] gives the backend's event). `None` where the arrays are
+    /// ready when handed out (the CPU: views of the mapped file; Metal).
     pub ready: Option<Event>,
 }
 
@@ -125,17 +126,9 @@ fn load_group(files: &dyn FileSet, group: GroupPlan, options: &LoadOptions) -> R
         .filter_map(|(index, items)| files.file(index).map(|f| (f, items)))
         .collect();
     let mut loaded = load(&plan, options, &mut |_, _| {})?;
-    let device = options.device;
-    let ready = if device.kind().is_cuda() {
-        let ordinal = device.index() as i32;
-        let event = Event::new(ordinal, false)?;
-        // After the reads (done when `load` returns) and the conversions, enqueued on this
-        // thread's current stream.
-        event.record(cuda::current_stream(ordinal))?;
-        Some(event)
-    } else {
-        None
-    };
+    // After the reads (done when `load` returns) and the conversions, enqueued on this thread's
+    // current queue.
+    let ready = backend::record_event(options.device)?;
     let tensors = order
         .into_iter()
         .filter_map(|name| loaded.remove(&name).map(|t| (name, t)))

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use crate::backend::{
-    Backend, FileRead, KindFacts, ReadOptions, Sharing, placement, read_to_host, unreachable_copy,
+    Backend, Event, FileRead, KindFacts, Queue, ReadOptions, Sharing, placement, read_to_host,
+    unreachable_copy,
 };
 use crate::buffer::{Buffer, StorageMode};
 use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
@@ -116,6 +117,26 @@ impl Backend for Cuda {
     fn order_after_producer(&self, device: Device, producer: usize) -> Result<()> {
         let ordinal = ordinal(device);
         super::order_streams(ordinal, producer, super::current_stream(ordinal))
+    }
+
+    fn queue_after_current(&self, device: Device) -> Result<Option<Queue>> {
+        let ordinal = ordinal(device);
+        let stream = super::Stream::new(ordinal, true)?;
+        super::order_streams(ordinal, super::current_stream(ordinal), stream.handle())?;
+        Ok(Some(Queue::new(
+            Device::cuda(ordinal as u32),
+            Box::new(stream),
+        )))
+    }
+
+    fn record_event(&self, device: Device) -> Result<Option<Event>> {
+        let ordinal = ordinal(device);
+        let event = super::Event::new(ordinal, false)?;
+        event.record(super::current_stream(ordinal))?;
+        Ok(Some(Event::new(
+            Device::cuda(ordinal as u32),
+            Box::new(event),
+        )))
     }
 
     fn map(&self, req: &MapRequest<'_>) -> Result<()> {

@@ -246,6 +246,38 @@ impl Stream {
     }
 }
 
+impl crate::backend::DeviceQueue for Stream {
+    fn synchronize(&self) -> Result<()> {
+        Stream::synchronize(self)
+    }
+
+    fn enter(&self) -> usize {
+        set_current_stream(self.ordinal, self.handle)
+    }
+
+    fn leave(&self, previous: usize) {
+        set_current_stream(self.ordinal, previous);
+    }
+}
+
+impl crate::backend::DeviceEvent for Event {
+    fn synchronize(&self) -> Result<()> {
+        Event::synchronize(self)
+    }
+
+    fn query(&self) -> Result<bool> {
+        Event::query(self)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send + Sync> {
+        self
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         // Kept for reuse rather than destroyed: see `SPARE_STREAMS`.

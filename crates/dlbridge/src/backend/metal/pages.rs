@@ -377,4 +377,62 @@ mod tests {
         assert_eq!(locate(&chunks, addr, 20..20), Some((0, 20)));
         assert_eq!(locate(&chunks, addr, 3 * PAGE..3 * PAGE + 1), None);
     }
+
+    /// The engine's ranges (what it asks a backend to wrap) against the page plan: every tensor lands inside one wrapped
+    /// buffer of whole pages, at its file offset from the mapping's start, also when the
+    /// buffers are small enough that the file needs several.
+    #[test]
+    fn wrapped_ranges_fit_the_page_plan() {
+        use crate::engine::wrapped_ranges;
+        use crate::safetensors::SafeTensors;
+        use crate::{DType, Device, Tensor};
+        let big = Tensor::from_slice(&vec![0.25f32; 6000], &[6000]).unwrap();
+        let small = Tensor::from_slice(&[7i64; 3], &[3]).unwrap();
+        let empty = Tensor::zeros(&[0], DType::F16, Device::CPU).unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "dlbridge-load-{}-pages.safetensors",
+            std::process::id()
+        ));
+        crate::safetensors::save_file(
+            &[
+                ("big", &big),
+                ("small", &small),
+                ("empty", &empty),
+                ("big2", &big),
+            ],
+            None,
+            &path,
+        )
+        .unwrap();
+        let file = SafeTensors::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let plan = file.items(|_| true).unwrap();
+        let ranges = wrapped_ranges(&plan.iter().collect::<Vec<_>>());
+        assert_eq!(ranges.len(), 3);
+        // The plan is arithmetic on addresses: every alignment a mapping of 4 KiB pages can have
+        // against 16 KiB pages is tried, since how many 16 KiB pages the file and each item touch
+        // depends on it. The limit is the largest item's pages, less than the whole file's.
+        let len = file.buffer().len();
+        for base in (0..4).map(|k| (1usize << 32) + k * 4096) {
+            let pages = |start: usize, end: usize| (end.div_ceil(PAGE) - start / PAGE) * PAGE;
+            let whole = pages(base, base + len);
+            let largest = ranges
+                .iter()
+                .map(|r| pages(base + r.start, base + r.end))
+                .max()
+                .unwrap();
+            assert!(largest < whole, "{largest} {whole}");
+            for max_len in [1 << 30, largest] {
+                let chunks = plan_chunks(base, len, PAGE, max_len, &ranges).unwrap();
+                assert!(max_len >= whole || chunks.len() > 1, "{chunks:?}");
+                for r in &ranges {
+                    let (i, offset) = locate(&chunks, base, r.clone()).unwrap();
+                    let span = chunks[i].span;
+                    assert_eq!(span.start % PAGE, 0);
+                    assert_eq!(span.start + offset, base + r.start);
+                    assert!(span.start + offset + r.len() <= span.end());
+                }
+            }
+        }
+    }
 }

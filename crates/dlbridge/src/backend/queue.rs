@@ -1,0 +1,128 @@
+//! Queues of device work, and events in them, as device-independent code holds them.
+//!
+//! The engine's saves copy device arrays on a [`Queue`] of their own (ordered after the caller's
+//! work), and its streaming loads hand out an [`Event`] per group that completes when the group's
+//! bytes are on the device. A backend whose devices have queues (CUDA's streams) makes them
+//! ([`queue_after_current`](super::queue_after_current), [`record_event`](super::record_event));
+//! devices without queues have neither, and their work is done when the call that does it returns.
+
+use std::any::Any;
+use std::fmt;
+
+use crate::device::Device;
+use crate::error::Result;
+
+/// What a backend's queue does for a [`Queue`].
+pub(crate) trait DeviceQueue: Send + Sync + fmt::Debug {
+    /// Waits for the work enqueued so far.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Makes the queue the calling thread's current one on its device (where the backend's
+    /// operations enqueue their work); returns what [`DeviceQueue::leave`] restores.
+    fn enter(&self) -> usize;
+
+    /// Makes `previous` (what [`DeviceQueue::enter`] returned) current again.
+    fn leave(&self, previous: usize);
+}
+
+/// A queue of one device's work (a CUDA stream) that dlbridge made for work of its own.
+#[derive(Debug)]
+pub struct Queue {
+    device: Device,
+    inner: Box<dyn DeviceQueue>,
+}
+
+impl Queue {
+    pub(crate) fn new(device: Device, inner: Box<dyn DeviceQueue>) -> Queue {
+        Queue { device, inner }
+    }
+
+    /// The device whose work the queue runs.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Waits for the work enqueued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize()
+    }
+
+    /// Makes the queue the calling thread's current one on its device until the guard drops: the
+    /// backend's operations called meanwhile (copies, kernels) enqueue their work here.
+    pub fn enter(&self) -> Entered<'_> {
+        Entered {
+            queue: self,
+            previous: self.inner.enter(),
+        }
+    }
+}
+
+/// A [`Queue`] current on this thread, until dropped ([`Queue::enter`]).
+#[derive(Debug)]
+#[must_use = "the queue is current only while the guard lives"]
+pub struct Entered<'a> {
+    queue: &'a Queue,
+    previous: usize,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.queue.inner.leave(self.previous);
+    }
+}
+
+/// What a backend's event does for an [`Event`].
+pub(crate) trait DeviceEvent: Send + Sync + fmt::Debug {
+    /// Waits on the host until the event completes.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Whether the event has completed.
+    fn query(&self) -> Result<bool>;
+
+    /// The backend's own event, for [`Event::downcast`].
+    fn as_any(&self) -> &dyn Any;
+
+    /// The backend's own event, owned.
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send + Sync>;
+}
+
+/// A point in a device's queue of work: it completes when the work enqueued before it has.
+#[derive(Debug)]
+pub struct Event {
+    device: Device,
+    inner: Box<dyn DeviceEvent>,
+}
+
+impl Event {
+    pub(crate) fn new(device: Device, inner: Box<dyn DeviceEvent>) -> Event {
+        Event { device, inner }
+    }
+
+    /// The device whose queue the event is in.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Waits on the host until the event completes.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize()
+    }
+
+    /// Whether the event has completed (without waiting).
+    pub fn query(&self) -> Result<bool> {
+        self.inner.query()
+    }
+
+    /// The backend's own event (a [`cuda::Event`](super::cuda::Event) on CUDA devices), for callers that
+    /// use the backend's API (a stream of the caller's waiting for it); `Err(self)` when it is
+    /// another type.
+    pub fn downcast<T: Any>(self) -> std::result::Result<T, Event> {
+        if !self.inner.as_any().is::<T>() {
+            return Err(self);
+        }
+        match self.inner.into_any().downcast::<T>() {
+            Ok(event) => Ok(*event),
+            Err(_) => unreachable!("the type was checked above"),
+        }
+    }
+}

@@ -126,3 +126,50 @@ impl Event {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::{self, cuda};
+    use crate::{DType, Device, Tensor};
+
+    #[test]
+    fn devices_without_queues_have_neither_queues_nor_events() {
+        assert!(backend::queue_after_current(Device::CPU).unwrap().is_none());
+        assert!(backend::record_event(Device::CPU).unwrap().is_none());
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_cuda_queue_is_current_while_entered_and_its_work_is_ordered_after_the_callers() {
+        let device = Device::cuda(0);
+        let before = backend::current_stream(device);
+        let src = Tensor::from_slice(&[3.0f32; 1 << 20], &[1 << 20]).unwrap();
+        let on_device = src.copy_to(device).unwrap();
+        let queue = backend::queue_after_current(device)
+            .unwrap()
+            .expect("CUDA has queues");
+        assert_eq!(queue.device(), device);
+        let back = Tensor::empty(&[1 << 20], DType::F32, Device::cuda_host(0)).unwrap();
+        {
+            let _entered = queue.enter();
+            assert_ne!(backend::current_stream(device), before);
+            // SAFETY: two allocations of one shape and dtype.
+            unsafe { back.copy_from_unchecked(&on_device).unwrap() };
+        }
+        assert_eq!(backend::current_stream(device), before);
+        let event = {
+            let _entered = queue.enter();
+            backend::record_event(device)
+                .unwrap()
+                .expect("CUDA has events")
+        };
+        event.synchronize().unwrap();
+        assert!(event.query().unwrap());
+        queue.synchronize().unwrap();
+        assert!(back.to_vec::<f32>().unwrap().iter().all(|&v| v == 3.0));
+        // The backend's own event comes back by its type, and only by it.
+        let event = event.downcast::<cuda::Stream>().unwrap_err();
+        let cuda_event = event.downcast::<cuda::Event>().unwrap();
+        assert_eq!(cuda_event.device(), 0);
+    }
+}

@@ -27,17 +27,57 @@ const REGISTERED_MIN: usize = 2 << 20;
 const HUGE_PAGE: usize = 2 << 20;
 
 /// The advice [`registered_pages`] gives its mapping before registering it: back it with huge
-/// pages, and fault it in now (Linux; elsewhere the registration faults the pages in).
+/// pages (Linux; elsewhere none).
 #[cfg(target_os = "linux")]
-const HINTS: [libc::c_int; 2] = [libc::MADV_HUGEPAGE, libc::MADV_POPULATE_WRITE];
+const HINTS: [libc::c_int; 1] = [libc::MADV_HUGEPAGE];
 #[cfg(not(target_os = "linux"))]
 const HINTS: [libc::c_int; 0] = [];
+
+/// Each thread of [`populate`] faults in at least this many bytes.
+const POPULATE_PER_THREAD: usize = 16 << 20;
+
+/// Faults in `len` bytes of a new private mapping at `start` (the kernel zeroing its pages), by
+/// several threads for a large one: zeroing is most of what pinning a large block costs, and it
+/// scales with threads. Linux (`MADV_POPULATE_WRITE`); elsewhere, and where it is refused, the
+/// registration faults the pages in itself.
+fn populate(start: *mut c_void, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(len / POPULATE_PER_THREAD)
+            .clamp(1, 16);
+        let piece = len.div_ceil(threads).next_multiple_of(HUGE_PAGE);
+        // The address crosses to the threads as an integer (a pointer is not `Send`).
+        let base = start.expose_provenance();
+        let advise = move |at: usize| {
+            let n = piece.min(len - at);
+            let addr = std::ptr::with_exposed_provenance_mut::<c_void>(base + at);
+            // SAFETY: `[start + at, start + at + n)` lies inside the caller's mapping, which only
+            // the caller knows of; populating changes no content (the pages are new and zero).
+            unsafe { libc::madvise(addr, n, libc::MADV_POPULATE_WRITE) };
+        };
+        if threads == 1 {
+            advise(0);
+            return;
+        }
+        std::thread::scope(|scope| {
+            for at in (piece..len).step_by(piece) {
+                scope.spawn(move || advise(at));
+            }
+            advise(0);
+        });
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (start, len, POPULATE_PER_THREAD);
+}
 
 /// The pinned blocks [`registered_pages`] made: start address → length of the mapping.
 static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
 
 /// `bytes` of page-locked host memory that every device may copy from and to, made as anonymous
-/// memory backed by huge pages where the kernel has them, populated, then registered with the
+/// memory backed by huge pages where the kernel has them, populated by several threads
+/// ([`populate`]), then registered with the
 /// driver (`cuMemHostRegister`, portable and device-mapped); `None` where any step is refused (the
 /// caller falls back to `cuMemHostAlloc`).
 ///
@@ -87,6 +127,7 @@ fn registered_pages(bytes: usize) -> Option<NonNull<c_void>> {
         // SAFETY: as above.
         unsafe { libc::madvise(start, len, advice) };
     }
+    populate(start, len);
     let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
     // SAFETY: `[start, start + len)` is the live mapping made above, registered nowhere yet, and
     // stays mapped until `release_registered`; the caller made the context current.
@@ -514,4 +555,46 @@ pub(crate) fn validate_foreign(device: Device, addr: usize, len: usize) -> Resul
         }
     }
     Ok(())
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    /// Every page of a mapping [`populate`] covered (by one thread and by several, a length
+    /// that does not divide evenly) is resident afterwards, and zero.
+    #[test]
+    fn populate_faults_in_every_page_of_the_mapping() {
+        for len in [4 << 20, 100 << 20] {
+            // SAFETY: a new private anonymous mapping, unmapped below.
+            let start = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(start, libc::MAP_FAILED);
+            populate(start, len);
+            let page = crate::host::page_size();
+            let mut resident = vec![0u8; len.div_ceil(page)];
+            // SAFETY: the mapping above; `resident` has one byte per page.
+            assert_eq!(
+                unsafe { libc::mincore(start, len, resident.as_mut_ptr()) },
+                0
+            );
+            assert!(
+                resident.iter().all(|r| r & 1 == 1),
+                "{len}: a page not faulted in"
+            );
+            // SAFETY: `len` readable bytes of the mapping above.
+            let bytes = unsafe { std::slice::from_raw_parts(start.cast::<u8>(), len) };
+            assert!(bytes.iter().all(|&b| b == 0));
+            // SAFETY: the mapping above, used by nothing else.
+            unsafe { libc::munmap(start, len) };
+        }
+    }
 }

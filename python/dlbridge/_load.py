@@ -694,7 +694,43 @@ def load_into(
     targets, the other ranks calling it with theirs. ``progress``: a callable getting
     ``(bytes_done, bytes_total)`` of the checkpoint's tensors.
     """
-    from .safetensors import _progress_callback, _target
+    from .safetensors import _progress_callback
+
+    into = _prepare_into(targets, checkpoint, strict, device, shard, rank, world_size, group)
+    callback, bar = _progress_callback(progress)
+    try:
+        _run(into.ckpt, into.devices, into.local, into.world, into.plan, into.targets,
+             into.transport, threads, direct_io, callback, into.walk)
+    finally:
+        if bar is not None:
+            bar.close()
+    return IncompatibleKeys(into.missing, into.unexpected)
+
+
+class _Into(NamedTuple):
+    """A load into targets, checked and planned (:func:`_prepare_into`)."""
+
+    ckpt: Any
+    devices: List[Device]
+    local: List[int]
+    world: int
+    plan: Any
+    targets: List[Dict[str, Any]]
+    """Per local rank, name -> target (PyTorch tensors detached, tied names once)."""
+    given: List[Dict[str, Any]]
+    """Per local rank, name -> the target as the caller gave it (a module's ``Parameter``)."""
+    transport: Any
+    walk: Optional[List[str]]
+    missing: List[str]
+    unexpected: List[str]
+
+
+def _prepare_into(targets: Any, checkpoint: Any, strict: bool, device: Any, shard: Any,
+                  rank: Optional[int], world_size: Optional[int], group: Any,
+                  caller: str = "load_into") -> _Into:
+    """``load_into``'s arguments checked (names, shapes: before anything is read), its modules'
+    ``meta`` tensors created and its plan built."""
+    from .safetensors import _target
 
     devices = _devices(device) if device is not None else []
     many = isinstance(device, (list, tuple))
@@ -707,6 +743,7 @@ def load_into(
         groups = [_targets(t, d) for t, d in zip(targets, devices)]
     else:
         groups = [_targets(targets, devices[0] if devices else None)]
+    given = groups
     groups = [{k: _detached(v) for k, v in g.items()} for g in groups]
     # The device of each local rank: where its targets are.
     if not devices:
@@ -731,7 +768,7 @@ def load_into(
     unexpected = sorted(set(full) - names)
     if strict and (missing or unexpected):
         raise KeyError(
-            "load_into(strict=True): "
+            f"{caller}(strict=True): "
             + "; ".join(
                 part for part in (
                     f"missing from the checkpoint: {', '.join(missing)}" if missing else "",
@@ -760,14 +797,8 @@ def load_into(
     # whatever targets each has (a tensor a rank has no target for is handed to it and dropped).
     walk = None if transport is not None else [
         n for n in ckpt.offset_keys() if any(n in g for g in groups)]
-    callback, bar = _progress_callback(progress)
-    try:
-        _run(ckpt, devices, local, world, plan, groups, transport, threads, direct_io, callback,
-             walk)
-    finally:
-        if bar is not None:
-            bar.close()
-    return IncompatibleKeys(missing, unexpected)
+    return _Into(ckpt, devices, local, world, plan, groups, given, transport, walk, missing,
+                 unexpected)
 
 
 def _plan_from_many(groups: Sequence[Mapping[str, Any]], full: Mapping[str, Tuple[int, ...]],
@@ -785,3 +816,153 @@ def _plan_from_many(groups: Sequence[Mapping[str, Any]], full: Mapping[str, Tupl
         return None
 
     return spec
+
+
+_END = object()
+
+
+class _PartStream:
+    """A streaming load of parts or into targets (``stream_file`` with ``shard=`` or
+    ``targets=``): a thread runs the engine's steps, one per group, each read, handed out and
+    received before it is delivered as ``(group, {name: part}, ready)``, at most ``ahead``
+    delivered groups waiting for the caller. On CUDA, the thread's work runs on a stream of its
+    own and ``ready`` is an event recorded on it after the group's last copy."""
+
+    def __init__(self, engine: _Engine, steps: List[Tuple[str, List[_Info]]], ahead: int,
+                 given: Optional[Mapping[str, Any]]) -> None:
+        import queue
+        import threading
+
+        self._engine, self._steps, self._given = engine, steps, given
+        self._queue: Any = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._work, name="dlbridge-stream", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        import contextlib
+
+        try:
+            device = self._engine.devices[0]
+            own = None
+            scope: Any = contextlib.nullcontext()
+            if device.type == "cuda":
+                from . import cuda
+
+                own = cuda.Stream(device)
+                scope = cuda.stream(own)
+            with scope:
+                for group, infos in self._steps:
+                    if self._stop.is_set():
+                        return
+                    got = self._engine.finish(self._engine.start(infos))[0]
+                    given = self._given
+                    tensors = {i.name: got[i.name] if given is None else given[i.name]
+                               for i in infos if given is None or i.name in given}
+                    ready = None
+                    if own is not None:
+                        ready = cuda.Event(device)
+                        ready.record(own)
+                    if not self._put((group, tensors, ready)):
+                        return
+            self._put(_END)
+        except BaseException as e:  # handed to the caller's iteration
+            self._put(e)
+
+    def __iter__(self) -> "_PartStream":
+        return self
+
+    def __next__(self) -> Tuple[str, Dict[str, Any], Any]:
+        import queue
+
+        while not self._done:
+            try:
+                item = self._queue.get(timeout=0.05)  # Ctrl-C is answered between waits
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                continue
+            if item is _END:
+                self._done = True
+            elif isinstance(item, BaseException):
+                self._done = True
+                raise item
+            else:
+                return item  # type: ignore[no-any-return]
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stops after the group being loaded (its transfers finish); drops what waits."""
+        import queue
+
+        self._done = True
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def stream_parts(
+    path: Any, device: Any, names: Optional[Sequence[str]], grouping: Any, ahead: int,
+    copy: bool, threads: Optional[int], direct_io: Optional[bool], shard: Any,
+    rank: Optional[int], world_size: Optional[int], group: Any, targets: Any, strict: bool,
+) -> Tuple[_PartStream, List[Tuple[str, List[str]]]]:
+    """``stream_file`` with a shard plan or targets: the stream and its plan of groups."""
+    from .safetensors import _target
+    from .safetensors._stream import plan_groups
+
+    if isinstance(device, (list, tuple)):
+        raise ValueError(
+            "stream_file streams onto one device: give device= one device (one process per rank "
+            "with rank=, world_size= and group=)"
+        )
+    if targets is not None:
+        into = _prepare_into(targets, path, strict, device, shard, rank, world_size, group,
+                             caller="stream_file")
+        ckpt, devices, local, world = into.ckpt, into.devices, into.local, into.world
+        plan, slots, transport = into.plan, into.targets, into.transport
+        given: Optional[Dict[str, Any]] = {k: into.given[0][k] for k in slots[0]}
+        every = into.walk if into.walk is not None else list(ckpt.offset_keys())
+    else:
+        if shard == "targets":
+            raise ValueError("shard='targets' builds the plan from the targets: give targets=")
+        devices = _devices(device)
+        local, world, transport = _ranks(devices, shard, rank, world_size, group)
+        ckpt = _dlbridge._Checkpoint(_target(path))
+        plan, slots, given = shard, None, None
+        every = list(ckpt.offset_keys())
+    if names is None:
+        names = every
+    else:
+        known = set(ckpt.keys())
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise KeyError(f"no tensor named {missing[0]!r} in the checkpoint")
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"tensor {twice!r} is named twice in order")
+    engine = _Engine(ckpt, devices, local, world, plan, slots, transport, threads, direct_io,
+                     names, copy=copy)
+    by_name = {i.name: i for i in engine.infos}
+    planned = plan_groups(names, grouping)
+    steps = [(g, [by_name[n] for n in members]) for g, members in planned]
+    shown = [(g, [n for n in members if given is None or n in given]) for g, members in planned]
+    return _PartStream(engine, steps, ahead, given), shown

@@ -263,7 +263,7 @@ class _TorchGroup:
 
         ops: List[Any] = []
         keep: List[Any] = []
-        got: List[Tuple[_Recv, Array]] = []
+        got: List[Tuple[_Recv, Optional[Array]]] = []
         for peer in sorted(set(sends) | set(recvs)):
             parts = sends.get(peer, [])
             strided = [p for p in parts if not p.is_contiguous]
@@ -325,7 +325,8 @@ class _TorchGroup:
                     )
                 time.sleep(5e-5)
             work.wait()
-        return got
+        received: List[Tuple[_Recv, Optional[Array]]] = got
+        return received
 
 
 class _NcclComm:
@@ -352,8 +353,9 @@ class _NcclComm:
                 got.extend(zip(specs, self.comm.recv([(total, 0)], views, src)))
         return got
 
-    def finish(self, pending: Any) -> List[Tuple[_Recv, Array]]:
-        return pending
+    def finish(self, pending: Any) -> List[Tuple[_Recv, Optional[Array]]]:
+        received: List[Tuple[_Recv, Optional[Array]]] = pending
+        return received
 
 
 def _transport(group: Any) -> Any:

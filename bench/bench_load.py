@@ -27,7 +27,16 @@ whole checkpoint (safetensors, dlbridge) then `narrow`, `safe_open(...).get_slic
 `.to`, fastsafetensors `get_sharded` and InstantTensor with a process group. `--model 8b` is
 Llama-3-8B's shapes (hidden 4096, MLP 14336, vocabulary 128256, 8 KV heads, 32 layers: about 16
 GB bf16); `--model tiny` a few MB (runs on the CPU: `--device cpu`, the default where there is no
-GPU).
+GPU). A diagnostic row of `--mode tp` runs dlbridge again with every pair of ranks connected for
+point-to-point transfers before the timer (NCCL connects a pair on its first such transfer; the
+barrier before the timer connects only the collectives): the difference is what the connection
+costs the load.
+
+    python bench/bench_load.py --mode stream [--device cuda:0] [--layers 32] [--hidden 2048]
+
+`--mode stream`: bench/bench_stream.py's model, forward pass and overlap efficiency (imported from
+it) for the loader's streaming modes: whole tensors (`stream_file`) and into a model's parameters
+(`stream_file(targets=)` against `load_into` then the forward pass).
 """
 
 from __future__ import annotations
@@ -287,14 +296,20 @@ def main() -> int:
     ap.add_argument("--sweep-cold", action="store_true", help="only the cold sweep of direct reads")
     ap.add_argument("--only", default="", help="run only the loaders whose names contain one of these "
                     "comma-separated words (e.g. 'dlbridge,BUFFERED')")
-    ap.add_argument("--mode", choices=["load", "into", "tp"], default="load",
-                    help="load (the default: one GPU), into (a meta model filled), tp (ranks)")
+    ap.add_argument("--mode", choices=["load", "into", "tp", "stream"], default="load",
+                    help="load (the default: one GPU), into (a meta model filled), tp (ranks), "
+                    "stream (a forward pass under a streaming load)")
+    ap.add_argument("--hidden", type=int, default=2048, help="--mode stream: the model's width")
+    ap.add_argument("--iters", type=int, default=0,
+                    help="--mode stream: matmul pairs per layer (0: as long as a layer's load)")
     ap.add_argument("--model", choices=["7b", "8b", "tiny"], default=None,
                     help="the checkpoint's shapes (default: 7b for load, 8b for into and tp)")
     ap.add_argument("--world", type=int, default=2, help="ranks of --mode tp")
     ap.add_argument("--device", default=None, help="cuda:0 (default where there is a GPU) or cpu")
     ap.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mode == "stream":
+        return stream_main(args)
     if args.mode != "load" or args.child:
         return modes_main(args)
     t0 = time.perf_counter()
@@ -614,6 +629,7 @@ def tp_instanttensor(files, device, rank, world, group):
 
 TP = {
     "dlbridge load_file(shard=, rank=, group=)": tp_dlbridge,
+    "dlbridge shard=, p2p connected first (diagnostic)": tp_dlbridge,
     "safetensors load_file(device=rank) + narrow, every rank": tp_safetensors,
     "dlbridge load_file everything + narrow, every rank": tp_dlbridge_whole,
     "safetensors safe_open get_slice on the CPU, then .to": tp_get_slice,
@@ -634,6 +650,16 @@ def child_tp(loader: str, files: list[str], rank: int, world: int, gpu: bool) ->
                             timeout=datetime.timedelta(seconds=300),
                             **({"device_id": torch.device(device)} if gpu else {}))
     warm_up(files) if rank == 0 else None
+    if "connected first" in loader and world > 1:
+        # NCCL connects a pair for point-to-point on its first transfer (the barrier's
+        # all-reduce does not): one byte each way, so that the row shows what the connection
+        # costs the load.
+        byte = torch.zeros(world, dtype=torch.uint8, device=device)
+        ops = [dist.P2POp(op, byte[p:p + 1], p) for p in range(world) if p != rank
+               for op in (dist.isend, dist.irecv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        _sync(device)
     dist.barrier()
     if gpu:
         dlbridge.reset_peak_memory("cuda_host:0")
@@ -778,6 +804,107 @@ def _run_tp(argv: list[str], world: int) -> dict:
         if tail:
             return {"error": tail[-1][:120]}
     return {"error": "no result"}
+
+
+# --- --mode stream: a forward pass under a streaming load ------------------------------------------
+
+def stream_main(args) -> int:
+    """bench_stream.py's model, forward pass and overlap efficiency (imported from it), for the
+    streaming modes of the loader: whole tensors (`stream_file`, as bench_stream.py runs it) and
+    into a model on the `meta` device (`stream_file(targets=model)` against `load_into` then the
+    forward pass). Each timing from the first byte read until the forward pass has ended; warm;
+    medians of --runs."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_stream as bs
+
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    on_gpu = device != "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    layers = args.layers if args.layers != 16 else 32
+    os.makedirs(args.dir, exist_ok=True)
+    path = os.path.join(args.dir, "stream-model.safetensors")
+    bs.generate(path, layers, args.hidden, dtype)
+    order = bs.names(layers)
+    shapes = {n: ((args.hidden, 4 * args.hidden) if n.endswith("up") else
+                  (4 * args.hidden, args.hidden)) for n in order}
+    x0 = torch.randn(2048, args.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x0 = x0.to(device)
+    copy = not on_gpu  # CPU loads are views otherwise: nothing to overlap
+
+    def forward(weights, iters):
+        x = x0
+        for i in range(layers):
+            x = bs.layer(x, weights[f"model.layers.{i}.up"], weights[f"model.layers.{i}.down"],
+                         iters)
+        bs.sync(device)
+        return x
+
+    def load_whole():
+        out = dlbridge.load_file(path, device, framework="pt", copy=copy or None, progress=False)
+        bs.sync(device)
+        return out
+
+    def load_into_model():
+        targets = {n: torch.empty(shapes[n], dtype=dtype, device=device) for n in order}
+        dlbridge.load_into(targets, path)
+        bs.sync(device)
+        return targets
+
+    def stream_whole(iters):
+        compute = torch.cuda.current_stream() if on_gpu else None
+        x = x0
+        for group, ts, ready in dlbridge.stream_file(path, device, order=order, framework="pt",
+                                                     copy=copy):
+            if ready is not None:
+                ready.wait(compute)
+            x = bs.layer(x, ts[f"{group}.up"], ts[f"{group}.down"], iters)
+        bs.sync(device)
+
+    def stream_into(iters):
+        targets = {n: torch.empty(shapes[n], dtype=dtype, device=device) for n in order}
+        compute = torch.cuda.current_stream() if on_gpu else None
+        x = x0
+        for group, ts, ready in dlbridge.stream_file(path, device, order=order, targets=targets,
+                                                     strict=True):
+            if ready is not None:
+                ready.wait(compute)
+            x = bs.layer(x, ts[f"{group}.up"], ts[f"{group}.down"], iters)
+        bs.sync(device)
+
+    def timed(fn, *a):
+        with open(path, "rb") as f:  # warm: in the page cache
+            while f.read(64 << 20):
+                pass
+        start = time.perf_counter()
+        out = fn(*a)
+        elapsed = time.perf_counter() - start
+        del out
+        return elapsed
+
+    # Calibration (warm), as bench_stream.py does it: a layer's compute about its load.
+    resident = load_whole()
+    per_layer = statistics.median(timed(load_whole) for _ in range(2)) / layers
+    forward(resident, 1)
+    per_pair = statistics.median(timed(forward, resident, 1) for _ in range(2)) / layers
+    iters = args.iters or max(1, round(per_layer / per_pair))
+    t_forward = statistics.median(timed(forward, resident, iters) for _ in range(args.runs))
+    rows = []
+    for name, load, stream in (("stream_file (whole tensors)", load_whole, stream_whole),
+                               ("stream_file(targets=model) vs load_into", load_into_model,
+                                stream_into)):
+        t_load = statistics.median(timed(load) for _ in range(args.runs))
+        t_total = statistics.median(timed(stream, iters) for _ in range(args.runs))
+        overlap = (t_load + t_forward - t_total) / min(t_load, t_forward)
+        rows.append((name, t_load, t_total, overlap))
+    size = os.path.getsize(path)
+    print(f"{layers} layers, {size / 1e9:.2f} GB of {dtype} on {device}; {iters} matmul pairs "
+          f"per layer; warm; median of {args.runs}; overlap efficiency = (T_load + T_forward - "
+          f"T_total) / min(T_load, T_forward), as bench/bench_stream.py computes it")
+    print(f"| mode | T_load (s) | T_forward (s) | stream, T_total (s) | overlap efficiency |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, t_load, t_total, overlap in rows:
+        print(f"| {name} | {t_load:.3f} | {t_forward:.3f} | {t_total:.3f} | {overlap:.2f} |")
+    return 0
 
 
 if __name__ == "__main__":

@@ -176,9 +176,69 @@ def _owners(infos: Sequence[_Info], splits: Mapping[str, Optional[_shard.Split]]
     return owners
 
 
+class _Recv(NamedTuple):
+    """A part this process receives: for local slot ``slot``, tensor ``name``'s part of
+    ``shape`` and ``dtype``, into ``target`` where it has one."""
+
+    slot: int
+    name: str
+    shape: Tuple[int, ...]
+    dtype: Any
+    target: Any
+
+
+_ALIGN = 256
+"""Where each part of a packed block starts: a multiple of this many bytes (NCCL's run phase)."""
+
+
+def _layout(specs: Sequence[Tuple[Sequence[int], Any]]) -> Tuple[int, List[Tuple[Any, ...]]]:
+    """The block that holds arrays of ``specs`` (shape, dtype) one after another, compact, each
+    at a multiple of ``_ALIGN`` bytes: its length, and each array as a view tuple of its one run
+    (``NcclCommunicator.recv``'s and ``_nccl_views``'s form). Sender and receiver compute it
+    from the same shapes, so a block travels as one run with no plan sent ahead."""
+    views = []
+    cursor = 0
+    for shape, dtype in specs:
+        dt = _dlbridge.DType(dtype)
+        count = 1
+        for n in shape:
+            count *= int(n)
+        nbytes = -(-count * dt.bits * dt.lanes // 8)
+        at = -(-cursor // _ALIGN) * _ALIGN
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(int(n), 1)
+        views.append((0 if nbytes else -1, dt.name, [int(n) for n in shape], strides[::-1], at,
+                      False))
+        cursor = at + nbytes
+    return max(cursor, _ALIGN), views
+
+
+def _pack(arrays: Sequence[Array], device: Device) -> Tuple[Array, List[Array]]:
+    """``arrays`` copied into one new block of ``device`` laid out as :func:`_layout` says: the
+    block and the arrays' copies in it (typed views of the block)."""
+    total, views = _layout([(a.shape, a.dtype) for a in arrays])
+    block = _dlbridge.empty((total,), "uint8", device=device)
+    packed = _dlbridge._nccl_views(block, views)
+    for dst, src in zip(packed, arrays):
+        if src.size:
+            dst[...] = src
+    return block, packed
+
+
+_abandoned: List[Any] = []
+"""The memory of transfers that timed out: kept for the life of the process, since a transfer
+that never finished may still write it."""
+
+
 class _TorchGroup:
     """Point-to-point transfers over a ``torch.distributed`` process group (NCCL for CUDA
-    tensors, gloo for CPU ones)."""
+    tensors, gloo for CPU ones): a step's parts for every peer, sent and received by one
+    ``batch_isend_irecv`` (NCCL: one group of operations, in any order without deadlock), each
+    part a message of its bytes. Contiguous parts are sent from where they are, strided ones from
+    one block packed per step; parts are received straight into their targets where those are
+    compact, of the part's dtype and on the device, else into new arrays."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -190,48 +250,112 @@ class _TorchGroup:
             return rank
         return int(dist.get_global_rank(self.group, rank))
 
-    def send(self, array: Array, peer: int) -> None:
-        import torch.distributed as dist
-        from torch.utils.dlpack import from_dlpack
-
-        dist.send(from_dlpack(array), dst=self._peer(peer), group=self.group)
-
-    def recv(self, shape: Tuple[int, ...], dtype: Any, device: Device, peer: int,
-             into: Any = None) -> Any:
-        import torch.distributed as dist
-        from torch.utils.dlpack import from_dlpack
-
-        t = into
-        if t is None:
-            t = from_dlpack(_dlbridge.empty(shape, dtype, device=device))
-        dist.recv(t, src=self._peer(peer), group=self.group)
-        return t
-
-    def can_receive_into(self, target: Any, dtype: Any, device: Device) -> bool:
+    def start(self, device: Device, sends: Mapping[int, List[Array]],
+              recvs: Mapping[int, List[_Recv]]) -> Any:
         import torch
+        import torch.distributed as dist
+        from torch.utils.dlpack import from_dlpack
 
-        return (isinstance(target, torch.Tensor) and target.is_contiguous()
-                and Device(str(target.device)) == device
-                and _dlbridge.from_dlpack(target, copy=False).dtype == _dlbridge.DType(dtype))
+        def message(array: Any) -> Any:
+            # Bytes, so that any dtype travels (NCCL knows no float8 before 2.24, gloo no bfloat16
+            # reductions): a view of the array's memory.
+            return from_dlpack(array).reshape(-1).view(torch.uint8)
+
+        ops: List[Any] = []
+        keep: List[Any] = []
+        got: List[Tuple[_Recv, Optional[Array]]] = []
+        for peer in sorted(set(sends) | set(recvs)):
+            parts = sends.get(peer, [])
+            strided = [p for p in parts if not p.is_contiguous]
+            packed: Dict[int, Array] = {}
+            if strided:
+                block, copies = _pack(strided, device)
+                keep.append(block)
+                packed = {id(p): c for p, c in zip(strided, copies)}
+            for part in parts:
+                msg = message(packed.get(id(part), part))
+                keep.append(msg)
+                ops.append(dist.P2POp(dist.isend, msg, self._peer(peer), self.group))
+            for recv in recvs.get(peer, []):
+                dst = None
+                if recv.target is not None:
+                    t = _dlbridge.from_dlpack(recv.target, copy=False)
+                    if (t.is_contiguous and t.device == device
+                            and t.dtype == _dlbridge.DType(recv.dtype)):
+                        dst = t
+                into = dst is not None
+                if not into:
+                    dst = _dlbridge.empty(recv.shape, recv.dtype, device=device)
+                msg = message(dst)
+                keep.append(msg)
+                ops.append(dist.P2POp(dist.irecv, msg, self._peer(peer), self.group))
+                got.append((recv, None if into else dst))
+        if not ops:
+            return None
+        if device.type == "cuda":
+            with torch.cuda.device(device.index):
+                works = dist.batch_isend_irecv(ops)
+        else:
+            works = dist.batch_isend_irecv(ops)
+        return works, keep, got, device.type == "cuda"
+
+    def finish(self, pending: Any) -> List[Tuple[_Recv, Optional[Array]]]:
+        """Waits for a started step's transfers: each part received, ``None`` for one received
+        into its target (``RuntimeError`` after the transfer timeout of
+        :mod:`dlbridge.nccl`, ``DLBRIDGE_NCCL_TIMEOUT``, or the process group's own error)."""
+        if pending is None:
+            return []
+        import time
+
+        from .nccl import _timeout
+
+        works, keep, got, cuda = pending
+        limit = _timeout()
+        began = time.monotonic()
+        for work in works:
+            # NCCL's are polled on the host (its `wait` only orders PyTorch's current stream, and
+            # the parts are used next on streams PyTorch does not know); gloo's `wait` blocks, up
+            # to the process group's timeout (its works tell completion only from `wait`).
+            while cuda and not work.is_completed():
+                if limit is not None and time.monotonic() - began > limit:
+                    _abandoned.append(pending)
+                    raise RuntimeError(
+                        f"a tensor-parallel transfer did not finish within {limit:.1f} s: a peer "
+                        f"did not take part (it may have failed or exited)"
+                    )
+                time.sleep(5e-5)
+            work.wait()
+        received: List[Tuple[_Recv, Optional[Array]]] = got
+        return received
 
 
 class _NcclComm:
-    """Point-to-point transfers over a ``dlbridge.nccl`` communicator: each part is one compact
-    array, one run, so the receiver plans its receive from the shape and dtype alone."""
+    """Point-to-point transfers over a ``dlbridge.nccl`` communicator: a step's parts for one
+    peer packed into one block, sent by one ``send`` and received by one ``recv`` as typed views
+    of one new block (the layout both sides compute from the parts' shapes, :func:`_layout`).
+    ``send`` and ``recv`` each wait until done, so the pairs go in one order on every rank (by
+    sender, then receiver): each send meets its receive."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
 
-    def send(self, array: Array, peer: int) -> None:
-        self.comm.send([array], peer)
+    def start(self, device: Device, sends: Mapping[int, List[Array]],
+              recvs: Mapping[int, List[_Recv]]) -> Any:
+        me = self.comm.rank
+        got: List[Tuple[_Recv, Array]] = []
+        for src, dst in sorted([(me, p) for p in sends] + [(p, me) for p in recvs]):
+            if src == me:
+                block, _ = _pack(sends[dst], device)
+                self.comm.send([block], dst)
+            else:
+                specs = recvs[src]
+                total, views = _layout([(r.shape, r.dtype) for r in specs])
+                got.extend(zip(specs, self.comm.recv([(total, 0)], views, src)))
+        return got
 
-    def recv(self, shape: Tuple[int, ...], dtype: Any, device: Device, peer: int,
-             into: Any = None) -> Any:
-        runs, views = self.comm.plan([_dlbridge.empty(shape, dtype, device=device)])
-        return self.comm.recv(runs, views, peer)[0]
-
-    def can_receive_into(self, target: Any, dtype: Any, device: Device) -> bool:
-        return False
+    def finish(self, pending: Any) -> List[Tuple[_Recv, Optional[Array]]]:
+        received: List[Tuple[_Recv, Optional[Array]]] = pending
+        return received
 
 
 def _transport(group: Any) -> Any:
@@ -263,6 +387,167 @@ def _copy_into(target: Any, src: Any) -> None:
     dst[...] = src
 
 
+class _Step(NamedTuple):
+    """A step read and kept, its hand-out started: per local slot ``{name: part}`` so far, and the
+    transport's pending transfers."""
+
+    out: List[Dict[str, Any]]
+    pending: Any
+
+
+class _Engine:
+    """One load's plan (see the module's documentation) and the steps that carry it out: each
+    step reads this process's bytes of some tensors by one run of the reader, keeps each local
+    rank's parts and hands the others theirs (:meth:`start`), then receives (:meth:`finish`).
+
+    ``names``: the tensors to walk (all, in file order, by default); every rank walks the same
+    ones, so that all agree on the owners."""
+
+    def __init__(self, ckpt: Any, devices: Sequence[Device], local: Sequence[int], world: int,
+                 plan: Any, targets: Optional[Sequence[Mapping[str, Any]]], transport: Any,
+                 threads: Optional[int], direct_io: Optional[bool],
+                 names: Optional[Sequence[str]] = None, copy: bool = False) -> None:
+        self.ckpt, self.devices, self.local, self.world = ckpt, devices, list(local), world
+        self.targets, self.transport = targets, transport
+        self.threads, self.direct_io, self.copy = threads, direct_io, copy
+        wanted = None if names is None else set(names)
+        self.infos: List[_Info] = []
+        for name in ckpt.offset_keys():
+            if wanted is not None and name not in wanted:
+                continue
+            _, shape, (begin, end), _ = ckpt.info(name)
+            self.infos.append(_Info(name, ckpt.dtype(name), tuple(shape), end - begin))
+        self.splits = {i.name: (_shard.resolve(plan, i.name, i.shape, world) if plan is not None
+                                else None) for i in self.infos}
+        self.owners = _owners(self.infos, self.splits, world)
+        self.total = sum(i.nbytes for i in self.infos)
+        self.read = 0
+        """The bytes of the files this process needed so far."""
+
+    def target_of(self, slot: int, name: str) -> Any:
+        return None if self.targets is None else self.targets[slot].get(name)
+
+    def batches(self) -> List[List[_Info]]:
+        """The tensors in file order, in steps: a step ends where the tensors read by their owners
+        would pass ``_BATCH`` bytes (a larger one alone)."""
+        steps: List[List[_Info]] = [[]]
+        owned = 0
+        for info in self.infos:
+            if info.name in self.owners:
+                if owned and owned + info.nbytes > _BATCH:
+                    steps.append([])
+                    owned = 0
+                owned += info.nbytes
+            steps[-1].append(info)
+        return [s for s in steps if s]
+
+    def _store(self, out: List[Dict[str, Any]], slot: int, name: str, value: Any,
+               compact: bool) -> None:
+        """``value`` (a part) kept for slot ``slot``: copied into its target where it has one,
+        else as it is (``compact``: a compact copy, so that a whole tensor is not kept for one
+        part of it)."""
+        t = self.target_of(slot, name)
+        if t is not None:
+            _copy_into(t, value)
+            out[slot][name] = t
+        else:
+            out[slot][name] = value.copy() if compact and not value.is_contiguous else value
+
+    def start(self, infos: Sequence[_Info],
+              progress: Optional[Callable[[int, int], Any]] = None) -> _Step:
+        """Reads this process's bytes of ``infos`` (its parts of one run, and the whole tensors it
+        owns) by one run of the reader, keeps each local rank's parts, copies other local ranks
+        theirs and starts sending the other ranks theirs and receiving this process's."""
+        ckpt, devices, local = self.ckpt, self.devices, self.local
+        out: List[Dict[str, Any]] = [{} for _ in local]
+        items = []
+        wholes: Dict[str, Any] = {}
+        for info in infos:
+            name, split, owner = info.name, self.splits[info.name], self.owners.get(info.name)
+            if owner is None:
+                for slot, rank in enumerate(local):
+                    t = self.target_of(slot, name)
+                    if self.targets is not None and t is None:
+                        continue  # no target here (a tied name, or a rank without it)
+                    key = _key(info.shape, split, rank)
+                    if t is not None:
+                        items.append((name, key, t))
+                        out[slot][name] = t
+                    elif devices[slot].type == "cpu":
+                        # A view of the mapped file (unless copy): nothing is read.
+                        got = ckpt.load_part(name, key, devices[slot], self.copy)
+                        self.read += got.nbytes
+                        out[slot][name] = got
+                    else:
+                        got = _dlbridge.empty(_part_shape(info.shape, split, rank), info.dtype,
+                                              device=devices[slot])
+                        items.append((name, key, got))
+                        out[slot][name] = got
+            elif owner in local:
+                slot = local.index(owner)
+                t = self.target_of(slot, name)
+                if split is None and t is not None:
+                    items.append((name, (), t))  # the owner's own copy is its target
+                    wholes[name] = _dlbridge.from_dlpack(t, copy=False)
+                else:
+                    whole = _dlbridge.empty(info.shape, info.dtype, device=devices[slot])
+                    items.append((name, (), whole))
+                    wholes[name] = whole
+        if items:
+            self.read += ckpt.load_parts_into(items, self.threads, self.direct_io, progress)
+        del items
+        sends: Dict[int, List[Array]] = {}
+        recvs: Dict[int, List[_Recv]] = {}
+        for info in infos:
+            name, split, owner = info.name, self.splits[info.name], self.owners.get(info.name)
+            if owner is None:
+                continue
+            if owner in local:
+                slot = local.index(owner)
+                whole = wholes.pop(name)
+                for rank in range(self.world):
+                    part = whole[_key(info.shape, split, rank)]
+                    if rank == owner:
+                        if split is None and self.target_of(slot, name) is not None:
+                            out[slot][name] = self.target_of(slot, name)
+                        else:
+                            self._store(out, slot, name, part, compact=True)
+                    elif rank in local:
+                        other = local.index(rank)
+                        self._store(out, other, name, part.to(devices[other], copy=True),
+                                    compact=False)
+                    elif part.size:
+                        sends.setdefault(rank, []).append(part)
+                continue
+            for slot, rank in enumerate(local):
+                shape = _part_shape(info.shape, split, rank)
+                t = self.target_of(slot, name)
+                if 0 in shape:
+                    # Nothing is sent for an empty part.
+                    out[slot][name] = (t if t is not None else
+                                       _dlbridge.empty(shape, info.dtype, device=devices[slot]))
+                    continue
+                recvs.setdefault(owner, []).append(_Recv(slot, name, shape, info.dtype, t))
+        pending = None
+        if sends or recvs:
+            # One process per rank: one device.
+            pending = self.transport.start(devices[0], sends, recvs)
+        return _Step(out, pending)
+
+    def finish(self, step: _Step) -> List[Dict[str, Any]]:
+        """Waits for a started step's transfers and keeps what this process received: per local
+        slot, ``{name: part}`` of the step's tensors."""
+        if step.pending is not None:
+            for recv, got in self.transport.finish(step.pending):
+                if recv.target is None:
+                    step.out[recv.slot][recv.name] = got
+                else:
+                    if got is not None:
+                        _copy_into(recv.target, got)
+                    step.out[recv.slot][recv.name] = recv.target
+        return step.out
+
+
 def _run(
     ckpt: Any,
     devices: Sequence[Device],
@@ -280,154 +565,43 @@ def _run(
     loaded (new arrays, or the targets it filled), and the bytes this process needed from the
     file.
 
-    First every part this process reads for itself, into targets by one call of the reader
-    (``load_parts_into``: one run per device); then, in file order, the tensors read once by an
-    owner and handed out, each rank taking part in the same order."""
-    wanted = None if names is None else set(names)
-    infos = []
-    for name in ckpt.offset_keys():
-        if wanted is not None and name not in wanted:
-            continue
-        _, shape, (begin, end), _ = ckpt.info(name)
-        infos.append(_Info(name, ckpt.dtype(name), tuple(shape), end - begin))
-    splits = {i.name: (_shard.resolve(plan, i.name, i.shape, world) if plan is not None else None)
-              for i in infos}
-    owners = _owners(infos, splits, world)
+    The tensors go in steps of file order (:meth:`_Engine.batches`); each step's transfers run
+    while the next step is read, and are waited for after it."""
+    engine = _Engine(ckpt, devices, local, world, plan, targets, transport, threads, direct_io,
+                     names)
     out: List[Dict[str, Any]] = [{} for _ in local]
-    total = sum(i.nbytes for i in infos)
+    total = engine.total
 
-    def target_of(slot: int, name: str) -> Any:
-        return None if targets is None else targets[slot].get(name)
-
-    def store(slot: int, name: str, value: Any) -> None:
-        t = target_of(slot, name)
-        if t is None:
-            out[slot][name] = value
-        else:
-            _copy_into(t, value)
-            out[slot][name] = t
-
-    # Each rank's own parts, and the replicated tensors an owner reads into its own target.
-    items = []
-    read = 0
-    for info in infos:
-        name, split, owner = info.name, splits[info.name], owners.get(info.name)
-        for slot, rank in enumerate(local):
-            t = target_of(slot, name)
-            if owner is None:
-                if targets is not None and t is None:
-                    continue  # no target here (a tied name, or a rank without it)
-                key = _key(info.shape, split, rank)
-            elif owner == rank and split is None and t is not None:
-                key = ()
-            else:
-                continue
-            if t is None and devices[slot].type == "cpu":
-                # A view of the mapped file: nothing is read.
-                got = ckpt.load_part(name, key, devices[slot], False)
-                read += got.nbytes
-                out[slot][name] = got
-            elif t is None:
-                # New memory, read into with the targets by the one run of the reader.
-                got = _dlbridge.empty(_part_shape(info.shape, split, rank), info.dtype,
-                                      device=devices[slot])
-                items.append((name, key, got))
-                out[slot][name] = got
-            else:
-                items.append((name, key, t))
-                out[slot][name] = t
-    first = 0
-
-    def report(done: int, _total: int) -> None:
+    def report(done: int) -> None:
         if progress is not None:
             progress(min(done, total), total)
 
-    if items:
-        first = ckpt.load_parts_into(items, threads, direct_io, report)
-        read += first
-    done = first
+    done = 0
+    pending: Optional[_Step] = None
+    for infos in engine.batches():
+        size = sum(i.nbytes for i in infos)
 
-    def hand_out(info: _Info, whole: Any) -> None:
-        """Tensor `info` (`whole`: the owner's copy, where this process is its owner) handed out:
-        each local rank keeps its part, the others are sent theirs."""
-        name, split, owner = info.name, splits[info.name], owners[info.name]
-        if owner in local:
-            slot = local.index(owner)
-            t = target_of(slot, name)
-            for rank in range(world):
-                part = whole[_key(info.shape, split, rank)]
-                if rank == owner:
-                    if not (split is None and t is not None):
-                        # Compact, so that the whole tensor is not kept for one part of it.
-                        store(slot, name, part if split is None else part.copy())
-                elif rank in local:
-                    other = local.index(rank)
-                    store(other, name, part.to(devices[other], copy=True))
-                elif part.size:
-                    transport.send(part if part.is_contiguous else part.copy(), rank)
-            return
-        for slot, rank in enumerate(local):
-            shape = _part_shape(info.shape, split, rank)
-            t = target_of(slot, name)
-            dtype = info.dtype
-            if 0 in shape:
-                # Nothing is sent for an empty part.
-                got = _dlbridge.empty(shape, dtype, device=devices[slot])
-                out[slot][name] = got if t is None else t
-                continue
-            if t is not None and transport.can_receive_into(t, dtype, devices[slot]):
-                transport.recv(shape, dtype, devices[slot], owner, into=t)
-                out[slot][name] = t
-                continue
-            got = transport.recv(shape, dtype, devices[slot], owner)
-            if t is None:
-                out[slot][name] = got if isinstance(got, Array) else _dlbridge.from_dlpack(got)
-            else:
-                _copy_into(t, got)
-                out[slot][name] = t
+        def reading(got: int, _total: int, base: int = done, size: int = size) -> None:
+            report(base + min(got, size))
 
-    # The tensors read by an owner, in groups of at most `_BATCH` bytes (a larger tensor alone),
-    # the same groups on every rank: an owner reads its tensors of a group by one run of the
-    # reader, then the group's tensors are handed out in file order.
-    groups: List[List[_Info]] = []
-    size = 0
-    for info in infos:
-        if info.name not in owners:
-            continue
-        if not groups or size + info.nbytes > _BATCH:
-            groups.append([])
-            size = 0
-        groups[-1].append(info)
-        size += info.nbytes
-    for group in groups:
-        wholes: Dict[str, Any] = {}
-        batch = []
-        for info in group:
-            owner = owners[info.name]
-            if owner not in local:
-                continue
-            slot = local.index(owner)
-            t = target_of(slot, info.name)
-            if splits[info.name] is None and t is not None:
-                wholes[info.name] = _dlbridge.from_dlpack(t, copy=False)  # read above
-            else:
-                whole = _dlbridge.empty(info.shape, info.dtype, device=devices[slot])
-                batch.append((info.name, (), whole))
-                wholes[info.name] = whole
-        if batch:
-            read += ckpt.load_parts_into(batch, threads, direct_io, None)
-        del batch
-        for info in group:
-            hand_out(info, wholes.pop(info.name, None))
-            done += info.nbytes
-            report(done, total)
-    report(total, total)
-    return out, read
+        step = engine.start(infos, reading)
+        if pending is not None:
+            for slot, parts in enumerate(engine.finish(pending)):
+                out[slot].update(parts)
+        pending = step
+        done += size
+        report(done)
+    if pending is not None:
+        for slot, parts in enumerate(engine.finish(pending)):
+            out[slot].update(parts)
+    report(total)
+    return out, engine.read
 
 
-_BATCH = 1 << 30
-"""The most bytes of tensors read by their owners that one run of the reader reads (a larger
-tensor alone): the memory a load holds above its results while it hands them out."""
+_BATCH = 512 << 20
+"""The most bytes of tensors read by their owners in one step (a larger tensor alone). A step's
+transfers run while the next step is read, so a load holds at most two steps' such tensors above
+its results."""
 
 
 def _devices(device: Any) -> List[Device]:
@@ -522,7 +696,43 @@ def load_into(
     targets, the other ranks calling it with theirs. ``progress``: a callable getting
     ``(bytes_done, bytes_total)`` of the checkpoint's tensors.
     """
-    from .safetensors import _progress_callback, _target
+    from .safetensors import _progress_callback
+
+    into = _prepare_into(targets, checkpoint, strict, device, shard, rank, world_size, group)
+    callback, bar = _progress_callback(progress)
+    try:
+        _run(into.ckpt, into.devices, into.local, into.world, into.plan, into.targets,
+             into.transport, threads, direct_io, callback, into.walk)
+    finally:
+        if bar is not None:
+            bar.close()
+    return IncompatibleKeys(into.missing, into.unexpected)
+
+
+class _Into(NamedTuple):
+    """A load into targets, checked and planned (:func:`_prepare_into`)."""
+
+    ckpt: Any
+    devices: List[Device]
+    local: List[int]
+    world: int
+    plan: Any
+    targets: List[Dict[str, Any]]
+    """Per local rank, name -> target (PyTorch tensors detached, tied names once)."""
+    given: List[Dict[str, Any]]
+    """Per local rank, name -> the target as the caller gave it (a module's ``Parameter``)."""
+    transport: Any
+    walk: Optional[List[str]]
+    missing: List[str]
+    unexpected: List[str]
+
+
+def _prepare_into(targets: Any, checkpoint: Any, strict: bool, device: Any, shard: Any,
+                  rank: Optional[int], world_size: Optional[int], group: Any,
+                  caller: str = "load_into") -> _Into:
+    """``load_into``'s arguments checked (names, shapes: before anything is read), its modules'
+    ``meta`` tensors created and its plan built."""
+    from .safetensors import _target
 
     devices = _devices(device) if device is not None else []
     many = isinstance(device, (list, tuple))
@@ -535,6 +745,7 @@ def load_into(
         groups = [_targets(t, d) for t, d in zip(targets, devices)]
     else:
         groups = [_targets(targets, devices[0] if devices else None)]
+    given = groups
     groups = [{k: _detached(v) for k, v in g.items()} for g in groups]
     # The device of each local rank: where its targets are.
     if not devices:
@@ -559,7 +770,7 @@ def load_into(
     unexpected = sorted(set(full) - names)
     if strict and (missing or unexpected):
         raise KeyError(
-            "load_into(strict=True): "
+            f"{caller}(strict=True): "
             + "; ".join(
                 part for part in (
                     f"missing from the checkpoint: {', '.join(missing)}" if missing else "",
@@ -588,14 +799,8 @@ def load_into(
     # whatever targets each has (a tensor a rank has no target for is handed to it and dropped).
     walk = None if transport is not None else [
         n for n in ckpt.offset_keys() if any(n in g for g in groups)]
-    callback, bar = _progress_callback(progress)
-    try:
-        _run(ckpt, devices, local, world, plan, groups, transport, threads, direct_io, callback,
-             walk)
-    finally:
-        if bar is not None:
-            bar.close()
-    return IncompatibleKeys(missing, unexpected)
+    return _Into(ckpt, devices, local, world, plan, groups, given, transport, walk, missing,
+                 unexpected)
 
 
 def _plan_from_many(groups: Sequence[Mapping[str, Any]], full: Mapping[str, Tuple[int, ...]],
@@ -613,3 +818,153 @@ def _plan_from_many(groups: Sequence[Mapping[str, Any]], full: Mapping[str, Tupl
         return None
 
     return spec
+
+
+_END = object()
+
+
+class _PartStream:
+    """A streaming load of parts or into targets (``stream_file`` with ``shard=`` or
+    ``targets=``): a thread runs the engine's steps, one per group, each read, handed out and
+    received before it is delivered as ``(group, {name: part}, ready)``, at most ``ahead``
+    delivered groups waiting for the caller. On CUDA, the thread's work runs on a stream of its
+    own and ``ready`` is an event recorded on it after the group's last copy."""
+
+    def __init__(self, engine: _Engine, steps: List[Tuple[str, List[_Info]]], ahead: int,
+                 given: Optional[Mapping[str, Any]]) -> None:
+        import queue
+        import threading
+
+        self._engine, self._steps, self._given = engine, steps, given
+        self._queue: Any = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._work, name="dlbridge-stream", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        import contextlib
+
+        try:
+            device = self._engine.devices[0]
+            own = None
+            scope: Any = contextlib.nullcontext()
+            if device.type == "cuda":
+                from . import cuda
+
+                own = cuda.Stream(device)
+                scope = cuda.stream(own)
+            with scope:
+                for group, infos in self._steps:
+                    if self._stop.is_set():
+                        return
+                    got = self._engine.finish(self._engine.start(infos))[0]
+                    given = self._given
+                    tensors = {i.name: got[i.name] if given is None else given[i.name]
+                               for i in infos if given is None or i.name in given}
+                    ready = None
+                    if own is not None:
+                        ready = cuda.Event(device)
+                        ready.record(own)
+                    if not self._put((group, tensors, ready)):
+                        return
+            self._put(_END)
+        except BaseException as e:  # handed to the caller's iteration
+            self._put(e)
+
+    def __iter__(self) -> "_PartStream":
+        return self
+
+    def __next__(self) -> Tuple[str, Dict[str, Any], Any]:
+        import queue
+
+        while not self._done:
+            try:
+                item = self._queue.get(timeout=0.05)  # Ctrl-C is answered between waits
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                continue
+            if item is _END:
+                self._done = True
+            elif isinstance(item, BaseException):
+                self._done = True
+                raise item
+            else:
+                return item  # type: ignore[no-any-return]
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stops after the group being loaded (its transfers finish); drops what waits."""
+        import queue
+
+        self._done = True
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def stream_parts(
+    path: Any, device: Any, names: Optional[Sequence[str]], grouping: Any, ahead: int,
+    copy: bool, threads: Optional[int], direct_io: Optional[bool], shard: Any,
+    rank: Optional[int], world_size: Optional[int], group: Any, targets: Any, strict: bool,
+) -> Tuple[_PartStream, List[Tuple[str, List[str]]]]:
+    """``stream_file`` with a shard plan or targets: the stream and its plan of groups."""
+    from .safetensors import _target
+    from .safetensors._stream import plan_groups
+
+    if isinstance(device, (list, tuple)):
+        raise ValueError(
+            "stream_file streams onto one device: give device= one device (one process per rank "
+            "with rank=, world_size= and group=)"
+        )
+    if targets is not None:
+        into = _prepare_into(targets, path, strict, device, shard, rank, world_size, group,
+                             caller="stream_file")
+        ckpt, devices, local, world = into.ckpt, into.devices, into.local, into.world
+        plan, slots, transport = into.plan, into.targets, into.transport
+        given: Optional[Dict[str, Any]] = {k: into.given[0][k] for k in slots[0]}
+        every = into.walk if into.walk is not None else list(ckpt.offset_keys())
+    else:
+        if shard == "targets":
+            raise ValueError("shard='targets' builds the plan from the targets: give targets=")
+        devices = _devices(device)
+        local, world, transport = _ranks(devices, shard, rank, world_size, group)
+        ckpt = _dlbridge._Checkpoint(_target(path))
+        plan, slots, given = shard, None, None
+        every = list(ckpt.offset_keys())
+    if names is None:
+        names = every
+    else:
+        known = set(ckpt.keys())
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise KeyError(f"no tensor named {missing[0]!r} in the checkpoint")
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"tensor {twice!r} is named twice in order")
+    engine = _Engine(ckpt, devices, local, world, plan, slots, transport, threads, direct_io,
+                     names, copy=copy)
+    by_name = {i.name: i for i in engine.infos}
+    planned = plan_groups(names, grouping)
+    steps = [(g, [by_name[n] for n in members]) for g, members in planned]
+    shown = [(g, [n for n in members if given is None or n in given]) for g, members in planned]
+    return _PartStream(engine, steps, ahead, given), shown

@@ -74,6 +74,20 @@ def _checkpoint(tmp_path):
     return path
 
 
+def _many(tmp_path, layers=24):
+    """Many small tensors: per layer a dim-0 split, a dim-1 split (strided parts, uneven over 3
+    or 4 ranks) and a replicated one, in mixed dtypes."""
+    g = torch.Generator().manual_seed(2)
+    tensors = {}
+    for i in range(layers):
+        tensors[f"layers.{i}.q.weight"] = torch.randn(5, 3, generator=g).to(torch.bfloat16)
+        tensors[f"layers.{i}.o.weight"] = torch.randn(3, 7 + i % 3, generator=g)
+        tensors[f"layers.{i}.norm"] = torch.randn(3, generator=g).to(torch.float16)
+    path = os.path.join(tmp_path, "many.safetensors")
+    st.save_file(tensors, path)
+    return path
+
+
 def _expected(path, rank, world, plan=None):
     """Rank `rank`'s parts, as `safetensors` + `narrow` give them (`torch.chunk`'s split)."""
     plan = plan_for(world) if plan is None else plan
@@ -184,6 +198,40 @@ def test_each_byte_is_read_once_over_all_ranks(tmp_path):
     assert max(load) - min(load) <= max(i.nbytes for i in infos)
 
 
+def test_a_packed_block_holds_parts_as_the_receiver_lays_them_out():
+    """`_pack` copies parts (strided, mixed dtypes, empty, 0-d) into one block at the offsets
+    `_layout` computes from shapes and dtypes alone, which the receiver computes too; the block's
+    typed views (`_nccl_views`) read back bit-exact."""
+    g = torch.Generator().manual_seed(3)
+    base = dlbridge.asarray(torch.randn(6, 10, generator=g))
+    parts = [base[:, 3:7], dlbridge.asarray(torch.arange(5, dtype=torch.int16)),
+             dlbridge.asarray(torch.zeros(0, 4)), dlbridge.asarray(torch.tensor(2.5)),
+             dlbridge.asarray(torch.randn(3, 5, generator=g).to(torch.bfloat16))[:, ::2]]
+    block, packed = _load._pack(parts, dlbridge.Device("cpu"))
+    total, views = _load._layout([(p.shape, p.dtype) for p in parts])
+    assert block.shape == (total,) and str(block.dtype) == "uint8"
+    assert all(v[4] % 256 == 0 for v in views) and views[2][0] == -1  # the empty part: no run
+    assert total >= sum(p.nbytes for p in parts)
+    again = dlbridge._dlbridge._nccl_views(block, views)  # as the receiver's `recv` builds them
+    for part, a, b in zip(parts, packed, again):
+        assert a.shape == b.shape == part.shape and a.dtype == b.dtype == part.dtype
+        assert a.is_contiguous and _bits(torch.from_dlpack(b)) == _bits(torch.from_dlpack(part.copy()))
+
+
+def test_views_of_a_packed_block_are_checked():
+    block = dlbridge.empty((512,), "uint8")
+    with pytest.raises((ValueError, IndexError), match="outside|out of bounds"):
+        dlbridge._dlbridge._nccl_views(block, [(0, "float32", [100], [1], 256, False)])
+    with pytest.raises((ValueError, IndexError), match="outside|out of bounds"):
+        dlbridge._dlbridge._nccl_views(block[:256], [(0, "float32", [65], [1], 0, False)])
+    with pytest.raises(ValueError, match="uint8"):
+        dlbridge._dlbridge._nccl_views(dlbridge.empty((64,), "float32"), [])
+    with pytest.raises(ValueError, match="run 1"):
+        dlbridge._dlbridge._nccl_views(block, [(1, "float32", [1], [1], 0, False)])
+    ro = dlbridge._dlbridge._nccl_views(block, [(0, "int32", [2], [1], 0, True)])[0]
+    assert ro.readonly
+
+
 def test_load_into_one_process_several_targets(tmp_path):
     """`load_into` with a list of devices fills each rank's targets: the plan given, or built from
     the targets' shapes; a cast where a target's dtype differs."""
@@ -263,6 +311,20 @@ RANK = textwrap.dedent(r"""
                 time.sleep(0.05)
             uid = open(uid_path, "rb").read()
         group = nccl.Communicator(uid, world, rank, device=rank, timeout=20)
+    if os.environ.get("TEST_BATCH"):
+        from dlbridge import _load
+        _load._BATCH = int(os.environ["TEST_BATCH"])
+    calls = []
+    if os.environ.get("TEST_COUNT"):
+        # Each step's hand-out is one batched exchange, never a blocking send per tensor.
+        batched = dist.batch_isend_irecv
+        def counted(ops):
+            calls.append(len(ops))
+            return batched(ops)
+        def refused(*args, **kwargs):
+            raise AssertionError("a blocking send or recv per tensor")
+        dist.batch_isend_irecv = counted
+        dist.send = dist.recv = refused
     dies = mode.endswith("-dies")
     if dies and rank == 1:
         os._exit(3)  # before the load: its peers wait for transfers it never makes
@@ -270,7 +332,25 @@ RANK = textwrap.dedent(r"""
         if mode.endswith("-dies-midway") and rank == 1 and done > 0:
             os._exit(3)
     try:
-        if mode.endswith("-into"):
+        if "-stream" in mode:
+            # Streamed by layer: each group this rank's parts of its tensors, delivered in order.
+            want = _expected(path, rank, world)
+            targets = None
+            if mode.endswith("-into"):
+                targets = {{k: torch.zeros_like(v, device=device) for k, v in want.items()}}
+            stream = dlbridge.stream_file(path, device, shard=plan_for(world), rank=rank,
+                                          world_size=world, group=group, targets=targets,
+                                          framework="pt", ahead=1)
+            got, seen = {{}}, []
+            for name, tensors, ready in stream:
+                if ready is not None:
+                    ready.synchronize()
+                seen.append((name, list(tensors)))
+                got.update(tensors)
+                if targets is not None:
+                    assert all(tensors[k] is targets[k] for k in tensors)
+            assert seen == [(g, names) for g, names in stream.groups], (seen, stream.groups)
+        elif mode.endswith("-into"):
             want = _expected(path, rank, world)
             targets = {{k: torch.zeros_like(v, device=device) for k, v in want.items()}}
             dlbridge.load_into(targets, path, shard=plan_for(world), rank=rank,
@@ -280,7 +360,7 @@ RANK = textwrap.dedent(r"""
             got = dlbridge.load_file(path, device=device, shard=plan_for(world), rank=rank,
                                      world_size=world, group=group, progress=progress)
         _same(got, _expected(path, rank, world), f"rank {{rank}}")
-        print(f"rank {{rank}} ok", flush=True)
+        print(f"rank {{rank}} ok, {{len(calls)}} exchanges", flush=True)
     except Exception as e:
         kind = "transfer" if isinstance(e, RuntimeError) else "other"
         print(f"rank {{rank}} error ({{kind}}) {{type(e).__name__}}: {{e}}", flush=True)
@@ -296,11 +376,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _ranks(tmp_path, mode, world=4, timeout=120):
-    path = _checkpoint(tmp_path)
+def _ranks(tmp_path, mode, world=4, timeout=120, path=None, **extra):
+    path = _checkpoint(tmp_path) if path is None else path
     script = RANK.format(tests=os.path.dirname(__file__))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               DLBRIDGE_NCCL_TIMEOUT="20")
+               DLBRIDGE_NCCL_TIMEOUT="20", **extra)
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), mode, path],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
@@ -322,6 +402,48 @@ def _ranks(tmp_path, mode, world=4, timeout=120):
 def test_one_process_per_rank_over_gloo(tmp_path, how):
     mode = "gloo" if how == "file" else "gloo-into"
     for rank, (rc, out) in enumerate(_ranks(tmp_path, mode)):
+        assert rc == 0 and f"rank {rank} ok" in out, out
+
+
+def _steps(path, world, batch):
+    """The steps of a load of `path` over `world` ranks with `_BATCH = batch`."""
+    ckpt = dlbridge._dlbridge._Checkpoint(path)
+    saved = _load._BATCH
+    _load._BATCH = batch
+    try:
+        return len(_load._Engine(ckpt, [dlbridge.Device("cpu")], [0], world, plan_for(world),
+                                 None, None, None, None).batches())
+    finally:
+        _load._BATCH = saved
+
+
+@needs_gloo
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("batch", [1 << 30, 200])
+@pytest.mark.parametrize("how", ["file", "into"])
+def test_each_step_is_one_batched_exchange_over_gloo(tmp_path, world, batch, how):
+    """Many small tensors (dim-1 splits whose parts are strided and uneven, replicated ones, a
+    step with parts for several peers), in one step or in many: every rank's parts bit-exact,
+    each step handed out by at most one `batch_isend_irecv` per rank and no blocking send or
+    receive per tensor (the hand-out sent each tensor by its own `dist.send` before)."""
+    path = _many(tmp_path)
+    steps = _steps(path, world, batch)
+    assert (steps == 1) == (batch == 1 << 30)
+    mode = "gloo" if how == "file" else "gloo-into"
+    outs = _ranks(tmp_path, mode, world=world, path=path, TEST_BATCH=str(batch), TEST_COUNT="1")
+    for rank, (rc, out) in enumerate(outs):
+        found = re.search(rf"rank {rank} ok, (\d+) exchanges", out)
+        assert rc == 0 and found, out
+        assert 1 <= int(found.group(1)) <= steps, out
+
+
+@needs_gloo
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("how", ["stream", "stream-into"])
+def test_streaming_one_process_per_rank_over_gloo(tmp_path, world, how):
+    """`stream_file(shard=, rank=, world_size=, group=)`, into new arrays or into targets: each
+    group this rank's parts, in the planned order, bit-exact."""
+    for rank, (rc, out) in enumerate(_ranks(tmp_path, f"gloo-{how}", world=world)):
         assert rc == 0 and f"rank {rank} ok" in out, out
 
 
@@ -352,7 +474,8 @@ def test_one_process_on_gpus(tmp_path):
 
 
 @needs_two_gpus
-@pytest.mark.parametrize("mode", ["nccl", "nccl-into", "dlnccl", "dlnccl-into"])
+@pytest.mark.parametrize("mode", ["nccl", "nccl-into", "dlnccl", "dlnccl-into", "nccl-stream",
+                                  "nccl-stream-into", "dlnccl-stream", "dlnccl-stream-into"])
 def test_one_process_per_rank_on_gpus(tmp_path, mode):
     for rank, (rc, out) in enumerate(_ranks(tmp_path, mode, world=2)):
         assert rc == 0 and f"rank {rank} ok" in out, out

@@ -218,3 +218,101 @@ def test_abandoning_a_cuda_stream_frees_the_device_memory(tmp_path):
     stream.close()
     gc.collect()
     assert dlbridge.memory_stats("cuda:0")["active_bytes"] == before
+
+
+# Streaming into targets and by a shard plan (the loader's engine; one process per rank is in
+# test_sharded_load.py: gloo here, NCCL and dlbridge.nccl on a machine of two GPUs).
+
+
+def _meta_module(tensors):
+    """A module on PyTorch's `meta` device with a parameter per tensor, under its name."""
+    with torch.device("meta"):
+        root = torch.nn.Module()
+        for name, t in tensors.items():
+            *path, leaf = name.split(".")
+            mod = root
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype)))
+    return root
+
+
+def _stream_into_module(path, tensors, device):
+    model = _meta_module(tensors)
+    stream = dlbridge.stream_file(path, device, targets=model, order=_execution_order())
+    seen = []
+    params = dict(model.named_parameters())
+    for group, ts, ready in stream:
+        if ready is not None:
+            ready.synchronize()
+        for name, t in ts.items():
+            assert t is params[name] and isinstance(t, torch.nn.Parameter)  # the module's own
+            assert torch.equal(t.detach().cpu(), tensors[name]), name
+        seen.append((group, list(ts)))
+    assert seen == stream.groups
+    assert [g for g, _ in seen][:2] == ["model.embed_tokens.weight", "model.layers.0"]
+    assert all(p.device.type == torch.device(device).type for p in model.parameters())
+
+
+def test_streaming_into_a_meta_module_group_by_group(checkpoint):
+    """`stream_file(targets=module)`: the module's `meta` parameters created on the device, each
+    layer's filled in place and handed out (the module's own Parameters) as its group comes."""
+    path, tensors = checkpoint
+    _stream_into_module(path, tensors, "cpu")
+
+
+@_needs_torch_cuda
+def test_streaming_into_a_meta_module_on_cuda(checkpoint):
+    path, tensors = checkpoint
+    _stream_into_module(path, tensors, "cuda:0")
+
+
+def test_streaming_into_targets_checks_before_reading(checkpoint):
+    path, tensors = checkpoint
+    targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    targets["extra"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="stream_file.*extra"):
+        dlbridge.stream_file(path, targets=targets)
+    assert all(torch.count_nonzero(t) == 0 for t in targets.values())
+    del targets["extra"]
+    targets["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="'model.norm.weight'.*shape"):
+        dlbridge.stream_file(path, targets=targets)
+    partial = {"lm_head.weight": torch.zeros(100, 64)}
+    got = list(dlbridge.stream_file(path, targets=partial, strict=False))
+    assert [(g, list(ts)) for g, ts, _ in got] == [("lm_head.weight", ["lm_head.weight"])]
+    assert torch.equal(partial["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_streaming_a_shard_plan_and_its_argument_errors(checkpoint):
+    """A plan on one device (one rank: every part is the whole tensor), cast targets, and the
+    arguments a sharded stream refuses."""
+    path, tensors = checkpoint
+    plan = {"*.mlp.weight": 1, "*.attn.weight": 0}
+    got = {}
+    for _, ts, _ in dlbridge.stream_file(path, shard=plan, framework="pt", copy=True):
+        got.update(ts)
+    assert set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
+    targets = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in tensors.items()}
+    list(dlbridge.stream_file(path, targets=targets, shard=plan))
+    assert all(torch.equal(targets[k], tensors[k].double()) for k in tensors)
+    with pytest.raises(ValueError, match="one device"):
+        dlbridge.stream_file(path, ["cpu", "cpu"], shard=plan)
+    with pytest.raises(ValueError, match="dtype"):
+        dlbridge.stream_file(path, shard=plan, dtype="float16")
+    with pytest.raises(ValueError, match="go together"):
+        dlbridge.stream_file(path, shard=plan, rank=0)
+    with pytest.raises(ValueError, match="targets="):
+        dlbridge.stream_file(path, shard="targets")
+
+
+def test_closing_a_sharded_stream_ends_its_thread(checkpoint):
+    path, _ = checkpoint
+    stream = dlbridge.stream_file(path, shard={"*.attn.weight": 0}, copy=True, ahead=1)
+    next(stream)
+    stream.close()
+    thread = stream._native._thread
+    assert not thread.is_alive()
+    assert list(stream) == []

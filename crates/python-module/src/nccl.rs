@@ -2,6 +2,7 @@
 //! `dlbridge.ray`'s transport between GPUs and hosts: `_dlbridge.NcclCommunicator` and the
 //! natives around it. The rules live in the core; this module turns Python objects into its calls.
 
+use dlbridge::Tensor;
 use dlbridge::backend::cuda::nccl::{self, Communicator, UNIQUE_ID_BYTES};
 use dlbridge::share::runs::{RunPlan, RunView};
 use pyo3::exceptions::PyValueError;
@@ -186,6 +187,55 @@ fn _nccl_plan(
     Ok(plan_tuples(&plan))
 }
 
+/// The arrays `views` describe over `block`, a compact byte array standing for the one run of a
+/// transfer (each view's byte offset counted from the block's first byte, its run index 0, or -1
+/// for an array of no elements): what `recv(runs=[(len(block), 0)], views)` hands the receiver,
+/// for the sender that packs its arrays into the block before one `send([block])`. Each view is
+/// checked to lie inside the block; read-only where the block or the view is.
+#[pyfunction]
+fn _nccl_views(block: PyRef<'_, PyArray>, views: Vec<ViewTuple>) -> PyResult<Vec<PyArray>> {
+    let block = block.tensor()?;
+    if block.dtype() != dlbridge::DType::U8 || !block.is_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "the block of a transfer is a compact uint8 array, not a {} array of strides {:?}",
+            block.dtype(),
+            block.layout().strides()
+        )));
+    }
+    let start = block.byte_offset();
+    let end = start + block.nbytes();
+    views
+        .iter()
+        .map(|v| {
+            if v.0 != 0 && v.0 != -1 {
+                return Err(PyValueError::new_err(format!(
+                    "a view of a transfer's one run names run {}",
+                    v.0
+                )));
+            }
+            let (dtype, layout) = share::view_of(v)?;
+            let at = start.checked_add(layout.byte_offset()).ok_or_else(|| {
+                PyValueError::new_err("a view's byte offset is past the end of the block")
+            })?;
+            let t = Tensor::new(block.buffer().clone(), dtype, layout.with_byte_offset(at)).py()?;
+            let bytes = t.byte_range();
+            if !bytes.is_empty() && (bytes.start < start || bytes.end > end) {
+                return Err(PyValueError::new_err(format!(
+                    "a view of bytes {}..{} reaches outside the block's {} bytes",
+                    bytes.start - start.min(bytes.start),
+                    bytes.end - start.min(bytes.end),
+                    end - start
+                )));
+            }
+            Ok(PyArray::new(if v.5 || block.is_read_only() {
+                t.into_read_only()
+            } else {
+                t
+            }))
+        })
+        .collect()
+}
+
 /// A new NCCL unique id (the bootstrap address rank 0 serves while the ranks join).
 #[pyfunction]
 fn _nccl_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
@@ -210,6 +260,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCommunicator>()?;
     m.add_function(wrap_pyfunction!(_nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(_nccl_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(_nccl_views, m)?)?;
     m.add_function(wrap_pyfunction!(_nccl_add_library_path, m)?)?;
     m.add_function(wrap_pyfunction!(_nccl_version, m)?)?;
     Ok(())

@@ -88,7 +88,7 @@ class StreamedLoad:
 
 def stream_file(
     path: Any,
-    device: Any = "cpu",
+    device: Any = None,
     *,
     groups: GroupBy = None,
     order: Optional[Iterable[str]] = None,
@@ -99,6 +99,12 @@ def stream_file(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     direct_io: Optional[bool] = None,
+    shard: Any = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    group: Any = None,
+    targets: Any = None,
+    strict: bool = True,
 ) -> StreamedLoad:
     """Loads the checkpoint at ``path`` (a file, an index, a folder or a list of shards, as
     :func:`load_file` takes them) group by group, handing each out as soon as it is on
@@ -135,9 +141,32 @@ def stream_file(
     consumer holds only that much device memory ahead. An error while loading (a file truncated
     under the load, the device out of memory) is raised by the iteration that would have handed
     out its group, after the groups before it; nothing comes after. ``framework``, ``dtype``,
-    ``copy``, ``threads``, ``chunk_bytes`` and ``direct_io`` as in :func:`load_file`."""
+    ``copy``, ``threads``, ``chunk_bytes`` and ``direct_io`` as in :func:`load_file`.
+
+    **Sharded and into targets.** With ``shard=`` (a plan, :mod:`dlbridge.shard`) and ``rank=``,
+    ``world_size=``, ``group=`` (as :func:`load_file` takes them: one process per rank, every
+    rank streaming the same ``order`` and ``groups``), each group holds this rank's parts of its
+    tensors, read and handed out as :func:`load_file` does it (each byte of the checkpoint read
+    once over all ranks). With ``targets=`` (a mapping of names to arrays, or a
+    ``torch.nn.Module``, as :func:`dlbridge.load_into` takes them, with its ``strict`` and
+    ``shard``, ``"targets"`` included), each group's tensors are read into the targets and the
+    group hands out the targets themselves (``framework`` does not apply); the checks of
+    ``load_into`` (names, shapes) are made before anything is read, and ``device`` defaults to
+    the targets'. These streams run the loader's steps on a thread of their own, one group per
+    step, each group delivered once this rank's parts are in place; on CUDA ``ready`` is an
+    event recorded on the thread's stream after the group's last copy. The loader waits for the
+    work queued on the device before each group's read (the engine's ``load_parts_into`` does,
+    for the targets' sake): compute queued on the device meanwhile delays the next group's read.
+    One device per process; ``dtype`` and ``chunk_bytes`` are not taken (``load_into`` converts
+    to the targets' dtypes). A rank that closes its stream early, or fails, makes its peers'
+    next transfer fail after the transfer timeout (``DLBRIDGE_NCCL_TIMEOUT``)."""
     from . import _Convert, _device, _target
 
+    if not (shard is None and rank is None and world_size is None and group is None
+            and targets is None):
+        return _stream_parts(path, device, groups, order, framework, ahead, dtype, copy,
+                             threads, chunk_bytes, direct_io, shard, rank, world_size, group,
+                             targets, strict)
     convert = _Convert(framework, _device(device))
     target = _target(path)
     checkpoint = _dlbridge._Checkpoint(target)
@@ -158,4 +187,33 @@ def stream_file(
     native = _dlbridge._st_stream(
         target, planned, convert.device, ahead, bool(copy) or convert.copy, dtype, threads,
         chunk_bytes, direct_io)
+    return StreamedLoad(native, convert, planned)
+
+
+def _stream_parts(path: Any, device: Any, groups: GroupBy, order: Optional[Iterable[str]],
+                  framework: str, ahead: int, dtype: Any, copy: bool, threads: Optional[int],
+                  chunk_bytes: Optional[int], direct_io: Optional[bool], shard: Any,
+                  rank: Optional[int], world_size: Optional[int], group: Any, targets: Any,
+                  strict: bool) -> StreamedLoad:
+    """:func:`stream_file` with a shard plan or targets (the loader's engine, ``dlbridge._load``)."""
+    from .. import _load
+    from . import _Convert, _device
+
+    if dtype is not None or chunk_bytes is not None:
+        raise ValueError(
+            "stream_file with shard= or targets= takes no dtype= or chunk_bytes= (load_into "
+            "converts to the targets' dtypes)"
+        )
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+        raise ValueError(f"ahead must be an int of at least 1, got {ahead!r}")
+    names = None
+    if order is not None:
+        names = [order] if isinstance(order, str) else list(order)
+    convert: Callable[[Any], Any] = lambda v: v  # noqa: E731  (targets are handed out as given)
+    if targets is None and not isinstance(device, (list, tuple)):
+        framework_convert = _Convert(framework, _device(device))
+        convert, copy = framework_convert, bool(copy) or framework_convert.copy
+    native, planned = _load.stream_parts(
+        path, device, names, groups, ahead, bool(copy), threads, direct_io, shard, rank,
+        world_size, group, targets, strict)
     return StreamedLoad(native, convert, planned)

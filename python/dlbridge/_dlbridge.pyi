@@ -475,6 +475,7 @@ class _Checkpoint:
     def load_parts_into(
         self, items: list[tuple[str, Any, Any]], threads: int | None = None,
         direct_io: _bool | None = None, progress: Callable[[int, int], Any] | None = None,
+        wait: _bool = True,
     ) -> int: ...
 
 def _st_save(tensors: dict[str, Any], path: str, metadata: dict[str, str] | None = None,

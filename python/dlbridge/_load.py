@@ -423,6 +423,11 @@ class _Engine:
         self.total = sum(i.nbytes for i in self.infos)
         self.read = 0
         """The bytes of the files this process needed so far."""
+        self.waited: set[int] = set()
+        """The local slots whose device a step waited for (the work queued there before the load,
+        which the reader's streams do not wait for): the first step with targets on a device
+        does; later steps need not (their waits would also wait for the previous steps'
+        transfers and, in a stream, the consumer's compute). New arrays need no wait."""
 
     def target_of(self, slot: int, name: str) -> Any:
         return None if self.targets is None else self.targets[slot].get(name)
@@ -461,6 +466,7 @@ class _Engine:
         ckpt, devices, local = self.ckpt, self.devices, self.local
         out: List[Dict[str, Any]] = [{} for _ in local]
         items = []
+        targeted: set[int] = set()
         wholes: Dict[str, Any] = {}
         for info in infos:
             name, split, owner = info.name, self.splits[info.name], self.owners.get(info.name)
@@ -472,6 +478,7 @@ class _Engine:
                     key = _key(info.shape, split, rank)
                     if t is not None:
                         items.append((name, key, t))
+                        targeted.add(slot)
                         out[slot][name] = t
                     elif devices[slot].type == "cpu":
                         # A view of the mapped file (unless copy): nothing is read.
@@ -488,13 +495,16 @@ class _Engine:
                 t = self.target_of(slot, name)
                 if split is None and t is not None:
                     items.append((name, (), t))  # the owner's own copy is its target
+                    targeted.add(slot)
                     wholes[name] = _dlbridge.from_dlpack(t, copy=False)
                 else:
                     whole = _dlbridge.empty(info.shape, info.dtype, device=devices[slot])
                     items.append((name, (), whole))
                     wholes[name] = whole
         if items:
-            self.read += ckpt.load_parts_into(items, self.threads, self.direct_io, progress)
+            self.read += ckpt.load_parts_into(items, self.threads, self.direct_io, progress,
+                                              wait=not targeted <= self.waited)
+            self.waited |= targeted
         del items
         sends: Dict[int, List[Array]] = {}
         recvs: Dict[int, List[_Recv]] = {}

@@ -180,8 +180,9 @@ impl PyCheckpoint {
     /// device (`Checkpoint::load_parts_into`: the compact targets of one device by one run of the
     /// reader); returns the bytes of the files the parts need. `progress(done, total)` (bytes) is
     /// called about ten times a second while it reads. Every item is checked before anything is
-    /// read.
-    #[pyo3(signature = (items, threads=None, direct_io=None, progress=None))]
+    /// read. `wait=False`: the work queued on the targets' devices is not waited for first (the
+    /// caller did: the later steps of a load in steps).
+    #[pyo3(signature = (items, threads=None, direct_io=None, progress=None, wait=true))]
     fn load_parts_into(
         &self,
         py: Python<'_>,
@@ -189,6 +190,7 @@ impl PyCheckpoint {
         threads: Option<usize>,
         direct_io: Option<bool>,
         progress: Option<Py<PyAny>>,
+        wait: bool,
     ) -> PyResult<u64> {
         let mut parts: Vec<(String, Layout, Tensor)> = Vec::with_capacity(items.len());
         for (name, key, target) in &items {
@@ -201,6 +203,7 @@ impl PyCheckpoint {
         let options = LoadOptions {
             threads,
             direct_io,
+            wait_for_targets: wait,
             ..LoadOptions::new(Device::CPU)
         };
         let refs: Vec<(&str, Layout, &Tensor)> = parts
@@ -350,6 +353,7 @@ pub(crate) fn load_options(
         gds,
         // Else the environment's `DLBRIDGE_LOAD_ALLOCATION`, else one allocation per file.
         allocation,
+        wait_for_targets: true,
     })
 }
 

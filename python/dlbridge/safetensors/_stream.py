@@ -155,8 +155,10 @@ def stream_file(
     the targets'. These streams run the loader's steps on a thread of their own, one group per
     step, each group delivered once this rank's parts are in place; on CUDA ``ready`` is an
     event recorded on the thread's stream after the group's last copy. The loader waits for the
-    work queued on the device before each group's read (the engine's ``load_parts_into`` does,
-    for the targets' sake): compute queued on the device meanwhile delays the next group's read.
+    work queued on the device before the first group with targets is read (a kernel still
+    filling a target could otherwise land after the checkpoint's bytes), not before later
+    groups: work queued after the stream starts must not write the targets of groups not yet
+    delivered (a forward pass over delivered groups does not).
     One device per process; ``dtype`` and ``chunk_bytes`` are not taken (``load_into`` converts
     to the targets' dtypes). A rank that closes its stream early, or fails, makes its peers'
     next transfer fail after the transfer timeout (``DLBRIDGE_NCCL_TIMEOUT``)."""

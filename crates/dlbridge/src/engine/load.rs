@@ -73,6 +73,11 @@ pub struct LoadOptions {
     /// tensor a view of it, or one per tensor. `None`: the environment variable
     /// `DLBRIDGE_LOAD_ALLOCATION` (`per-file` or `per-tensor`), else [`Allocation::PerFile`].
     pub allocation: Option<Allocation>,
+    /// Whether [`load_parts_into`] first waits for the work queued on its targets' devices
+    /// (default `true`); `false` where the caller has waited already (the later steps of a load
+    /// in steps, which waited once at its start: each wait would also wait for the previous
+    /// step's transfers and the caller's compute).
+    pub wait_for_targets: bool,
 }
 
 /// How a load that reads tensors into device memory allocates it ([`LoadOptions::allocation`]).
@@ -131,6 +136,7 @@ impl LoadOptions {
             register_pages: None,
             gds: None,
             allocation: None,
+            wait_for_targets: true,
         }
     }
 }
@@ -367,12 +373,13 @@ pub struct PartInto<'a> {
 ///   dtypes differ (NumPy's `astype` rules, as `copy_` converts), then copied into `dst` with its
 ///   strides.
 ///
-/// Work already queued on the `dst`s' devices is waited for first ([`backend::synchronize`]): the
-/// reader's streams do not wait for the caller's (PyTorch's, say), and a kernel still filling a
-/// `dst` could otherwise land after the checkpoint's bytes.
+/// Work already queued on the `dst`s' devices is waited for first ([`backend::synchronize`];
+/// unless `options.wait_for_targets` is off): the reader's streams do not wait for the caller's
+/// (PyTorch's, say), and a kernel still filling a `dst` could otherwise land after the
+/// checkpoint's bytes.
 ///
 /// `options.device`, `copy` and `dtype` are ignored (each `dst` says them); the reader's options
-/// apply.
+/// and `wait_for_targets` apply.
 ///
 /// # Errors
 /// [`Error::Shape`] where a `dst`'s shape is not its part's; [`Error::ReadOnly`] where a `dst` is
@@ -432,7 +439,7 @@ pub unsafe fn load_parts_into(
     let mut waited: Vec<Device> = Vec::new();
     for p in parts
         .iter()
-        .filter(|p| !p.dst.device().is_cpu() && p.dst.numel() > 0)
+        .filter(|p| options.wait_for_targets && !p.dst.device().is_cpu() && p.dst.numel() > 0)
     {
         if !waited.contains(&p.dst.device()) {
             crate::backend::synchronize(p.dst.device())?;

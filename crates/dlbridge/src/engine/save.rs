@@ -238,6 +238,10 @@ pub fn write_file_staged(
         .of(staging.index() as i32)
         .filter(|_| staging.kind().is_cuda())
         .map(|s| (s.device(), s.handle()));
+    // The last, partial buffer, kept until the staging threads are done (back in the pool
+    // earlier, it would serve one of their requests: the ring would hold one buffer fewer than
+    // it was made of).
+    let mut last: Option<Slot> = None;
     std::thread::scope(|scope| {
         for _ in 0..threads.min(ring) {
             let free_tx = free_tx.clone();
@@ -321,7 +325,8 @@ pub fn write_file_staged(
             filler.settle()?;
             copied();
             // The last, partial chunk: through the page cache, at its exact length.
-            if let Some(slot) = filler.current.take() {
+            last = filler.current.take();
+            if let Some(slot) = &last {
                 let bytes = &slot.bytes(chunk)?[..filler.fill];
                 file.write_all_at(bytes, filler.start)
                     .map_err(|e| io_error(path, e))?;

@@ -553,7 +553,7 @@ impl Filler<'_> {
             };
             let slot = next?;
             if self.failed.load(Ordering::Relaxed) {
-                // A writer failed: its error is the one reported.
+                // A writer or a staging thread failed: its error is the one reported.
                 return Err(hung_up());
             }
             self.current = Some(slot);

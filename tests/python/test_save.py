@@ -553,6 +553,134 @@ def test_async_cuda_save_gives_the_memory_back_once_copied(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# The asynchronous save's staging: the whole file in buffers of exactly the chunk size, taken
+# from the pool before the copies, kept there for the next save, given back when asked.
+
+_MIB = 1 << 20
+_CHUNK = 16 * _MIB  # the default chunk_bytes
+
+
+def _staging_pool(device):
+    return "cpu" if device == "cpu" else "cuda_host:0"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_needs_torch_cuda)])
+def test_async_staging_is_whole_chunks_reused_by_the_next_save_and_given_back(tmp_path, device):
+    """An 80 MB file (5 chunks of 16 MiB): the save stages all of it, in 5 blocks of exactly
+    16 MiB of its staging pool (pinned memory for CUDA arrays; the buffers were 16 MiB + 4 KiB,
+    rounded by the pool to 18 MiB); the next save of the same size takes every block from the
+    pool (no allocation from the system), and ``empty_cache`` gives them back."""
+    tensors = {f"w{i}": _random((5_000_000,), torch.float32, i).to(device) for i in range(4)}
+    expected = {k: v.cpu().clone() for k, v in tensors.items()}
+    pool = _staging_pool(device)
+    dlbridge.empty_cache(pool)
+    before = dlbridge.memory_stats(pool)
+    assert before["cached_blocks"] == 0
+    path = tmp_path / "a.safetensors"
+    dlbridge.save_file(tensors, path, wait=False).wait()
+    chunks = -(-os.path.getsize(path) // _CHUNK)
+    assert chunks == 5
+    first = dlbridge.memory_stats(pool)
+    assert first["active_bytes"] == before["active_bytes"]
+    assert (first["cached_blocks"], first["cached_bytes"]) == (chunks, chunks * _CHUNK)
+    assert first["driver_allocations"] - before["driver_allocations"] == chunks
+
+    handle = dlbridge.save_file(tensors, tmp_path / "b.safetensors", wait=False)
+    handle.wait_copied()
+    for t in tensors.values():
+        t.fill_(-1.0)  # the arrays change once copied: not in the file
+    handle.wait()
+    second = dlbridge.memory_stats(pool)
+    assert second["driver_allocations"] == first["driver_allocations"]
+    assert second["cache_hits"] - first["cache_hits"] == chunks
+    assert (second["cached_blocks"], second["cached_bytes"]) == (chunks, chunks * _CHUNK)
+    for name in ("a", "b"):
+        back = st_load_torch(str(tmp_path / f"{name}.safetensors"))
+        assert all(torch.equal(back[k], v) for k, v in expected.items()), name
+
+    dlbridge.empty_cache(pool)
+    after = dlbridge.memory_stats(pool)
+    assert (after["cached_blocks"], after["cached_bytes"]) == (0, 0)
+    assert after["driver_frees"] - second["driver_frees"] == chunks
+
+
+def test_a_cache_limit_bounds_the_staging_kept(tmp_path):
+    """``set_cache_limit`` on the staging pool bounds what a save keeps: with 32 MiB, two of the
+    five buffers stay for the next save."""
+    tensors = {f"w{i}": _random((5_000_000,), torch.float32, i) for i in range(4)}
+    dlbridge.empty_cache("cpu")
+    old = dlbridge.memory_stats("cpu")["cache_limit"]
+    dlbridge.set_cache_limit(2 * _CHUNK, "cpu")
+    try:
+        dlbridge.save_file(tensors, tmp_path / "a.safetensors", wait=False).wait()
+        stats = dlbridge.memory_stats("cpu")
+        assert (stats["cached_blocks"], stats["cached_bytes"]) == (2, 2 * _CHUNK)
+    finally:
+        dlbridge.set_cache_limit(old, "cpu")
+
+
+_REFUSED_STAGING = """
+import os, sys, torch, dlbridge
+path, wait = sys.argv[1], sys.argv[2] == "wait"
+dlbridge.save_file({"w": torch.arange(10.0)}, path)
+dlbridge.set_memory_limit(40 << 20, "cpu")  # two 16 MiB buffers of the five an 80 MB file needs
+tensors = {f"w{i}": torch.ones(5_000_000) for i in range(4)}
+try:
+    handle = dlbridge.save_file(tensors, path, wait=wait == "wait")
+    if handle is not None:
+        handle.wait_copied()
+except MemoryError as e:
+    print("MemoryError", e)
+"""
+
+
+@pytest.mark.parametrize("wait", ["wait", "async"])
+def test_staging_the_pool_refuses_is_a_memory_error_and_leaves_the_old_file(tmp_path, wait):
+    """Staging buffers made by their own threads: a refusal (the pool's memory limit) reaches the
+    save as ``MemoryError`` (no hang: in a child with a timeout) and leaves the old file, no
+    temporary. The synchronous save's ring (threads + 2 buffers) and the asynchronous save's
+    (the whole file) are both over the limit."""
+    path = tmp_path / "m.safetensors"
+    done = subprocess.run([sys.executable, "-c", _REFUSED_STAGING, str(path), wait],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("MemoryError"), (done.stdout, done.stderr)
+    assert torch.equal(st_load_torch(str(path))["w"], torch.arange(10.0))
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+@_needs_torch_cuda
+def test_a_repeated_async_cuda_save_copies_at_pinned_device_to_host_speed(tmp_path):
+    """2 GB of bf16 on the GPU: from the second save on (the staging in the pool), wait_copied()
+    returns within 2x the time PyTorch takes to copy the same tensors into pinned memory
+    allocated beforehand (the bench's target is 0.8 of it on 6 GB; 0.5 leaves room for a busy
+    machine; the buffers used to be allocated during the save and synchronised one by one,
+    0.21 of it)."""
+    tensors = {f"w{i}": torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16) for i in range(32)}
+    pinned = {k: torch.empty_like(v, device="cpu").pin_memory() for k, v in tensors.items()}
+    d2h = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for k, v in tensors.items():
+            pinned[k].copy_(v, non_blocking=True)
+        torch.cuda.synchronize()
+        d2h.append(time.perf_counter() - start)
+    del pinned
+    copied = []
+    for i in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        handle = dlbridge.save_file(tensors, tmp_path / f"s{i}.safetensors", wait=False)
+        handle.wait_copied()
+        copied.append(time.perf_counter() - start)
+        handle.wait()
+        os.remove(tmp_path / f"s{i}.safetensors")
+    ratio = min(d2h) / min(copied[1:])
+    assert ratio >= 0.5, (d2h, copied)
+
+
+# ---------------------------------------------------------------------------------------------
 # Stale shards.
 
 

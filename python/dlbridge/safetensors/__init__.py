@@ -418,8 +418,10 @@ def save_file(
     page cache (``O_DIRECT``; through it where the file system refuses, as ramfs does), with the
     GIL released. Arrays of any layout are copied piece by piece straight into the ring (no
     compact copy first); CUDA arrays asynchronously, on a stream of the save's that waits for the
-    caller's current stream, into pinned buffers. ``threads`` (writer threads), ``chunk_bytes``
-    (one write, a multiple of 4096) and ``direct_io=False`` tune that. ``progress`` as in
+    caller's current stream, into pinned buffers, many copies in flight. ``threads`` (writer
+    threads, and as many threads that take the buffers from dlbridge's pool as the save starts),
+    ``chunk_bytes`` (one write and one buffer, a multiple of 4096) and ``direct_io=False`` tune
+    that. ``progress`` as in
     :func:`load_file` (bytes written; an exception it raises is raised once the save has
     finished).
 
@@ -429,10 +431,16 @@ def save_file(
     from then on the arrays may be written or freed (not before: an optimizer step must wait for
     it). ``handle.wait()`` returns once the file is durable, raising the save's error (a full
     disk: ``OSError``, with nothing partial left, as the synchronous form); ``handle.done()``
-    tells without waiting. The staging memory (the file's size) goes back to dlbridge's pool
-    after the save and is kept there for the next one; ``dlbridge.empty_cache("cuda_host:0")``
-    (or ``"cpu"`` for CPU arrays) releases it. Saves still running when the interpreter exits are
-    waited for.
+    tells without waiting. The staging memory is the file's size in buffers of ``chunk_bytes``
+    (pinned memory for CUDA arrays, of the ``"cuda_host:0"`` pool; the ``"cpu"`` pool's
+    otherwise), taken from dlbridge's pool as the save starts, by several threads at once (the
+    first save pins it: the kernel zeroes the pages and the driver registers them); it goes back
+    to the pool after the save and serves the next one, so that from the second save on the
+    copies run at the device-to-host bandwidth. ``dlbridge.empty_cache("cuda_host:0")`` (or
+    ``"cpu"``) gives it back to the system; ``dlbridge.set_cache_limit(n, "cuda_host:0")`` bounds
+    what the pool keeps (the CPU pool keeps at most 1 GiB unless told otherwise). Memory the pool
+    refuses (``set_memory_limit``) is a ``MemoryError`` from the save, the old file left as it
+    was. Saves still running when the interpreter exits are waited for.
 
     ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``): ``path`` is a folder
     (created where missing) that receives a checkpoint as Hugging Face's ``save_pretrained``

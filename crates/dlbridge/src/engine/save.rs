@@ -7,19 +7,26 @@
 //! arrays, and CUDA arrays of any layout, piece by piece through the copy planner, each piece a
 //! strided view of the array whose bytes fill the rest of a buffer (no compact copy of the array
 //! first). CUDA arrays are copied asynchronously on a stream of the save's into pinned buffers
-//! (the pool's pinned memory), and a buffer is handed on once its copies ran. Writer threads take
-//! each full buffer and write it at its aligned file offset around the page cache (`O_DIRECT`),
-//! while the next ones fill; the last, partial buffer, and every write where the file system
-//! refuses `O_DIRECT` (ramfs), go through the page cache. The file is then synced.
+//! (the pool's pinned memory), many copies in flight: full buffers wait in a batch of up to
+//! 256 MiB, and one synchronisation of the streams hands the whole batch on. Writer
+//! threads take each full buffer and write it at its aligned file offset around the page cache
+//! (`O_DIRECT`), while the next ones fill; the last, partial buffer, and every write where the
+//! file system refuses `O_DIRECT` (ramfs), go through the page cache. The file is then synced.
 //!
 //! The ring holds `threads + 2` buffers, or, for an asynchronous save
 //! ([`WriteOptions::whole`]), as many as the file needs, so that every byte is in host memory at
-//! the speed of the copies ([`write_file_staged`] tells when) while the disk catches up.
+//! the speed of the copies ([`write_file_staged`] tells when) while the disk catches up. The
+//! buffers are taken from their pool by `threads` threads of their own as the save starts (a
+//! pool that has none yet makes them: pinning memory is the kernel zeroing it and the driver
+//! registering it, which several threads do at once), the filler taking each as it comes; each
+//! is exactly `chunk` bytes (a whole number of huge pages for the default chunk) where the pool
+//! hands out page-aligned blocks, as the CPU's and the pinned pool do for blocks this large.
+//! They go back to the pool after the save and serve the next one.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
@@ -36,6 +43,11 @@ use super::file::io_error;
 /// The size of one write and ring buffer: a multiple of every block size `O_DIRECT` asks to be
 /// aligned to, large enough that the disk sees long writes.
 pub const DEFAULT_WRITE_CHUNK: usize = 16 << 20;
+
+/// How many bytes of full buffers wait for their device copies before one synchronisation of the
+/// copy streams hands them to the writers (fewer where the ring is small): enough that the
+/// copies run back to back, few enough that the disk starts early.
+const COPY_BATCH: usize = 256 << 20;
 
 /// Writer threads when none are asked for: one per core, 2 to 8 (the writes wait on the disk,
 /// not the CPU).
@@ -58,7 +70,8 @@ pub struct WriteItem<'a> {
 /// How [`write_file`] writes.
 #[derive(Clone, Copy, Debug)]
 pub struct WriteOptions {
-    /// Writer threads (at least one).
+    /// Writer threads (at least one); as many threads take the ring's buffers from their pool
+    /// as the save starts.
     pub threads: usize,
     /// The size of one write and ring buffer, a multiple of 4096 bytes.
     pub chunk: usize,
@@ -67,7 +80,8 @@ pub struct WriteOptions {
     /// Whether the ring grows to hold the whole file, so that every byte reaches host memory
     /// at the speed of the copies instead of waiting for the disk (the asynchronous save: the
     /// arrays may change once they are all copied). The memory goes back to its pool (pinned
-    /// memory for CUDA arrays, the CPU pool's otherwise), which keeps it for the next save.
+    /// memory for CUDA arrays, the CPU pool's otherwise), which keeps it for the next save
+    /// (within the pool's cache limit; [`crate::empty_cache`] gives it back).
     pub whole: bool,
 }
 
@@ -212,9 +226,46 @@ pub fn write_file_staged(
     };
     let (work_tx, work_rx) = mpsc::channel::<(u64, Slot)>();
     let work_rx = Mutex::new(work_rx);
-    let (free_tx, free_rx) = mpsc::channel::<Slot>();
+    // Buffers for the filler: new ones from the staging threads, written ones from the writers;
+    // an error tells the filler that a staging thread failed (its error is recorded).
+    let (free_tx, free_rx) = mpsc::channel::<Result<Slot>>();
     let direct_refused = AtomicBool::new(false);
+    let staged = AtomicUsize::new(0);
+    let padded = AtomicBool::new(false);
+    // The staging threads allocate on the copy stream of the staging device, the stream whose
+    // copies fill the buffers.
+    let staging_stream = streams
+        .of(staging.index() as i32)
+        .filter(|_| staging.kind().is_cuda())
+        .map(|s| (s.device(), s.handle()));
+    // The last, partial buffer, kept until the staging threads are done (back in the pool
+    // earlier, it would serve one of their requests: the ring would hold one buffer fewer than
+    // it was made of).
+    let mut last: Option<Slot> = None;
     std::thread::scope(|scope| {
+        for _ in 0..threads.min(ring) {
+            let free_tx = free_tx.clone();
+            let (staged, padded, failed, record) = (&staged, &padded, &failed, &record);
+            scope.spawn(move || {
+                let _current =
+                    staging_stream.map(|(ordinal, handle)| CurrentStream::set(ordinal, handle));
+                while !failed.load(Ordering::Relaxed)
+                    && staged.fetch_add(1, Ordering::Relaxed) < ring
+                {
+                    match Slot::new(staging, chunk, padded) {
+                        Ok(slot) => {
+                            let _ = free_tx.send(Ok(slot));
+                        }
+                        Err(e) => {
+                            record(e);
+                            // Wakes the filler should it wait for this buffer.
+                            let _ = free_tx.send(Err(hung_up()));
+                            return;
+                        }
+                    }
+                }
+            });
+        }
         for _ in 0..threads {
             let free_tx = free_tx.clone();
             let (work_rx, done, failed, direct_refused) =
@@ -238,21 +289,20 @@ pub fn write_file_staged(
                         }
                     }
                     // The filler waits for buffers: it gets each back, written or not.
-                    let _ = free_tx.send(slot);
+                    let _ = free_tx.send(Ok(slot));
                 }
             });
         }
         drop(free_tx);
         let mut filler = Filler {
             chunk,
-            staging,
-            ring,
-            allocated: 0,
+            batch: (COPY_BATCH / chunk).clamp(1, (ring / 2).max(1)),
             free: &free_rx,
             work: work_tx,
             current: None,
             start: 0,
             fill: 0,
+            pending: Vec::new(),
             device_copies: false,
             streams,
             failed: &failed,
@@ -275,7 +325,8 @@ pub fn write_file_staged(
             filler.settle()?;
             copied();
             // The last, partial chunk: through the page cache, at its exact length.
-            if let Some(slot) = filler.current.take() {
+            last = filler.current.take();
+            if let Some(slot) = &last {
                 let bytes = &slot.bytes(chunk)?[..filler.fill];
                 file.write_all_at(bytes, filler.start)
                     .map_err(|e| io_error(path, e))?;
@@ -283,11 +334,13 @@ pub fn write_file_staged(
             }
             Ok(())
         })();
-        // Hanging up lets the writers finish what they hold and return.
-        drop(filler);
         if let Err(e) = result {
             record(e);
+            // No copy may still write into a buffer once it is back in its pool.
+            let _ = streams.synchronize();
         }
+        // Hanging up lets the writers finish what they hold and return.
+        drop(filler);
     });
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
@@ -307,10 +360,28 @@ struct Slot {
 }
 
 impl Slot {
-    /// `chunk` bytes of `staging` (the CPU, or a CUDA device's pinned memory), page-aligned.
-    fn new(staging: Device, chunk: usize) -> Result<Slot> {
+    /// `chunk` bytes of `staging` (the CPU, or a CUDA device's pinned memory), page-aligned: a
+    /// block of exactly `chunk` bytes where the pool hands out page-aligned ones, else (and from
+    /// then on, `padded`) one of `chunk` + a page.
+    fn new(staging: Device, chunk: usize, padded: &AtomicBool) -> Result<Slot> {
         let storage = (!staging.is_cpu()).then_some(StorageMode::Shared);
-        let buffer = crate::backend::allocate(staging, chunk + PAGE, storage, false)?;
+        let allocate = |bytes| crate::backend::allocate(staging, bytes, storage, false);
+        let exact = match padded.load(Ordering::Relaxed) {
+            true => None,
+            false => {
+                let buffer = allocate(chunk)?;
+                let aligned =
+                    buffer.require_host("staging a file write")?.as_ptr().addr() % PAGE == 0;
+                if !aligned {
+                    padded.store(true, Ordering::Relaxed);
+                }
+                aligned.then_some(buffer)
+            }
+        };
+        let buffer = match exact {
+            Some(buffer) => buffer,
+            None => allocate(chunk + PAGE)?,
+        };
         let base = buffer.require_host("staging a file write")?;
         let start = base.as_ptr().align_offset(PAGE);
         let (host, pinned) = if staging.is_cpu() {
@@ -363,22 +434,23 @@ impl Slot {
 /// The page size `O_DIRECT` aligns buffers to.
 const PAGE: usize = 4096;
 
-/// The caller's side of the ring: the buffer being filled and where it goes in the file.
+/// The caller's side of the ring: the buffer being filled and where it goes in the file, and
+/// the full buffers whose device copies may still run.
 struct Filler<'a> {
     chunk: usize,
-    /// Where new ring buffers are allocated.
-    staging: Device,
-    /// How many buffers the ring may hold.
-    ring: usize,
-    allocated: usize,
-    free: &'a mpsc::Receiver<Slot>,
+    /// How many full buffers wait for their copies before one synchronisation hands them on.
+    batch: usize,
+    /// New buffers (from the staging threads) and written ones (from the writers).
+    free: &'a mpsc::Receiver<Result<Slot>>,
     work: mpsc::Sender<(u64, Slot)>,
     current: Option<Slot>,
     /// The file offset of `current`'s first byte.
     start: u64,
     /// Bytes of `current` filled.
     fill: usize,
-    /// Whether copies from a device into `current` may still be running.
+    /// Full buffers not yet handed on, with their file offsets.
+    pending: Vec<(u64, Slot)>,
+    /// Whether copies from a device into `current` or `pending` may still be running.
     device_copies: bool,
     streams: &'a CopyStreams,
     failed: &'a AtomicBool,
@@ -467,20 +539,21 @@ impl Filler<'_> {
         Ok(())
     }
 
-    /// How many of `want` bytes fit in the current buffer (taking a free one, or allocating one
-    /// while the ring may grow, where none is being filled).
+    /// How many of `want` bytes fit in the current buffer (taking the next free one where none
+    /// is being filled; before waiting for one, the full buffers are handed on, so that the
+    /// writers can give them back).
     fn room(&mut self, want: usize) -> Result<usize> {
         if self.current.is_none() {
-            let slot = match self.free.try_recv() {
-                Ok(slot) => slot,
-                Err(_) if self.allocated < self.ring => {
-                    self.allocated += 1;
-                    Slot::new(self.staging, self.chunk)?
+            let next = match self.free.try_recv() {
+                Ok(next) => next,
+                Err(_) => {
+                    self.settle()?;
+                    self.free.recv().map_err(|_| hung_up())?
                 }
-                Err(_) => self.free.recv().map_err(|_| hung_up())?,
             };
+            let slot = next?;
             if self.failed.load(Ordering::Relaxed) {
-                // A writer failed: its error is the one reported.
+                // A writer or a staging thread failed: its error is the one reported.
                 return Err(hung_up());
             }
             self.current = Some(slot);
@@ -501,24 +574,29 @@ impl Filler<'_> {
     }
 
     /// Counts `n` more bytes filled; a full buffer goes to the writers once the copies into it
-    /// have run.
+    /// have run: at once when no device copy is running, else with its batch.
     fn advance(&mut self, n: usize) -> Result<()> {
         self.fill += n;
         if self.fill == self.chunk {
-            self.settle()?;
-            if let Some(slot) = self.current.take() {
-                self.work.send((self.start, slot)).map_err(|_| hung_up())?;
-                self.start += self.chunk as u64;
-                self.fill = 0;
+            let slot = self.current.take().ok_or_else(hung_up)?;
+            self.pending.push((self.start, slot));
+            self.start += self.chunk as u64;
+            self.fill = 0;
+            if !self.device_copies || self.pending.len() >= self.batch {
+                self.settle()?;
             }
         }
         Ok(())
     }
 
-    /// Waits for the device copies into the current buffer.
+    /// Waits for the device copies enqueued so far (one synchronisation of the copy streams),
+    /// and hands the full buffers to the writers.
     fn settle(&mut self) -> Result<()> {
         if std::mem::take(&mut self.device_copies) {
             self.streams.synchronize()?;
+        }
+        for full in self.pending.drain(..) {
+            self.work.send(full).map_err(|_| hung_up())?;
         }
         Ok(())
     }

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use crate::backend::cuda::{self, Stream};
+use crate::backend::{self, Queue};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::dtype::DType;
@@ -104,9 +104,9 @@ impl Default for WriteOptions {
 /// write is refused, the writes go through `file`. Errors ([`Error::Io`] naming `path`, such as
 /// a full disk) leave the file partly written: the caller removes it.
 ///
-/// CUDA arrays are copied on streams ordered after the calling thread's current streams
-/// ([`CopyStreams::after_current`]); [`write_file_staged`] takes streams made earlier, and tells
-/// when every byte is in host memory.
+/// Arrays of devices with queues of work (CUDA) are copied on queues ordered after the calling
+/// thread's current ones ([`CopyStreams::after_current`]); [`write_file_staged`] takes queues
+/// made earlier, and tells when every byte is in host memory.
 pub fn write_file(
     path: &Path,
     file: &File,
@@ -119,41 +119,60 @@ pub fn write_file(
     write_file_staged(path, file, head, items, options, &streams, &|| {}, progress)
 }
 
-/// The streams a save copies CUDA arrays on: one per device, each ordered after the stream that
-/// was current on the thread that made them, so that the copies see every write enqueued there
-/// before (a save started on one thread may copy on another: the asynchronous save).
+/// The queues a save copies device arrays on (CUDA streams, [`backend::queue_after_current`]):
+/// one per device, each ordered after the queue that was current on the thread that made them,
+/// so that the copies see every write enqueued there before (a save started on one thread may
+/// copy on another: the asynchronous save).
 #[derive(Debug, Default)]
 pub struct CopyStreams {
-    streams: Vec<Stream>,
+    queues: Vec<Queue>,
+    /// The arrays' devices, each with the index of its queue in `queues` (`None`: the device has
+    /// no queues). Several kinds of one device (CUDA memory, pinned and managed memory of the
+    /// same device) share its queue.
+    devices: Vec<(Device, Option<usize>)>,
 }
 
 impl CopyStreams {
-    /// For each CUDA device (device, pinned or managed memory) among `tensors`: a new
-    /// non-blocking stream that waits for the work enqueued so far on this thread's current stream
-    /// of that device. None for other devices.
+    /// For each device among `tensors` that has queues of work (CUDA: device, pinned or managed
+    /// memory): a new queue that starts after the work enqueued so far on this thread's current
+    /// queue of that device. None for other devices.
     pub fn after_current<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<CopyStreams> {
-        let mut streams: Vec<Stream> = Vec::new();
+        let mut streams = CopyStreams::default();
         for tensor in tensors {
             let device = tensor.device();
-            let ordinal = device.index() as i32;
-            if !device.kind().is_cuda() || streams.iter().any(|s| s.device() == ordinal) {
+            if streams.devices.iter().any(|(d, _)| *d == device) {
                 continue;
             }
-            let stream = Stream::new(ordinal, true)?;
-            cuda::order_streams(ordinal, cuda::current_stream(ordinal), stream.handle())?;
-            streams.push(stream);
+            let index = match backend::queue_after_current(device)? {
+                Some(queue) => Some(
+                    match streams
+                        .queues
+                        .iter()
+                        .position(|q| q.device() == queue.device())
+                    {
+                        Some(i) => i,
+                        None => {
+                            streams.queues.push(queue);
+                            streams.queues.len() - 1
+                        }
+                    },
+                ),
+                None => None,
+            };
+            streams.devices.push((device, index));
         }
-        Ok(CopyStreams { streams })
+        Ok(streams)
     }
 
-    /// The stream for device `ordinal`.
-    fn of(&self, ordinal: i32) -> Option<&Stream> {
-        self.streams.iter().find(|s| s.device() == ordinal)
+    /// The queue for arrays on `device`.
+    fn of(&self, device: Device) -> Option<&Queue> {
+        let (_, index) = self.devices.iter().find(|(d, _)| *d == device)?;
+        index.map(|i| &self.queues[i])
     }
 
     /// Waits for every copy enqueued so far.
     fn synchronize(&self) -> Result<()> {
-        self.streams.iter().try_for_each(Stream::synchronize)
+        self.queues.iter().try_for_each(Queue::synchronize)
     }
 }
 
@@ -182,9 +201,9 @@ pub fn write_file_staged(
                 item.offset
             )));
         }
-        if item.nbytes > 0 && item.tensor.device().kind().is_cuda() {
-            let ordinal = item.tensor.device().index() as i32;
-            if streams.of(ordinal).is_none() {
+        let device = item.tensor.device();
+        if item.nbytes > 0 && backend::has_streams(device.kind()) {
+            if streams.of(device).is_none() {
                 return Err(Error::InvalidArgument(format!(
                     "the save was given no copy stream for {}",
                     item.tensor.device()
@@ -208,10 +227,11 @@ pub fn write_file_staged(
     } else {
         (threads + 2).min(chunks)
     };
-    // Pinned memory where a CUDA array is saved (the copies from the device go straight into
-    // it), the CPU pool's otherwise.
-    let staging = match streams.streams.first() {
-        Some(stream) => Device::cuda_host(stream.device() as u32),
+    // Pinned memory of the first queue's device where an array of a device with queues is
+    // saved (the copies from the device go straight into it), the CPU pool's otherwise.
+    let staging_queue = streams.queues.first();
+    let staging = match staging_queue {
+        Some(queue) => backend::placement(queue.device(), Some(StorageMode::Shared))?,
         None => Device::CPU,
     };
     let done = AtomicU64::new(0);
@@ -232,12 +252,8 @@ pub fn write_file_staged(
     let direct_refused = AtomicBool::new(false);
     let staged = AtomicUsize::new(0);
     let padded = AtomicBool::new(false);
-    // The staging threads allocate on the copy stream of the staging device, the stream whose
+    // The staging threads allocate on the copy queue of the staging device, the queue whose
     // copies fill the buffers.
-    let staging_stream = streams
-        .of(staging.index() as i32)
-        .filter(|_| staging.kind().is_cuda())
-        .map(|s| (s.device(), s.handle()));
     // The last, partial buffer, kept until the staging threads are done (back in the pool
     // earlier, it would serve one of their requests: the ring would hold one buffer fewer than
     // it was made of).
@@ -247,8 +263,7 @@ pub fn write_file_staged(
             let free_tx = free_tx.clone();
             let (staged, padded, failed, record) = (&staged, &padded, &failed, &record);
             scope.spawn(move || {
-                let _current =
-                    staging_stream.map(|(ordinal, handle)| CurrentStream::set(ordinal, handle));
+                let _current = staging_queue.map(Queue::enter);
                 while !failed.load(Ordering::Relaxed)
                     && staged.fetch_add(1, Ordering::Relaxed) < ring
                 {
@@ -416,11 +431,12 @@ impl Slot {
         Ok(&self.host.host_bytes()?[self.start..self.start + chunk])
     }
 
-    /// A compact byte array of `shape` at byte `at` of the chunk, in the memory a copy from
-    /// `source` writes best: the CPU view for host sources, the pinned buffer for CUDA ones.
-    fn view(&self, at: usize, shape: &[usize], source: Device) -> Result<Tensor> {
+    /// A compact byte array of `shape` at byte `at` of the chunk, in the memory a copy writes
+    /// best: the pinned buffer for copies on a device's queue (`queued`), the CPU view for host
+    /// sources.
+    fn view(&self, at: usize, shape: &[usize], queued: bool) -> Result<Tensor> {
         let buffer = match &self.pinned {
-            Some(pinned) if source.kind().is_cuda() => pinned.clone(),
+            Some(pinned) if queued => pinned.clone(),
             _ => self.host.buffer().clone(),
         };
         Tensor::new(
@@ -487,15 +503,16 @@ impl Filler<'_> {
     fn array(&mut self, tensor: &Tensor, nbytes: u64) -> Result<()> {
         let nbytes = usize::try_from(nbytes).map_err(|_| crate::error::overflow("array length"))?;
         let device = tensor.device();
+        let queue = self.streams.of(device);
         let host = if device.is_cpu() {
             Some(tensor.clone())
-        } else if device.kind().is_cuda() {
+        } else if queue.is_some() {
             None
         } else {
             crate::backend::host_view(tensor)?
         };
         // Sub-byte elements (packed, or one per byte to be packed) keep the host copy's path.
-        let direct = !tensor.dtype().is_sub_byte() && (device.kind().is_cuda() || host.is_some());
+        let direct = !tensor.dtype().is_sub_byte() && (queue.is_some() || host.is_some());
         if !direct {
             return self.put(host_bytes(tensor, nbytes as u64)?.as_slice()?);
         }
@@ -504,11 +521,10 @@ impl Filler<'_> {
             return self.put(&source.host_bytes()?[..nbytes]);
         }
         let bytes = byte_view(source)?;
-        let ordinal = device.index() as i32;
-        let _current = match (source.device().kind().is_cuda(), self.streams.of(ordinal)) {
-            (true, Some(stream)) => Some(CurrentStream::set(ordinal, stream.handle())),
-            _ => None,
-        };
+        // The queue is current while the copies are enqueued (the backend's copies go to the
+        // current queue); none for host sources.
+        let queue = queue.filter(|_| host.is_none());
+        let _current = queue.map(Queue::enter);
         let mut pos = 0;
         while pos < nbytes {
             let n = self.room(nbytes - pos)?;
@@ -524,7 +540,7 @@ impl Filler<'_> {
                     DType::U8,
                     Layout::new(&shape, &strides, start as usize)?,
                 )?;
-                let dst = slot.view(at + filled, &shape, source.device())?;
+                let dst = slot.view(at + filled, &shape, queue.is_some())?;
                 // SAFETY: `dst` lies in the part of the ring buffer not yet filled, which no
                 // slice addresses and no other thread touches until the buffer is handed on
                 // (after the copies are waited for, in `advance` and `settle`); `piece` is a
@@ -532,7 +548,7 @@ impl Filler<'_> {
                 unsafe { dst.copy_from_unchecked(&piece)? };
                 filled += piece.numel();
             }
-            self.device_copies |= source.device().kind().is_cuda();
+            self.device_copies |= queue.is_some();
             pos += n;
             self.advance(n)?;
         }
@@ -599,28 +615,6 @@ impl Filler<'_> {
             self.work.send(full).map_err(|_| hung_up())?;
         }
         Ok(())
-    }
-}
-
-/// The calling thread's current stream on a CUDA device, replaced until dropped (the backend's
-/// copies go to the current stream).
-struct CurrentStream {
-    ordinal: i32,
-    previous: usize,
-}
-
-impl CurrentStream {
-    fn set(ordinal: i32, handle: usize) -> CurrentStream {
-        CurrentStream {
-            ordinal,
-            previous: cuda::set_current_stream(ordinal, handle),
-        }
-    }
-}
-
-impl Drop for CurrentStream {
-    fn drop(&mut self) {
-        cuda::set_current_stream(self.ordinal, self.previous);
     }
 }
 

@@ -192,6 +192,35 @@ def test_cuda_groups_are_bit_exact_and_their_events_order_a_consumer(tmp_path):
 
 
 @_needs_torch_cuda
+def test_cuda_ready_events_do_not_wait_for_the_legacy_default_stream(tmp_path):
+    """A long kernel on the legacy default stream (PyTorch's default, where a forward pass
+    computes) queued while the stream loads does not keep the later groups' ready events from
+    completing: they are recorded on the stream's own queue, not on the loading thread's current
+    stream (the legacy one, which they waited behind before)."""
+    tensors = {f"layers.{i}.w": torch.randn(512, 1024) for i in range(6)}
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    stream = dlbridge.stream_file(path, "cuda:0", framework="pt", ahead=1)
+    _, _, ready = next(stream)
+    ready.synchronize()
+    torch.cuda.synchronize()
+    # About 1 s on a GPU clocked near 2 GHz, on the legacy default stream; then a marker.
+    torch.cuda._sleep(2_000_000_000)
+    after_sleep = torch.cuda.Event()
+    after_sleep.record()
+    groups = list(stream)
+    assert len(groups) == 5
+    for group, ts, ready in groups:
+        ready.synchronize()  # the host waits for the group's own event
+    # Groups 2 onwards were loaded (and their events recorded) after the sleep was queued.
+    assert not after_sleep.query(), "a ready event waited for the legacy stream's kernel"
+    torch.cuda.synchronize()
+    for group, ts, _ in groups:
+        name = f"{group}.w"
+        assert torch.equal(ts[name].cpu(), tensors[name])
+
+
+@_needs_torch_cuda
 def test_cuda_stream_with_dtype_events_cover_the_conversion(tmp_path):
     tensors = {f"layers.{i}.w": torch.randn(2048, 2048) for i in range(4)}
     path = tmp_path / "m.safetensors"

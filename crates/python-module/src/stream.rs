@@ -33,29 +33,23 @@ impl PyLoadStream {
         slf
     }
 
-    /// The next group, waiting for it with the GIL released (signals answered every 50 ms).
+    /// The next group, waiting for it with the GIL released (woken as soon as it is loaded;
+    /// signals answered every 50 ms).
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let next = loop {
             let polled = py.detach(|| {
-                let started = std::time::Instant::now();
-                loop {
-                    let mut guard = self.lock();
-                    let Some(stream) = guard.as_mut() else {
-                        return Some(None);
-                    };
-                    if let Ok(next) = stream.try_next() {
-                        if !matches!(next, Some(Ok(_))) {
-                            // The end or an error: the stream and its thread go.
-                            *guard = None;
-                        }
-                        return Some(next);
-                    }
-                    drop(guard);
-                    if started.elapsed() >= std::time::Duration::from_millis(50) {
-                        return None;
-                    }
-                    std::thread::sleep(std::time::Duration::from_micros(200));
+                let mut guard = self.lock();
+                let Some(stream) = guard.as_mut() else {
+                    return Some(None);
+                };
+                let next = stream
+                    .next_within(std::time::Duration::from_millis(50))
+                    .ok()?;
+                if !matches!(next, Some(Ok(_))) {
+                    // The end or an error: the stream and its thread go.
+                    *guard = None;
                 }
+                Some(next)
             });
             match polled {
                 Some(next) => break next,

@@ -208,6 +208,51 @@ pub fn load(
     options: &LoadOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<BTreeMap<String, Tensor>> {
+    load_with(files, options, None, progress)
+}
+
+/// What the loads of one stream's groups ([`super::stream`]) decide once instead of at every
+/// load: each file's reads through or around the page cache (a residency sample of the whole
+/// file, and an `O_DIRECT` descriptor, per file per stream rather than per group). A load in a
+/// session also reads on the calling thread (no progress thread: a group reports no progress).
+pub(crate) struct Session {
+    /// Each file's direct-I/O descriptor, decided at its first load (by address: the files of a
+    /// stream outlive its session).
+    direct: Vec<(*const MappedFile, Option<File>)>,
+}
+
+impl Session {
+    /// A session that has decided nothing yet.
+    pub(crate) fn new() -> Session {
+        Session { direct: Vec::new() }
+    }
+
+    /// `mapped`'s direct-I/O descriptor (a duplicate of the one decided at its first load).
+    fn direct(&mut self, mapped: &MappedFile, options: &LoadOptions) -> Option<File> {
+        let key: *const MappedFile = mapped;
+        let index = match self.direct.iter().position(|(k, _)| *k == key) {
+            Some(index) => index,
+            None => {
+                self.direct.push((key, direct_file(mapped, options)));
+                self.direct.len() - 1
+            }
+        };
+        // A duplicate descriptor reads the same open file; one the system refuses reads through
+        // the page cache.
+        self.direct[index]
+            .1
+            .as_ref()
+            .and_then(|f| f.try_clone().ok())
+    }
+}
+
+/// [`load`], in a [`Session`] where one is given.
+pub(crate) fn load_with(
+    files: &[(&MappedFile, Vec<Item>)],
+    options: &LoadOptions,
+    session: Option<&mut Session>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<BTreeMap<String, Tensor>> {
     let total: u64 = files
         .iter()
         .flat_map(|(_, items)| items)
@@ -231,7 +276,7 @@ pub fn load(
         progress(total, total);
         out
     } else {
-        load_to_device(files, options, total, progress)?
+        load_to_device(files, options, total, session, progress)?
     };
     for tensor in loaded.values_mut() {
         cast_floating(tensor, options.dtype)?;
@@ -505,6 +550,7 @@ fn load_to_device(
     files: &[(&MappedFile, Vec<Item>)],
     options: &LoadOptions,
     total: u64,
+    mut session: Option<&mut Session>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<BTreeMap<String, Tensor>> {
     let device = backend::placement(options.device, options.storage)?;
@@ -525,12 +571,26 @@ fn load_to_device(
                     .sum::<u64>();
                 out.extend(tensors);
             }
-            None => loads.push(FileLoad::new(file, items, device, options, allocation)?),
+            None => {
+                let direct = match session.as_deref_mut() {
+                    Some(session) => session.direct(file, options),
+                    None => direct_file(file, options),
+                };
+                loads.push(FileLoad::new(
+                    file, items, device, options, allocation, direct,
+                )?);
+            }
         }
     }
     let done = AtomicU64::new(wrapped);
     if !loads.is_empty() {
-        read_files(&loads, device, options, &done, total, progress)?;
+        if session.is_some() {
+            let direct = loads.iter().all(|f| f.direct.is_some());
+            let reads: Vec<FileRead<'_>> = loads.iter().flat_map(FileLoad::reads).collect();
+            backend::read_file(device, &reads, &read_options(options, direct, &done))?;
+        } else {
+            read_files(&loads, device, options, &done, total, progress)?;
+        }
     }
     progress(total, total);
     for load in &loads {
@@ -712,7 +772,48 @@ fn run_reads(
     total: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
-    let read_options = ReadOptions {
+    let read_options = read_options(options, direct, done);
+    let caller = std::thread::current();
+    #[cfg(test)]
+    count_stream_thread_work();
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let r = backend::read_file(device, reads, &read_options);
+            // Wake the caller now rather than at its next progress tick.
+            caller.unpark();
+            r
+        });
+        // `is_finished` also ends the wait when the reader panicked.
+        while !reader.is_finished() {
+            progress(done.load(Ordering::Relaxed), total);
+            std::thread::park_timeout(Duration::from_millis(100));
+        }
+        reader.join().unwrap_or_else(|_| {
+            Err(Error::Driver {
+                backend: "loader",
+                message: "a reader thread panicked".into(),
+            })
+        })
+    })
+}
+
+/// Counts, in tests, fixed work of a load (a residency sample, a progress thread) done on a
+/// stream's loading thread: [`Session`] does it once per stream, not once per group.
+#[cfg(test)]
+fn count_stream_thread_work() {
+    if std::thread::current().name() == Some(super::stream::THREAD_NAME) {
+        STREAM_THREAD_WORK.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What [`count_stream_thread_work`] counted.
+#[cfg(test)]
+pub(crate) static STREAM_THREAD_WORK: AtomicU64 = AtomicU64::new(0);
+
+/// The reader's options for `options` (`direct`: every read has a direct-I/O descriptor, and the
+/// reader's defaults follow), counting landed bytes in `done`.
+fn read_options<'a>(options: &LoadOptions, direct: bool, done: &'a AtomicU64) -> ReadOptions<'a> {
+    ReadOptions {
         threads: options.threads.unwrap_or_else(if direct {
             default_direct_threads
         } else {
@@ -734,27 +835,7 @@ fn run_reads(
                 _ => None,
             }),
         done,
-    };
-    let caller = std::thread::current();
-    std::thread::scope(|scope| {
-        let reader = scope.spawn(|| {
-            let r = backend::read_file(device, reads, &read_options);
-            // Wake the caller now rather than at its next progress tick.
-            caller.unpark();
-            r
-        });
-        // `is_finished` also ends the wait when the reader panicked.
-        while !reader.is_finished() {
-            progress(done.load(Ordering::Relaxed), total);
-            std::thread::park_timeout(Duration::from_millis(100));
-        }
-        reader.join().unwrap_or_else(|_| {
-            Err(Error::Driver {
-                backend: "loader",
-                message: "a reader thread panicked".into(),
-            })
-        })
-    })
+    }
 }
 
 /// How a tensor whose bytes the device addresses in place (a wrapped file mapping) reaches the
@@ -898,12 +979,12 @@ impl<'a> FileLoad<'a> {
         device: Device,
         options: &LoadOptions,
         allocation: Allocation,
+        direct: Option<File>,
     ) -> Result<FileLoad<'a>> {
         let path = mapped.path();
         // The descriptor the file was opened and checked with: the path is not opened again
         // for buffered reads (it may name another file by now).
         let file = mapped.file();
-        let direct = direct_file(mapped, options);
         let mut spans: Vec<Range<u64>> = match allocation {
             Allocation::PerFile => {
                 let start = locations.iter().map(|l| l.byte_range.start).min();
@@ -1026,6 +1107,8 @@ fn direct_file(mapped: &MappedFile, options: &LoadOptions) -> Option<File> {
 /// costs more than that choice is worth (11-14 ms per 1.75 GB shard on the H100 machine, 49 ms of
 /// a 7 GB load that then read for 150 ms; the samples take 0.2 ms).
 fn resident_fraction(mapped: &MappedFile) -> f64 {
+    #[cfg(test)]
+    count_stream_thread_work();
     let Some(base) = mapped.buffer().host_ptr() else {
         return 1.0;
     };
@@ -1193,6 +1276,7 @@ mod tests {
                     Device::CPU,
                     &options,
                     Allocation::of(&options),
+                    direct_file(file.mapped(), &options),
                 )
                 .unwrap();
                 let reads = load.reads().len();
@@ -1325,6 +1409,7 @@ mod tests {
                 Device::CPU,
                 &options,
                 allocation,
+                direct_file(&mapped, &options),
             )
             .unwrap();
             let done = AtomicU64::new(0);

@@ -3,11 +3,26 @@
 //! with an event that completes when its bytes are there, while the next groups load. A model
 //! can run layer `k` while layer `k + 1` loads: its stream waits for the group's event.
 //!
-//! Each group is one [`load`] of its items (the same reader, staging, direct reads and views as
-//! a whole load; one allocation per file per group on a device). At most `ahead` loaded groups
-//! wait for the caller (besides the one loading), so a slow consumer holds the device memory of
-//! only that many. Dropping the [`LoadStream`] stops it: the group being loaded finishes, then
-//! everything loaded and not taken is freed.
+//! Each group is one load of its items (the same reader, staging, direct reads and views as a
+//! whole [`load`](super::load); one allocation per file per group on a device), in one
+//! `Session` for the whole stream: whether each file is read around the page cache is decided
+//! at its first group (a residency sample and an `O_DIRECT` descriptor per file per stream, not
+//! per group), and the reads run on the loading thread (no progress thread per group). At most
+//! `ahead` loaded groups wait for the caller (besides the one loading), so a slow consumer holds
+//! the device memory of only that many. Dropping the [`LoadStream`] stops it: the group being
+//! loaded finishes, then everything loaded and not taken is freed.
+//!
+//! On a device with queues (CUDA) the stream has a queue of its own, ordered after the caller's
+//! current queue when the stream starts, where each group's ready event is recorded: not the
+//! loading thread's current stream, the legacy default stream, where PyTorch computes by
+//! default, so that an event does not wait for the consumer's compute queued before it (and the
+//! legacy stream's implicit ordering does not tie the two together). Where a group is converted
+//! (`dtype`), the conversion runs on the loading thread's current stream and the event is
+//! recorded there, after it.
+//!
+//! Memory: a group's allocations come from the pool for the loading thread's current stream
+//! (the legacy default stream), as before and as a whole load's do: a block the consumer
+//! released returns to the pool fenced in that stream's order.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,8 +31,8 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use super::file::MappedFile;
-use super::load::{Item, LoadOptions, load};
-use crate::backend::{self, Event};
+use super::load::{Item, LoadOptions, Session, load_with};
+use crate::backend::{self, Event, Queue};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -85,17 +100,26 @@ pub fn stream(
             )));
         }
     }
+    // Made on the caller's thread: ordered after the caller's work queued so far.
+    let queue = backend::queue_after_current(options.device)?;
     let (tx, rx) = mpsc::sync_channel(ahead.max(1));
     let stop = Arc::new(AtomicBool::new(false));
     let thread_stop = Arc::clone(&stop);
     let thread = std::thread::Builder::new()
-        .name("dlbridge-stream".into())
+        .name(THREAD_NAME.into())
         .spawn(move || {
+            let mut session = Session::new();
             for group in groups {
                 if thread_stop.load(Ordering::Relaxed) {
                     return;
                 }
-                let loaded = load_group(files.as_ref(), group, &options);
+                let loaded = load_group(
+                    files.as_ref(),
+                    group,
+                    &options,
+                    &mut session,
+                    queue.as_ref(),
+                );
                 let failed = loaded.is_err();
                 // The caller hung up (the stream was dropped): stop.
                 if tx.send(loaded).is_err() || failed {
@@ -114,8 +138,18 @@ pub fn stream(
     })
 }
 
-/// One group through the engine's load, and its event.
-fn load_group(files: &dyn FileSet, group: GroupPlan, options: &LoadOptions) -> Result<LoadedGroup> {
+/// The name of a stream's loading thread.
+pub(crate) const THREAD_NAME: &str = "dlbridge-stream";
+
+/// One group through the engine's load in the stream's `session`, and its event (on `queue`,
+/// the stream's own, unless the group was converted).
+fn load_group(
+    files: &dyn FileSet,
+    group: GroupPlan,
+    options: &LoadOptions,
+    session: &mut Session,
+    queue: Option<&Queue>,
+) -> Result<LoadedGroup> {
     let order: Vec<String> = group.items.iter().map(|(_, i)| i.name.clone()).collect();
     let mut by_file: BTreeMap<usize, Vec<Item>> = BTreeMap::new();
     for (index, item) in group.items {
@@ -125,10 +159,16 @@ fn load_group(files: &dyn FileSet, group: GroupPlan, options: &LoadOptions) -> R
         .into_iter()
         .filter_map(|(index, items)| files.file(index).map(|f| (f, items)))
         .collect();
-    let mut loaded = load(&plan, options, &mut |_, _| {})?;
-    // After the reads (done when `load` returns) and the conversions, enqueued on this thread's
-    // current queue.
-    let ready = backend::record_event(options.device)?;
+    let mut loaded = load_with(&plan, options, Some(session), &mut |_, _| {})?;
+    // The reads are done when the load returns (the reader waits for its copies); conversions
+    // are enqueued on this thread's current queue, and the event follows them there.
+    let ready = match queue {
+        Some(queue) if options.dtype.is_none() => {
+            let _entered = queue.enter();
+            backend::record_event(options.device)?
+        }
+        _ => backend::record_event(options.device)?,
+    };
     let tensors = order
         .into_iter()
         .filter_map(|name| loaded.remove(&name).map(|t| (name, t)))
@@ -159,18 +199,36 @@ impl LoadStream {
     /// the end.
     #[allow(clippy::result_unit_err)] // "not yet" carries nothing
     pub fn try_next(&mut self) -> std::result::Result<Option<Result<LoadedGroup>>, ()> {
+        self.next_within(std::time::Duration::ZERO)
+    }
+
+    /// The next group, waiting at most `timeout` for it (woken as soon as it is loaded):
+    /// `Err(())` when it is not loaded by then, `Ok(None)` at the end.
+    #[allow(clippy::result_unit_err)] // "not yet" carries nothing
+    pub fn next_within(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> std::result::Result<Option<Result<LoadedGroup>>, ()> {
         let Some(groups) = self.groups.as_ref() else {
             return Ok(None);
         };
-        match groups.try_recv() {
+        let received = if timeout.is_zero() {
+            groups.try_recv().map_err(|e| match e {
+                mpsc::TryRecvError::Empty => mpsc::RecvTimeoutError::Timeout,
+                mpsc::TryRecvError::Disconnected => mpsc::RecvTimeoutError::Disconnected,
+            })
+        } else {
+            groups.recv_timeout(timeout)
+        };
+        match received {
             Ok(group) => {
                 if group.is_err() {
                     self.groups = None;
                 }
                 Ok(Some(group))
             }
-            Err(mpsc::TryRecvError::Empty) => Err(()),
-            Err(mpsc::TryRecvError::Disconnected) => {
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(()),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
                 self.groups = None;
                 Ok(None)
             }
@@ -324,6 +382,46 @@ mod tests {
         });
         rx.recv_timeout(std::time::Duration::from_secs(20))
             .expect("dropping the stream did not end its thread");
+        std::fs::remove_file(path).unwrap();
+    }
+
+    /// A stream of many groups onto a device that reads (the test backend's `ext_dev`: host
+    /// memory through the loader's reader) samples its file's residency once, not once per group,
+    /// and spawns no progress thread per group; its groups are the file's bytes, and the next
+    /// group wakes a waiting caller (`next_within`) as soon as it is loaded.
+    #[cfg(feature = "test-backend")]
+    #[test]
+    fn a_stream_decides_its_reads_once_not_per_group() {
+        use crate::device::DeviceKind;
+        let values: Vec<u8> = (0..1024u32)
+            .flat_map(|v| (v as f32).to_le_bytes())
+            .collect();
+        let (path, file) = file_of(&values, "session");
+        let groups: Vec<GroupPlan> = (0..16)
+            .map(|i| GroupPlan {
+                name: format!("g{i}"),
+                items: vec![(0, item(&format!("t{i}"), 256 * i as u64, 64))],
+            })
+            .collect();
+        let device = Device::new(DeviceKind::Other(crate::dlpack::ffi::K_DL_EXT_DEV), 0);
+        let before = super::super::load::STREAM_THREAD_WORK.load(Ordering::Relaxed);
+        let mut s = stream(Arc::new(vec![file]), groups, LoadOptions::new(device), 2).unwrap();
+        let mut got = 0;
+        while let Ok(Some(group)) = s.next_within(std::time::Duration::from_secs(20)) {
+            let group = group.unwrap();
+            assert_eq!(group.name, format!("g{got}"));
+            assert_eq!(group.tensors[0].1.device(), device);
+            let expected: Vec<f32> = (64 * got..64 * (got + 1)).map(|v| v as f32).collect();
+            assert_eq!(group.tensors[0].1.to_vec::<f32>().unwrap(), expected);
+            assert!(group.ready.is_none(), "ext_dev has no queues");
+            got += 1;
+        }
+        assert_eq!(got, 16);
+        let work = super::super::load::STREAM_THREAD_WORK.load(Ordering::Relaxed) - before;
+        assert_eq!(
+            work, 1,
+            "one residency sample for the stream, no progress threads"
+        );
         std::fs::remove_file(path).unwrap();
     }
 

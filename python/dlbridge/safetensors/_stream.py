@@ -125,7 +125,9 @@ def stream_file(
 
     Each item is ``(group, {name: tensor}, ready)``. On a CUDA device ``ready`` is a
     :class:`dlbridge.cuda.Event` that completes once the group's bytes (converted, with
-    ``dtype``) are on the device: ``ready.wait(stream)`` makes a stream (a PyTorch or CuPy stream,
+    ``dtype``) are on the device, recorded on a stream of the load's own (ordered after the
+    caller's current stream when the load starts), not on the legacy default stream, so that it
+    does not wait for compute queued there (with ``dtype``, on the stream the conversion ran on): ``ready.wait(stream)`` makes a stream (a PyTorch or CuPy stream,
     a :class:`dlbridge.cuda.Stream`, or the current one by default) wait for it without blocking
     the host, ``ready.synchronize()`` blocks the host, ``ready.handle`` is the raw ``CUevent``.
     On the CPU (views of the mapped file, or copies with ``copy=True``) and on Metal the tensors

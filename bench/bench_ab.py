@@ -36,7 +36,7 @@ import time
 HERE = os.path.abspath(__file__)
 
 
-def _per_call_us(fn, calls: int = 2000, rounds: int = 7) -> float:
+def _per_call_us(fn, calls: int = 20000, rounds: int = 9) -> float:
     for _ in range(calls // 4):
         fn()
     samples = []

@@ -302,7 +302,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048, help="--mode stream: the model's width")
     ap.add_argument("--iters", type=int, default=0,
                     help="--mode stream: matmul pairs per layer (0: as long as a layer's load)")
-    ap.add_argument("--model", choices=["7b", "8b", "tiny"], default=None,
+    ap.add_argument("--model", choices=list(MODELS), default=None,
                     help="the checkpoint's shapes (default: 7b for load, 8b for into and tp)")
     ap.add_argument("--world", type=int, default=2, help="ranks of --mode tp")
     ap.add_argument("--device", default=None, help="cuda:0 (default where there is a GPU) or cpu")
@@ -408,6 +408,7 @@ MODELS = {
     # hidden, MLP, vocabulary, KV rows, layers, shards
     "7b": (4096, 11008, 32000, 4096, 16, 4),
     "8b": (4096, 14336, 128256, 1024, 32, 4),
+    "30gb": (4096, 14336, 128256, 1024, 64, 8),  # the 8b's shapes with 64 layers: 30.0 GB
     "tiny": (64, 160, 256, 16, 2, 2),
 }
 
@@ -827,6 +828,9 @@ def stream_main(args) -> int:
     order = bs.names(layers)
     shapes = {n: ((args.hidden, 4 * args.hidden) if n.endswith("up") else
                   (4 * args.hidden, args.hidden)) for n in order}
+    if on_gpu:
+        # As bench_stream.py: the forward pass on a stream of its own.
+        torch.cuda.set_stream(torch.cuda.Stream(device))
     x0 = torch.randn(2048, args.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     x0 = x0.to(device)
     copy = not on_gpu  # CPU loads are views otherwise: nothing to overlap

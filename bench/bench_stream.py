@@ -98,6 +98,11 @@ def main() -> None:
     order = names(args.layers)
     nbytes = os.path.getsize(path)
     copy = not on_gpu  # CPU loads are views otherwise: nothing to overlap
+    if on_gpu:
+        # The forward pass computes on a stream of its own, as a consumer that overlaps a load
+        # does: a load's reads start after the work queued on the legacy default stream (PyTorch's
+        # default), whose pool memory they may be writing.
+        torch.cuda.set_stream(torch.cuda.Stream(device))
     x0 = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
 
     def load_all() -> dict[str, torch.Tensor]:

@@ -192,11 +192,11 @@ def test_cuda_groups_are_bit_exact_and_their_events_order_a_consumer(tmp_path):
 
 
 @_needs_torch_cuda
-def test_cuda_ready_events_do_not_wait_for_the_legacy_default_stream(tmp_path):
-    """A long kernel on the legacy default stream (PyTorch's default, where a forward pass
-    computes) queued while the stream loads does not keep the later groups' ready events from
-    completing: they are recorded on the stream's own queue, not on the loading thread's current
-    stream (the legacy one, which they waited behind before)."""
+def test_cuda_ready_events_do_not_wait_for_a_consumer_stream(tmp_path):
+    """A long kernel on a stream of the consumer's own (where a forward pass that overlaps the
+    load computes) does not keep the later groups' ready events from completing: the loads wait
+    only for the work queued on the loading thread's current stream (the legacy default one,
+    whose pool hands its memory out), and the events are recorded on the stream's own queue."""
     tensors = {f"layers.{i}.w": torch.randn(512, 1024) for i in range(6)}
     path = tmp_path / "m.safetensors"
     st_save_torch(tensors, str(path))
@@ -204,20 +204,47 @@ def test_cuda_ready_events_do_not_wait_for_the_legacy_default_stream(tmp_path):
     _, _, ready = next(stream)
     ready.synchronize()
     torch.cuda.synchronize()
-    # About 1 s on a GPU clocked near 2 GHz, on the legacy default stream; then a marker.
-    torch.cuda._sleep(2_000_000_000)
-    after_sleep = torch.cuda.Event()
-    after_sleep.record()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        # About 1 s on a GPU clocked near 2 GHz; then a marker.
+        torch.cuda._sleep(2_000_000_000)
+        after_sleep = torch.cuda.Event()
+        after_sleep.record()
     groups = list(stream)
     assert len(groups) == 5
     for group, ts, ready in groups:
         ready.synchronize()  # the host waits for the group's own event
     # Groups 2 onwards were loaded (and their events recorded) after the sleep was queued.
-    assert not after_sleep.query(), "a ready event waited for the legacy stream's kernel"
+    assert not after_sleep.query(), "a ready event waited for the consumer stream's kernel"
     torch.cuda.synchronize()
     for group, ts, _ in groups:
         name = f"{group}.w"
         assert torch.equal(ts[name].cpu(), tensors[name])
+
+
+@_needs_torch_cuda
+def test_a_load_into_reused_memory_waits_for_its_earlier_users_kernels(tmp_path):
+    """Memory a load hands out and the consumer frees while a kernel of its still reads it (on the
+    legacy default stream, PyTorch's default) goes back to the pool, which hands it to the next
+    load at once (stream order keeps the old kernel first on that stream): the next load's reads,
+    on streams of the reader's own, must still start after that kernel. Before, they did not, and
+    the kernel read the next checkpoint's bytes."""
+    n = 8 << 20
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    st_save_torch({"w": torch.full((n,), 1.0)}, str(first))
+    st_save_torch({"w": torch.full((n,), 2.0)}, str(second))
+    torch.cuda.synchronize()
+    assert torch.cuda.current_stream().cuda_stream == 0, "PyTorch's default is the legacy stream"
+    a = dlbridge.load_file(first, "cuda:0", framework="pt")["w"]
+    ptr = a.data_ptr()
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s, then a kernel that reads `a`
+    copy = a.clone()
+    del a  # back to the pool while the clone is still queued behind the sleep
+    b = dlbridge.load_file(second, "cuda:0", framework="pt")["w"]
+    assert b.data_ptr() == ptr, "the second load did not reuse the freed block (nothing tested)"
+    torch.cuda.synchronize()
+    assert torch.equal(copy, torch.full((n,), 1.0, device="cuda:0")), "the kernel read new bytes"
+    assert torch.equal(b, torch.full((n,), 2.0, device="cuda:0"))
 
 
 @_needs_torch_cuda

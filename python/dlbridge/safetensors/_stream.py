@@ -110,10 +110,18 @@ def stream_file(
     :func:`load_file` takes them) group by group, handing each out as soon as it is on
     ``device`` while the next ones load::
 
-        for group, tensors, ready in dlbridge.stream_file(path, "cuda:0", framework="pt",
-                                                          order=names_in_execution_order):
-            ready.wait(torch.cuda.current_stream())  # the GPU waits, not the host
-            run_layer(group, tensors)
+        compute = torch.cuda.Stream()  # compute on a stream of your own to overlap the load
+        with torch.cuda.stream(compute):
+            for group, tensors, ready in dlbridge.stream_file(path, "cuda:0", framework="pt",
+                                                              order=names_in_execution_order):
+                ready.wait(compute)  # the GPU waits, not the host
+                run_layer(group, tensors)
+
+    Each group's reads start after the work queued on the legacy default stream (PyTorch's
+    default stream) when the group is read: the memory they write may be memory a kernel queued
+    there still reads (the pool hands a block freed on that stream straight back out). A forward
+    pass on PyTorch's default stream therefore runs after the loads, not beside them; on a stream
+    of its own (above) it overlaps them.
 
     ``order``: the tensors to load, in that order (a name the checkpoint lacks is a
     ``KeyError``); by default all of them, in the files' order (shard by shard, by offset).

@@ -22,7 +22,11 @@
 //!
 //! Memory: a group's allocations come from the pool for the loading thread's current stream
 //! (the legacy default stream), as before and as a whole load's do: a block the consumer
-//! released returns to the pool fenced in that stream's order.
+//! released returns to the pool fenced in that stream's order, and the pool hands it to the next
+//! request on that stream at once, so the reader's streams start after the work queued there (a
+//! kernel may still read the block). A consumer that computes on the legacy default stream
+//! therefore runs after each group's reads rather than beside them; on a stream of its own it
+//! overlaps them.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -54,14 +54,24 @@ pub(crate) fn read_to_device(
     // GPUDirect Storage where asked, or by default for direct reads where cuFile reads without
     // a host copy; a default use that cuFile refuses falls back to the staging workers.
     let direct = reads.iter().all(|r| r.direct.is_some());
+    // The destinations were allocated on this thread's current stream, whose pool hands out a
+    // block released on that stream at once, its earlier users' work (a consumer's kernels still
+    // reading it) possibly still queued there: the readers' streams, which that stream does not
+    // order, start after it (cuFile, which no stream orders, after the host waited for it).
+    let after = Event::new(ordinal, false)?;
+    after.record(super::current_stream(ordinal))?;
     match options.gds {
         Some(true) => {
             let files = super::gds::register_files(ordinal, reads)?;
+            after.synchronize()?;
             return files.read(ordinal, reads, piece, options);
         }
         None if direct && super::gds::native() => {
             match super::gds::register_files(ordinal, reads) {
-                Ok(files) => return files.read(ordinal, reads, piece, options),
+                Ok(files) => {
+                    after.synchronize()?;
+                    return files.read(ordinal, reads, piece, options);
+                }
                 Err(e) => log::debug!("dlbridge: cuFile declined the load ({e}); staging instead"),
             }
         }
@@ -82,7 +92,7 @@ pub(crate) fn read_to_device(
         && can_register(ordinal, &windows)
     {
         // `maps` outlives every registration: `read_registered` unregisters all before returning.
-        return read_registered(ordinal, &windows, options);
+        return read_registered(ordinal, &windows, options, &after);
     }
     let threads = options.threads.clamp(1, pieces.len());
     let staging = Staging::new(ordinal, threads, chunk)?;
@@ -93,6 +103,7 @@ pub(crate) fn read_to_device(
             ordinal,
             staging.slots(worker.fetch_add(1, Ordering::Relaxed)),
         )?;
+        w.stream.wait_event(&after)?;
         let run = w.run(reads, &pieces, &next, failed, options.done);
         // Whatever happened, nothing may still be copying out of our buffers when they go back
         // to the pool.
@@ -469,11 +480,16 @@ impl Drop for InFlight<'_> {
 }
 
 /// Copies every window's ranges to the device from the registered pages, `options.threads`
-/// workers taking windows in turn.
-fn read_registered(ordinal: i32, windows: &[Window<'_>], options: &ReadOptions<'_>) -> Result<()> {
+/// workers taking windows in turn, their streams after `after`.
+fn read_registered(
+    ordinal: i32,
+    windows: &[Window<'_>],
+    options: &ReadOptions<'_>,
+    after: &Event,
+) -> Result<()> {
     let next = AtomicUsize::new(0);
     run_workers(options.threads.clamp(1, windows.len()), |failed| {
-        register_and_copy(ordinal, windows, &next, failed, options.done)
+        register_and_copy(ordinal, windows, &next, failed, options.done, after)
     })
 }
 
@@ -484,6 +500,7 @@ fn register_and_copy(
     next: &AtomicUsize,
     failed: &AtomicBool,
     done: &AtomicU64,
+    after: &Event,
 ) -> Result<()> {
     let _ctx = context(ordinal)?;
     let mut in_flight = InFlight {
@@ -491,6 +508,7 @@ fn register_and_copy(
         stream: Stream::new(ordinal, true)?,
         windows: std::collections::VecDeque::new(),
     };
+    in_flight.stream.wait_event(after)?;
     let stream = in_flight.stream.handle();
     loop {
         if failed.load(Ordering::Relaxed) {

@@ -205,13 +205,10 @@ pub fn write_file_staged(
             )));
         }
         let device = item.tensor.device();
-        if item.nbytes > 0 && backend::has_streams(device.kind()) {
-            if streams.of(device).is_none() {
-                return Err(Error::InvalidArgument(format!(
-                    "the save was given no copy stream for {}",
-                    item.tensor.device()
-                )));
-            }
+        if item.nbytes > 0 && backend::has_streams(device.kind()) && streams.of(device).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "the save was given no copy queue for {device}"
+            )));
         }
         total = item
             .offset

@@ -582,10 +582,8 @@ mod tests {
             let page = crate::host::page_size();
             let mut resident = vec![0u8; len.div_ceil(page)];
             // SAFETY: the mapping above; `resident` has one byte per page.
-            assert_eq!(
-                unsafe { libc::mincore(start, len, resident.as_mut_ptr()) },
-                0
-            );
+            let status = unsafe { libc::mincore(start, len, resident.as_mut_ptr()) };
+            assert_eq!(status, 0);
             assert!(
                 resident.iter().all(|r| r & 1 == 1),
                 "{len}: a page not faulted in"

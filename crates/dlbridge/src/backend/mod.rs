@@ -63,6 +63,7 @@ use crate::share::handle::{BlockKey, IPC_HANDLE_BYTES, LegacyExported, VmmExport
 use crate::storage::{self, Resolved};
 use crate::tensor::Tensor;
 pub use facts::{KindFacts, Placement, ShareRoute, Storage};
+#[cfg_attr(not(cuda), allow(unused_imports))] // CUDA's streams and events implement them
 pub(crate) use queue::{DeviceEvent, DeviceQueue};
 pub use queue::{Entered, Event, Queue};
 

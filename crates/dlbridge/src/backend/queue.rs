@@ -33,6 +33,7 @@ pub struct Queue {
 }
 
 impl Queue {
+    #[cfg_attr(not(cuda), allow(dead_code))] // made by the backends with queues (CUDA)
     pub(crate) fn new(device: Device, inner: Box<dyn DeviceQueue>) -> Queue {
         Queue { device, inner }
     }
@@ -94,6 +95,7 @@ pub struct Event {
 }
 
 impl Event {
+    #[cfg_attr(not(cuda), allow(dead_code))] // made by the backends with queues (CUDA)
     pub(crate) fn new(device: Device, inner: Box<dyn DeviceEvent>) -> Event {
         Event { device, inner }
     }

@@ -116,14 +116,6 @@ pub fn set_current_stream(_ordinal: i32, _handle: usize) -> usize {
     0
 }
 
-/// Orders a consumer stream after a producer stream.
-///
-/// # Errors
-/// Always [`Error::BackendUnavailable`] in this build.
-pub(crate) fn order_streams(_ordinal: i32, _producer: usize, _consumer: usize) -> Result<()> {
-    Err(no_cuda())
-}
-
 /// A CUDA stream; none can be made in this build.
 #[derive(Debug)]
 pub struct Stream {

@@ -36,18 +36,6 @@ import time
 HERE = os.path.abspath(__file__)
 
 
-def _per_call_us(fn, calls: int = 20000, rounds: int = 9) -> float:
-    for _ in range(calls // 4):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter_ns() - t0) / calls / 1000)
-    return statistics.median(samples)
-
-
 def _consumer(q_in, q_out) -> None:
     import dlbridge.multiprocessing  # noqa: F401  (registers the reducers)
 
@@ -105,6 +93,10 @@ def probe(device: str, files: list[str]) -> dict[str, float]:
     import dlbridge
     import numpy as np
     import torch
+    from bench_cuda import per_call_us
+
+    def _per_call_us(fn) -> float:
+        return per_call_us(fn, calls=20000, rounds=9)
 
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     if cuda and files:

@@ -46,16 +46,7 @@ from typing import Callable
 import torch
 
 import dlbridge
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+from bench_load import drop_caches  # the page cache dropped (root only)
 
 
 def fsync_path(path: str) -> None:

@@ -227,8 +227,8 @@ impl Session {
         Session { direct: Vec::new() }
     }
 
-    /// `mapped`'s direct-I/O descriptor (a duplicate of the one decided at its first load).
-    fn direct(&mut self, mapped: &MappedFile, options: &LoadOptions) -> Option<File> {
+    /// `mapped`'s direct-I/O descriptor, decided at its first call.
+    fn decide(&mut self, mapped: &MappedFile, options: &LoadOptions) -> Option<&File> {
         let key: *const MappedFile = mapped;
         let index = match self.direct.iter().position(|(k, _)| *k == key) {
             Some(index) => index,
@@ -237,12 +237,16 @@ impl Session {
                 self.direct.len() - 1
             }
         };
-        // A duplicate descriptor reads the same open file; one the system refuses reads through
-        // the page cache.
-        self.direct[index]
-            .1
-            .as_ref()
-            .and_then(|f| f.try_clone().ok())
+        self.direct[index].1.as_ref()
+    }
+
+    /// `mapped`'s descriptor where [`Session::decide`] decided one.
+    fn decided(&self, mapped: &MappedFile) -> Option<&File> {
+        let key: *const MappedFile = mapped;
+        self.direct
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, f)| f.as_ref())
     }
 }
 
@@ -465,20 +469,13 @@ pub unsafe fn load_parts_into(
     };
     let done = AtomicU64::new(0);
     // The direct-I/O descriptors, one per file (by address: the caller's files outlive the call).
-    let mut direct: Vec<(*const MappedFile, Option<File>)> = Vec::new();
-    for p in parts {
-        let key: *const MappedFile = p.file;
-        if !p.dst.device().is_cpu() && in_place(p) && !direct.iter().any(|(k, _)| *k == key) {
-            direct.push((key, direct_file(p.file, options)));
-        }
+    let mut session = Session::new();
+    for p in parts
+        .iter()
+        .filter(|p| !p.dst.device().is_cpu() && in_place(p))
+    {
+        session.decide(p.file, options);
     }
-    let direct_of = |file: &MappedFile| {
-        let key: *const MappedFile = file;
-        direct
-            .iter()
-            .find(|(k, _)| *k == key)
-            .and_then(|(_, f)| f.as_ref())
-    };
     // Work already queued on the targets' devices (a kernel still filling a target, on any
     // stream: the readers' streams wait for none of them) finishes before anything is written.
     let mut waited: Vec<Device> = Vec::new();
@@ -509,7 +506,7 @@ pub unsafe fn load_parts_into(
             let direct = if device.is_cpu() {
                 None
             } else {
-                direct_of(p.file)
+                session.decided(p.file)
             };
             all_direct &= direct.is_some();
             reads.extend(plan.runs.iter().map(|(run, dst_offset)| FileRead {
@@ -572,8 +569,12 @@ fn load_to_device(
                 out.extend(tensors);
             }
             None => {
+                // A duplicate of the session's descriptor reads the same open file; one the
+                // system refuses reads through the page cache.
                 let direct = match session.as_deref_mut() {
-                    Some(session) => session.direct(file, options),
+                    Some(session) => session
+                        .decide(file, options)
+                        .and_then(|f| f.try_clone().ok()),
                     None => direct_file(file, options),
                 };
                 loads.push(FileLoad::new(
@@ -584,13 +585,13 @@ fn load_to_device(
     }
     let done = AtomicU64::new(wrapped);
     if !loads.is_empty() {
-        if session.is_some() {
-            let direct = loads.iter().all(|f| f.direct.is_some());
-            let reads: Vec<FileRead<'_>> = loads.iter().flat_map(FileLoad::reads).collect();
-            backend::read_file(device, &reads, &read_options(options, direct, &done))?;
+        // A session's loads (a stream's groups) report no progress: no progress thread.
+        let report = if session.is_some() {
+            None
         } else {
-            read_files(&loads, device, options, &done, total, progress)?;
-        }
+            Some(&mut *progress)
+        };
+        read_files(&loads, device, options, &done, total, report)?;
     }
     progress(total, total);
     for load in &loads {
@@ -743,18 +744,22 @@ fn read_part(
 }
 
 /// Reads the files' selected bytes into their allocations, reporting `done` bytes of `total`
-/// about ten times a second while the backend reads.
+/// about ten times a second while the backend reads (`progress`), or on the calling thread
+/// without reports (`None`).
 fn read_files(
     files: &[FileLoad<'_>],
     device: Device,
     options: &LoadOptions,
     done: &AtomicU64,
     total: u64,
-    progress: &mut dyn FnMut(u64, u64),
+    progress: Option<&mut (dyn FnMut(u64, u64) + '_)>,
 ) -> Result<()> {
     let direct = files.iter().all(|f| f.direct.is_some());
     let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();
-    run_reads(&reads, device, options, direct, done, total, progress)
+    match progress {
+        Some(progress) => run_reads(&reads, device, options, direct, done, total, progress),
+        None => backend::read_file(device, &reads, &read_options(options, direct, done)),
+    }
 }
 
 /// The engine: reads each (file, byte range) of `reads` into its destination (a buffer and an
@@ -1295,7 +1300,7 @@ mod tests {
                     &options,
                     &done,
                     0,
-                    &mut |_, _| {},
+                    Some(&mut |_, _| {}),
                 )
                 .unwrap();
                 let mut out = BTreeMap::new();
@@ -1419,7 +1424,7 @@ mod tests {
                 &options,
                 &done,
                 0,
-                &mut |_, _| {},
+                Some(&mut |_, _| {}),
             )
             .unwrap();
             assert_eq!(done.load(Ordering::Relaxed), 30, "{allocation:?}");

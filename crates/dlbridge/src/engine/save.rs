@@ -146,22 +146,18 @@ impl CopyStreams {
             if streams.devices.iter().any(|(d, _)| *d == device) {
                 continue;
             }
-            let index = match backend::queue_after_current(device)? {
-                Some(queue) => Some(
-                    match streams
-                        .queues
-                        .iter()
-                        .position(|q| q.device() == queue.device())
-                    {
-                        Some(i) => i,
-                        None => {
-                            streams.queues.push(queue);
-                            streams.queues.len() - 1
-                        }
-                    },
-                ),
-                None => None,
-            };
+            // One queue per device the backend names (pinned and managed memory of a CUDA device
+            // share the device's).
+            let index = backend::queue_after_current(device)?.map(|queue| {
+                let known = streams
+                    .queues
+                    .iter()
+                    .position(|q| q.device() == queue.device());
+                known.unwrap_or_else(|| {
+                    streams.queues.push(queue);
+                    streams.queues.len() - 1
+                })
+            });
             streams.devices.push((device, index));
         }
         Ok(streams)

@@ -86,8 +86,9 @@ def _timed(fn, sync, reps: int = 5) -> float:
     return statistics.median(best)
 
 
-def probe(device: str, files: list[str]) -> dict[str, float]:
-    """The figures of the dlbridge on ``sys.path``, in this process."""
+def probe(device: str, files: list[str], pin: int | None = None) -> dict[str, float]:
+    """The figures of the dlbridge on ``sys.path``, in this process; the per-call figures on CPU
+    ``pin`` alone where given (after the loader, which uses every core)."""
     out: dict[str, float] = {}
     # The loader first: the process's first load is what users see.
     import dlbridge
@@ -96,7 +97,14 @@ def probe(device: str, files: list[str]) -> dict[str, float]:
     from bench_cuda import per_call_us
 
     def _per_call_us(fn) -> float:
-        return per_call_us(fn, calls=20000, rounds=9)
+        if pin is None:
+            return per_call_us(fn, calls=20000, rounds=9)
+        every = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {pin})
+        try:
+            return per_call_us(fn, calls=20000, rounds=9)
+        finally:
+            os.sched_setaffinity(0, every)
 
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     if cuda and files:
@@ -188,11 +196,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--gb", type=float, default=2.0, help="checkpoint size for the loader figures")
     ap.add_argument("--dir", default="/tmp/dlbridge-bench-ab")
+    ap.add_argument("--pin", type=int, help="run the per-call figures on this CPU alone (less "
+                    "scatter from the scheduler and the cores' clocks)")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe is not None:
         files = json.loads(args.probe)
-        print(json.dumps(probe(args.device, files)))
+        print(json.dumps(probe(args.device, files, args.pin)))
         return
     files = make_checkpoint(args.dir, args.gb) if args.device.startswith("cuda") else []
     got: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
@@ -203,14 +213,15 @@ def main() -> None:
                 [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
             res = subprocess.run(
                 [sys.executable, HERE, "--a", args.a, "--b", args.b, "--device", args.device,
-                 "--probe", json.dumps(files)],
+                 "--probe", json.dumps(files)] + ([] if args.pin is None else ["--pin", str(args.pin)]),
                 env=env, capture_output=True, text=True, timeout=600)
             if res.returncode != 0:
                 sys.exit(f"build {side} failed:\n{res.stderr[-4000:]}")
             got[side].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {side} done", file=sys.stderr, flush=True)
     names = list(got["A"][0])
-    print(f"A = {args.a}\nB = {args.b}\n{args.rounds} rounds each, alternated; medians\n")
+    pinned = "" if args.pin is None else f"; per-call figures on CPU {args.pin} alone"
+    print(f"A = {args.a}\nB = {args.b}\n{args.rounds} rounds each, alternated; medians{pinned}\n")
     print("| figure | A | B | B vs A (>1: B faster) | A's spread (max/min) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name in names:

@@ -10,8 +10,9 @@ cd "$ROOT"
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
-step "import graph: the extension module's crate has no circle of more than 3 files"
+step "import graph: the two Python-facing crates have no circle of more than 3 files"
 python3 "$ROOT/scripts/import-graph.py" "$ROOT/crates/python-module" --max-circle 3
+python3 "$ROOT/scripts/import-graph.py" "$ROOT/crates/dlbridge-pyo3" --max-circle 3
 
 # The Rust tests that need a device are `#[ignore = "needs a ... device"]`: they are compiled
 # everywhere the platform has their backend and run only where a device exists, so a machine

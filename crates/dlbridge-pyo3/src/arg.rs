@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 use dlbridge::{DType, Device, DeviceKind, Element, Layout, Tensor};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
 
 use crate::borrow::{Borrow, Range};
 use crate::error::named;
@@ -39,6 +40,37 @@ pub(crate) enum Source {
 }
 
 impl Source {
+    /// Reads `x` without a copy, by the cheapest path its type offers: a NumPy array from its
+    /// struct, a PyTorch tensor from the descriptor its exchange table fills (either becomes a
+    /// tensor only when one is asked for); anything else is imported.
+    #[inline(always)]
+    fn of(x: &Bound<'_, PyAny>) -> PyResult<Source> {
+        use crate::error::IntoPyResult;
+        use crate::exchange::consumer::{REQUEST, from_producer, import_via_dlpack};
+        use crate::exchange::kind::{is_ndarray, type_info};
+        let numpy = |x| match crate::numpy::view(x)? {
+            Some(array) => Ok(Source::NumPy(array)),
+            None => import_via_dlpack(x).map(Source::Tensor),
+        };
+        if is_ndarray(x) {
+            return numpy(x);
+        }
+        if x.is_instance_of::<PyCapsule>() {
+            let managed = crate::exchange::capsule::take(x)?;
+            // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
+            let imported = unsafe { REQUEST.import(managed) }.py()?;
+            return Ok(Source::Tensor(imported.tensor));
+        }
+        let info = type_info(x);
+        if info.is_numpy {
+            return numpy(x);
+        }
+        if let Some(borrowed) = crate::exchange::c_api::borrow_via_table(x, info) {
+            return borrowed.map(Source::Table);
+        }
+        from_producer(x, info).map(Source::Tensor)
+    }
+
     #[inline]
     fn dtype(&self) -> DType {
         match self {
@@ -124,7 +156,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ArrayArg {
     #[inline]
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         Ok(ArrayArg {
-            source: crate::exchange::consumer::import(&obj)?,
+            source: Source::of(&obj)?,
         })
     }
 }

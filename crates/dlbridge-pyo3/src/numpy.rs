@@ -8,12 +8,10 @@
 //! `__dlpack__`, which gives NumPy's own answer.
 
 use std::ffi::{c_char, c_int};
-use std::sync::atomic::{AtomicPtr, Ordering};
 
 use dlbridge::{DType, Tensor};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyType;
-use pyo3::{ffi, intern};
 
 /// The leading fields of NumPy's array struct (NumPy 1.x and 2.x alike; the object header is
 /// this build's, free-threaded or not).
@@ -44,34 +42,6 @@ struct DescrFields {
 
 /// `NPY_ARRAY_WRITEABLE`.
 const WRITEABLE: c_int = 0x0400;
-
-/// `numpy.ndarray` once seen by [`is_ndarray_type`], so later calls know a NumPy array by one
-/// pointer comparison. The type cache holds a reference to it, and the type is static in NumPy's
-/// library, so the address is never reused by another type.
-static NDARRAY: AtomicPtr<ffi::PyTypeObject> = AtomicPtr::new(std::ptr::null_mut());
-
-/// Whether `x` is exactly a `numpy.ndarray` (after the type cache has seen one).
-#[inline]
-pub(crate) fn is_ndarray(x: &Bound<'_, PyAny>) -> bool {
-    // SAFETY: `x` is a live object, whose type pointer is readable.
-    let ty = unsafe { ffi::Py_TYPE(x.as_ptr()) };
-    ty == NDARRAY.load(Ordering::Relaxed)
-}
-
-/// Whether `ty` is exactly `numpy.ndarray` (asked once per type by the type cache).
-pub(crate) fn is_ndarray_type(ty: &Bound<'_, PyType>) -> bool {
-    let py = ty.py();
-    let Ok(numpy) = py.import(intern!(py, "numpy")) else {
-        return false;
-    };
-    let yes = numpy
-        .getattr(intern!(py, "ndarray"))
-        .is_ok_and(|nd| nd.as_ptr() == ty.as_ptr());
-    if yes {
-        NDARRAY.store(ty.as_type_ptr(), Ordering::Relaxed);
-    }
-    yes
-}
 
 /// The dtype of NumPy type number `num`, for those with a DLPack equivalent.
 fn dtype_of(num: c_int) -> Option<DType> {
@@ -158,14 +128,12 @@ impl NumPyArray {
     }
 }
 
-/// What [`view`] gives: the array's facts, or a tensor where NumPy's own `__dlpack__` had to
-/// answer (the argument's source itself, so nothing is re-wrapped on the way).
-pub(crate) use crate::arg::Source as Viewed;
-
-/// The NumPy array `x` (an exact `numpy.ndarray`) read from its struct; other arrays (an
-/// unusual dtype, byte order or stride) are imported through `__dlpack__` instead.
+/// The NumPy array `x` (an exact `numpy.ndarray`) read from its struct; `None` for arrays this
+/// path does not take (an unusual dtype, byte order or stride), which the caller imports through
+/// `__dlpack__` instead (NumPy's own answer, or for an `ml_dtypes` type, which it refuses, the
+/// array's bytes).
 #[inline(always)]
-pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
+pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Option<NumPyArray>> {
     let fields = x.as_ptr().cast::<ArrayFields>();
     // SAFETY: `x` is exactly a `numpy.ndarray` (the type cache checked), whose instances start
     // with these fields; the GIL is held, so nothing changes them while they are read.
@@ -187,14 +155,14 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
         descr.byteorder as u8 != foreign_order,
         ndim <= dlbridge::MAX_NDIM,
     ) else {
-        return fallback(x);
+        return Ok(None);
     };
     let layout = if ndim <= SMALL_NDIM {
         let mut shape = [0usize; SMALL_NDIM];
         let mut strides = [0isize; SMALL_NDIM];
         // SAFETY: `a` is the live array's struct (see above), with `ndim` axes.
         if !unsafe { read_axes(a, dtype, &mut shape[..ndim], &mut strides[..ndim]) } {
-            return fallback(x);
+            return Ok(None);
         }
         dlbridge::Layout::new(&shape[..ndim], &strides[..ndim], 0)
     } else {
@@ -202,12 +170,12 @@ pub(crate) fn view(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
         let mut strides = vec![0isize; ndim];
         // SAFETY: as above.
         if !unsafe { read_axes(a, dtype, &mut shape, &mut strides) } {
-            return fallback(x);
+            return Ok(None);
         }
         dlbridge::Layout::new(&shape, &strides, 0)
     }
     .map_err(crate::error::to_py)?;
-    Ok(Viewed::NumPy(NumPyArray {
+    Ok(Some(NumPyArray {
         obj: x.clone().unbind(),
         first: a.data.cast(),
         dtype,
@@ -257,12 +225,4 @@ unsafe fn read_axes(
         *s = stride / itemsize;
     }
     true
-}
-
-/// NumPy's own `__dlpack__` (or, for an `ml_dtypes` type, which it refuses, the array's bytes),
-/// for arrays the struct path does not take.
-#[cold]
-#[inline(never)]
-fn fallback(x: &Bound<'_, PyAny>) -> PyResult<Viewed> {
-    crate::exchange::consumer::import_via_dlpack(x).map(Viewed::Tensor)
 }

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::{IntoPyObjectExt, intern};
 
 use crate::error::IntoPyResult;
+use crate::exchange::c_api::{ExchangeTable, TensorClass};
 
 /// A tensor returned to Python: `__dlpack__`, `__dlpack_device__` and the DLPack 1.3 C exchange
 /// table (`__dlpack_c_exchange_api__`), so `numpy.from_dlpack`, `torch.from_dlpack`,
@@ -66,7 +67,7 @@ impl PyTensor {
     /// This crate's DLPack 1.3 C exchange table.
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        crate::exchange::c_api::TABLE.capsule(py)
+        TABLE.capsule(py)
     }
 
     /// Extents.
@@ -130,3 +131,17 @@ pub fn to_framework<'py>(
     let from_dlpack = py.import(module)?.getattr(intern!(py, "from_dlpack"))?;
     from_dlpack.call1((PyTensor::new(tensor),))
 }
+
+impl TensorClass for PyTensor {
+    #[inline]
+    fn with_tensor<R>(&self, f: impl FnOnce(&Tensor) -> R) -> PyResult<R> {
+        Ok(f(self.tensor()))
+    }
+
+    fn new_object(py: Python<'_>, tensor: Tensor) -> PyResult<Py<PyAny>> {
+        Ok(Py::new(py, PyTensor::new(tensor))?.into_any())
+    }
+}
+
+/// [`PyTensor`]'s table (one per extension that links this crate).
+pub(crate) static TABLE: ExchangeTable = ExchangeTable::new::<PyTensor>();

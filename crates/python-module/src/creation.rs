@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 use crate::array::PyArray;
 use crate::convert::{self, ScalarKind};
 use crate::device;
-use crate::dlpack::{buffer, c_api, consumer};
+use crate::dlpack::{buffer, consumer, kind};
 use crate::errors::IntoPyResult;
 use crate::fastcall::{self, Attach, FastArgs, MethodDef, Signature};
 
@@ -354,7 +354,7 @@ pub(crate) fn tensor_from(
         && !obj.is_instance_of::<PyTuple>()
         && buffer::has_buffer(obj)
     {
-        let info = c_api::type_info(obj);
+        let info = kind::type_info(obj);
         consumer::refuse_inexpressible(obj, info, consumer::States::All)?;
         let t = buffer::from_buffer(obj)?;
         Some(consumer::finish(&request, t)?.tensor)

@@ -2,15 +2,14 @@
 //! through a table of C functions on the type, with no Python method call.
 //!
 //! * Consumer: an [`ArrayArg`](crate::ArrayArg) or `dlbridge.from_dlpack` looks the table up on
-//!   `type(x)` ([`type_info`], cached per type with the other facts the consumer needs of a
-//!   type) and, when present, takes the tensor through `managed_tensor_from_py_object_no_sync`
-//!   ([`take_via_table`]).
-//! * Producer: any class holding a tensor ([`TensorClass`]: [`PyTensor`], `dlbridge.Array`)
-//!   publishes an [`ExchangeTable`] of its own as `__dlpack_c_exchange_api__`.
+//!   `type(x)` ([`kind::type_info`](crate::exchange::kind::type_info), cached per type with the
+//!   other facts the consumer needs of a type) and, when present, takes the tensor through
+//!   `managed_tensor_from_py_object_no_sync` ([`take_via_table`]).
+//! * Producer: any class holding a tensor ([`TensorClass`]: `dlbridge_pyo3::PyTensor`,
+//!   `dlbridge.Array`) publishes an [`ExchangeTable`] of its own as `__dlpack_c_exchange_api__`.
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::ptr::NonNull;
-use std::sync::{Mutex, OnceLock};
 
 use dlbridge::dlpack::ManagedTensor;
 use dlbridge::dlpack::ffi::{
@@ -19,129 +18,24 @@ use dlbridge::dlpack::ffi::{
 use dlbridge::{DType, Device, Tensor};
 use pyo3::PyClass;
 use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyType};
-use pyo3::{ffi, intern};
 
 use crate::error::{exception_name, to_py};
-use crate::tensor::PyTensor;
-
-const API_NAME: &CStr = c"dlpack_exchange_api";
+use crate::exchange::kind::{API_NAME, TypeInfo};
 
 // ---------------------------------------------------------------------------------------------
 // Consumer side.
 
-/// What the consumer knows of a producer's type: its exchange table (if any), whether its
-/// instances can be in states a DLPack descriptor cannot express or are immutable by contract,
-/// and which path its instances take.
-#[derive(Clone, Copy)]
-pub struct TypeInfo {
-    table: Option<TableRef>,
-    /// The type has PyTorch's tensor-state API (`requires_grad`, `is_conj`, `is_neg`), so its
-    /// instances can require grad or carry lazy bits: [`crate::exchange::consumer::refuse_inexpressible`]
-    /// asks each one.
-    pub(crate) has_tensor_state: bool,
-    /// The type has `__dlpack__`.
-    pub(crate) has_dlpack: bool,
-    /// The type is exactly `numpy.ndarray`, whose instance struct NumPy documents
-    /// ([`crate::numpy`]).
-    pub(crate) is_numpy: bool,
-    /// The type's arrays are immutable by contract (JAX's), so their memory is imported
-    /// read-only ([`crate::exchange::consumer::immutable_by_contract`]).
-    pub(crate) immutable: bool,
-}
-
-/// Types seen by the consumer (by the address of the type object), with what is known of them:
-/// read without a lock (each slot is set once), appended under [`HELD`].
-static TYPES: [OnceLock<(usize, TypeInfo)>; CACHE_LIMIT] = [const { OnceLock::new() }; CACHE_LIMIT];
-
-/// The type objects in [`TYPES`], held so that an address there can never be reused by a
-/// different type; its lock orders the appends.
-static HELD: Mutex<Vec<Py<PyType>>> = Mutex::new(Vec::new());
-
-/// A producer's exchange table, which the protocol requires to be immutable and alive for the
-/// whole process.
-#[derive(Clone, Copy)]
-struct TableRef(&'static DLPackExchangeAPI);
-
-// SAFETY: the table is immutable for the life of the process (DLPack 1.3 requires it); its raw
-// pointers (the chain) are only read.
-unsafe impl Send for TableRef {}
-// SAFETY: as above.
-unsafe impl Sync for TableRef {}
-
-/// At most this many types are remembered; more are looked up each time.
-const CACHE_LIMIT: usize = 32;
-
-/// What is known of `type(x)`, looked up once per type.
-#[inline]
-pub fn type_info(x: &Bound<'_, PyAny>) -> TypeInfo {
-    // SAFETY: `x` is a live object, whose type pointer is readable.
-    let key = unsafe { ffi::Py_TYPE(x.as_ptr()) } as usize;
-    for slot in &TYPES {
-        match slot.get() {
-            Some((ty, info)) if *ty == key => return *info,
-            Some(_) => {}
-            None => break,
-        }
-    }
-    learn(x.get_type())
-}
-
-/// Looks up what [`type_info`] knows of `ty` and remembers it, while there is room.
-#[cold]
-fn learn(ty: Bound<'_, PyType>) -> TypeInfo {
-    let py = ty.py();
-    let has = |name| ty.hasattr(name).unwrap_or(false);
-    let info = TypeInfo {
-        table: lookup(&ty).map(TableRef),
-        has_tensor_state: has(intern!(py, "requires_grad"))
-            && has(intern!(py, "is_conj"))
-            && has(intern!(py, "is_neg")),
-        has_dlpack: has(intern!(py, "__dlpack__")),
-        is_numpy: crate::numpy::is_ndarray_type(&ty),
-        immutable: crate::exchange::consumer::immutable_by_contract(&ty),
-    };
-    let key = ty.as_ptr() as usize;
-    let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
-    if TYPES
-        .iter()
-        .any(|s| s.get().is_some_and(|(t, _)| *t == key))
-    {
-        return info;
-    }
-    if let Some(slot) = TYPES.iter().find(|s| s.get().is_none()) {
-        held.push(ty.unbind());
-        // The lock is held, so no other thread sets this slot.
-        let _ = slot.set((key, info));
-    }
-    info
-}
-
-fn lookup(ty: &Bound<'_, PyType>) -> Option<&'static DLPackExchangeAPI> {
-    let py = ty.py();
-    let capsule = ty.getattr(intern!(py, "__dlpack_c_exchange_api__")).ok()?;
-    let capsule = capsule.cast::<PyCapsule>().ok()?;
-    // SAFETY: a live capsule; `IsValid` only compares the name and never raises.
-    if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), API_NAME.as_ptr()) } != 1 {
-        return None;
-    }
-    // SAFETY: the name matched, so this returns the stored pointer without raising.
-    let header = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), API_NAME.as_ptr()) }
-        .cast::<DLPackExchangeAPIHeader>();
-    // SAFETY: the DLPack 1.3 protocol requires the table and its chain to live, unchanged, for the
-    // whole process.
-    unsafe { dlbridge::dlpack::exchange_table_v1(header) }
-}
-
 /// Takes `x`'s tensor through its type's exchange table; `None` when the type has none.
 ///
 /// The caller has refused tensors whose memory does not hold their values
-/// ([`crate::exchange::consumer::States::Values`]): PyTorch's table hands out a conjugated or negated view's
-/// raw memory without its lazy bit, and a tensor that requires grad without complaint.
+/// ([`States::Values`](crate::exchange::kind::States::Values)): PyTorch's table hands out a
+/// conjugated or negated view's raw memory without its lazy bit, and a tensor that requires grad
+/// without complaint.
 #[inline]
 pub fn take_via_table(x: &Bound<'_, PyAny>, info: TypeInfo) -> Option<PyResult<ManagedTensor>> {
-    let api = info.table?.0;
+    let api = info.table()?;
     let export = api.managed_tensor_from_py_object_no_sync?;
     let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
     // SAFETY: `x` is an object of the type the table was found on, as the protocol requires; the
@@ -223,12 +117,12 @@ pub(crate) fn borrow_via_table(
     x: &Bound<'_, PyAny>,
     info: TypeInfo,
 ) -> Option<PyResult<TableView>> {
-    use crate::exchange::consumer::{States, refuse_inexpressible};
+    use crate::exchange::kind::{States, refuse_inexpressible};
     use dlbridge::dlpack::ffi::{K_DL_COMPLEX, K_DL_CPU, K_DL_CUDA};
     if !info.has_tensor_state || info.immutable {
         return None;
     }
-    let api = info.table?.0;
+    let api = info.table()?;
     let describe = api.dltensor_from_py_object_no_sync?;
     let mut dl = std::mem::MaybeUninit::<DLTensor>::zeroed();
     // SAFETY: `x` is an object of the type the table was found on, as the protocol requires; the
@@ -363,24 +257,13 @@ unsafe extern "C" fn allocator(
 }
 
 /// A frozen Python class whose instances hold a dlbridge tensor, and whose type publishes an
-/// [`ExchangeTable`] of its own: [`PyTensor`], `dlbridge.Array`.
+/// [`ExchangeTable`] of its own: `dlbridge_pyo3::PyTensor`, `dlbridge.Array`.
 pub trait TensorClass: PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync {
     /// Runs `f` on the instance's tensor, or fails (an array whose memory was freed, say).
     fn with_tensor<R>(&self, f: impl FnOnce(&Tensor) -> R) -> PyResult<R>;
 
     /// A new instance holding `tensor`.
     fn new_object(py: Python<'_>, tensor: Tensor) -> PyResult<Py<PyAny>>;
-}
-
-impl TensorClass for PyTensor {
-    #[inline]
-    fn with_tensor<R>(&self, f: impl FnOnce(&Tensor) -> R) -> PyResult<R> {
-        Ok(f(self.tensor()))
-    }
-
-    fn new_object(py: Python<'_>, tensor: Tensor) -> PyResult<Py<PyAny>> {
-        Ok(Py::new(py, PyTensor::new(tensor))?.into_any())
-    }
 }
 
 /// Runs `f` on the tensor of the `P` instance `py_object`, after the "NoSync" handoff (no stream
@@ -549,6 +432,3 @@ impl ExchangeTable {
         Ok(unsafe { Bound::from_owned_ptr(py, raw) }.unbind())
     }
 }
-
-/// [`PyTensor`]'s table (one per extension that links this crate).
-pub(crate) static TABLE: ExchangeTable = ExchangeTable::new::<PyTensor>();

@@ -7,53 +7,31 @@
 
 use dlbridge::dlpack::{ImportRequest, Imported, ManagedTensor};
 use dlbridge::{Device, Tensor};
-use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict, PyTuple, PyType};
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::error::IntoPyResult;
+use crate::exchange::kind::{States, TypeInfo, refuse_inexpressible, type_info};
 
 /// What every import asks of the core: the memory where it is (`copy=False`), so the core
 /// refuses anything that would need a copy (a private Metal buffer, say).
-const REQUEST: ImportRequest = ImportRequest {
+pub(crate) const REQUEST: ImportRequest = ImportRequest {
     device: None,
     storage: None,
     copy: Some(false),
 };
 
-/// Imports `x` without a copy, by the cheapest path its type offers: a NumPy array is read from
-/// its struct, a PyTorch tensor from the descriptor its exchange table fills (either becomes a
-/// tensor only when one is asked for), anything else is imported.
-#[inline(always)]
-pub(crate) fn import(x: &Bound<'_, PyAny>) -> PyResult<crate::numpy::Viewed> {
-    use crate::numpy::Viewed;
-    if crate::numpy::is_ndarray(x) {
-        return crate::numpy::view(x);
-    }
-    if x.is_instance_of::<PyCapsule>() {
-        let managed = crate::exchange::capsule::take(x)?;
-        // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
-        let imported = unsafe { REQUEST.import(managed) }.py()?;
-        return Ok(Viewed::Tensor(imported.tensor));
-    }
-    let info = crate::exchange::c_api::type_info(x);
-    if info.is_numpy {
-        return crate::numpy::view(x);
-    }
-    if let Some(borrowed) = crate::exchange::c_api::borrow_via_table(x, info) {
-        return borrowed.map(Viewed::Table);
-    }
-    from_producer(x, info).map(Viewed::Tensor)
-}
-
 /// Imports `x` through its type's exchange table or its `__dlpack__`, or else the buffer
 /// protocol (for NumPy arrays the struct path does not take).
 pub(crate) fn import_via_dlpack(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    from_producer(x, crate::exchange::c_api::type_info(x))
+    from_producer(x, type_info(x))
 }
 
-fn from_producer(x: &Bound<'_, PyAny>, info: crate::exchange::c_api::TypeInfo) -> PyResult<Tensor> {
+/// Imports `x` (of type `info`) through its type's exchange table or its `__dlpack__`, or else the
+/// buffer protocol.
+pub(crate) fn from_producer(x: &Bound<'_, PyAny>, info: TypeInfo) -> PyResult<Tensor> {
     import_from_producer(x, info, &REQUEST, || {
         from_buffer(x).map(|tensor| Imported {
             tensor,
@@ -63,45 +41,9 @@ fn from_producer(x: &Bound<'_, PyAny>, info: crate::exchange::c_api::TypeInfo) -
     .map(|i| i.tensor)
 }
 
-/// The top-level packages whose array types are immutable by contract, the one list of them
-/// ([`immutable_by_contract`]):
-///
-/// * `jax`, `jaxlib`: JAX arrays (`jaxlib._jax.ArrayImpl` since JAX 0.7,
-///   `jaxlib.xla_extension.ArrayImpl` before, both subclasses of `jax.Array`) are immutable, and
-///   XLA may share one buffer between arrays or donate it to a computation; JAX's own buffer
-///   protocol export is read-only, but its DLPack export is a legacy capsule, which cannot say so.
-///
-/// MLX is not listed: its arrays have value semantics, but MLX hands out their memory writable on
-/// purpose (its buffer protocol export, which its documentation shows written through a NumPy
-/// view), so an import keeps the writability MLX itself gives.
-const IMMUTABLE_PACKAGES: [&str; 2] = ["jax", "jaxlib"];
-
-/// Whether arrays of type `ty` are immutable by contract: `ty` or a base class is defined in one
-/// of [`IMMUTABLE_PACKAGES`]. Asked once per type (the consumer's type cache,
-/// [`crate::exchange::c_api::type_info`]), from the classes' `__module__` alone: nothing is
-/// imported.
-pub(crate) fn immutable_by_contract(ty: &Bound<'_, PyType>) -> bool {
-    let py = ty.py();
-    let Ok(mro) = ty.getattr(intern!(py, "__mro__")) else {
-        return false;
-    };
-    let Ok(classes) = mro.try_iter() else {
-        return false;
-    };
-    classes.flatten().any(|class| {
-        class
-            .getattr(intern!(py, "__module__"))
-            .and_then(|m| m.extract::<String>())
-            .is_ok_and(|module| {
-                let package = module.split('.').next().unwrap_or_default();
-                IMMUTABLE_PACKAGES.contains(&package)
-            })
-    })
-}
-
 /// Imports the producer `x`'s tensor with `request`, taken through its type's exchange table or
 /// its `__dlpack__` as [`take_from_producer`] takes it (`info` is `x`'s
-/// [`type_info`](crate::exchange::c_api::type_info)); `otherwise` answers when its type has
+/// [`type_info`]); `otherwise` answers when its type has
 /// neither.
 ///
 /// What the producer's contract says and its descriptor does not is kept here, for every caller:
@@ -114,7 +56,7 @@ pub(crate) fn immutable_by_contract(ty: &Bound<'_, PyType>) -> bool {
 #[inline]
 pub fn import_from_producer(
     x: &Bound<'_, PyAny>,
-    info: crate::exchange::c_api::TypeInfo,
+    info: TypeInfo,
     request: &ImportRequest,
     otherwise: impl FnOnce() -> PyResult<Imported>,
 ) -> PyResult<Imported> {
@@ -143,7 +85,7 @@ fn ml_dtypes_or(x: &Bound<'_, PyAny>, request: &ImportRequest, err: PyErr) -> Py
 }
 
 /// The producer `x`'s tensor, handed over through its type's exchange table (`info`, from
-/// [`type_info`](crate::exchange::c_api::type_info)) or else its `__dlpack__` (asked for
+/// [`type_info`]) or else its `__dlpack__` (asked for
 /// `device` and `copy` as [`call_dlpack`] does); `None` when its type has neither. A tensor in a
 /// state DLPack cannot express is refused ([`refuse_inexpressible`]): through the table, once
 /// the exported descriptor has told the element type (the conjugate bit exists only on complex
@@ -151,7 +93,7 @@ fn ml_dtypes_or(x: &Bound<'_, PyAny>, request: &ImportRequest, err: PyErr) -> Py
 #[inline]
 pub fn take_from_producer(
     x: &Bound<'_, PyAny>,
-    info: crate::exchange::c_api::TypeInfo,
+    info: TypeInfo,
     device: Option<Device>,
     copy: Option<bool>,
 ) -> PyResult<Option<ManagedTensor>> {
@@ -227,81 +169,6 @@ pub fn finish(request: &ImportRequest, tensor: Tensor) -> PyResult<Imported> {
             copied: false,
         })
         .py()
-}
-
-/// Which tensor states [`refuse_inexpressible`] asks about.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum States {
-    /// States in which the memory does not hold the tensor's values, or must not be written
-    /// behind its framework's back: requires grad, a lazy conjugate or negative bit. A producer's
-    /// exporter may hand such a tensor out without complaint (PyTorch's C exchange table does, and
-    /// its `__dlpack__` does for negated views), so these are asked before every import.
-    Values,
-    /// [`States::Values`] of a tensor known to be real: the conjugate bit exists only on complex
-    /// tensors (a real tensor's `conj()` is itself), so it is not asked.
-    RealValues,
-    /// States with no strided memory at all: sparse, quantized, nested, MKL-DNN, meta, lazy zero
-    /// tensors. No exporter can hand those out as a descriptor (PyTorch's table fails for them),
-    /// so these are asked where an import would otherwise go on without the table: before
-    /// `__dlpack__` and the buffer protocol, and to explain a failed table export.
-    Storage,
-    /// Both.
-    All,
-}
-
-/// Refuses, with the `BufferError` the array API standard calls for, a producer's tensor in a
-/// state a DLPack descriptor cannot express ([`States`]); the one check every import path (the C
-/// exchange table, `__dlpack__`, the buffer protocol) makes. Only types with PyTorch's
-/// tensor-state API are asked ([`crate::exchange::c_api::TypeInfo`]), and each question is one
-/// attribute read or method call, in the order of how common the state is.
-pub fn refuse_inexpressible(
-    x: &Bound<'_, PyAny>,
-    info: crate::exchange::c_api::TypeInfo,
-    states: States,
-) -> PyResult<()> {
-    if !info.has_tensor_state {
-        return Ok(());
-    }
-    let py = x.py();
-    // A state the running version does not have (an attribute it lacks) is not set.
-    let flag = |name: &Bound<'_, pyo3::types::PyString>| {
-        x.getattr(name).and_then(|v| v.is_truthy()).unwrap_or(false)
-    };
-    let method = |name: &Bound<'_, pyo3::types::PyString>| {
-        x.call_method0(name)
-            .and_then(|v| v.is_truthy())
-            .unwrap_or(false)
-    };
-    let values = states != States::Storage;
-    let complex = states != States::RealValues;
-    let storage = matches!(states, States::Storage | States::All);
-    let refusal = if values && flag(intern!(py, "requires_grad")) {
-        "it requires grad, and a DLPack consumer could write to it behind autograd's back; \
-         export x.detach()"
-    } else if values && complex && method(intern!(py, "is_conj")) {
-        "its conjugate bit is set, so its memory does not hold its values; export \
-         x.resolve_conj()"
-    } else if values && method(intern!(py, "is_neg")) {
-        "its negative bit is set, so its memory does not hold its values; export x.resolve_neg()"
-    } else if storage && (flag(intern!(py, "is_sparse")) || flag(intern!(py, "is_sparse_csr"))) {
-        "it is sparse, and DLPack describes only strided memory; export x.to_dense()"
-    } else if storage && flag(intern!(py, "is_quantized")) {
-        "it is quantized, which DLPack cannot describe; export x.dequantize()"
-    } else if storage && flag(intern!(py, "is_nested")) {
-        "it is a nested tensor, which DLPack cannot describe"
-    } else if storage && flag(intern!(py, "is_mkldnn")) {
-        "it is in MKL-DNN layout, which DLPack cannot describe; export x.to_dense()"
-    } else if storage && flag(intern!(py, "is_meta")) {
-        "it is on the meta device and has no memory"
-    } else if storage && method(intern!(py, "_is_zerotensor")) {
-        "it is a lazy zero tensor with no memory of its own; export x.clone()"
-    } else {
-        return Ok(());
-    };
-    Err(PyBufferError::new_err(format!(
-        "cannot import this {} through DLPack: {refusal}",
-        x.get_type().name()?
-    )))
 }
 
 /// Calls the producer's `__dlpack__` as the array API standard lets a consumer: `max_version=(1,

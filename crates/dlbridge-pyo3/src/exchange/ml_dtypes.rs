@@ -141,7 +141,7 @@ pub fn import_numpy(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     };
     let bits = carrier(dtype).expect("of_numpy_dtype answers only dtypes with a carrier");
     let carried = obj.call_method1(intern!(py, "view"), (bits.name(),))?;
-    let info = crate::exchange::c_api::type_info(&carried);
+    let info = crate::exchange::kind::type_info(&carried);
     let imported = crate::exchange::consumer::import_from_producer(
         &carried,
         info,

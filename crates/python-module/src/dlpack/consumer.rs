@@ -10,10 +10,11 @@ use pyo3::types::PyCapsule;
 
 use dlbridge_pyo3::exchange::consumer::{call_dlpack, import_from_producer};
 
-use super::{c_api, capsule};
+use super::{capsule, kind};
 use crate::errors::IntoPyResult;
 
-pub(crate) use dlbridge_pyo3::exchange::consumer::{States, finish, refuse_inexpressible};
+pub(crate) use dlbridge_pyo3::exchange::consumer::finish;
+pub(crate) use dlbridge_pyo3::exchange::kind::{States, refuse_inexpressible};
 
 /// `from_dlpack` per the array API standard: asks the producer for a versioned capsule (falling
 /// back to the legacy protocol when it does not take keywords), or takes its tensor through its
@@ -43,7 +44,7 @@ pub(crate) fn from_dlpack(
         // SAFETY: the capsule handed over a live tensor whose ownership is now ours.
         return unsafe { request.import(managed) }.py();
     }
-    import_from_producer(x, c_api::type_info(x), &request, || {
+    import_from_producer(x, kind::type_info(x), &request, || {
         // No table and no `__dlpack__` on the type: the instance's own, or the standard's
         // `TypeError`.
         let managed = capsule::take(&call_dlpack(x.py(), x, device, copy)?)?;

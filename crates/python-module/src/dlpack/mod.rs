@@ -15,4 +15,4 @@
 pub(crate) mod consumer;
 pub(crate) mod table;
 
-pub(crate) use dlbridge_pyo3::exchange::{buffer, c_api, capsule, producer};
+pub(crate) use dlbridge_pyo3::exchange::{buffer, capsule, kind, producer};

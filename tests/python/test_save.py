@@ -552,6 +552,60 @@ def test_async_cuda_save_gives_the_memory_back_once_copied(tmp_path):
         assert torch.equal(back[name], t), name
 
 
+_needs_two_gpus = pytest.mark.skipif(
+    not (torch.cuda.is_available() and dlbridge.cuda.is_available() and torch.cuda.device_count() >= 2),
+    reason="needs two CUDA GPUs and PyTorch with CUDA")
+
+
+@_needs_two_gpus
+@pytest.mark.parametrize("wait", [True, False])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_arrays_of_two_gpus_and_the_host_in_one_save(tmp_path, wait, sharded):
+    """One save of tensors on cuda:0, cuda:1 and the host, interleaved, some of them views: each
+    GPU's copies go on a queue of that GPU's after the work its current stream holds (a kernel
+    writes each tensor on a stream of its own device just before the save), the bytes are what
+    safetensors writes, and an asynchronous save gives both GPUs' memory back once copied."""
+    tensors = {}
+    for i in range(12):
+        device = ("cuda:0", "cuda:1", "cpu")[i % 3]
+        base = torch.randn(512, 1024, device=device, dtype=(torch.bfloat16, torch.float32)[i % 2])
+        tensors[f"w{i}"] = base[::2] if i % 4 == 3 else base
+    expected = {k: (v.cpu() + 1).contiguous() for k, v in tensors.items()}
+    for d in (0, 1):
+        with torch.cuda.device(d):
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(20_000_000)  # the writes below land well after the save began
+                for name, t in tensors.items():
+                    if t.device == torch.device("cuda", d):
+                        t.add_(1)
+            torch.cuda.set_stream(stream)  # the save's current stream on this device
+    for t in tensors.values():
+        if t.device.type == "cpu":
+            t.add_(1)
+    try:
+        target = tmp_path / ("ckpt" if sharded else "model.safetensors")
+        kwargs = {"max_shard_size": "1MB"} if sharded else {}
+        handle = dlbridge.save_file(tensors, target, wait=wait, **kwargs)
+        if not wait:
+            handle.wait_copied()
+            for t in tensors.values():
+                t.zero_()  # after the copies: must not reach the file
+            handle.wait()
+        back = {}
+        files = sorted(target.glob("model-*.safetensors")) if sharded else [target]
+        assert len(files) > 1 or not sharded
+        for f in files:
+            back.update(st_load_torch(str(f)))
+        assert back.keys() == expected.keys()
+        for name, t in expected.items():
+            assert torch.equal(back[name], t), name
+    finally:
+        for d in (0, 1):
+            with torch.cuda.device(d):
+                torch.cuda.set_stream(torch.cuda.default_stream(d))
+
+
 # ---------------------------------------------------------------------------------------------
 # The asynchronous save's staging: the whole file in buffers of exactly the chunk size, taken
 # from the pool before the copies, kept there for the next save, given back when asked.

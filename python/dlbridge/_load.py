@@ -440,6 +440,9 @@ class _TorchGroup:
         limit = _timeout()
         began = time.monotonic()
         flag = torch.full((1,), 0 if ok else 1, dtype=torch.int32, device=str(device))
+        if device.type == "cuda":
+            # Filled before the all-reduce, which another thread issues (its current stream).
+            torch.cuda.current_stream(device.index).synchronize()
         work = _bounded(
             lambda: self._on(device, lambda: dist.all_reduce(
                 flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)),

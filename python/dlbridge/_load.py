@@ -721,7 +721,6 @@ class _Engine:
                     step.out[recv.slot][recv.name] = recv.target
         return step.out
 
-
     def conclude(self, error: Optional[BaseException]) -> None:
         """Ends a load of one process per rank on every rank alike: with no error here, the
         ranks agree (:meth:`_TorchGroup.agree`, :meth:`_NcclComm.agree`) and a rank that failed

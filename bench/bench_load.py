@@ -27,10 +27,15 @@ whole checkpoint (safetensors, dlbridge) then `narrow`, `safe_open(...).get_slic
 `.to`, fastsafetensors `get_sharded` and InstantTensor with a process group. `--model 8b` is
 Llama-3-8B's shapes (hidden 4096, MLP 14336, vocabulary 128256, 8 KV heads, 32 layers: about 16
 GB bf16); `--model tiny` a few MB (runs on the CPU: `--device cpu`, the default where there is no
-GPU). A diagnostic row of `--mode tp` runs dlbridge again with every pair of ranks connected for
-point-to-point transfers before the timer (NCCL connects a pair on its first such transfer; the
-barrier before the timer connects only the collectives): the difference is what the connection
-costs the load.
+GPU). `--mode tp` also times the host's ceiling in the same run (each rank `preadv`s its 1/P of
+the files' bytes into pinned memory on its share of the CPUs, then all copy it to their GPUs at
+once) and prints the issue's ratios (against the faster of InstantTensor and fastsafetensors,
+safetensors + narrow, the ceiling) and the final agreement's milliseconds. Diagnostic rows run
+dlbridge with the previous rule (dim-1 splits and replicated tensors read by an owner and handed
+out), plainly and with every pair of ranks connected for point-to-point transfers before the
+timer (NCCL connects a pair on its first such transfer; the barrier before the timer connects
+only the collectives). `--cold`: the page cache dropped before each load (root) instead of
+warmed. Every row, the ceiling's included, starts its timer after the same barrier.
 
     python bench/bench_load.py --mode stream [--device cuda:0] [--layers 32] [--hidden 2048]
 
@@ -305,6 +310,8 @@ def main() -> int:
     ap.add_argument("--model", choices=list(MODELS), default=None,
                     help="the checkpoint's shapes (default: 7b for load, 8b for into and tp)")
     ap.add_argument("--world", type=int, default=2, help="ranks of --mode tp")
+    ap.add_argument("--cold", action="store_true",
+                    help="--mode tp: drop the page cache before each load (root) instead of warming it")
     ap.add_argument("--device", default=None, help="cuda:0 (default where there is a GPU) or cpu")
     ap.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -553,6 +560,90 @@ def tp_dlbridge(files, device, rank, world, group):
     return out[0], read
 
 
+def tp_dlbridge_owners(files, device, rank, world, group):
+    """The rule before ranks read their own dim-1 parts: inner-dimension splits and replicated
+    tensors read whole by one owner and handed out by one batched exchange per step."""
+    from dlbridge import _load
+    saved = _load._MIN_RUN, _load._REPLICATED_READ
+    _load._MIN_RUN, _load._REPLICATED_READ = 1 << 62, -1
+    try:
+        return tp_dlbridge(files, device, rank, world, group)
+    finally:
+        _load._MIN_RUN, _load._REPLICATED_READ = saved
+
+
+def _rank_ranges(files, rank, world):
+    """Rank `rank`'s 1/P of the files' bytes, one after another: (file, offset, length) runs."""
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    a, b = total * rank // world, total * (rank + 1) // world
+    out, at = [], 0
+    for f, n in zip(files, sizes):
+        lo, hi = max(a, at), min(b, at + n)
+        if lo < hi:
+            out.append((f, lo - at, hi - lo))
+        at += n
+    return out
+
+
+_CEILING: dict = {}
+
+
+def tp_ceiling_setup(files, device, rank, world):
+    """The ceiling row's memory, before the timer: the rank's 1/P in pinned host memory (and as
+    much on its GPU, for the host-to-device copy timed after)."""
+    n = sum(length for _, _, length in _rank_ranges(files, rank, world))
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
+    pinned[::4096] = 0  # touched, as a loader's staging is
+    _CEILING.update(pinned=pinned, dev=torch.empty(n, dtype=torch.uint8, device=device))
+
+
+def tp_ceiling(files, device, rank, world, group):
+    """The host's ceiling: each rank reads its 1/P of the files with `os.preadv` on its share of
+    the CPUs (16 MiB per read) into pinned memory."""
+    from concurrent.futures import ThreadPoolExecutor
+    view = memoryview(_CEILING["pinned"].numpy())
+    jobs, at = [], 0
+    fds = {}
+    for f, offset, length in _rank_ranges(files, rank, world):
+        fds[f] = os.open(f, os.O_RDONLY)
+        for k in range(0, length, 16 << 20):
+            n = min(16 << 20, length - k)
+            jobs.append((fds[f], offset + k, at + k, n))
+        at += length
+
+    def read(job):
+        fd, offset, dst, n = job
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [view[dst + done:dst + n]], offset + done)
+            if got <= 0:
+                raise OSError(f"short read at {offset + done}")
+            done += got
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"bytes": _CEILING["pinned"]}, at
+
+
+def tp_ceiling_h2d(device) -> float:
+    """After the timer, every rank at once: its pinned 1/P copied to its GPU (seconds)."""
+    import torch.distributed as dist
+    if not device.startswith("cuda"):
+        return 0.0
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    _CEILING["dev"].copy_(_CEILING["pinned"], non_blocking=True)
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _narrowed(sd, rank, world):
     from dlbridge.shard import resolve
     out = {}
@@ -628,9 +719,13 @@ def tp_instanttensor(files, device, rank, world, group):
     return out, None
 
 
+TP_OURS = "dlbridge load_file(shard=, rank=, group=)"
+TP_CEILING = "host ceiling: pread 1/P into pinned, per rank (+ H2D)"
 TP = {
-    "dlbridge load_file(shard=, rank=, group=)": tp_dlbridge,
-    "dlbridge shard=, p2p connected first (diagnostic)": tp_dlbridge,
+    TP_OURS: tp_dlbridge,
+    TP_CEILING: tp_ceiling,
+    "dlbridge, owner reads + hand-outs (diagnostic)": tp_dlbridge_owners,
+    "dlbridge, owner reads + hand-outs, p2p connected first (diag.)": tp_dlbridge_owners,
     "safetensors load_file(device=rank) + narrow, every rank": tp_safetensors,
     "dlbridge load_file everything + narrow, every rank": tp_dlbridge_whole,
     "safetensors safe_open get_slice on the CPU, then .to": tp_get_slice,
@@ -639,9 +734,11 @@ TP = {
 }
 
 
-def child_tp(loader: str, files: list[str], rank: int, world: int, gpu: bool) -> dict | None:
+def child_tp(loader: str, files: list[str], rank: int, world: int, gpu: bool,
+             cold: bool = False) -> dict | None:
     import datetime
     import torch.distributed as dist
+    from dlbridge import _load
     device = f"cuda:{rank}" if gpu else "cpu"
     if gpu:
         torch.cuda.set_device(rank)
@@ -650,7 +747,17 @@ def child_tp(loader: str, files: list[str], rank: int, world: int, gpu: bool) ->
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300),
                             **({"device_id": torch.device(device)} if gpu else {}))
-    warm_up(files) if rank == 0 else None
+    # The group's first collective (NCCL connects its ring on it): what a load's final
+    # agreement costs where the group has run no collective before.
+    start = time.perf_counter()
+    one = torch.zeros(1, device=device)
+    dist.all_reduce(one)
+    _sync(device)
+    first_collective = time.perf_counter() - start
+    if loader == TP_CEILING:
+        tp_ceiling_setup(files, device, rank, world)
+    if rank == 0:
+        drop_caches() if cold else warm_up(files)
     if "connected first" in loader and world > 1:
         # NCCL connects a pair for point-to-point on its first transfer (the barrier's
         # all-reduce does not): one byte each way, so that the row shows what the connection
@@ -664,15 +771,19 @@ def child_tp(loader: str, files: list[str], rank: int, world: int, gpu: bool) ->
     dist.barrier()
     if gpu:
         dlbridge.reset_peak_memory("cuda_host:0")
+    _load._last_agreement_seconds = None
     start = time.perf_counter()
     out, read = TP[loader](files, device, rank, world, dist.group.WORLD)
     _sync(device)
     seconds = time.perf_counter() - start
     dist.barrier()
+    # The dlbridge rows: the final agreement's share of the load; the ceiling: its H2D copy.
+    aux = (tp_ceiling_h2d(device) if loader == TP_CEILING else
+           _load._last_agreement_seconds if _load._last_agreement_seconds is not None else -1.0)
     held = sum(t.numel() * t.element_size() for t in
                (torch.from_dlpack(v) if not isinstance(v, torch.Tensor) else v for v in out.values()))
-    stats = torch.tensor([seconds, float(read if read is not None else -1), float(held)],
-                         dtype=torch.float64, device=device)
+    stats = torch.tensor([seconds, float(read if read is not None else -1), float(held), aux,
+                          first_collective], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats)
     pinned = _pinned_peak(device)
@@ -681,7 +792,8 @@ def child_tp(loader: str, files: list[str], rank: int, world: int, gpu: bool) ->
         return None
     rows = [g.tolist() for g in gathered]
     return {"seconds": max(r[0] for r in rows), "read": [r[1] for r in rows],
-            "held": [r[2] for r in rows], "pinned": pinned}
+            "held": [r[2] for r in rows], "pinned": pinned,
+            "aux": max(r[3] for r in rows), "first_collective": max(r[4] for r in rows)}
 
 
 def _run_child(argv: list[str], env: dict | None = None, timeout: float = 3600) -> dict:
@@ -713,7 +825,8 @@ def modes_main(args) -> int:
             result = child_into(loader, files, device)
         else:
             rank = int(os.environ["RANK"])
-            result = child_tp(loader, files, rank, args.world, device.startswith("cuda"))
+            result = child_tp(loader, files, rank, args.world, device.startswith("cuda"),
+                              args.cold)
         if result is not None:
             print("RESULT " + json.dumps(result), flush=True)
         return 0
@@ -725,6 +838,11 @@ def modes_main(args) -> int:
     base = ["--mode", args.mode, "--dir", args.dir, "--device", device, "--world", str(args.world)]
     if args.model:
         base += ["--model", args.model]
+    if args.cold:
+        base += ["--cold"]
+        if args.mode != "tp" or not drop_caches():
+            print("--cold: --mode tp only, as root (drop_caches)")
+            return 1
     results: dict[str, dict] = {}
     table = INTO if args.mode == "into" else TP
     for loader in table:
@@ -756,7 +874,8 @@ def modes_main(args) -> int:
               f"{'extra device MiB':>16} {'pinned MiB':>10} {'first ms':>9}")
     else:
         print(f"{'loader (TP=' + str(args.world) + ', until the last rank has its slices)':<56} "
-              f"{'s':>8} {'GB/s':>7} {'ours/peer':>9} {'read/rank (of ckpt)':>20} {'pinned MiB':>10}")
+              f"{'s':>8} {'GB/s':>7} {'ours/peer':>9} {'read/rank (of ckpt)':>20} {'pinned MiB':>10} "
+              f"{'aux ms':>8}")
     for loader, r in results.items():
         if "error" in r:
             print(f"{loader:<56} {'-':>8}   {r['error']}")
@@ -772,9 +891,46 @@ def modes_main(args) -> int:
         else:
             reads = [x for x in r["read"] if x >= 0]
             share = "/".join(f"{x / size:.2f}" for x in reads) if reads else "-"
-            print(f"{loader:<56} {r['seconds']:>8.3f} {gbps:>7.2f} {ratio:>9} {share:>20} {pinned:>10}")
+            aux = f"{r['aux'] * 1e3:.1f}" if r.get("aux", -1) >= 0 else "-"
+            print(f"{loader:<56} {r['seconds']:>8.3f} {gbps:>7.2f} {ratio:>9} {share:>20} "
+                  f"{pinned:>10} {aux:>8}")
     print("ours/peer: the peer's time over dlbridge's (above 1: dlbridge is faster)")
+    if args.mode == "tp":
+        tp_summary(results, size, args)
     return 0
+
+
+def tp_summary(results: dict, size: int, args) -> None:
+    """The issue's targets for --mode tp, from this run's rows."""
+    def seconds(word):
+        found = [r["seconds"] for k, r in results.items() if word in k and "seconds" in r]
+        return min(found) if found else None
+    ours = results.get(TP_OURS, {})
+    if "seconds" not in ours:
+        return
+    t = ours["seconds"]
+    print(f"\naux ms: dlbridge rows, the final agreement inside the load (an all_reduce, max over "
+          f"ranks); the ceiling, its pinned H2D copy. The group's first collective (ring "
+          f"connection, before the timer): {ours['first_collective'] * 1e3:.1f} ms")
+    peers = [x for x in (seconds("InstantTensor"), seconds("fastsafetensors")) if x]
+    if peers:
+        print(f"target >= 1.5x the faster of InstantTensor/fastsafetensors: {min(peers) / t:.2f}x")
+    narrow = seconds("safetensors load_file(device=rank) + narrow")
+    if narrow:
+        print(f"target >= 2x safetensors + narrow: {narrow / t:.2f}x")
+    ceiling = results.get(TP_CEILING, {})
+    if "seconds" in ceiling:
+        h2d = max(ceiling.get("aux", 0.0), 0.0)
+        limit = max(ceiling["seconds"], h2d)
+        kind = "cold" if args.cold else "warm"
+        print(f"host ceiling ({kind}): pread {size / ceiling['seconds'] / 1e9:.1f} GB/s, "
+              f"P x pinned H2D {size / h2d / 1e9 if h2d else float('inf'):.1f} GB/s; dlbridge "
+              f"{size / t / 1e9:.1f} GB/s = {limit / t:.2f} of the lower (target >= "
+              f"{0.9 if args.cold else 0.8})")
+    reads = [x for x in ours.get("read", []) if x >= 0]
+    if reads:
+        print(f"read per rank (of the checkpoint): {max(reads) / size:.3f} at most, 1/P = "
+              f"{1 / args.world:.3f}")
 
 
 def _run_tp(argv: list[str], world: int) -> dict:

@@ -3,20 +3,36 @@
 
 One engine for every mode. Each tensor of the checkpoint, in file order, is either
 
-- *read by every rank itself*: a split whose ranks' parts are each one run of the file (dimension
-  0, or a dimension with only length-1 dimensions before it), read by
-  ``_Checkpoint.load_part``/``load_parts_into``, which read only the parts' bytes (into
-  targets, all of them by one run of the reader per device); or
-- *read once by its owner* (replicated tensors, splits of an inner dimension, whose parts are
-  one run per row): owners are chosen by bytes (each such tensor to the rank with the fewest
-  bytes so far, in file order: the same answer on every rank), the owner reads the whole tensor
-  once and hands every other rank its part only, by a copy between devices (one process driving
-  several devices) or a point-to-point send (one process per rank, over a ``dlbridge.nccl``
-  communicator or a ``torch.distributed`` process group) -- never an all-gather.
+- *read by every rank itself* (:func:`_read_by_ranks`), only its part's bytes, by
+  ``_Checkpoint.load_part``/``load_parts_into`` (into targets or new arrays, all of a step by one
+  run of the reader per device):
+
+  - a split whose ranks' parts are each one run of the file (dimension 0, or a dimension with
+    only length-1 dimensions before it);
+  - a split of an inner dimension (a dim-1 split: one run per row) whose non-empty parts' runs
+    are each at least ``_MIN_RUN`` (512) bytes: each rank reads its own columns, row by row, so
+    each byte is still read once over all ranks;
+  - a replicated tensor of at most ``_REPLICATED_READ`` (16 MiB) bytes: every rank reads it
+    (a Llama's norms), so these bytes are read once per rank;
+
+- or *read once by its owner*: replicated tensors over ``_REPLICATED_READ`` bytes and splits of
+  an inner dimension with runs under ``_MIN_RUN`` bytes (many tiny reads). Owners are chosen by
+  bytes (each such tensor to the rank with the fewest bytes so far, in file order: the same
+  answer on every rank); the owner reads the whole tensor once and hands every other rank its
+  part only, by a copy between devices (one process driving several devices) or one batched
+  point-to-point exchange per step (one process per rank, over a ``dlbridge.nccl`` communicator
+  or a ``torch.distributed`` process group) -- never an all-gather.
+
+So each byte of the checkpoint is read from the file once over all ranks, apart from the
+replicated tensors of at most ``_REPLICATED_READ`` bytes, which every rank reads; a plan without
+big replicated tensors or tiny-run splits (a Llama's) exchanges nothing.
 
 Every rank walks the tensors in the same order and each send has its one matching receive, so
-the transfers cannot deadlock; a rank that fails makes its peers' transfers fail (the
-communicator's timeout, or the process group's) instead of hanging.
+the transfers cannot deadlock. With one process per rank, the load ends with an agreement over
+the group (one all-reduce of each rank's status; over a ``dlbridge.nccl`` communicator, a status
+to rank 0 and its verdict back): a rank that failed, or did not take part within
+``DLBRIDGE_NCCL_TIMEOUT`` seconds (default 300), makes every rank's load raise ``RuntimeError``,
+also where nothing was exchanged; a transfer that fails or times out raises at once.
 """
 
 from __future__ import annotations
@@ -161,14 +177,48 @@ def _one_run(shape: Sequence[int], split: Optional[_shard.Split]) -> bool:
     return split is not None and all(n == 1 for n in shape[: split.dim])
 
 
+_MIN_RUN = 512
+"""A split whose ranks' parts are runs of the file (one per row: an inner dimension split) is read
+by each rank itself where every non-empty part's run is at least this many bytes; below, by one
+owner, which hands the parts out. Each run is a read of its own (a ``pread``, and on CUDA one
+staged copy: a few microseconds each whatever its length), so a run of 512 bytes moves at about
+0.1 GB/s per reader thread, slower than reading the whole tensor once and handing it out; a
+Llama's o/down projections over 2 to 8 ranks have runs of 1 to 14 KiB."""
+
+_REPLICATED_READ = 16 << 20
+"""A replicated tensor of at most this many bytes is read by every rank itself (a Llama's norms:
+8 to 16 KiB); a larger one by one owner, which hands it to the others. Reading 16 MiB costs a rank
+about a millisecond from the page cache, far less than a hand-out's first point-to-point transfer
+(NCCL connects each pair on its first one: tens to hundreds of milliseconds); above it, each rank
+would read the bytes again (from the disk when the files are read with direct I/O)."""
+
+
+def _read_by_ranks(info: "_Info", split: Optional[_shard.Split]) -> bool:
+    """Whether every rank reads its part of ``info`` itself (the rule of the module's
+    documentation), else one owner reads it whole and hands the parts out."""
+    if split is None:
+        return info.nbytes <= _REPLICATED_READ
+    if _one_run(info.shape, split) or info.nbytes == 0:
+        return True
+    bits = _dlbridge.DType(info.dtype).bits * _dlbridge.DType(info.dtype).lanes
+    if bits % 8:
+        return False  # a part of a sub-byte type may not start on a byte
+    inner = 1
+    for n in info.shape[split.dim + 1:]:
+        inner *= n
+    runs = [(b - a) * inner * bits // 8 for a, b in split.ranges]  # type: ignore[union-attr]
+    return min((r for r in runs if r), default=_MIN_RUN) >= _MIN_RUN
+
+
 def _owners(infos: Sequence[_Info], splits: Mapping[str, Optional[_shard.Split]],
             world: int) -> Dict[str, int]:
-    """The rank that reads each tensor no rank reads a part of itself, balanced by bytes (in file
-    order, each to the rank with the fewest so far, the lowest such rank on a tie)."""
+    """The rank that reads each tensor no rank reads a part of itself (:func:`_read_by_ranks`),
+    balanced by bytes (in file order, each to the rank with the fewest so far, the lowest such
+    rank on a tie)."""
     load = [0] * world
     owners: Dict[str, int] = {}
     for info in infos:
-        if _one_run(info.shape, splits[info.name]):
+        if _read_by_ranks(info, splits[info.name]):
             continue
         rank = min(range(world), key=lambda r: (load[r], r))
         owners[info.name] = rank
@@ -232,6 +282,44 @@ _abandoned: List[Any] = []
 that never finished may still write it."""
 
 
+class _TransferError(RuntimeError):
+    """A tensor-parallel transfer or the final agreement failed or timed out: the group is
+    broken, so no agreement is tried after it."""
+
+
+def _deadline_text(limit: Optional[float]) -> str:
+    return "" if limit is None else f" within {limit:.1f} s"
+
+
+def _bounded(issue: Callable[[], Any], limit: Optional[float], what: str) -> Any:
+    """``issue()`` (a ``torch.distributed`` call that starts transfers) on a thread of its own,
+    waited for up to ``limit`` seconds: where the process group's NCCL communicator is created
+    lazily, the first call creates it, and ``ncclCommInitRank`` waits with no limit for a rank
+    that died. A call that outlives the limit is left to its (daemon) thread and this is a
+    ``RuntimeError``."""
+    import threading
+
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = issue()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="dlbridge-tp-issue", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        raise _TransferError(
+            f"{what} did not start{_deadline_text(limit)}: a peer did not take part (it may have "
+            f"failed or exited)"
+        )
+    if "error" in box:
+        raise _TransferError(f"{what} failed: {box['error']}") from box["error"]
+    return box["value"]
+
+
 class _TorchGroup:
     """Point-to-point transfers over a ``torch.distributed`` process group (NCCL for CUDA
     tensors, gloo for CPU ones): a step's parts for every peer, sent and received by one
@@ -292,12 +380,76 @@ class _TorchGroup:
                 got.append((recv, None if into else dst))
         if not ops:
             return None
-        if device.type == "cuda":
-            with torch.cuda.device(device.index):
-                works = dist.batch_isend_irecv(ops)
-        else:
-            works = dist.batch_isend_irecv(ops)
+        from .nccl import _timeout
+
+        works = _bounded(lambda: self._on(device, lambda: dist.batch_isend_irecv(ops)),
+                         _timeout(), "a tensor-parallel transfer")
         return works, keep, got, device.type == "cuda"
+
+    @staticmethod
+    def _on(device: Device, call: Callable[[], Any]) -> Any:
+        """``call()`` with ``device`` PyTorch's current CUDA device (on the calling thread)."""
+        if device.type != "cuda":
+            return call()
+        import torch
+
+        with torch.cuda.device(device.index):
+            return call()
+
+    @staticmethod
+    def _wait(works: Sequence[Any], cuda: bool, limit: Optional[float], began: float,
+              keep: Any, what: str) -> None:
+        """Waits for ``works``: NCCL's polled on the host up to ``limit`` seconds from ``began``
+        (its ``wait`` only orders PyTorch's current stream, and the results are used next on
+        streams PyTorch does not know), gloo's by ``wait`` with the time left (its works tell
+        completion only from ``wait``). ``keep``: what the works read and write, kept for the
+        life of the process where they time out."""
+        import datetime
+        import time
+
+        for work in works:
+            while cuda and not work.is_completed():
+                if limit is not None and time.monotonic() - began > limit:
+                    _abandoned.append(keep)
+                    raise _TransferError(
+                        f"{what} did not finish{_deadline_text(limit)}: a peer did not take "
+                        f"part (it may have failed or exited)"
+                    )
+                time.sleep(5e-5)
+            try:
+                if cuda or limit is None:
+                    work.wait()
+                else:
+                    left = max(limit - (time.monotonic() - began), 1e-3)
+                    work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                _abandoned.append(keep)
+                raise _TransferError(f"{what} failed: {e}") from e
+
+    def agree(self, device: Device, ok: bool) -> bool:
+        """Whether every rank's load succeeded: one all-reduce (maximum) of each rank's status,
+        a 4-byte tensor on ``device``, over the group; ``RuntimeError`` where a rank does not take
+        part within ``DLBRIDGE_NCCL_TIMEOUT``."""
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from .nccl import _timeout
+
+        limit = _timeout()
+        began = time.monotonic()
+        flag = torch.full((1,), 0 if ok else 1, dtype=torch.int32, device=str(device))
+        if device.type == "cuda":
+            # Filled before the all-reduce, which another thread issues (its current stream).
+            torch.cuda.current_stream(device.index).synchronize()
+        work = _bounded(
+            lambda: self._on(device, lambda: dist.all_reduce(
+                flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)),
+            limit, "the ranks' agreement on the load")
+        self._wait([work], device.type == "cuda", limit, began, flag,
+                   "the ranks' agreement on the load")
+        return int(flag.item()) == 0
 
     def finish(self, pending: Any) -> List[Tuple[_Recv, Optional[Array]]]:
         """Waits for a started step's transfers: each part received, ``None`` for one received
@@ -310,21 +462,8 @@ class _TorchGroup:
         from .nccl import _timeout
 
         works, keep, got, cuda = pending
-        limit = _timeout()
-        began = time.monotonic()
-        for work in works:
-            # NCCL's are polled on the host (its `wait` only orders PyTorch's current stream, and
-            # the parts are used next on streams PyTorch does not know); gloo's `wait` blocks, up
-            # to the process group's timeout (its works tell completion only from `wait`).
-            while cuda and not work.is_completed():
-                if limit is not None and time.monotonic() - began > limit:
-                    _abandoned.append(pending)
-                    raise RuntimeError(
-                        f"a tensor-parallel transfer did not finish within {limit:.1f} s: a peer "
-                        f"did not take part (it may have failed or exited)"
-                    )
-                time.sleep(5e-5)
-            work.wait()
+        self._wait(works, cuda, _timeout(), time.monotonic(), pending,
+                   "a tensor-parallel transfer")
         received: List[Tuple[_Recv, Optional[Array]]] = got
         return received
 
@@ -356,6 +495,31 @@ class _NcclComm:
     def finish(self, pending: Any) -> List[Tuple[_Recv, Optional[Array]]]:
         received: List[Tuple[_Recv, Optional[Array]]] = pending
         return received
+
+    def agree(self, device: Device, ok: bool) -> bool:
+        """Whether every rank's load succeeded: rank 0 receives each rank's status (one byte)
+        and sends each the verdict, by the communicator's ``send``/``recv`` (a star: rank 0's
+        pairs only; each waits up to the communicator's timeout)."""
+        me, size = self.comm.rank, self.comm.size
+        spec = [((1,), "uint8")]
+        total, views = _layout(spec)
+
+        def block(value: int) -> Array:
+            return _dlbridge.full((total,), value, "uint8").to(device)
+
+        def value(got: Sequence[Array]) -> int:
+            return int(got[0].to("cpu").tolist()[0])
+
+        status = 0 if ok else 1
+        if me == 0:
+            for peer in range(1, size):
+                status = max(status, value(self.comm.recv([(total, 0)], views, peer)))
+            for peer in range(1, size):
+                self.comm.send([block(status)], peer)
+        else:
+            self.comm.send([block(status)], 0)
+            status = value(self.comm.recv([(total, 0)], views, 0))
+        return status == 0
 
 
 def _transport(group: Any) -> Any:
@@ -541,14 +705,14 @@ class _Engine:
         pending = None
         if sends or recvs:
             # One process per rank: one device.
-            pending = self.transport.start(devices[0], sends, recvs)
+            pending = _transferring(lambda: self.transport.start(devices[0], sends, recvs))
         return _Step(out, pending)
 
     def finish(self, step: _Step) -> List[Dict[str, Any]]:
         """Waits for a started step's transfers and keeps what this process received: per local
         slot, ``{name: part}`` of the step's tensors."""
         if step.pending is not None:
-            for recv, got in self.transport.finish(step.pending):
+            for recv, got in _transferring(lambda: self.transport.finish(step.pending)):
                 if recv.target is None:
                     step.out[recv.slot][recv.name] = got
                 else:
@@ -556,6 +720,49 @@ class _Engine:
                         _copy_into(recv.target, got)
                     step.out[recv.slot][recv.name] = recv.target
         return step.out
+
+    def conclude(self, error: Optional[BaseException]) -> None:
+        """Ends a load of one process per rank on every rank alike: with no error here, the
+        ranks agree (:meth:`_TorchGroup.agree`, :meth:`_NcclComm.agree`) and a rank that failed
+        or did not take part within ``DLBRIDGE_NCCL_TIMEOUT`` is a ``RuntimeError`` here too;
+        with a local error (not a transfer's), this rank tells the others, then raises it; a
+        transfer's error is raised at once (the group is broken: the peers' transfers fail
+        too). A load of one process (no transport) raises its error, if any."""
+        global _last_agreement_seconds
+        if self.transport is None or isinstance(error, _TransferError) or (
+                error is not None and not isinstance(error, Exception)):
+            if error is not None:
+                raise error
+            return
+        import time
+
+        began = time.perf_counter()
+        if error is not None:
+            try:
+                self.transport.agree(self.devices[0], False)
+            except Exception:
+                pass  # the peers time out instead
+            raise error
+        if not _transferring(lambda: self.transport.agree(self.devices[0], True)):
+            raise RuntimeError(
+                "another rank's tensor-parallel load failed (it raised an error there): this "
+                "rank's parts are loaded, but the group's load is not complete"
+            )
+        _last_agreement_seconds = time.perf_counter() - began
+
+
+_last_agreement_seconds: Optional[float] = None
+"""How long the last load's final agreement took in this process (for the benchmark)."""
+
+
+def _transferring(call: Callable[[], Any]) -> Any:
+    """``call()``, a transport's, its ``RuntimeError`` a :class:`_TransferError`."""
+    try:
+        return call()
+    except _TransferError:
+        raise
+    except RuntimeError as e:
+        raise _TransferError(str(e)) from e
 
 
 def _run(
@@ -588,22 +795,27 @@ def _run(
 
     done = 0
     pending: Optional[_Step] = None
-    for infos in engine.batches():
-        size = sum(i.nbytes for i in infos)
+    try:
+        for infos in engine.batches():
+            size = sum(i.nbytes for i in infos)
 
-        def reading(got: int, _total: int, base: int = done, size: int = size) -> None:
-            report(base + min(got, size))
+            def reading(got: int, _total: int, base: int = done, size: int = size) -> None:
+                report(base + min(got, size))
 
-        step = engine.start(infos, reading)
+            step = engine.start(infos, reading)
+            if pending is not None:
+                for slot, parts in enumerate(engine.finish(pending)):
+                    out[slot].update(parts)
+            pending = step
+            done += size
+            report(done)
         if pending is not None:
             for slot, parts in enumerate(engine.finish(pending)):
                 out[slot].update(parts)
-        pending = step
-        done += size
-        report(done)
-    if pending is not None:
-        for slot, parts in enumerate(engine.finish(pending)):
-            out[slot].update(parts)
+    except BaseException as e:
+        engine.conclude(e)
+        raise
+    engine.conclude(None)
     report(total)
     return out, engine.read
 
@@ -889,9 +1101,13 @@ class _PartStream:
                         ready.record(own)
                     if not self._put((group, tensors, ready)):
                         return
+            self._engine.conclude(None)
             self._put(_END)
         except BaseException as e:  # handed to the caller's iteration
-            self._put(e)
+            try:
+                self._engine.conclude(e)
+            except BaseException as err:
+                self._put(err)
 
     def __iter__(self) -> "_PartStream":
         return self

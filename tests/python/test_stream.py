@@ -276,6 +276,149 @@ def test_abandoning_a_cuda_stream_frees_the_device_memory(tmp_path):
     assert dlbridge.memory_stats("cuda:0")["active_bytes"] == before
 
 
+def _reader_threads():
+    """The ids of this process's threads named as the loader's reader threads."""
+    out = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "dlbridge-reader":
+                    out.add(int(tid))
+        except OSError:
+            pass  # ended meanwhile
+    return out
+
+
+def _until(predicate, seconds=10.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@_needs_torch_cuda
+def test_a_cuda_stream_keeps_its_reader_across_groups_and_a_consumer_sees_each_group(tmp_path):
+    """The reader's threads (and with them their streams, events and staging) are made once for
+    the whole stream: the same threads are alive at every group, and gone once it ended. A
+    consumer kernel on a stream of its own, waiting each group's event (not the host) and reading
+    the group at once, sees the file's bytes: no group waits on the host for its copies, so the
+    event is all that orders the kernel after them. Before, each group started its threads anew
+    (and none were named so)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("threads are listed from /proc")
+    assert _until(lambda: not _reader_threads()), "reader threads left by an earlier load"
+    tensors = {}
+    for i in range(12):
+        tensors[f"layers.{i}.w"] = torch.randn(1024, 2048)
+        tensors[f"layers.{i}.b"] = torch.randn(2048).to(torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    order = [f"layers.{i}.{k}" for i in range(12) for k in ("w", "b")]
+    consumer = torch.cuda.Stream()
+    sums, kept, seen = [], [], []
+    with torch.cuda.stream(consumer):
+        for group, ts, ready in dlbridge.stream_file(path, "cuda:0", order=order, framework="pt",
+                                                     ahead=1, threads=4):
+            seen.append(_reader_threads())
+            ready.wait(consumer)
+            sums.append((group, _bit_sum(ts[f"{group}.w"]), _bit_sum(ts[f"{group}.b"])))
+            kept.append(ts)
+    torch.cuda.synchronize()
+    assert [g for g, _, _ in sums] == [f"layers.{i}" for i in range(12)]
+    for group, w, b in sums:
+        assert w.item() == _bit_sum(tensors[f"{group}.w"]).item(), group
+        assert b.item() == _bit_sum(tensors[f"{group}.b"]).item(), group
+    # Groups 0 to 9 were handed out while a later group was still to load (at most one waits for
+    # the caller): the reader was alive, the same four threads each time.
+    assert len(seen[0]) == 4 and all(s == seen[0] for s in seen[:10]), seen
+    assert _until(lambda: not _reader_threads()), "the stream's reader outlived it"
+
+
+@_needs_torch_cuda
+def test_closing_a_cuda_stream_mid_way_frees_its_reader_and_staging(tmp_path):
+    """Closing a stream with groups loaded and not taken and more to load ends its reader's
+    threads and returns its pinned staging and the groups' device memory to their pools."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("threads are listed from /proc")
+    tensors = {f"layers.{i}.w": torch.randn(1024, 1024) for i in range(24)}
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    import gc
+    gc.collect()
+    torch.cuda.synchronize()
+    assert _until(lambda: not _reader_threads()), "reader threads left by an earlier load"
+    dlbridge.empty_cache("cuda:0")
+    pinned = dlbridge.memory_stats("cuda_host:0")["active_bytes"]
+    device = dlbridge.memory_stats("cuda:0")["active_bytes"]
+    stream = dlbridge.stream_file(path, "cuda:0", ahead=4, threads=3)
+    next(stream)
+    assert len(_reader_threads()) == 3
+    assert dlbridge.memory_stats("cuda_host:0")["active_bytes"] > pinned, "no staging held"
+    stream.close()
+    gc.collect()
+    assert _until(lambda: not _reader_threads()), "the stream's reader outlived close()"
+    assert dlbridge.memory_stats("cuda_host:0")["active_bytes"] == pinned
+    assert dlbridge.memory_stats("cuda:0")["active_bytes"] == device
+
+
+@_needs_torch_cuda
+def test_a_load_session_keeps_one_reader_for_reads_into_targets_and_orders_its_stream(tmp_path):
+    """Reads into a model's parameters, one step per group as a stream into targets makes them,
+    inside a load session: the same reader threads serve every step and end with the session, and
+    each step returns with the thread's current stream ordered after its copies (the host does
+    not wait for them): a consumer kernel waiting an event recorded there sees the file's bytes.
+    Without a session each step starts and ends a reader of its own."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("threads are listed from /proc")
+    assert _until(lambda: not _reader_threads()), "reader threads left by an earlier load"
+    tensors = {f"layers.{i}.w": torch.randn(512, 2048) for i in range(8)}
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    ckpt = dlbridge._dlbridge._Checkpoint(str(path))
+    targets = {k: torch.empty_like(v, device="cuda:0") for k, v in tensors.items()}
+    own = dlbridge.cuda.Stream("cuda:0")
+    consumer = torch.cuda.Stream()
+    seen, sums = [], []
+    torch.cuda.synchronize()
+    ckpt.load_parts_into([("layers.0.w", (), targets["layers.0.w"])], 2, None, None, True)
+    assert not _reader_threads(), "a read outside a session keeps its reader"
+    with dlbridge.cuda.stream(own), dlbridge._dlbridge._LoadSession():
+        for i, name in enumerate(tensors):
+            ckpt.load_parts_into([(name, (), targets[name])], 2, None, None, i == 0)
+            seen.append(_reader_threads())
+            ready = dlbridge.cuda.Event("cuda:0")
+            ready.record(own)
+            ready.wait(consumer)
+            with torch.cuda.stream(consumer):
+                sums.append(_bit_sum(targets[name]))
+    assert len(seen[0]) == 2 and all(s == seen[0] for s in seen), seen
+    assert _until(lambda: not _reader_threads()), "the session's reader outlived it"
+    torch.cuda.synchronize()
+    for name, got in zip(tensors, sums):
+        assert got.item() == _bit_sum(tensors[name]).item(), name
+
+
+def test_a_load_session_on_the_cpu_reads_targets_and_nests(checkpoint):
+    """On the CPU a session changes nothing a caller sees: the targets get the file's bytes, and
+    a session entered inside another restores it when left."""
+    path, tensors = checkpoint
+    ckpt = dlbridge._dlbridge._Checkpoint(str(path))
+    name = next(iter(tensors))
+    target = torch.zeros_like(tensors[name])
+    with dlbridge._dlbridge._LoadSession() as outer:
+        with dlbridge._dlbridge._LoadSession():
+            ckpt.load_parts_into([(name, (), target)], 2, None, None, True)
+        assert torch.equal(target, tensors[name])
+        target.zero_()
+        ckpt.load_parts_into([(name, (), target)], 2, None, None, True)
+    assert isinstance(outer, dlbridge._dlbridge._LoadSession)
+    assert torch.equal(target, tensors[name])
+
+
 # Streaming into targets and by a shard plan (the loader's engine; one process per rank is in
 # test_sharded_load.py: gloo here, NCCL and dlbridge.nccl on a machine of two GPUs).
 

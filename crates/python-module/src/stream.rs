@@ -1,11 +1,13 @@
 //! Streaming loads from Python: `dlbridge.stream_file` iterates over a native
 //! [`PyLoadStream`], which hands out `(group name, {name: array}, ready event or None)` as the
-//! engine's loading thread delivers each group.
+//! engine's loading thread delivers each group. A stream into a model's parameters runs the
+//! loader's steps on a Python thread inside a [`PyLoadSession`], which keeps one reader for all
+//! its steps.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use dlbridge::engine::LoadStream;
+use dlbridge::engine::{LoadSession, LoadStream};
 use dlbridge::safetensors::Checkpoint;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -92,6 +94,39 @@ impl PyLoadStream {
     }
 }
 
+/// A load session on the calling thread (`with _dlbridge._LoadSession():`,
+/// [`dlbridge::engine::LoadSession`]): the thread's `_Checkpoint.load_parts_into` calls inside it
+/// share one reader (its threads, CUDA streams, events and pinned staging), read without a
+/// progress thread, and return with the thread's current stream ordered after their copies to the
+/// device instead of waiting for them. Leaving it waits for the copies still running and frees the
+/// reader. Entered and left on one thread.
+#[pyclass(unsendable, module = "dlbridge._dlbridge", name = "_LoadSession")]
+pub(crate) struct PyLoadSession {
+    /// `Some` while entered.
+    inner: Option<LoadSession>,
+}
+
+#[pymethods]
+impl PyLoadSession {
+    #[new]
+    fn new() -> PyLoadSession {
+        PyLoadSession { inner: None }
+    }
+
+    fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyRefMut<'_, Self> {
+        if slf.inner.is_none() {
+            slf.inner = Some(LoadSession::enter());
+        }
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&mut self, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.inner = None;
+        false
+    }
+}
+
 /// Starts streaming `groups` (`[(name, [tensor names])]`, in order) of the checkpoint at `path`
 /// onto `device`, at most `ahead` loaded groups waiting; the other arguments as `load`'s.
 #[pyfunction]
@@ -140,6 +175,7 @@ fn _st_stream(
 /// Registers the natives on the extension module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLoadStream>()?;
+    m.add_class::<PyLoadSession>()?;
     m.add_function(wrap_pyfunction!(_st_stream, m)?)?;
     Ok(())
 }

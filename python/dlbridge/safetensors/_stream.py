@@ -117,6 +117,11 @@ def stream_file(
                 ready.wait(compute)  # the GPU waits, not the host
                 run_layer(group, tensors)
 
+    One reader serves the whole stream (its threads, and on CUDA their streams and pinned
+    staging, made at the first group and freed when the stream ends or is closed): a group is
+    handed out once its bytes are read and their copies to the device are queued, and its
+    ``ready`` event, not the host, waits for the copies.
+
     Each group's reads start after the work queued on the legacy default stream (PyTorch's
     default stream) when the group is read: the memory they write may be memory a kernel queued
     there still reads (the pool hands a block freed on that stream straight back out). A forward
@@ -135,7 +140,8 @@ def stream_file(
     :class:`dlbridge.cuda.Event` that completes once the group's bytes (converted, with
     ``dtype``) are on the device, recorded on a stream of the load's own (ordered after the
     caller's current stream when the load starts), not on the legacy default stream, so that it
-    does not wait for compute queued there (with ``dtype``, on the stream the conversion ran on): ``ready.wait(stream)`` makes a stream (a PyTorch or CuPy stream,
+    does not wait for compute queued there (with ``dtype``, on the stream the conversion ran on,
+    after the copies). Use a group's tensors only after ``ready``: ``ready.wait(stream)`` makes a stream (a PyTorch or CuPy stream,
     a :class:`dlbridge.cuda.Stream`, or the current one by default) wait for it without blocking
     the host, ``ready.synchronize()`` blocks the host, ``ready.handle`` is the raw ``CUevent``.
     On the CPU (views of the mapped file, or copies with ``copy=True``) and on Metal the tensors
@@ -143,8 +149,8 @@ def stream_file(
 
     A group's memory returns to dlbridge's pool when its last tensor goes, and the pool orders
     its reuse after work on the stream it was allocated for (the current stream of the stream's
-    loading thread: the legacy default stream, PyTorch's default), not after work PyTorch queued
-    on a stream of its own: a consumer computing on another stream keeps each group's tensors
+    loading thread: the legacy default stream, PyTorch's default, which also waits for the
+    group's copies), not after work PyTorch queued on a stream of its own: a consumer computing on another stream keeps each group's tensors
     until that work is done (an event it synchronises later, or ``torch.cuda.synchronize()``).
 
     At most ``ahead`` loaded groups wait for the caller besides the one being read, so a slow

@@ -17,7 +17,7 @@
 //! | built-in kernels | `map`, `reduce`, `reduces`, `matmul` | required (may answer an error) |
 //! | run-time kernels | `compile_kernel`, `launch_kernel` | [`Error::BackendUnavailable`] |
 //! | across processes | `sharing`, one `Sharing` capability (export, open, IPC events, host registration, releasing kept mappings) | [`Error::BackendUnavailable`] |
-//! | loading | `read_file`, `wrap_host` | parallel reads into host memory; no wrapping |
+//! | loading | `read_file`, `read_in` (a `ReadSession`'s reader, kept across reads), `wrap_host` | parallel reads into host memory; each read of a session a whole `read_file`; no wrapping |
 //!
 //! A backend that is not compiled in keeps its module's shape through a stub
 //! (`cuda/unavailable.rs`, `metal/unavailable.rs`) whose operations answer
@@ -45,6 +45,7 @@ pub mod metal;
 #[cfg_attr(not(cuda), allow(dead_code))] // the CUDA backend's copy planner
 pub(crate) mod plan;
 mod queue;
+mod reader;
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -66,6 +67,10 @@ pub use facts::{KindFacts, Placement, ShareRoute, Storage};
 #[cfg_attr(not(cuda), allow(unused_imports))] // CUDA's streams and events implement them
 pub(crate) use queue::{DeviceEvent, DeviceQueue};
 pub use queue::{Entered, Event, Queue};
+#[cfg(test)]
+pub(crate) use reader::STREAM_CREW_THREADS;
+#[cfg_attr(not(cuda), allow(unused_imports))] // the readers CUDA and the test backend keep
+pub(crate) use reader::{Crew, DeviceReader, HostReader, ReadSession};
 
 /// The backends of this build, in the order [`of`] asks them which kinds they serve. A new
 /// backend is a folder, its `mod` line above and its line here.
@@ -224,6 +229,19 @@ pub(crate) trait Backend: Sync {
         read_to_host(reads, options)
     }
 
+    /// Reads as [`Backend::read_file`] does, with the reader the session keeps in `reader` (made
+    /// at its first read, kept until the session ends): the device's copies may still run when it
+    /// returns ([`DeviceReader`]). By default each read is a whole [`Backend::read_file`].
+    fn read_in(
+        &self,
+        device: Device,
+        _reader: &mut Option<Box<dyn DeviceReader>>,
+        reads: &[FileRead<'_>],
+        options: &ReadOptions<'_>,
+    ) -> Result<()> {
+        self.read_file(device, reads, options)
+    }
+
     /// Makes byte ranges `items` of `host`, a CPU buffer (a file's read-only mapping, say),
     /// addressable by `device` without a copy: item by item, the device buffer that holds it and
     /// the byte offset of its start there. The device buffers keep `host` alive and are as
@@ -351,11 +369,25 @@ pub(crate) fn wrap_host(
 
 /// Parallel positioned reads straight into host-accessible destinations.
 pub(crate) fn read_to_host(reads: &[FileRead<'_>], options: &ReadOptions<'_>) -> Result<()> {
+    let pieces = pieces(reads, options.chunk).len();
+    read_to_host_on(
+        &mut Crew::new(options.threads.clamp(1, pieces.max(1)))?,
+        reads,
+        options,
+    )
+}
+
+/// [`read_to_host`] on the threads of `crew`.
+pub(crate) fn read_to_host_on(
+    crew: &mut Crew,
+    reads: &[FileRead<'_>],
+    options: &ReadOptions<'_>,
+) -> Result<()> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let pieces = pieces(reads, options.chunk);
     let next = AtomicUsize::new(0);
-    run_workers(options.threads.clamp(1, pieces.len().max(1)), |failed| {
+    crew.run(&|_, failed| {
         while !failed.load(Ordering::Relaxed)
             && let Some(&Piece { read, start, len }) =
                 pieces.get(next.fetch_add(1, Ordering::Relaxed))
@@ -382,31 +414,15 @@ pub(crate) fn read_to_host(reads: &[FileRead<'_>], options: &ReadOptions<'_>) ->
     })
 }
 
-/// Runs `work` on `threads` scoped threads and returns the first error any of them met. That
-/// error also sets the flag each worker is given, which tells the others to stop taking work.
+/// Runs `work` on `threads` threads of a [`Crew`] made for it and returns the first error any of
+/// them met. That error also sets the flag each worker is given, which tells the others to stop
+/// taking work.
+#[cfg_attr(not(cuda), allow(dead_code))] // the CUDA readers' workers
 pub(crate) fn run_workers(
     threads: usize,
     work: impl Fn(&std::sync::atomic::AtomicBool) -> Result<()> + Sync,
 ) -> Result<()> {
-    let failed = std::sync::atomic::AtomicBool::new(false);
-    let first_error = std::sync::Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                if let Err(e) = work(&failed) {
-                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                    first_error
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_or_insert(e);
-                }
-            });
-        }
-    });
-    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    Crew::new(threads)?.run(&|_, failed| work(failed))
 }
 
 /// The backend that serves `device`, or `None` for devices dlbridge holds only opaquely.

@@ -211,20 +211,45 @@ pub fn load(
     load_with(files, options, None, progress)
 }
 
-/// What the loads of one stream's groups ([`super::stream`]) decide once instead of at every
-/// load: each file's reads through or around the page cache (a residency sample of the whole
-/// file, and an `O_DIRECT` descriptor, per file per stream rather than per group). A load in a
-/// session also reads on the calling thread (no progress thread: a group reports no progress).
+/// What the loads of one stream's groups ([`super::stream`]) decide or make once instead of at
+/// every load: each file's reads through or around the page cache (a residency sample of the
+/// whole file, and an `O_DIRECT` descriptor, per file per stream rather than per group), and the
+/// backend's reader (its threads, and on CUDA their streams, events and pinned staging: a
+/// [`backend::ReadSession`]). A load in a session reads on the calling thread (no progress thread:
+/// a group reports no progress) and returns with its copies to the device possibly still running:
+/// [`Session::join_current`] orders a queue after them. Where the load itself worked on the read
+/// bytes on the device (a conversion, a copy of an array not aligned for its type), it ordered the
+/// calling thread's current queue after them first ([`Session::joined_current`]).
 pub(crate) struct Session {
     /// Each file's direct-I/O descriptor, decided at its first load (by address: the files of a
     /// stream outlive its session).
     direct: Vec<(*const MappedFile, Option<File>)>,
+    /// The reader kept for the session's loads.
+    reader: backend::ReadSession,
+    /// Whether the last load ordered the calling thread's current queue after its copies.
+    joined_current: bool,
 }
 
 impl Session {
     /// A session that has decided nothing yet.
     pub(crate) fn new() -> Session {
-        Session { direct: Vec::new() }
+        Session {
+            direct: Vec::new(),
+            reader: backend::ReadSession::new(),
+            joined_current: false,
+        }
+    }
+
+    /// Makes the calling thread's current queue wait (on the device) for the copies of the
+    /// session's loads so far.
+    pub(crate) fn join_current(&self) -> Result<()> {
+        self.reader.join_current()
+    }
+
+    /// Whether the last load already ordered the calling thread's current queue after its copies
+    /// (it converted or copied the read bytes there).
+    pub(crate) fn joined_current(&self) -> bool {
+        self.joined_current
     }
 
     /// `mapped`'s direct-I/O descriptor, decided at its first call.
@@ -240,13 +265,63 @@ impl Session {
         self.direct[index].1.as_ref()
     }
 
-    /// `mapped`'s descriptor where [`Session::decide`] decided one.
-    fn decided(&self, mapped: &MappedFile) -> Option<&File> {
+    /// `mapped`'s descriptor where [`Session::decide`] decided one, in a session's `direct`.
+    fn decided<'a>(
+        direct: &'a [(*const MappedFile, Option<File>)],
+        mapped: &MappedFile,
+    ) -> Option<&'a File> {
         let key: *const MappedFile = mapped;
-        self.direct
+        direct
             .iter()
             .find(|(k, _)| *k == key)
             .and_then(|(_, f)| f.as_ref())
+    }
+}
+
+thread_local! {
+    /// The [`Session`] a [`LoadSession`] entered on this thread.
+    static CURRENT: std::cell::RefCell<Option<Session>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A load session entered on the calling thread until dropped: the thread's
+/// [`load_parts_into`] calls meanwhile (a loader's steps into a model's parameters, one per group
+/// of a stream) share one reader and decide each file's direct reads once, as a stream's groups
+/// do ([`stream`](super::stream)). Such a call reads on the calling thread (no progress thread)
+/// and returns once the files' bytes are read and their copies to device memory enqueued, with
+/// the thread's current queue of the device (a CUDA stream) ordered after the copies: work
+/// enqueued there next sees the bytes, and an event recorded there completes once they landed;
+/// the host does not wait for them. Dropping it waits for the copies still running and frees
+/// the reader (its threads, and on CUDA their streams, events and pinned staging). A session
+/// entered while another is restores the other when dropped.
+#[must_use = "the session lasts only while the guard lives"]
+pub struct LoadSession {
+    previous: Option<Session>,
+    /// Entered on one thread, left on it.
+    _here: std::marker::PhantomData<*const ()>,
+}
+
+impl LoadSession {
+    /// Enters a new session on the calling thread.
+    pub fn enter() -> LoadSession {
+        LoadSession {
+            previous: CURRENT.with_borrow_mut(|current| current.replace(Session::new())),
+            _here: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for LoadSession {
+    fn drop(&mut self) {
+        let ours =
+            CURRENT.with_borrow_mut(|current| std::mem::replace(current, self.previous.take()));
+        // Waits for its copies, then frees its reader.
+        drop(ours);
+    }
+}
+
+impl std::fmt::Debug for LoadSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadSession").finish_non_exhaustive()
     }
 }
 
@@ -468,59 +543,80 @@ pub unsafe fn load_parts_into(
             && (device.is_cpu() || device.kind() == crate::device::DeviceKind::Cuda)
     };
     let done = AtomicU64::new(0);
-    // The direct-I/O descriptors, one per file (by address: the caller's files outlive the call).
-    let mut session = Session::new();
-    for p in parts
-        .iter()
-        .filter(|p| !p.dst.device().is_cpu() && in_place(p))
-    {
-        session.decide(p.file, options);
-    }
-    // Work already queued on the targets' devices (a kernel still filling a target, on any
-    // stream: the readers' streams wait for none of them) finishes before anything is written.
-    let mut waited: Vec<Device> = Vec::new();
-    for p in parts
-        .iter()
-        .filter(|p| options.wait_for_targets && !p.dst.device().is_cpu() && p.dst.numel() > 0)
-    {
-        if !waited.contains(&p.dst.device()) {
-            crate::backend::synchronize(p.dst.device())?;
-            waited.push(p.dst.device());
+    CURRENT.with_borrow_mut(|current| {
+        let mut own = None;
+        let entered = current.is_some();
+        // The direct-I/O descriptors, one per file (by address: the caller's files outlive the
+        // call): the thread's session's where one is entered ([`LoadSession`]).
+        let session = match current {
+            Some(session) => session,
+            None => own.insert(Session::new()),
+        };
+        for p in parts
+            .iter()
+            .filter(|p| !p.dst.device().is_cpu() && in_place(p))
+        {
+            session.decide(p.file, options);
         }
-    }
-    let mut devices: Vec<Device> = Vec::new();
-    for p in parts.iter().filter(|p| in_place(p) && p.dst.numel() > 0) {
-        if !devices.contains(&p.dst.device()) {
-            devices.push(p.dst.device());
-        }
-    }
-    for device in devices {
-        let mut reads: Vec<FileRead<'_>> = Vec::new();
-        let mut all_direct = true;
-        for (p, plan) in parts.iter().zip(&plans) {
-            if !in_place(p) || p.dst.numel() == 0 || p.dst.device() != device {
-                continue;
+        // Work already queued on the targets' devices (a kernel still filling a target, on any
+        // stream: the readers' streams wait for none of them) finishes before anything is
+        // written.
+        let mut waited: Vec<Device> = Vec::new();
+        for p in parts
+            .iter()
+            .filter(|p| options.wait_for_targets && !p.dst.device().is_cpu() && p.dst.numel() > 0)
+        {
+            if !waited.contains(&p.dst.device()) {
+                crate::backend::synchronize(p.dst.device())?;
+                waited.push(p.dst.device());
             }
-            // A plan without gaps is the part's elements, row-major, one run after another:
-            // `dst`'s own order.
-            let direct = if device.is_cpu() {
-                None
-            } else {
-                session.decided(p.file)
-            };
-            all_direct &= direct.is_some();
-            reads.extend(plan.runs.iter().map(|(run, dst_offset)| FileRead {
-                path: p.file.path(),
-                file: p.file.file(),
-                direct,
-                offset: p.start + run.start,
-                len: (run.end - run.start) as usize,
-                dst: p.dst.buffer(),
-                dst_offset: p.dst.byte_offset() + dst_offset,
-            }));
         }
-        run_reads(&reads, device, options, all_direct, &done, total, progress)?;
-    }
+        let mut devices: Vec<Device> = Vec::new();
+        for p in parts.iter().filter(|p| in_place(p) && p.dst.numel() > 0) {
+            if !devices.contains(&p.dst.device()) {
+                devices.push(p.dst.device());
+            }
+        }
+        let (direct_files, reader) = (&session.direct, &mut session.reader);
+        for device in devices {
+            let mut reads: Vec<FileRead<'_>> = Vec::new();
+            let mut all_direct = true;
+            for (p, plan) in parts.iter().zip(&plans) {
+                if !in_place(p) || p.dst.numel() == 0 || p.dst.device() != device {
+                    continue;
+                }
+                // A plan without gaps is the part's elements, row-major, one run after another:
+                // `dst`'s own order.
+                let direct = if device.is_cpu() {
+                    None
+                } else {
+                    Session::decided(direct_files, p.file)
+                };
+                all_direct &= direct.is_some();
+                reads.extend(plan.runs.iter().map(|(run, dst_offset)| FileRead {
+                    path: p.file.path(),
+                    file: p.file.file(),
+                    direct,
+                    offset: p.start + run.start,
+                    len: (run.end - run.start) as usize,
+                    dst: p.dst.buffer(),
+                    dst_offset: p.dst.byte_offset() + dst_offset,
+                }));
+            }
+            if entered && !device.is_cpu() {
+                // In an entered session: its reader, no progress thread; the calling thread's
+                // current queue is ordered after the copies below.
+                let read_options = read_options(options, all_direct, &done);
+                reader.read(device, &reads, &read_options)?;
+            } else {
+                run_reads(&reads, device, options, all_direct, &done, total, progress)?;
+            }
+        }
+        if entered {
+            session.join_current()?;
+        }
+        Ok::<(), Error>(())
+    })?;
     for p in parts.iter().filter(|p| !in_place(p) && p.dst.numel() > 0) {
         let on_device = LoadOptions {
             device: p.dst.device(),
@@ -585,13 +681,23 @@ fn load_to_device(
     }
     let done = AtomicU64::new(wrapped);
     if !loads.is_empty() {
-        // A session's loads (a stream's groups) report no progress: no progress thread.
-        let report = if session.is_some() {
-            None
-        } else {
-            Some(&mut *progress)
-        };
-        read_files(&loads, device, options, &done, total, report)?;
+        match session {
+            // A session's loads (a stream's groups) report no progress, and leave their copies
+            // running; work on the read bytes here (a conversion, an unaligned array's copy)
+            // runs on this thread's current queue, ordered after them.
+            Some(session) => {
+                session.joined_current = false;
+                let direct = loads.iter().all(|f| f.direct.is_some());
+                let reads: Vec<FileRead<'_>> = loads.iter().flat_map(FileLoad::reads).collect();
+                let read_options = read_options(options, direct, &done);
+                session.reader.read(device, &reads, &read_options)?;
+                if options.dtype.is_some() || !loads.iter().all(FileLoad::aligned) {
+                    session.reader.join_current()?;
+                    session.joined_current = true;
+                }
+            }
+            None => read_files(&loads, device, options, &done, total, progress)?,
+        }
     }
     progress(total, total);
     for load in &loads {
@@ -744,22 +850,18 @@ fn read_part(
 }
 
 /// Reads the files' selected bytes into their allocations, reporting `done` bytes of `total`
-/// about ten times a second while the backend reads (`progress`), or on the calling thread
-/// without reports (`None`).
+/// about ten times a second while the backend reads ([`run_reads`]).
 fn read_files(
     files: &[FileLoad<'_>],
     device: Device,
     options: &LoadOptions,
     done: &AtomicU64,
     total: u64,
-    progress: Option<&mut (dyn FnMut(u64, u64) + '_)>,
+    progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
     let direct = files.iter().all(|f| f.direct.is_some());
     let reads: Vec<FileRead<'_>> = files.iter().flat_map(FileLoad::reads).collect();
-    match progress {
-        Some(progress) => run_reads(&reads, device, options, direct, done, total, progress),
-        None => backend::read_file(device, &reads, &read_options(options, direct, done)),
-    }
+    run_reads(&reads, device, options, direct, done, total, progress)
 }
 
 /// The engine: reads each (file, byte range) of `reads` into its destination (a buffer and an
@@ -1073,6 +1175,15 @@ impl<'a> FileLoad<'a> {
             .collect()
     }
 
+    /// Whether every tensor's bytes are aligned for its element type in its allocation (each is
+    /// a view of it, [`FileLoad::views`]).
+    fn aligned(&self) -> bool {
+        self.locations.iter().all(|l| {
+            let (memory, offset) = self.destination(&l.byte_range);
+            is_aligned(memory.buffer().handle() as usize + offset, l.dtype)
+        })
+    }
+
     /// Each tensor as a view of its allocation, or a copy of its bytes (in `storage`) where they
     /// are not aligned for its element type.
     fn views(
@@ -1300,7 +1411,7 @@ mod tests {
                     &options,
                     &done,
                     0,
-                    Some(&mut |_, _| {}),
+                    &mut |_, _| {},
                 )
                 .unwrap();
                 let mut out = BTreeMap::new();
@@ -1424,7 +1535,7 @@ mod tests {
                 &options,
                 &done,
                 0,
-                Some(&mut |_, _| {}),
+                &mut |_, _| {},
             )
             .unwrap();
             assert_eq!(done.load(Ordering::Relaxed), 30, "{allocation:?}");

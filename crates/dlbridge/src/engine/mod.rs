@@ -36,7 +36,7 @@ pub(crate) use load::cast_floating;
 #[cfg(test)]
 pub(crate) use load::wrapped_ranges;
 pub use load::{
-    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, Item, LoadOptions, PartInto,
+    Allocation, DEFAULT_CHUNK, DEFAULT_DIRECT_CHUNK, Item, LoadOptions, LoadSession, PartInto,
     default_direct_threads, default_threads, host_tensor, load, load_part, load_parts_into,
 };
 pub use part::{DEFAULT_MAX_GAP, PartPlan};
@@ -45,4 +45,6 @@ pub use save::{
     CopyStreams, DEFAULT_WRITE_CHUNK, WriteItem, WriteOptions, default_write_threads, write_file,
     write_file_staged,
 };
+#[cfg(test)]
+pub(crate) use stream::THREAD_NAME as STREAM_THREAD_NAME;
 pub use stream::{FileSet, GroupPlan, LoadStream, LoadedGroup, stream};

@@ -7,26 +7,33 @@
 //! whole [`load`](super::load); one allocation per file per group on a device), in one
 //! `Session` for the whole stream: whether each file is read around the page cache is decided
 //! at its first group (a residency sample and an `O_DIRECT` descriptor per file per stream, not
-//! per group), and the reads run on the loading thread (no progress thread per group). At most
-//! `ahead` loaded groups wait for the caller (besides the one loading), so a slow consumer holds
-//! the device memory of only that many. Dropping the [`LoadStream`] stops it: the group being
-//! loaded finishes, then everything loaded and not taken is freed.
+//! per group), the reads run on the loading thread (no progress thread per group), and the
+//! backend's reader lasts for the whole stream (on CUDA: its threads, their streams, events and
+//! pinned staging). A group's load returns once its bytes are read and their copies to the device
+//! enqueued: the host does not wait for the copies, the group's ready event does (recorded after
+//! the queue it is recorded on waited, on the device, for each reader stream that copied the
+//! group's bytes). At most `ahead` loaded groups wait for the caller (besides the one loading), so
+//! a slow consumer holds the device memory of only that many. Dropping the [`LoadStream`] stops
+//! it: the group being loaded finishes, the reader waits for the copies still running and frees
+//! its threads and staging, then everything loaded and not taken is freed.
 //!
 //! On a device with queues (CUDA) the stream has a queue of its own, ordered after the caller's
 //! current queue when the stream starts, where each group's ready event is recorded: not the
 //! loading thread's current stream, the legacy default stream, where PyTorch computes by
 //! default, so that an event does not wait for the consumer's compute queued before it (and the
-//! legacy stream's implicit ordering does not tie the two together). Where a group is converted
-//! (`dtype`), the conversion runs on the loading thread's current stream and the event is
+//! legacy stream's implicit ordering does not tie the two together). Where a group's bytes are
+//! worked on after the read (converted, `dtype`; an array not aligned for its type copied), that
+//! work runs on the loading thread's current stream, after the group's copies, and the event is
 //! recorded there, after it.
 //!
 //! Memory: a group's allocations come from the pool for the loading thread's current stream
 //! (the legacy default stream), as before and as a whole load's do: a block the consumer
 //! released returns to the pool fenced in that stream's order, and the pool hands it to the next
 //! request on that stream at once, so the reader's streams start after the work queued there (a
-//! kernel may still read the block). A consumer that computes on the legacy default stream
-//! therefore runs after each group's reads rather than beside them; on a stream of its own it
-//! overlaps them.
+//! kernel may still read the block), and that stream waits for the reader's copies (a block
+//! released before the copies into it ended is handed out again after them). A consumer that
+//! computes on the legacy default stream therefore runs after each group's reads rather than
+//! beside them; on a stream of its own it overlaps them.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -163,12 +170,13 @@ fn load_group(
         .into_iter()
         .filter_map(|(index, items)| files.file(index).map(|f| (f, items)))
         .collect();
-    let mut loaded = load_with(&plan, options, Some(session), &mut |_, _| {})?;
-    // The reads are done when the load returns (the reader waits for its copies); conversions
-    // are enqueued on this thread's current queue, and the event follows them there.
+    let mut loaded = load_with(&plan, options, Some(&mut *session), &mut |_, _| {})?;
+    // The group's copies may still run: the event follows them on the stream's queue, or on this
+    // thread's current queue where the load worked on the bytes there after them.
     let ready = match queue {
-        Some(queue) if options.dtype.is_none() => {
+        Some(queue) if !session.joined_current() => {
             let _entered = queue.enter();
+            session.join_current()?;
             backend::record_event(options.device)?
         }
         _ => backend::record_event(options.device)?,
@@ -243,11 +251,17 @@ impl LoadStream {
 impl Drop for LoadStream {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        // Hanging up frees the groups not taken and ends the thread at its next send.
-        self.groups = None;
+        // The groups not taken are kept until the thread has ended: it finishes the group it is
+        // loading, sends it and stops, and its reader waits for the copies still running (into
+        // these groups' memory) before the thread ends.
+        let untaken: Vec<Result<LoadedGroup>> = self
+            .groups
+            .take()
+            .map_or_else(Vec::new, |g| g.iter().collect());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        drop(untaken);
     }
 }
 
@@ -389,14 +403,52 @@ mod tests {
         std::fs::remove_file(path).unwrap();
     }
 
-    /// A stream of many groups onto a device that reads (the test backend's `ext_dev`: host
-    /// memory through the loader's reader) samples its file's residency once, not once per group,
-    /// and spawns no progress thread per group; its groups are the file's bytes, and the next
-    /// group wakes a waiting caller (`next_within`) as soon as it is loaded.
+    /// The streams onto the test backend's `ext_dev` (host memory through the loader's reader)
+    /// run one at a time: they count the threads started on streams' loading threads.
+    #[cfg(feature = "test-backend")]
+    static READING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// The crew threads streams have started and ended so far.
+    #[cfg(feature = "test-backend")]
+    fn crew_threads() -> (usize, usize) {
+        let [started, ended] = &crate::backend::STREAM_CREW_THREADS;
+        (
+            started.load(Ordering::Relaxed),
+            ended.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Waits up to 20 s for every crew thread streams started to have ended.
+    #[cfg(feature = "test-backend")]
+    fn crews_end() -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::time::Instant::now() < deadline {
+            let (started, ended) = crew_threads();
+            if started == ended {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        false
+    }
+
+    /// `ext_dev`, the test backend's device that reads (its memory is host memory).
+    #[cfg(feature = "test-backend")]
+    fn reading_device() -> Device {
+        Device::new(
+            crate::device::DeviceKind::Other(crate::dlpack::ffi::K_DL_EXT_DEV),
+            0,
+        )
+    }
+
+    /// A stream of many groups onto a device that reads samples its file's residency once, not
+    /// once per group, spawns no progress thread per group, and starts its reader's threads once
+    /// for all its groups (ending them when it ends); its groups are the file's bytes, and the
+    /// next group wakes a waiting caller (`next_within`) as soon as it is loaded.
     #[cfg(feature = "test-backend")]
     #[test]
     fn a_stream_decides_its_reads_once_not_per_group() {
-        use crate::device::DeviceKind;
+        let _one = READING.lock().unwrap_or_else(|p| p.into_inner());
         let values: Vec<u8> = (0..1024u32)
             .flat_map(|v| (v as f32).to_le_bytes())
             .collect();
@@ -407,9 +459,14 @@ mod tests {
                 items: vec![(0, item(&format!("t{i}"), 256 * i as u64, 64))],
             })
             .collect();
-        let device = Device::new(DeviceKind::Other(crate::dlpack::ffi::K_DL_EXT_DEV), 0);
+        let device = reading_device();
         let before = super::super::load::STREAM_THREAD_WORK.load(Ordering::Relaxed);
-        let mut s = stream(Arc::new(vec![file]), groups, LoadOptions::new(device), 2).unwrap();
+        let (started, _) = crew_threads();
+        let options = LoadOptions {
+            threads: Some(3),
+            ..LoadOptions::new(device)
+        };
+        let mut s = stream(Arc::new(vec![file]), groups, options, 2).unwrap();
         let mut got = 0;
         while let Ok(Some(group)) = s.next_within(std::time::Duration::from_secs(20)) {
             let group = group.unwrap();
@@ -426,6 +483,93 @@ mod tests {
             work, 1,
             "one residency sample for the stream, no progress threads"
         );
+        assert_eq!(
+            crew_threads().0 - started,
+            3,
+            "the reader's three threads, once for the 16 groups"
+        );
+        drop(s);
+        assert!(crews_end(), "the stream's reader threads ended with it");
+        std::fs::remove_file(path).unwrap();
+    }
+
+    /// Dropping a stream onto a device that reads, with groups loaded and not taken and more to
+    /// load, returns promptly and ends its reader's threads.
+    #[cfg(feature = "test-backend")]
+    #[test]
+    fn dropping_a_reading_stream_mid_way_ends_its_reader() {
+        let _one = READING.lock().unwrap_or_else(|p| p.into_inner());
+        let values: Vec<u8> = (0..4096u32)
+            .flat_map(|v| (v as f32).to_le_bytes())
+            .collect();
+        let (path, file) = file_of(&values, "reading-drop");
+        let groups: Vec<GroupPlan> = (0..10_000)
+            .map(|i| GroupPlan {
+                name: format!("g{i}"),
+                items: vec![(0, item(&format!("t{i}"), 4 * (i % 4000) as u64, 64))],
+            })
+            .collect();
+        let options = LoadOptions {
+            threads: Some(4),
+            chunk_bytes: Some(64),
+            ..LoadOptions::new(reading_device())
+        };
+        let (started, _) = crew_threads();
+        let mut s = stream(Arc::new(vec![file]), groups, options, 2).unwrap();
+        let first = s.next().unwrap().unwrap();
+        assert_eq!(first.name, "g0");
+        assert_eq!(crew_threads().0 - started, 4);
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            drop(s);
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .expect("dropping the stream did not end its thread");
+        assert!(crews_end(), "the stream's reader threads ended with it");
+        // The group taken stays valid after the stream went.
+        let expected: Vec<f32> = (0..64).map(|v| v as f32).collect();
+        assert_eq!(first.tensors[0].1.to_vec::<f32>().unwrap(), expected);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    /// On a device that reads, a group whose read fails (the file shorter than its plan) is the
+    /// stream's last item, an I/O error naming the file, after the groups before it; the reader
+    /// ends with the stream.
+    #[cfg(feature = "test-backend")]
+    #[test]
+    fn a_failed_read_ends_a_reading_stream_with_its_error() {
+        let _one = READING.lock().unwrap_or_else(|p| p.into_inner());
+        let values: Vec<u8> = (0..256u32).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let (path, file) = file_of(&values, "reading-short");
+        let groups = vec![
+            GroupPlan {
+                name: "fits".into(),
+                items: vec![(0, item("a", 0, 64))],
+            },
+            GroupPlan {
+                name: "past the end".into(),
+                items: vec![(0, item("b", 512, 512))],
+            },
+            GroupPlan {
+                name: "never".into(),
+                items: vec![(0, item("c", 0, 1))],
+            },
+        ];
+        let options = LoadOptions {
+            threads: Some(2),
+            direct_io: Some(false),
+            ..LoadOptions::new(reading_device())
+        };
+        let mut s = stream(Arc::new(vec![file]), groups, options, 2).unwrap();
+        assert_eq!(s.next().unwrap().unwrap().name, "fits");
+        match s.next().unwrap() {
+            Err(Error::Io { path: named, .. }) => assert_eq!(named, path),
+            other => panic!("expected an I/O error, got {other:?}"),
+        }
+        assert!(s.next().is_none());
+        drop(s);
+        assert!(crews_end(), "the stream's reader threads ended with it");
         std::fs::remove_file(path).unwrap();
     }
 

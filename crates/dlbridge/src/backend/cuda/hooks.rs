@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use crate::backend::{
-    Backend, Event, FileRead, KindFacts, Queue, ReadOptions, Sharing, placement, read_to_host,
-    unreachable_copy,
+    Backend, DeviceReader, Event, FileRead, HostReader, KindFacts, Queue, ReadOptions, Sharing,
+    placement, read_to_host, unreachable_copy,
 };
 use crate::buffer::{Buffer, StorageMode};
 use crate::compute::kernel::{Kernel, KernelArg, LaunchConfig, LaunchTiming};
@@ -170,6 +170,20 @@ impl Backend for Cuda {
             DeviceKind::Cuda => super::upload::read_to_device(ordinal(device), reads, options),
             // Pinned and managed memory: the host reads straight into it.
             _ => read_to_host(reads, options),
+        }
+    }
+
+    fn read_in(
+        &self,
+        device: Device,
+        reader: &mut Option<Box<dyn DeviceReader>>,
+        reads: &[FileRead<'_>],
+        options: &ReadOptions<'_>,
+    ) -> Result<()> {
+        match device.kind() {
+            // Device memory: the staging reader, kept across the session's reads.
+            DeviceKind::Cuda => super::upload::read_in(ordinal(device), reader, reads, options),
+            _ => HostReader::of(reader, options)?.read(reads, options),
         }
     }
 }

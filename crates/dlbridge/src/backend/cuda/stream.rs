@@ -428,15 +428,29 @@ pub(crate) fn record_use_on<'a>(
     stream: usize,
     tensors: impl IntoIterator<Item = &'a crate::Tensor>,
 ) -> Result<()> {
-    for t in tensors {
-        let device = t.device();
+    record_buffer_use(ordinal, stream, tensors.into_iter().map(|t| t.buffer()))
+}
+
+/// As [`record_use_on`], for buffers: once per stream their blocks were allocated for.
+pub(crate) fn record_buffer_use<'a>(
+    ordinal: i32,
+    stream: usize,
+    buffers: impl IntoIterator<Item = &'a crate::buffer::Buffer>,
+) -> Result<()> {
+    let mut ordered: Vec<(i32, StreamKey)> = Vec::new();
+    for b in buffers {
+        let device = b.device();
         if !device.kind().is_cuda() {
             continue;
         }
-        let Some(owner) = t.buffer().allocation_stream() else {
+        let Some(owner) = b.allocation_stream() else {
             continue;
         };
         let owner_ordinal = device.index() as i32;
+        if ordered.contains(&(owner_ordinal, owner)) {
+            continue;
+        }
+        ordered.push((owner_ordinal, owner));
         let owner = handle_of_key(owner);
         if owner_ordinal == ordinal {
             order_streams(ordinal, stream, owner)?;

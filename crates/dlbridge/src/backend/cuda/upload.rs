@@ -8,7 +8,9 @@
 //! `O_DIRECT`), and enqueues the host-to-device copy on its stream. The buffers of all workers are
 //! one block of the pinned pool, `threads × 2 × chunk` bytes, taken once per load and reused by
 //! the next: pinning is what a process's first load waits for, and one block pins in one driver
-//! call (see `memory.rs`).
+//! call (see `memory.rs`). A whole load makes its reader and waits for its copies; a stream's
+//! read session keeps one reader (threads, streams, events, staging) for all its groups and waits
+//! for none of a group's copies on the host ([`Reader`]).
 //!
 //! Asked to (`ReadOptions::register`), files read through the page cache go without the staging
 //! copy: each file is mapped shared and read-only, its pages are registered with the driver a
@@ -25,9 +27,9 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::driver::{self, Named};
-use super::stream::raw;
+use super::stream::{raw, record_buffer_use};
 use super::{Event, Stream, context};
-use crate::backend::{FileRead, Piece, ReadOptions, pieces, run_workers};
+use crate::backend::{Crew, DeviceReader, FileRead, Piece, ReadOptions, pieces, run_workers};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -38,50 +40,100 @@ const DIRECT_ALIGN: usize = 4096;
 /// The smallest staging buffer: a piece of two pages, and the two pages around it.
 const STAGING_MIN: usize = 4 * DIRECT_ALIGN;
 
-/// Reads every `reads` entry into its device destination on CUDA device `ordinal`.
+/// Reads every `reads` entry into its device destination on CUDA device `ordinal`; the copies
+/// are done when it returns. The staging reader is made for this read and dropped after it.
 pub(crate) fn read_to_device(
     ordinal: i32,
     reads: &[FileRead<'_>],
     options: &ReadOptions<'_>,
 ) -> Result<()> {
-    // The staging buffer's size; a piece leaves two pages of it for a direct read's page-aligned
-    // ends.
-    let chunk = options
+    if read_unstaged(ordinal, reads, options)? {
+        return Ok(());
+    }
+    let chunk = chunk_of(options);
+    let pieces = pieces(reads, piece_of(chunk)).len();
+    if pieces == 0 {
+        return Ok(());
+    }
+    let mut reader = Reader::new(ordinal, options.threads.clamp(1, pieces), chunk)?;
+    reader.read(reads, options)?;
+    reader.joined.synchronize()
+}
+
+/// Reads every `reads` entry into its device destination on CUDA device `ordinal` with the
+/// session's staging reader `slot` (made at its first read with `options`' threads and chunk,
+/// kept until the session drops it): the copies may still run when it returns
+/// ([`DeviceReader::join_current`] orders a queue after them). GPUDirect Storage and registered
+/// pages, where they apply, read as [`read_to_device`] does.
+pub(crate) fn read_in(
+    ordinal: i32,
+    slot: &mut Option<Box<dyn DeviceReader>>,
+    reads: &[FileRead<'_>],
+    options: &ReadOptions<'_>,
+) -> Result<()> {
+    if read_unstaged(ordinal, reads, options)? {
+        return Ok(());
+    }
+    let reader = match slot {
+        Some(reader) => reader,
+        None => slot.insert(Box::new(Reader::new(
+            ordinal,
+            options.threads.max(1),
+            chunk_of(options),
+        )?)),
+    };
+    reader.read(reads, options)
+}
+
+/// The staging buffer's size for `options`; a piece leaves two pages of it for a direct read's
+/// page-aligned ends ([`piece_of`]).
+fn chunk_of(options: &ReadOptions<'_>) -> usize {
+    options
         .chunk
         .max(STAGING_MIN)
-        .next_multiple_of(DIRECT_ALIGN);
-    let piece = chunk - 2 * DIRECT_ALIGN;
+        .next_multiple_of(DIRECT_ALIGN)
+}
+
+/// The largest piece a staging buffer of `chunk` bytes takes.
+fn piece_of(chunk: usize) -> usize {
+    chunk - 2 * DIRECT_ALIGN
+}
+
+/// Reads `reads` through GPUDirect Storage, or the files' registered pages, where those apply
+/// (done when it returns): `true`; `false` where the staging reader is to read them.
+fn read_unstaged(ordinal: i32, reads: &[FileRead<'_>], options: &ReadOptions<'_>) -> Result<bool> {
+    let piece = piece_of(chunk_of(options));
     // GPUDirect Storage where asked, or by default for direct reads where cuFile reads without
     // a host copy; a default use that cuFile refuses falls back to the staging workers.
     let direct = reads.iter().all(|r| r.direct.is_some());
-    // The destinations were allocated on this thread's current stream, whose pool hands out a
-    // block released on that stream at once, its earlier users' work (a consumer's kernels still
-    // reading it) possibly still queued there: the readers' streams, which that stream does not
-    // order, start after it (cuFile, which no stream orders, after the host waited for it).
-    let after = Event::new(ordinal, false)?;
-    after.record(super::current_stream(ordinal))?;
-    match options.gds {
-        Some(true) => {
-            let files = super::gds::register_files(ordinal, reads)?;
-            after.synchronize()?;
-            return files.read(ordinal, reads, piece, options);
-        }
+    let gds = match options.gds {
+        Some(true) => Some(super::gds::register_files(ordinal, reads)?),
         None if direct && super::gds::native() => {
             match super::gds::register_files(ordinal, reads) {
-                Ok(files) => {
-                    after.synchronize()?;
-                    return files.read(ordinal, reads, piece, options);
+                Ok(files) => Some(files),
+                Err(e) => {
+                    log::debug!("dlbridge: cuFile declined the load ({e}); staging instead");
+                    None
                 }
-                Err(e) => log::debug!("dlbridge: cuFile declined the load ({e}); staging instead"),
             }
         }
-        _ => {}
+        _ => None,
+    };
+    if gds.is_none() && !options.register {
+        return Ok(false);
     }
-    let pieces = pieces(reads, piece);
-    if pieces.is_empty() {
-        return Ok(());
+    // The destinations were allocated on this thread's current stream, whose pool hands out a
+    // block released on that stream at once, its earlier users' work (a consumer's kernels still
+    // reading it) possibly still queued there: the readers start after it (cuFile, which no
+    // stream orders, after the host waited for it).
+    let after = Event::new(ordinal, false)?;
+    after.record(super::current_stream(ordinal))?;
+    if let Some(files) = gds {
+        after.synchronize()?;
+        files.read(ordinal, reads, piece, options)?;
+        return Ok(true);
     }
-    if options.register
+    if !pieces(reads, piece).is_empty()
         && reads.iter().all(|r| r.direct.is_none())
         && let Some(maps) = FileMaps::new(reads)
         && let Some(windows) = plan_windows(
@@ -92,23 +144,153 @@ pub(crate) fn read_to_device(
         && can_register(ordinal, &windows)
     {
         // `maps` outlives every registration: `read_registered` unregisters all before returning.
-        return read_registered(ordinal, &windows, options, &after);
+        read_registered(ordinal, &windows, options, &after)?;
+        return Ok(true);
     }
-    let threads = options.threads.clamp(1, pieces.len());
-    let staging = Staging::new(ordinal, threads, chunk)?;
-    let next = AtomicUsize::new(0);
-    let worker = AtomicUsize::new(0);
-    run_workers(threads, |failed| {
-        let mut w = Worker::new(
+    Ok(false)
+}
+
+/// The piece size that gives each of `threads` workers the same number of pieces of `reads`
+/// (the fewest rounds of pieces of at most `largest` bytes, each piece a whole number of pages):
+/// a read returns when its last piece is copied, and a last round that only some workers have
+/// pieces for leaves the others idle. A stream's group is a few pieces per worker, where that
+/// round would be a large part of its time.
+fn balanced_piece(reads: &[FileRead<'_>], threads: usize, largest: usize) -> usize {
+    let total: usize = reads.iter().map(|r| r.len).sum();
+    let threads = threads.max(1);
+    let rounds = total.div_ceil(threads.saturating_mul(largest)).max(1);
+    total
+        .div_ceil(threads * rounds)
+        .next_multiple_of(DIRECT_ALIGN)
+        .clamp(DIRECT_ALIGN, largest)
+}
+
+/// The staging reader: a crew of threads, each with its stream, two staging buffers of pinned
+/// memory and an event per buffer, kept across reads (a stream's groups) until dropped.
+///
+/// Each read hands its pieces to the live workers. A worker takes the next piece, waits until the
+/// buffer it will fill is no longer being copied from (its event), reads the piece into it and
+/// enqueues the copy to the device on its stream. The read returns once every piece is read and
+/// its copy enqueued, without waiting for the copies: the reader's `join` stream waits (on the
+/// device) for each worker's last copy of the read, and `joined`, recorded there, completes when
+/// all of the read's copies have.
+///
+/// The workers' streams start each read after an event recorded on the calling thread's current
+/// stream (where the destinations were allocated: see [`read_unstaged`]), once per read. The
+/// streams the destinations' blocks were allocated for wait for the read's copies (`join`), as
+/// they do for every copy of dlbridge's (`record_use`): a block its user released before the
+/// copies into it ended is handed out again only after them. Dropping the reader waits for the
+/// copies still running, then ends the threads and returns the staging memory to the pool.
+struct Reader {
+    ordinal: i32,
+    /// The largest piece a staging buffer takes.
+    piece: usize,
+    /// The workers' streams and buffers, one per crew thread (thread `i` locks only `workers[i]`).
+    workers: Vec<std::sync::Mutex<Worker>>,
+    crew: Crew,
+    /// Recorded on the calling thread's current stream at each read.
+    after: Event,
+    /// Waits for each worker's last copy of each read.
+    join: Stream,
+    /// Recorded on `join` after each read: all copies of the reads so far.
+    joined: Event,
+    /// Every worker's staging buffers (last: the workers' copies out of them end first).
+    _staging: Staging,
+}
+
+/// How many staging readers were made, in tests (a stream makes one for all its groups).
+#[cfg(test)]
+pub(crate) static READERS_MADE: AtomicUsize = AtomicUsize::new(0);
+
+impl Reader {
+    /// A reader of `threads` workers with staging buffers of `chunk` bytes (a multiple of the
+    /// page, at least [`STAGING_MIN`]).
+    fn new(ordinal: i32, threads: usize, chunk: usize) -> Result<Reader> {
+        let staging = Staging::new(ordinal, threads, chunk)?;
+        let workers = (0..threads)
+            .map(|i| Worker::new(ordinal, staging.slots(i)).map(std::sync::Mutex::new))
+            .collect::<Result<Vec<_>>>()?;
+        #[cfg(test)]
+        READERS_MADE.fetch_add(1, Ordering::Relaxed);
+        Ok(Reader {
             ordinal,
-            staging.slots(worker.fetch_add(1, Ordering::Relaxed)),
-        )?;
-        w.stream.wait_event(&after)?;
-        let run = w.run(reads, &pieces, &next, failed, options.done);
-        // Whatever happened, nothing may still be copying out of our buffers when they go back
-        // to the pool.
-        run.and(w.stream.synchronize())
-    })
+            piece: piece_of(chunk),
+            workers,
+            crew: Crew::new(threads)?,
+            after: Event::new(ordinal, false)?,
+            join: Stream::new(ordinal, true)?,
+            joined: Event::new(ordinal, false)?,
+            _staging: staging,
+        })
+    }
+
+    /// Waits for every copy the workers enqueued (after a failed read, whose destinations are
+    /// freed; and before the staging memory goes back to the pool).
+    fn drain(&self) {
+        for worker in &self.workers {
+            let worker = worker.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = worker.stream.synchronize() {
+                log::warn!("dlbridge: waiting for a reader's copies: {e}");
+            }
+        }
+    }
+}
+
+impl DeviceReader for Reader {
+    fn read(&mut self, reads: &[FileRead<'_>], options: &ReadOptions<'_>) -> Result<()> {
+        let pieces = pieces(reads, balanced_piece(reads, self.workers.len(), self.piece));
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        // One event for the read, however many workers wait for it.
+        self.after.record(super::current_stream(self.ordinal))?;
+        let next = AtomicUsize::new(0);
+        let (ordinal, workers) = (self.ordinal, &self.workers);
+        let (after, join) = (&self.after, &self.join);
+        let run = self.crew.run(&|index, failed| {
+            let mut w = workers[index].lock().unwrap_or_else(|p| p.into_inner());
+            let _ctx = context(ordinal)?;
+            w.stream.wait_event(after)?;
+            if let Some(last) = w.run(reads, &pieces, &next, failed, options.done)? {
+                join.wait_event(&w.slots[last].event)?;
+            }
+            Ok(())
+        });
+        // The copies use the destinations' pooled blocks: a block released before they end is
+        // handed out again (on its own stream, where the next read's `after` is recorded too)
+        // only after them, as for every copy of dlbridge's.
+        let recorded = run.and_then(|()| {
+            record_buffer_use(
+                self.ordinal,
+                self.join.handle(),
+                reads.iter().map(|r| r.dst),
+            )
+        });
+        match recorded {
+            Ok(()) => self.joined.record(self.join.handle()),
+            Err(e) => {
+                // The read's destinations are freed when the error returns: nothing may still
+                // be copying into them.
+                self.drain();
+                Err(e)
+            }
+        }
+    }
+
+    fn join_current(&self) -> Result<()> {
+        super::order_streams(
+            self.ordinal,
+            self.join.handle(),
+            super::current_stream(self.ordinal),
+        )
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        // The crew is idle between reads; the copies out of the staging buffers may still run.
+        self.drain();
+    }
 }
 
 /// Every worker's two staging buffers: one block of pinned memory, `threads × 2 × chunk` bytes.
@@ -124,6 +306,9 @@ struct Staging {
 // SAFETY: `base` points into the `Staging`'s own pinned block; each worker writes only its own two
 // buffers of it (`slots` hands disjoint ones to each index).
 unsafe impl Sync for Staging {}
+
+// SAFETY: as for `Sync`: the pinned block is owned by the `Staging`, wherever it moves.
+unsafe impl Send for Staging {}
 
 impl Staging {
     fn new(ordinal: i32, threads: usize, chunk: usize) -> Result<Staging> {
@@ -168,6 +353,8 @@ struct Worker {
     ordinal: i32,
     stream: Stream,
     slots: [Slot; 2],
+    /// Counts the pieces the worker took: it fills its slots in turn.
+    turn: usize,
 }
 
 struct Slot {
@@ -194,9 +381,12 @@ impl Worker {
             ordinal,
             stream,
             slots: [slot(buffers[0])?, slot(buffers[1])?],
+            turn: 0,
         })
     }
 
+    /// Takes pieces until there are none left (or another worker failed): returns the slot of
+    /// its last copy, `None` where it took none.
     fn run(
         &mut self,
         reads: &[FileRead<'_>],
@@ -204,19 +394,20 @@ impl Worker {
         next: &AtomicUsize,
         failed: &AtomicBool,
         done: &AtomicU64,
-    ) -> Result<()> {
+    ) -> Result<Option<usize>> {
         let _ctx = context(self.ordinal)?;
-        let mut turn = 0usize;
+        let mut last = None;
         loop {
             if failed.load(Ordering::Relaxed) {
-                return Ok(());
+                return Ok(last);
             }
             let index = next.fetch_add(1, Ordering::Relaxed);
             let Some(&piece) = pieces.get(index) else {
-                return Ok(());
+                return Ok(last);
             };
-            let slot = &mut self.slots[turn % 2];
-            turn += 1;
+            let turn = self.turn % 2;
+            self.turn += 1;
+            let slot = &mut self.slots[turn];
             if slot.used {
                 // The copy out of this buffer, enqueued two pieces ago, must be done.
                 slot.event.synchronize()?;
@@ -240,6 +431,7 @@ impl Worker {
             .named("cuMemcpyHtoDAsync")?;
             slot.event.record(self.stream.handle())?;
             slot.used = true;
+            last = Some(turn);
             done.fetch_add(piece.len as u64, Ordering::Relaxed);
         }
     }
@@ -565,6 +757,45 @@ fn register_and_copy(
 mod tests {
     use super::*;
     use crate::{DType, Tensor};
+
+    /// A group's pieces are spread evenly over the workers: the fewest rounds, each worker the
+    /// same number of pieces (but the last few), none larger than a staging buffer takes.
+    #[test]
+    fn balanced_pieces_give_every_worker_the_same_rounds() {
+        let path = std::env::temp_dir().join(format!("dlbridge-balance-{}", std::process::id()));
+        std::fs::write(&path, b"x").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let dst = Tensor::zeros(&[1], DType::U8, Device::CPU).unwrap();
+        let read = |len: usize| FileRead {
+            path: &path,
+            file: &file,
+            direct: None,
+            offset: 0,
+            len,
+            dst: dst.buffer(),
+            dst_offset: 0,
+        };
+        let largest = (4 << 20) - 2 * DIRECT_ALIGN;
+        // A layer of a 2048-wide model in bf16 (two 33.5 MB matrices, one run): 17 pieces of
+        // the largest size for 12 workers, 24 balanced ones.
+        let layer = [read(67_108_864)];
+        let piece = balanced_piece(&layer, 12, largest);
+        assert_eq!(piece % DIRECT_ALIGN, 0);
+        assert!(piece <= largest);
+        assert_eq!(pieces(&layer, largest).len(), 17);
+        assert_eq!(pieces(&layer, piece).len(), 24);
+        // Many reads: each cut on its own, never more rounds than the largest pieces need.
+        let many: Vec<FileRead<'_>> = (1..=9).map(|k| read(k * 3_000_000)).collect();
+        let piece = balanced_piece(&many, 8, largest);
+        assert!(piece <= largest && piece % DIRECT_ALIGN == 0);
+        assert!(
+            pieces(&many, piece).len().div_ceil(8) <= pieces(&many, largest).len().div_ceil(8) + 1
+        );
+        // Tiny and empty reads: one page.
+        assert_eq!(balanced_piece(&[read(1)], 16, largest), DIRECT_ALIGN);
+        assert_eq!(balanced_piece(&[], 16, largest), DIRECT_ALIGN);
+        std::fs::remove_file(&path).unwrap();
+    }
 
     /// Windows are page-aligned, disjoint, at most the size asked, and their copies cover every
     /// read exactly once, each inside its window, with the destination following the source.

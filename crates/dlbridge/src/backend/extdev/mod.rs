@@ -12,13 +12,15 @@
 //! | copies | the host's strided copy, to and from the CPU and between its devices |
 //! | DLPack | exported and imported as `kDLExtDev` with a host address, by the core alone |
 //! | compute, kernels | none: the trait's defaults answer [`Error::BackendUnavailable`] |
+//! | loading | the host's parallel reads; a read session keeps their threads ([`HostReader`]) |
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::backend::cpu::{HostAllocator, copy_host};
 use crate::backend::{
-    Backend, KindFacts, ShareRoute, Storage, lacks, no_stream_here, unreachable_copy,
+    Backend, DeviceReader, FileRead, HostReader, KindFacts, ReadOptions, ShareRoute, Storage,
+    lacks, no_stream_here, unreachable_copy,
 };
 use crate::buffer::{Buffer, StorageMode};
 use crate::compute::{MapRequest, MatmulRequest, ReduceRequest};
@@ -136,6 +138,17 @@ impl Backend for ExtDev {
 
     fn export_handoff(&self, device: Device, stream: Option<i64>) -> Result<()> {
         no_stream_here(device, stream)
+    }
+
+    fn read_in(
+        &self,
+        device: Device,
+        reader: &mut Option<Box<dyn DeviceReader>>,
+        reads: &[FileRead<'_>],
+        options: &ReadOptions<'_>,
+    ) -> Result<()> {
+        check(device)?;
+        HostReader::of(reader, options)?.read(reads, options)
     }
 
     fn map(&self, _: &MapRequest<'_>) -> Result<()> {

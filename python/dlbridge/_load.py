@@ -1087,7 +1087,15 @@ class _PartStream:
 
                 own = cuda.Stream(device)
                 scope = cuda.stream(own)
-            with scope:
+            # Where each step reads straight into its targets (one process, no shard plan), one
+            # load session for all steps: one reader (threads, streams, staging) for the stream,
+            # no progress thread, and each step's copies ordered before `ready` on the device
+            # rather than waited for on the host.
+            session: Any = contextlib.nullcontext()
+            if self._engine.transport is None and all(
+                    s is None for s in self._engine.splits.values()):
+                session = _dlbridge._LoadSession()
+            with scope, session:
                 for group, infos in self._steps:
                     if self._stop.is_set():
                         return

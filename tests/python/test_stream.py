@@ -419,6 +419,35 @@ def test_a_load_session_on_the_cpu_reads_targets_and_nests(checkpoint):
     assert torch.equal(target, tensors[name])
 
 
+@_needs_torch_cuda
+def test_a_cuda_stream_into_targets_keeps_one_reader_and_a_consumer_sees_each_group(tmp_path):
+    """A stream into a model's parameters reads every group with one reader (the same threads at
+    every group, gone once it ended), and each group's event orders a consumer kernel after its
+    copies, which the host no longer waits for. Before, each group started its own reader."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("threads are listed from /proc")
+    assert _until(lambda: not _reader_threads()), "reader threads left by an earlier load"
+    tensors = {f"layers.{i}.w": torch.randn(1024, 2048) for i in range(12)}
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    targets = {k: torch.empty_like(v, device="cuda:0") for k, v in tensors.items()}
+    consumer = torch.cuda.Stream()
+    seen, sums = [], []
+    with torch.cuda.stream(consumer):
+        for group, ts, ready in dlbridge.stream_file(path, "cuda:0", order=list(tensors),
+                                                     targets=targets, ahead=1, threads=3):
+            seen.append(_reader_threads())
+            ready.wait(consumer)
+            sums.append((group, _bit_sum(ts[f"{group}.w"])))
+            assert ts[f"{group}.w"] is targets[f"{group}.w"]
+    torch.cuda.synchronize()
+    assert [g for g, _ in sums] == [f"layers.{i}" for i in range(12)]
+    for group, got in sums:
+        assert got.item() == _bit_sum(tensors[f"{group}.w"]).item(), group
+    assert len(seen[0]) == 3 and all(s == seen[0] for s in seen[:10]), seen
+    assert _until(lambda: not _reader_threads()), "the stream's reader outlived it"
+
+
 # Streaming into targets and by a shard plan (the loader's engine; one process per rank is in
 # test_sharded_load.py: gloo here, NCCL and dlbridge.nccl on a machine of two GPUs).
 

@@ -165,6 +165,40 @@ fn balanced_piece(reads: &[FileRead<'_>], threads: usize, largest: usize) -> usi
         .clamp(DIRECT_ALIGN, largest)
 }
 
+/// The pieces that go to the device as one copy, as ranges of `pieces`: consecutive pieces of
+/// buffered reads whose destinations follow one another in one allocation, together at most
+/// `largest` bytes. A column split's part is one read per row (a few kilobytes each, landing one
+/// after another): read into one staging buffer and copied by one call, its rows cost a `pread`
+/// each rather than a copy, an event and a wait for the copy two rows back. Direct reads, whose
+/// pieces need page-aligned room of their own, are a batch each.
+fn batches(
+    reads: &[FileRead<'_>],
+    pieces: &[Piece],
+    largest: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::with_capacity(pieces.len().min(1024));
+    let mut len = 0usize;
+    // Where the open batch's next piece must land (allocation, byte offset); `None` when it takes
+    // no more (a direct read).
+    let mut next: Option<(usize, usize)> = None;
+    for (i, p) in pieces.iter().enumerate() {
+        let r = &reads[p.read];
+        let at = (r.dst.handle() as usize, r.dst_offset + p.start);
+        match out.last_mut() {
+            Some(open) if r.direct.is_none() && next == Some(at) && len + p.len <= largest => {
+                open.end = i + 1;
+                len += p.len;
+            }
+            _ => {
+                out.push(i..i + 1);
+                len = p.len;
+            }
+        }
+        next = r.direct.is_none().then_some((at.0, at.1 + p.len));
+    }
+    out
+}
+
 /// The staging reader: a crew of threads, each with its stream, two staging buffers of pinned
 /// memory and an event per buffer, kept across reads (a stream's groups) until dropped.
 ///
@@ -238,10 +272,12 @@ impl Reader {
 
 impl DeviceReader for Reader {
     fn read(&mut self, reads: &[FileRead<'_>], options: &ReadOptions<'_>) -> Result<()> {
-        let pieces = pieces(reads, balanced_piece(reads, self.workers.len(), self.piece));
+        let size = balanced_piece(reads, self.workers.len(), self.piece);
+        let pieces = pieces(reads, size);
         if pieces.is_empty() {
             return Ok(());
         }
+        let batches = batches(reads, &pieces, size);
         // One event for the read, however many workers wait for it.
         self.after.record(super::current_stream(self.ordinal))?;
         let next = AtomicUsize::new(0);
@@ -251,7 +287,7 @@ impl DeviceReader for Reader {
             let mut w = workers[index].lock().unwrap_or_else(|p| p.into_inner());
             let _ctx = context(ordinal)?;
             w.stream.wait_event(after)?;
-            if let Some(last) = w.run(reads, &pieces, &next, failed, options.done)? {
+            if let Some(last) = w.run(reads, &pieces, &batches, &next, failed, options.done)? {
                 join.wait_event(&w.slots[last].event)?;
             }
             Ok(())
@@ -385,12 +421,13 @@ impl Worker {
         })
     }
 
-    /// Takes pieces until there are none left (or another worker failed): returns the slot of
-    /// its last copy, `None` where it took none.
+    /// Takes batches of pieces ([`batches`]) until there are none left (or another worker
+    /// failed): returns the slot of its last copy, `None` where it took none.
     fn run(
         &mut self,
         reads: &[FileRead<'_>],
         pieces: &[Piece],
+        batches: &[std::ops::Range<usize>],
         next: &AtomicUsize,
         failed: &AtomicBool,
         done: &AtomicU64,
@@ -402,9 +439,10 @@ impl Worker {
                 return Ok(last);
             }
             let index = next.fetch_add(1, Ordering::Relaxed);
-            let Some(&piece) = pieces.get(index) else {
+            let Some(batch) = batches.get(index) else {
                 return Ok(last);
             };
+            let batch = &pieces[batch.clone()];
             let turn = self.turn % 2;
             self.turn += 1;
             let slot = &mut self.slots[turn];
@@ -412,34 +450,41 @@ impl Worker {
                 // The copy out of this buffer, enqueued two pieces ago, must be done.
                 slot.event.synchronize()?;
             }
-            let read = &reads[piece.read];
-            let offset = read.offset + piece.start as u64;
-            let staged = fill(slot, read, offset, piece.len)?;
-            let dst = read.dst.handle() as usize + read.dst_offset + piece.start;
-            // SAFETY: `staged` addresses `piece.len` bytes of pinned memory this worker owns,
-            // untouched until the event recorded below completes; `dst` lies inside the
-            // destination allocation (the caller sized it for every read); the stream belongs
-            // to the bound context.
+            // One piece at the buffer's start (a direct read's pages around it); or several
+            // pieces of buffered reads one after another, landing one after another.
+            let mut staged = slot.aligned.cast_const();
+            let mut len = 0usize;
+            for piece in batch {
+                let read = &reads[piece.read];
+                let offset = read.offset + piece.start as u64;
+                let at = fill(slot.aligned.wrapping_add(len), read, offset, piece.len)?;
+                if len == 0 {
+                    staged = at;
+                }
+                len += piece.len;
+            }
+            let (first, read) = (batch[0], &reads[batch[0].read]);
+            let dst = read.dst.handle() as usize + read.dst_offset + first.start;
+            // SAFETY: `staged` addresses `len` bytes of pinned memory this worker owns, untouched
+            // until the event recorded below completes; `dst..dst + len` lies inside the
+            // destination allocation (the caller sized it for every read, and a batch's pieces
+            // land one after another in one allocation); the stream belongs to the bound context.
             unsafe {
-                driver::memcpy_htod_async(
-                    dst as u64,
-                    staged.cast(),
-                    piece.len,
-                    raw(self.stream.handle()),
-                )
+                driver::memcpy_htod_async(dst as u64, staged.cast(), len, raw(self.stream.handle()))
             }
             .named("cuMemcpyHtoDAsync")?;
             slot.event.record(self.stream.handle())?;
             slot.used = true;
             last = Some(turn);
-            done.fetch_add(piece.len as u64, Ordering::Relaxed);
+            done.fetch_add(len as u64, Ordering::Relaxed);
         }
     }
 }
 
-/// Reads `len` bytes at `offset` of `read`'s file into `slot`, returning where they start. Direct
-/// reads cover whole pages around the range (the piece then starts `offset % 4096` bytes in).
-fn fill(slot: &Slot, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*const u8> {
+/// Reads `len` bytes at `offset` of `read`'s file into the staging memory at `into`, returning
+/// where they start. Direct reads cover whole pages around the range (the piece then starts
+/// `offset % 4096` bytes in); `into` is then a slot's page-aligned start.
+fn fill(into: *mut u8, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*const u8> {
     let (file, start, skip) = match read.direct {
         Some(direct) => {
             let start = offset - offset % DIRECT_ALIGN as u64;
@@ -452,10 +497,11 @@ fn fill(slot: &Slot, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*co
     } else {
         len
     };
-    // SAFETY: `aligned` starts the slot's `chunk` bytes of pinned memory, and `want <= len + 2
-    // pages <= chunk` bytes (a piece is at most `chunk - 2 pages`); the worker alone writes the
-    // slot, and its event says no copy still reads it.
-    let dst = unsafe { std::slice::from_raw_parts_mut(slot.aligned, want) };
+    // SAFETY: `into` lies in a slot's `chunk` bytes of pinned memory with `want` bytes to its
+    // end: a direct read starts the slot and `want <= len + 2 pages <= chunk` (a piece is at most
+    // `chunk - 2 pages`); a batch of buffered pieces is at most a piece in all. The worker alone
+    // writes the slot, and its event says no copy still reads it.
+    let dst = unsafe { std::slice::from_raw_parts_mut(into, want) };
     let mut filled = 0;
     while filled < skip + len {
         match file.read_at(&mut dst[filled..], start + filled as u64) {
@@ -473,7 +519,7 @@ fn fill(slot: &Slot, read: &FileRead<'_>, offset: u64, len: usize) -> Result<*co
             }
         }
     }
-    Ok(slot.aligned.wrapping_add(skip).cast_const())
+    Ok(into.wrapping_add(skip).cast_const())
 }
 
 // SAFETY: the raw pointer in a `Slot` points into the load's `Staging`, which outlives every
@@ -794,6 +840,49 @@ mod tests {
         // Tiny and empty reads: one page.
         assert_eq!(balanced_piece(&[read(1)], 16, largest), DIRECT_ALIGN);
         assert_eq!(balanced_piece(&[], 16, largest), DIRECT_ALIGN);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A column split's rows (reads landing one after another) go as few copies, each at most
+    /// the size asked; a gap in the destination, another allocation or a direct read starts a
+    /// new one; every piece is in exactly one batch, in order.
+    #[test]
+    fn rows_landing_one_after_another_are_copied_together() {
+        let path = std::env::temp_dir().join(format!("dlbridge-batches-{}", std::process::id()));
+        std::fs::write(&path, b"x").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let a = Tensor::zeros(&[1], DType::U8, Device::CPU).unwrap();
+        let b = Tensor::zeros(&[1], DType::U8, Device::CPU).unwrap();
+        let read = |in_b: bool, dst_offset: usize, len: usize| FileRead {
+            path: &path,
+            file: &file,
+            direct: None,
+            offset: 0,
+            len,
+            dst: if in_b { b.buffer() } else { a.buffer() },
+            dst_offset,
+        };
+        // 100 rows of 5,504 bytes (a 7B down projection's row at TP=4) into `a`, one after
+        // another, then a gap, then rows into `b`, then a direct read.
+        let mut reads: Vec<FileRead<'_>> = (0..100).map(|i| read(false, i * 5504, 5504)).collect();
+        reads.push(read(false, 100 * 5504 + 64, 5504));
+        reads.push(read(true, 0, 5504));
+        reads.push(read(true, 5504, 5504));
+        let mut direct = read(true, 2 * 5504, 5504);
+        direct.direct = Some(&file);
+        reads.push(direct);
+        reads.push(read(true, 3 * 5504, 5504));
+        let largest = 64 << 10; // 11 rows a batch
+        let pieces = pieces(&reads, largest);
+        let got = batches(&reads, &pieces, largest);
+        let mut want: Vec<std::ops::Range<usize>> =
+            (0..100).step_by(11).map(|i| i..(i + 11).min(100)).collect();
+        want.extend([100..101, 101..103, 103..104, 104..105]);
+        assert_eq!(got, want);
+        for batch in &got {
+            let bytes: usize = pieces[batch.clone()].iter().map(|p| p.len).sum();
+            assert!(bytes <= largest);
+        }
         std::fs::remove_file(&path).unwrap();
     }
 

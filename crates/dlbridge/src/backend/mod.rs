@@ -67,7 +67,7 @@ pub use facts::{KindFacts, Placement, ShareRoute, Storage};
 #[cfg_attr(not(cuda), allow(unused_imports))] // CUDA's streams and events implement them
 pub(crate) use queue::{DeviceEvent, DeviceQueue};
 pub use queue::{Entered, Event, Queue};
-#[cfg(test)]
+#[cfg(all(test, feature = "test-backend"))]
 pub(crate) use reader::STREAM_CREW_THREADS;
 #[cfg_attr(not(cuda), allow(unused_imports))] // the readers CUDA and the test backend keep
 pub(crate) use reader::{Crew, DeviceReader, HostReader, ReadSession};

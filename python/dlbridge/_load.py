@@ -283,20 +283,22 @@ that never finished may still write it."""
 
 
 class _TransferError(RuntimeError):
-    """A tensor-parallel transfer or the final agreement failed or timed out: the group is
-    broken, so no agreement is tried after it."""
+    """A tensor-parallel transfer or the final agreement failed or timed out, or the agreement
+    said another rank failed: the group is broken or has agreed already, so no agreement is tried
+    after it."""
 
 
 def _deadline_text(limit: Optional[float]) -> str:
     return "" if limit is None else f" within {limit:.1f} s"
 
 
-def _bounded(issue: Callable[[], Any], limit: Optional[float], what: str) -> Any:
+def _bounded(issue: Callable[[], Any], limit: Optional[float], what: str, keep: Any) -> Any:
     """``issue()`` (a ``torch.distributed`` call that starts transfers) on a thread of its own,
     waited for up to ``limit`` seconds: where the process group's NCCL communicator is created
     lazily, the first call creates it, and ``ncclCommInitRank`` waits with no limit for a rank
     that died. A call that outlives the limit is left to its (daemon) thread and this is a
-    ``RuntimeError``."""
+    ``RuntimeError``; ``keep`` (what its transfers read and write) is then kept for the life of
+    the process, since the call may still start them (a slow peer, not a dead one)."""
     import threading
 
     box: Dict[str, Any] = {}
@@ -311,6 +313,7 @@ def _bounded(issue: Callable[[], Any], limit: Optional[float], what: str) -> Any
     thread.start()
     thread.join(limit)
     if thread.is_alive():
+        _abandoned.append(keep)
         raise _TransferError(
             f"{what} did not start{_deadline_text(limit)}: a peer did not take part (it may have "
             f"failed or exited)"
@@ -383,7 +386,7 @@ class _TorchGroup:
         from .nccl import _timeout
 
         works = _bounded(lambda: self._on(device, lambda: dist.batch_isend_irecv(ops)),
-                         _timeout(), "a tensor-parallel transfer")
+                         _timeout(), "a tensor-parallel transfer", (ops, keep, got))
         return works, keep, got, device.type == "cuda"
 
     @staticmethod
@@ -426,19 +429,22 @@ class _TorchGroup:
                 _abandoned.append(keep)
                 raise _TransferError(f"{what} failed: {e}") from e
 
-    def agree(self, device: Device, ok: bool) -> bool:
+    def agree(self, device: Device, ok: bool, limit: Optional[float]) -> bool:
         """Whether every rank's load succeeded: one all-reduce (maximum) of each rank's status,
-        a 4-byte tensor on ``device``, over the group; ``RuntimeError`` where a rank does not take
-        part within ``DLBRIDGE_NCCL_TIMEOUT``."""
+        a 4-byte tensor on ``device`` (on the current CUDA device where the group has no CPU
+        backend and ``device`` is the CPU), over the group; ``RuntimeError`` where a rank does not
+        take part within ``limit`` seconds (``None``: no limit). The limit also bounds how far
+        apart the ranks reach it: a rank that reaches it later than that fails too."""
         import time
 
         import torch
         import torch.distributed as dist
 
-        from .nccl import _timeout
-
-        limit = _timeout()
         began = time.monotonic()
+        if device.type == "cpu" and not any(
+                b in str(dist.get_backend(self.group)) for b in ("gloo", "mpi", "cpu:")):
+            # An NCCL-only group carries CUDA tensors alone.
+            device = Device(f"cuda:{torch.cuda.current_device()}")
         flag = torch.full((1,), 0 if ok else 1, dtype=torch.int32, device=str(device))
         if device.type == "cuda":
             # Filled before the all-reduce, which another thread issues (its current stream).
@@ -446,7 +452,7 @@ class _TorchGroup:
         work = _bounded(
             lambda: self._on(device, lambda: dist.all_reduce(
                 flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)),
-            limit, "the ranks' agreement on the load")
+            limit, "the ranks' agreement on the load", flag)
         self._wait([work], device.type == "cuda", limit, began, flag,
                    "the ranks' agreement on the load")
         return int(flag.item()) == 0
@@ -496,10 +502,10 @@ class _NcclComm:
         received: List[Tuple[_Recv, Optional[Array]]] = pending
         return received
 
-    def agree(self, device: Device, ok: bool) -> bool:
+    def agree(self, device: Device, ok: bool, limit: Optional[float]) -> bool:
         """Whether every rank's load succeeded: rank 0 receives each rank's status (one byte)
         and sends each the verdict, by the communicator's ``send``/``recv`` (a star: rank 0's
-        pairs only; each waits up to the communicator's timeout)."""
+        pairs only; each waits up to the communicator's own timeout, whatever ``limit`` says)."""
         me, size = self.comm.rank, self.comm.size
         spec = [((1,), "uint8")]
         total, views = _layout(spec)
@@ -736,15 +742,24 @@ class _Engine:
             return
         import time
 
+        from .nccl import _timeout
+
         began = time.perf_counter()
+        limit = _timeout()
         if error is not None:
+            # This rank's own error, raised once the others were told, or after a short wait
+            # where they are not there to hear it (stuck in a step's transfers from this rank):
+            # its status stays queued for them.
+            short = _FAILED_AGREEMENT_SECONDS if limit is None else min(
+                limit, _FAILED_AGREEMENT_SECONDS)
             try:
-                self.transport.agree(self.devices[0], False)
+                self.transport.agree(self.devices[0], False, short)
             except Exception:
                 pass  # the peers time out instead
             raise error
-        if not _transferring(lambda: self.transport.agree(self.devices[0], True)):
-            raise RuntimeError(
+        if not _transferring(lambda: self.transport.agree(self.devices[0], True, limit)):
+            # Already agreed: no second agreement after it (a _TransferError).
+            raise _TransferError(
                 "another rank's tensor-parallel load failed (it raised an error there): this "
                 "rank's parts are loaded, but the group's load is not complete"
             )
@@ -752,6 +767,10 @@ class _Engine:
 
 
 _last_agreement_seconds: Optional[float] = None
+
+#: How long a rank whose own load failed waits at the agreement to tell the others before it
+#: raises its error (its status stays queued for them where they come later).
+_FAILED_AGREEMENT_SECONDS = 10.0
 """How long the last load's final agreement took in this process (for the benchmark)."""
 
 

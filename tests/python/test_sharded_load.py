@@ -423,6 +423,11 @@ RANK = textwrap.dedent(r"""
             raise AssertionError("a blocking send or recv per tensor")
         dist.batch_isend_irecv = counted
         dist.send = dist.recv = refused
+    if "-stream" in mode and mode.endswith("-fails") and rank == 1:
+        # The stream's loading thread fails at its first step.
+        def failing(self, *args, **kwargs):
+            raise ValueError("this rank fails")
+        _load._Engine.start = failing
     dies = mode.endswith("-dies")
     if dies and rank == 1:
         os._exit(3)  # before the load: its peers wait for transfers it never makes
@@ -472,6 +477,8 @@ RANK = textwrap.dedent(r"""
         kind = "transfer" if isinstance(e, RuntimeError) else "other"
         print(f"rank {{rank}} error ({{kind}}) {{type(e).__name__}} after "
               f"{{time.monotonic() - began:.1f}} s: {{e}}", flush=True)
+        if "-stream" in mode and mode.endswith("-fails") and rank == 1:
+            time.sleep(16)  # alive: its peers learn nothing from a closed connection
         os._exit(5)
     if backend:
         dist.destroy_process_group()
@@ -637,6 +644,21 @@ def test_a_rank_that_fails_ends_the_others_with_an_error_with_no_exchange_over_g
             assert "another rank's tensor-parallel load failed" in out, out
             seconds = float(re.search(r"after ([0-9.]+) s", out).group(1))
             assert seconds < 15, out  # not the 20 s timeout
+
+
+@needs_gloo
+def test_a_stream_whose_rank_fails_ends_the_others_at_once_over_gloo(tmp_path):
+    """`stream_file` over a group: a rank whose loading thread raises tells the others at the
+    agreement, and their iterations raise at once (they agreed once: no second agreement, which
+    the failed rank, still alive, never joins: they would wait 10 s or more)."""
+    path = _wide(tmp_path)
+    outs = _ranks(tmp_path, "gloo-stream-fails", world=3, timeout=90, path=path)
+    assert outs[1][0] == 5 and "rank 1 error (other) ValueError" in outs[1][1], outs[1][1]
+    for rank in (0, 2):
+        rc, out = outs[rank]
+        assert rc == 5 and "another rank's tensor-parallel load failed" in out, out
+        seconds = float(re.search(r"after ([0-9.]+) s", out).group(1))
+        assert seconds < 5, out  # not a second agreement's wait (10 s at least)
 
 
 @needs_cuda

@@ -121,9 +121,15 @@ impl PyLoadSession {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&mut self, _exc: &Bound<'_, PyTuple>) -> bool {
+    fn __exit__(&mut self, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        if self.inner.as_ref().is_some_and(|s| !s.is_innermost()) {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "a load session was left while a session entered after it on this thread is still \
+                 entered: leave them in the reverse order of entering",
+            ));
+        }
         self.inner = None;
-        false
+        Ok(false)
     }
 }
 

@@ -281,6 +281,8 @@ impl Session {
 thread_local! {
     /// The [`Session`] a [`LoadSession`] entered on this thread.
     static CURRENT: std::cell::RefCell<Option<Session>> = const { std::cell::RefCell::new(None) };
+    /// How many [`LoadSession`]s are entered on this thread.
+    static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// A load session entered on the calling thread until dropped: the thread's
@@ -296,6 +298,8 @@ thread_local! {
 #[must_use = "the session lasts only while the guard lives"]
 pub struct LoadSession {
     previous: Option<Session>,
+    /// Its place among the sessions entered on the thread (1: the outermost).
+    depth: usize,
     /// Entered on one thread, left on it.
     _here: std::marker::PhantomData<*const ()>,
 }
@@ -303,19 +307,50 @@ pub struct LoadSession {
 impl LoadSession {
     /// Enters a new session on the calling thread.
     pub fn enter() -> LoadSession {
+        let depth = DEPTH.get() + 1;
+        DEPTH.set(depth);
         LoadSession {
             previous: CURRENT.with_borrow_mut(|current| current.replace(Session::new())),
+            depth,
             _here: std::marker::PhantomData,
         }
+    }
+
+    /// Whether this is the innermost session entered on the thread: sessions are left in the
+    /// reverse order of entering (one left out of order would put back a session that was left
+    /// already, and the thread's loads would go on in it). A binding whose users can leave them
+    /// in any order (Python's context managers in generators) asks before dropping one.
+    pub fn is_innermost(&self) -> bool {
+        DEPTH.get() == self.depth
     }
 }
 
 impl Drop for LoadSession {
     fn drop(&mut self) {
+        DEPTH.set(self.depth - 1);
         let ours =
             CURRENT.with_borrow_mut(|current| std::mem::replace(current, self.previous.take()));
         // Waits for its copies, then frees its reader.
         drop(ours);
+    }
+}
+
+/// The thread's entered session, taken out of [`CURRENT`] for one call and put back when the
+/// call ends, however it ends: the call's progress callback may enter a session or load itself.
+struct Taken(Option<Session>);
+
+impl Taken {
+    fn take() -> Taken {
+        Taken(CURRENT.with_borrow_mut(Option::take))
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if let Some(session) = self.0.take() {
+            // A session a callback entered and never left gives way to ours (and is dropped).
+            drop(CURRENT.with_borrow_mut(|current| current.replace(session)));
+        }
     }
 }
 
@@ -543,12 +578,13 @@ pub unsafe fn load_parts_into(
             && (device.is_cpu() || device.kind() == crate::device::DeviceKind::Cuda)
     };
     let done = AtomicU64::new(0);
-    CURRENT.with_borrow_mut(|current| {
+    {
+        let mut current = Taken::take();
         let mut own = None;
-        let entered = current.is_some();
+        let entered = current.0.is_some();
         // The direct-I/O descriptors, one per file (by address: the caller's files outlive the
         // call): the thread's session's where one is entered ([`LoadSession`]).
-        let session = match current {
+        let session = match &mut current.0 {
             Some(session) => session,
             None => own.insert(Session::new()),
         };
@@ -615,8 +651,7 @@ pub unsafe fn load_parts_into(
         if entered {
             session.join_current()?;
         }
-        Ok::<(), Error>(())
-    })?;
+    }
     for p in parts.iter().filter(|p| !in_place(p) && p.dst.numel() > 0) {
         let on_device = LoadOptions {
             device: p.dst.device(),
@@ -680,13 +715,16 @@ fn load_to_device(
         }
     }
     let done = AtomicU64::new(wrapped);
+    if let Some(session) = session.as_deref_mut() {
+        // Said of this call's loads alone (a group without any joined nothing).
+        session.joined_current = false;
+    }
     if !loads.is_empty() {
         match session {
             // A session's loads (a stream's groups) report no progress, and leave their copies
             // running; work on the read bytes here (a conversion, an unaligned array's copy)
             // runs on this thread's current queue, ordered after them.
             Some(session) => {
-                session.joined_current = false;
                 let direct = loads.iter().all(|f| f.direct.is_some());
                 let reads: Vec<FileRead<'_>> = loads.iter().flat_map(FileLoad::reads).collect();
                 let read_options = read_options(options, direct, &done);
@@ -1748,5 +1786,57 @@ mod tests {
             assert!((0.4..=0.6).contains(&half), "{half}");
             assert!(none < 0.1, "{none}");
         }
+    }
+
+    /// Sessions say which is innermost (a binding refuses to leave another out of order), and
+    /// leaving the innermost makes the one around it innermost again.
+    #[test]
+    fn sessions_know_which_is_innermost() {
+        let outer = LoadSession::enter();
+        assert!(outer.is_innermost());
+        let inner = LoadSession::enter();
+        assert!(inner.is_innermost() && !outer.is_innermost());
+        drop(inner);
+        assert!(outer.is_innermost());
+    }
+
+    /// A progress callback of a load in an entered session may enter a session of its own (it
+    /// found the thread's session borrowed for the whole call, and panicked, before); the
+    /// thread's session is back afterwards.
+    #[test]
+    fn a_progress_callback_may_enter_a_session_inside_a_session_s_load() {
+        let path = misaligned_file("session-progress");
+        let (mapped, header) = MappedFile::open(&path, |bytes| {
+            crate::safetensors::Header::parse(bytes, bytes.len() as u64, &path)
+        })
+        .unwrap();
+        let start = header.tensor("a").unwrap().byte_range().start;
+        let dst = Tensor::zeros(&[3], DType::U8, Device::CPU).unwrap();
+        let part = PartInto {
+            file: &mapped,
+            start,
+            array_len: 3,
+            part: Layout::contiguous(&[3]).unwrap(),
+            dtype: DType::U8,
+            dst: &dst,
+        };
+        let outer = LoadSession::enter();
+        let mut calls = 0;
+        // SAFETY: `dst` is this test's own, read nowhere else during the call.
+        unsafe {
+            load_parts_into(&[part], &LoadOptions::new(Device::CPU), &mut |_, _| {
+                let inner = LoadSession::enter();
+                assert!(inner.is_innermost());
+                calls += 1;
+            })
+        }
+        .unwrap();
+        assert!(calls > 0);
+        assert!(outer.is_innermost());
+        assert!(CURRENT.with_borrow(Option::is_some));
+        assert_eq!(dst.to_vec::<u8>().unwrap(), [1, 2, 3]);
+        drop(outer);
+        assert!(CURRENT.with_borrow(Option::is_none));
+        std::fs::remove_file(&path).unwrap();
     }
 }

@@ -29,6 +29,10 @@ pub struct KindFacts {
     /// Whether a kernel faults on an element address that is not a multiple of its size (a CUDA
     /// fault poisons the context): such views are refused before any kernel sees them.
     pub faults_on_misaligned: bool,
+    /// Whether the backend's file reader writes a file's bytes straight into existing memory of
+    /// this kind (a load into a model's parameters); elsewhere they are loaded into new memory
+    /// and copied in.
+    pub reads_into: bool,
 }
 
 /// The storage modes of a device kind, and where an allocation asking for one lands.

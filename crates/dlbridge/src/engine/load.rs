@@ -575,7 +575,7 @@ pub unsafe fn load_parts_into(
         p.dst.dtype() == p.dtype
             && !p.dtype.is_sub_byte()
             && p.dst.is_contiguous()
-            && (device.is_cpu() || device.kind() == crate::device::DeviceKind::Cuda)
+            && backend::facts(device.kind()).is_some_and(|f| f.reads_into)
     };
     let done = AtomicU64::new(0);
     {

@@ -26,6 +26,7 @@ const KINDS: &[KindFacts] = &[KindFacts {
     sharing: ShareRoute::HostFile { registered: false },
     streams: false,
     faults_on_misaligned: false,
+    reads_into: true,
 }];
 
 impl Backend for Cpu {

@@ -26,6 +26,7 @@ pub(crate) const KINDS: &[KindFacts] = &[
         sharing: ShareRoute::Device,
         streams: true,
         faults_on_misaligned: true,
+        reads_into: true,
     },
     KindFacts {
         kind: DeviceKind::CudaHost,
@@ -36,6 +37,7 @@ pub(crate) const KINDS: &[KindFacts] = &[
         sharing: ShareRoute::HostFile { registered: true },
         streams: true,
         faults_on_misaligned: true,
+        reads_into: false,
     },
     KindFacts {
         kind: DeviceKind::CudaManaged,
@@ -46,5 +48,6 @@ pub(crate) const KINDS: &[KindFacts] = &[
         sharing: ShareRoute::None,
         streams: true,
         faults_on_misaligned: true,
+        reads_into: false,
     },
 ];

@@ -43,6 +43,7 @@ const KINDS: &[KindFacts] = &[KindFacts {
     sharing: ShareRoute::HostFile { registered: false },
     streams: false,
     faults_on_misaligned: false,
+    reads_into: false,
 }];
 
 /// How many `ext_dev` devices there are.

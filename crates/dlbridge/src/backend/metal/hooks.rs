@@ -36,6 +36,7 @@ const KINDS: &[KindFacts] = &[KindFacts {
     sharing: ShareRoute::None,
     streams: false,
     faults_on_misaligned: false,
+    reads_into: false,
 }];
 
 impl Backend for Metal {

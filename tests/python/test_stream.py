@@ -155,6 +155,18 @@ def test_abandoning_a_stream_frees_what_it_loaded(checkpoint):
     assert list(s) == []  # closed: nothing more
 
 
+def _layered(tmp_path, layers, cols):
+    """A file of `layers` layers, each a float32 `w` (1024 x cols) and a bfloat16 `b` (cols),
+    written by the safetensors package: its tensors and their names in layer order."""
+    tensors = {}
+    for i in range(layers):
+        tensors[f"layers.{i}.w"] = torch.randn(1024, cols)
+        tensors[f"layers.{i}.b"] = torch.randn(cols).to(torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    st_save_torch(tensors, str(path))
+    return path, tensors, [f"layers.{i}.{k}" for i in range(layers) for k in ("w", "b")]
+
+
 def _bit_sum(t):
     """The sum of `t`'s elements' bit patterns as integers (on `t`'s device, on its current
     stream)."""
@@ -166,13 +178,7 @@ def _bit_sum(t):
 def test_cuda_groups_are_bit_exact_and_their_events_order_a_consumer(tmp_path):
     """A consumer kernel on PyTorch's stream reads each layer right after waiting its event
     (not the host): every layer's sum matches the file's, for every group."""
-    tensors = {}
-    for i in range(16):
-        tensors[f"layers.{i}.w"] = torch.randn(1024, 1024)
-        tensors[f"layers.{i}.b"] = torch.randn(1024).to(torch.bfloat16)
-    path = tmp_path / "m.safetensors"
-    st_save_torch(tensors, str(path))
-    order = [f"layers.{i}.{k}" for i in range(16) for k in ("w", "b")]
+    path, tensors, order = _layered(tmp_path, 16, 1024)
     consumer = torch.cuda.Stream()
     sums = []
     kept = []  # until the consumer's stream is done with them (see stream_file's docstring)
@@ -311,13 +317,7 @@ def test_a_cuda_stream_keeps_its_reader_across_groups_and_a_consumer_sees_each_g
     if not sys.platform.startswith("linux"):
         pytest.skip("threads are listed from /proc")
     assert _until(lambda: not _reader_threads()), "reader threads left by an earlier load"
-    tensors = {}
-    for i in range(12):
-        tensors[f"layers.{i}.w"] = torch.randn(1024, 2048)
-        tensors[f"layers.{i}.b"] = torch.randn(2048).to(torch.bfloat16)
-    path = tmp_path / "m.safetensors"
-    st_save_torch(tensors, str(path))
-    order = [f"layers.{i}.{k}" for i in range(12) for k in ("w", "b")]
+    path, tensors, order = _layered(tmp_path, 12, 2048)
     consumer = torch.cuda.Stream()
     sums, kept, seen = [], [], []
     with torch.cuda.stream(consumer):

@@ -326,6 +326,12 @@ pub(crate) fn pieces(reads: &[FileRead<'_>], chunk: usize) -> Vec<Piece> {
         .collect()
 }
 
+/// How many pieces [`pieces`] cuts `reads` into (without making them).
+pub(crate) fn piece_count(reads: &[FileRead<'_>], chunk: usize) -> usize {
+    let chunk = chunk.max(1);
+    reads.iter().map(|r| r.len.div_ceil(chunk)).sum()
+}
+
 /// How [`read_file`] reads.
 pub(crate) struct ReadOptions<'a> {
     /// Reader threads.
@@ -369,7 +375,7 @@ pub(crate) fn wrap_host(
 
 /// Parallel positioned reads straight into host-accessible destinations.
 pub(crate) fn read_to_host(reads: &[FileRead<'_>], options: &ReadOptions<'_>) -> Result<()> {
-    let pieces = pieces(reads, options.chunk).len();
+    let pieces = piece_count(reads, options.chunk);
     read_to_host_on(
         &mut Crew::new(options.threads.clamp(1, pieces.max(1)))?,
         reads,

@@ -289,6 +289,26 @@ mod tests {
         }
     }
 
+    /// Three groups of file 0: "fits" (`fits` elements from its start), "past the end" (`past`
+    /// elements from byte `at`, which a short file lacks) and "never", which a stream that failed
+    /// at the second does not reach.
+    fn fits_then_past_the_end(fits: usize, at: u64, past: usize) -> Vec<GroupPlan> {
+        vec![
+            GroupPlan {
+                name: "fits".into(),
+                items: vec![(0, item("a", 0, fits))],
+            },
+            GroupPlan {
+                name: "past the end".into(),
+                items: vec![(0, item("b", at, past))],
+            },
+            GroupPlan {
+                name: "never".into(),
+                items: vec![(0, item("c", 0, 1))],
+            },
+        ]
+    }
+
     /// Groups come in the plan's order with their arrays in order, across two files; the CPU's
     /// have no event.
     #[test]
@@ -338,20 +358,7 @@ mod tests {
     fn a_truncated_file_ends_the_stream_with_an_error() {
         let values: Vec<u8> = (0..16u32).flat_map(|v| (v as f32).to_le_bytes()).collect();
         let (path, file) = file_of(&values, "short");
-        let groups = vec![
-            GroupPlan {
-                name: "fits".into(),
-                items: vec![(0, item("a", 0, 4))],
-            },
-            GroupPlan {
-                name: "past the end".into(),
-                items: vec![(0, item("b", 32, 100))],
-            },
-            GroupPlan {
-                name: "never".into(),
-                items: vec![(0, item("c", 0, 1))],
-            },
-        ];
+        let groups = fits_then_past_the_end(4, 32, 100);
         let files: Arc<dyn FileSet> = Arc::new(vec![file]);
         let mut s = stream(
             Arc::clone(&files),
@@ -542,20 +549,7 @@ mod tests {
         let _one = READING.lock().unwrap_or_else(|p| p.into_inner());
         let values: Vec<u8> = (0..256u32).flat_map(|v| (v as f32).to_le_bytes()).collect();
         let (path, file) = file_of(&values, "reading-short");
-        let groups = vec![
-            GroupPlan {
-                name: "fits".into(),
-                items: vec![(0, item("a", 0, 64))],
-            },
-            GroupPlan {
-                name: "past the end".into(),
-                items: vec![(0, item("b", 512, 512))],
-            },
-            GroupPlan {
-                name: "never".into(),
-                items: vec![(0, item("c", 0, 1))],
-            },
-        ];
+        let groups = fits_then_past_the_end(64, 512, 512);
         let options = LoadOptions {
             threads: Some(2),
             direct_io: Some(false),

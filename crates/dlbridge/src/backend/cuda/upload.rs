@@ -29,7 +29,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use super::driver::{self, Named};
 use super::stream::{raw, record_buffer_use};
 use super::{Event, Stream, context};
-use crate::backend::{Crew, DeviceReader, FileRead, Piece, ReadOptions, pieces, run_workers};
+use crate::backend::{
+    Crew, DeviceReader, FileRead, Piece, ReadOptions, piece_count, pieces, run_workers,
+};
 use crate::buffer::{Buffer, StorageMode};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -51,7 +53,7 @@ pub(crate) fn read_to_device(
         return Ok(());
     }
     let chunk = chunk_of(options);
-    let pieces = pieces(reads, piece_of(chunk)).len();
+    let pieces = piece_count(reads, piece_of(chunk));
     if pieces == 0 {
         return Ok(());
     }
@@ -133,7 +135,7 @@ fn read_unstaged(ordinal: i32, reads: &[FileRead<'_>], options: &ReadOptions<'_>
         files.read(ordinal, reads, piece, options)?;
         return Ok(true);
     }
-    if !pieces(reads, piece).is_empty()
+    if piece_count(reads, piece) > 0
         && reads.iter().all(|r| r.direct.is_none())
         && let Some(maps) = FileMaps::new(reads)
         && let Some(windows) = plan_windows(
@@ -804,23 +806,47 @@ mod tests {
     use super::*;
     use crate::{DType, Tensor};
 
+    /// A one-byte file that plans of reads name (nothing reads it), removed when dropped.
+    struct Scratch {
+        path: std::path::PathBuf,
+        file: std::fs::File,
+    }
+
+    impl Scratch {
+        fn new(tag: &str) -> Scratch {
+            let path = std::env::temp_dir().join(format!("dlbridge-{tag}-{}", std::process::id()));
+            std::fs::write(&path, b"x").unwrap();
+            let file = std::fs::File::open(&path).unwrap();
+            Scratch { path, file }
+        }
+
+        /// A buffered read of `len` bytes into `dst` at `dst_offset`.
+        fn read<'a>(&'a self, dst: &'a Tensor, dst_offset: usize, len: usize) -> FileRead<'a> {
+            FileRead {
+                path: &self.path,
+                file: &self.file,
+                direct: None,
+                offset: 0,
+                len,
+                dst: dst.buffer(),
+                dst_offset,
+            }
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
     /// A group's pieces are spread evenly over the workers: the fewest rounds, each worker the
     /// same number of pieces (but the last few), none larger than a staging buffer takes.
     #[test]
     fn balanced_pieces_give_every_worker_the_same_rounds() {
-        let path = std::env::temp_dir().join(format!("dlbridge-balance-{}", std::process::id()));
-        std::fs::write(&path, b"x").unwrap();
-        let file = std::fs::File::open(&path).unwrap();
+        let scratch = Scratch::new("balance");
         let dst = Tensor::zeros(&[1], DType::U8, Device::CPU).unwrap();
-        let read = |len: usize| FileRead {
-            path: &path,
-            file: &file,
-            direct: None,
-            offset: 0,
-            len,
-            dst: dst.buffer(),
-            dst_offset: 0,
-        };
+        let read = |len: usize| scratch.read(&dst, 0, len);
         let largest = (4 << 20) - 2 * DIRECT_ALIGN;
         // A layer of a 2048-wide model in bf16 (two 33.5 MB matrices, one run): 17 pieces of
         // the largest size for 12 workers, 24 balanced ones.
@@ -829,6 +855,7 @@ mod tests {
         assert_eq!(piece % DIRECT_ALIGN, 0);
         assert!(piece <= largest);
         assert_eq!(pieces(&layer, largest).len(), 17);
+        assert_eq!(piece_count(&layer, largest), 17);
         assert_eq!(pieces(&layer, piece).len(), 24);
         // Many reads: each cut on its own, never more rounds than the largest pieces need.
         let many: Vec<FileRead<'_>> = (1..=9).map(|k| read(k * 3_000_000)).collect();
@@ -840,7 +867,6 @@ mod tests {
         // Tiny and empty reads: one page.
         assert_eq!(balanced_piece(&[read(1)], 16, largest), DIRECT_ALIGN);
         assert_eq!(balanced_piece(&[], 16, largest), DIRECT_ALIGN);
-        std::fs::remove_file(&path).unwrap();
     }
 
     /// A column split's rows (reads landing one after another) go as few copies, each at most
@@ -848,19 +874,11 @@ mod tests {
     /// new one; every piece is in exactly one batch, in order.
     #[test]
     fn rows_landing_one_after_another_are_copied_together() {
-        let path = std::env::temp_dir().join(format!("dlbridge-batches-{}", std::process::id()));
-        std::fs::write(&path, b"x").unwrap();
-        let file = std::fs::File::open(&path).unwrap();
+        let scratch = Scratch::new("batches");
         let a = Tensor::zeros(&[1], DType::U8, Device::CPU).unwrap();
         let b = Tensor::zeros(&[1], DType::U8, Device::CPU).unwrap();
-        let read = |in_b: bool, dst_offset: usize, len: usize| FileRead {
-            path: &path,
-            file: &file,
-            direct: None,
-            offset: 0,
-            len,
-            dst: if in_b { b.buffer() } else { a.buffer() },
-            dst_offset,
+        let read = |in_b: bool, dst_offset: usize, len: usize| {
+            scratch.read(if in_b { &b } else { &a }, dst_offset, len)
         };
         // 100 rows of 5,504 bytes (a 7B down projection's row at TP=4) into `a`, one after
         // another, then a gap, then rows into `b`, then a direct read.
@@ -869,7 +887,7 @@ mod tests {
         reads.push(read(true, 0, 5504));
         reads.push(read(true, 5504, 5504));
         let mut direct = read(true, 2 * 5504, 5504);
-        direct.direct = Some(&file);
+        direct.direct = Some(&scratch.file);
         reads.push(direct);
         reads.push(read(true, 3 * 5504, 5504));
         let largest = 64 << 10; // 11 rows a batch
@@ -883,7 +901,6 @@ mod tests {
             let bytes: usize = pieces[batch.clone()].iter().map(|p| p.len).sum();
             assert!(bytes <= largest);
         }
-        std::fs::remove_file(&path).unwrap();
     }
 
     /// Windows are page-aligned, disjoint, at most the size asked, and their copies cover every
